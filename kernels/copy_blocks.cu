@@ -1,0 +1,87 @@
+// Block gather/scatter between paged GPU KV caches and (mapped, pinned) host chunk rows.
+//
+// A transfer is a table of descriptors {src, dst, bytes}: one per coalesced run of
+// bytes. The same table layout serves both directions; the entry points differ in
+// their cache hints:
+//   kv_gather  (GPU pages -> host chunks): streaming loads of live KV (.cs), streaming
+//              stores to host memory (do not pollute L2 with write-once data);
+//   kv_scatter (host chunks -> GPU pages): streaming loads from host, normal stores so
+//              that the model's next kernels find the fresh KV in L2.
+// One warp owns one descriptor at a time (grid-stride over descriptors by warp), each
+// lane keeps UNROLL 16-byte loads in flight before storing. The grid size is the SM
+// budget chosen by the host (a few CTAs by default) so copies do not starve compute.
+
+#include <stdint.h>
+
+struct CopyDesc {
+    unsigned long long src;
+    unsigned long long dst;
+    unsigned long long bytes;
+};
+
+#define UNROLL 4
+
+template <bool kGather>
+__device__ __forceinline__ uint4 load16(const uint4* p) {
+    if (kGather) {
+        return __ldcs(p);
+    } else {
+        return __ldcs(p);
+    }
+}
+
+template <bool kGather>
+__device__ __forceinline__ void store16(uint4* p, uint4 v) {
+    if (kGather) {
+        __stcs(p, v);
+    } else {
+        *p = v;
+    }
+}
+
+template <bool kGather>
+__device__ void copy_one(const CopyDesc d, unsigned lane) {
+    const unsigned long long bytes = d.bytes;
+    const bool aligned = ((d.src | d.dst) & 15ull) == 0;
+    unsigned long long done = 0;
+    if (aligned) {
+        const uint4* s = reinterpret_cast<const uint4*>(d.src);
+        uint4* t = reinterpret_cast<uint4*>(d.dst);
+        const unsigned long long n16 = bytes >> 4;
+        const unsigned long long step = 32ull * UNROLL;
+        unsigned long long i = lane;
+        for (; i + 32ull * (UNROLL - 1) < n16; i += step) {
+            uint4 v[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) v[u] = load16<kGather>(s + i + 32ull * u);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) store16<kGather>(t + i + 32ull * u, v[u]);
+        }
+        for (; i < n16; i += 32ull) store16<kGather>(t + i, load16<kGather>(s + i));
+        done = n16 << 4;
+    }
+    const unsigned char* sb = reinterpret_cast<const unsigned char*>(d.src);
+    unsigned char* tb = reinterpret_cast<unsigned char*>(d.dst);
+    for (unsigned long long i = done + lane; i < bytes; i += 32ull) tb[i] = sb[i];
+}
+
+template <bool kGather>
+__device__ void copy_table(const CopyDesc* __restrict__ descs, uint32_t n) {
+    const unsigned lane = threadIdx.x & 31u;
+    const unsigned warps_per_block = blockDim.x >> 5;
+    const unsigned long long warp = (unsigned long long)blockIdx.x * warps_per_block + (threadIdx.x >> 5);
+    const unsigned long long nwarps = (unsigned long long)gridDim.x * warps_per_block;
+    for (unsigned long long k = warp; k < n; k += nwarps) {
+        copy_one<kGather>(descs[k], lane);
+    }
+}
+
+// GPU pages -> host chunk rows.
+extern "C" __global__ void kv_gather(const CopyDesc* __restrict__ descs, uint32_t n) {
+    copy_table<true>(descs, n);
+}
+
+// Host chunk rows -> GPU pages.
+extern "C" __global__ void kv_scatter(const CopyDesc* __restrict__ descs, uint32_t n) {
+    copy_table<false>(descs, n);
+}

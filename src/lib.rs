@@ -1,0 +1,22 @@
+//! kvoffload: offloads an LLM server's paged KV cache to pinned host memory and
+//! loads it back, so that a prompt prefix computed once is never recomputed
+//! while it still sits anywhere on the machine.
+//!
+//! The crate has two halves:
+//! - the control plane ([`manager`], and the scheduler): which chunks live on
+//!   the host tier, which to load, store, flush or evict;
+//! - the data plane (the worker): moving blocks between GPU pages and host chunks.
+//!
+//! Time is always injected through a [`clock::Clock`].
+
+pub mod clock;
+pub mod config;
+pub mod ids;
+pub mod kernels;
+pub mod key;
+pub mod manager;
+
+pub use clock::{Clock, ManualClock, MonotonicClock, SharedClock};
+pub use config::{ConfigError, EvictionPolicyKind, OffloadConfig};
+pub use ids::{ChunkId, GpuBlockId, JobId, RequestId};
+pub use key::{BlockHash, ChunkKey};

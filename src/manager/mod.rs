@@ -1,0 +1,600 @@
+//! The host tier: which chunks are offloaded, in which host slot, in which
+//! state, and which to evict. Behaviour of vLLM's `CPUOffloadingManager` for
+//! one KV group (see `docs/manager.md`), plus store quarantine for stalls.
+//!
+//! A chunk is *pending* while its store is in flight (lookups answer
+//! [`LookupResult::HitPending`]), *ready* once stored (evictable), and *pinned*
+//! while loads read it. Pinned and pending chunks are never evicted. Every
+//! method validates its input first and returns a [`ManagerError`] with the
+//! state unchanged on bad input.
+
+mod arc;
+mod events;
+mod index_list;
+mod lru;
+mod policy;
+mod request_access;
+mod reuse_filter;
+mod slot_pool;
+mod types;
+
+use std::collections::HashMap;
+
+use crate::config::{EvictionPolicyKind, OffloadConfig};
+use crate::ids::{ChunkId, RequestId};
+use crate::key::{ChunkKey, KeyBuildHasher};
+
+use events::EventLog;
+use policy::{EvictionPolicy, FinishedAccess, new_policy};
+use request_access::RequestAccess;
+use reuse_filter::ReuseFilter;
+use slot_pool::SlotPool;
+
+pub use types::{
+    LookupResult, ManagerError, ManagerStats, OffloadEvent, PrepareStoreOutput, StoreOutcome,
+};
+
+/// Reference count of a chunk being stored.
+const PENDING: i32 = -1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Occupied,
+    Quarantined,
+}
+
+/// Per-slot record: 16 bytes.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    key: ChunkKey,
+    /// -1 pending, 0 ready, k > 0 pinned by k loads. Meaningful when occupied.
+    ref_cnt: i32,
+    state: SlotState,
+    /// Transient mark: offered in the `prepare_store` being processed.
+    protected: bool,
+}
+
+const EMPTY_SLOT: Slot = Slot {
+    key: ChunkKey(0),
+    ref_cnt: 0,
+    state: SlotState::Free,
+    protected: false,
+};
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Counters {
+    ready: u32,
+    pending: u32,
+    pinned: u32,
+    quarantined: u32,
+}
+
+/// Power-of-two buckets of `prepare_store` allocation sizes (chunks per call).
+pub const ALLOC_SIZE_BUCKETS: usize = 16;
+
+/// The host-tier offload manager for one KV group.
+#[derive(Debug)]
+pub struct OffloadManager {
+    capacity: u32,
+    policy_kind: EvictionPolicyKind,
+    index: HashMap<ChunkKey, u32, KeyBuildHasher>,
+    slots: Vec<Slot>,
+    pool: SlotPool,
+    policy: Box<dyn EvictionPolicy>,
+    events: EventLog,
+    filter: Option<ReuseFilter>,
+    requests: HashMap<RequestId, RequestAccess>,
+    counters: Counters,
+    stores_skipped: u64,
+    allocation_failures: u64,
+    alloc_sizes: [u64; ALLOC_SIZE_BUCKETS],
+    generation: u64,
+}
+
+impl OffloadManager {
+    /// A manager of `num_chunks` host slots with the given policy and no reuse filter.
+    pub fn new(num_chunks: u64, policy: EvictionPolicyKind) -> Result<Self, ManagerError> {
+        if num_chunks == 0 {
+            return Err(ManagerError::ZeroCapacity);
+        }
+        if num_chunks >= u64::from(u32::MAX) {
+            return Err(ManagerError::CapacityTooLarge(num_chunks));
+        }
+        let capacity = num_chunks as u32;
+        Ok(Self {
+            capacity,
+            policy_kind: policy,
+            index: HashMap::default(),
+            slots: vec![EMPTY_SLOT; capacity as usize],
+            pool: SlotPool::new(capacity),
+            policy: new_policy(policy, capacity),
+            events: EventLog::default(),
+            filter: None,
+            requests: HashMap::new(),
+            counters: Counters::default(),
+            stores_skipped: 0,
+            allocation_failures: 0,
+            alloc_sizes: [0; ALLOC_SIZE_BUCKETS],
+            generation: 0,
+        })
+    }
+
+    /// A manager sized and configured by `cfg` (capacity, policy, reuse filter).
+    pub fn from_config(cfg: &OffloadConfig) -> Result<Self, ManagerError> {
+        let n = cfg.num_chunks().map_err(|_| ManagerError::ZeroCapacity)?;
+        let mut m = Self::new(u64::from(n), cfg.eviction_policy)?;
+        if cfg.store_threshold >= 2 {
+            m.filter = Some(ReuseFilter::new(cfg.store_threshold, cfg.max_tracker_size));
+        }
+        Ok(m)
+    }
+
+    /// Enables the reuse filter: keys are stored once offered `threshold` (>= 2) times.
+    pub fn with_store_threshold(mut self, threshold: u32, max_tracker_size: u64) -> Self {
+        self.filter = (threshold >= 2).then(|| ReuseFilter::new(threshold, max_tracker_size));
+        self
+    }
+
+    /// Host slots in the tier.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// The eviction policy in use.
+    pub fn policy_kind(&self) -> EvictionPolicyKind {
+        self.policy_kind
+    }
+
+    /// Incremented by every [`Self::reset`].
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Whether `key` is stored (hit), being stored (hit pending) or absent (miss).
+    #[inline]
+    pub fn lookup(&self, key: ChunkKey) -> LookupResult {
+        match self.index.get(&key) {
+            None => LookupResult::Miss,
+            Some(&s) if self.slots[s as usize].ref_cnt == PENDING => LookupResult::HitPending,
+            Some(_) => LookupResult::Hit,
+        }
+    }
+
+    /// The host slot of `key`, if present (pending or ready).
+    pub fn slot_of(&self, key: ChunkKey) -> Option<ChunkId> {
+        self.index.get(&key).map(|&s| ChunkId(s))
+    }
+
+    /// Pins ready chunks for a load; returns their slots co-indexed with `keys`.
+    ///
+    /// A key may appear more than once (it is then pinned once per occurrence).
+    pub fn prepare_load(
+        &mut self,
+        keys: &[ChunkKey],
+        req: Option<RequestId>,
+    ) -> Result<Vec<ChunkId>, ManagerError> {
+        let mut out = Vec::with_capacity(keys.len());
+        for &k in keys {
+            let &s = self.index.get(&k).ok_or(ManagerError::UnknownKey(k))?;
+            if self.slots[s as usize].ref_cnt == PENDING {
+                return Err(ManagerError::NotReady(k));
+            }
+            out.push(ChunkId(s));
+        }
+        for &ChunkId(s) in &out {
+            let slot = &mut self.slots[s as usize];
+            if slot.ref_cnt == 0 {
+                self.counters.pinned += 1;
+            }
+            slot.ref_cnt += 1;
+        }
+        if let Some(req) = req {
+            let acc = self.requests.entry(req).or_default();
+            for &k in keys {
+                acc.record(k, true);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Unpins chunks after their load finished (once per `prepare_load` occurrence).
+    pub fn complete_load(
+        &mut self,
+        keys: &[ChunkKey],
+        _req: Option<RequestId>,
+    ) -> Result<(), ManagerError> {
+        // Validate with multiplicity: a key listed twice must be pinned twice.
+        let mut need: HashMap<u32, i32, KeyBuildHasher> = HashMap::default();
+        for &k in keys {
+            let &s = self.index.get(&k).ok_or(ManagerError::UnknownKey(k))?;
+            let n = need.entry(s).or_insert(0);
+            *n += 1;
+            if self.slots[s as usize].ref_cnt < *n {
+                return Err(ManagerError::NotPinned(k));
+            }
+        }
+        for (s, n) in need {
+            let slot = &mut self.slots[s as usize];
+            slot.ref_cnt -= n;
+            if slot.ref_cnt == 0 {
+                self.counters.pinned -= 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Allocates host slots for the offered keys that are not present yet.
+    ///
+    /// Keys already present (pending or ready) are skipped, and so are keys the
+    /// reuse filter holds back. Evicts the least valuable ready chunks if needed,
+    /// never a pinned or pending one and never one of the offered keys. Returns
+    /// `None` when it cannot allocate; then nothing changed (apart from access
+    /// recording and the reuse filter's offer counts).
+    pub fn prepare_store(
+        &mut self,
+        keys: &[ChunkKey],
+        req: Option<RequestId>,
+    ) -> Option<PrepareStoreOutput> {
+        // Offered keys, deduplicated in order; present ones are protected from eviction.
+        let mut to_store: Vec<ChunkKey> = Vec::with_capacity(keys.len());
+        let mut protected: Vec<u32> = Vec::new();
+        for (i, &k) in keys.iter().enumerate() {
+            if keys[..i].contains(&k) && keys.len() <= 64 {
+                continue;
+            }
+            match self.index.get(&k) {
+                Some(&s) => {
+                    if !self.slots[s as usize].protected {
+                        self.slots[s as usize].protected = true;
+                        protected.push(s);
+                    }
+                }
+                None => to_store.push(k),
+            }
+        }
+        if keys.len() > 64 {
+            let mut seen = std::collections::HashSet::with_capacity_and_hasher(
+                to_store.len(),
+                KeyBuildHasher::default(),
+            );
+            to_store.retain(|k| seen.insert(*k));
+        }
+        if let Some(req) = req {
+            let acc = self.requests.entry(req).or_default();
+            for &k in keys {
+                let reused = self
+                    .index
+                    .get(&k)
+                    .is_some_and(|&s| self.slots[s as usize].ref_cnt >= 0);
+                acc.record(k, reused);
+            }
+        }
+        if let Some(filter) = self.filter.as_mut() {
+            self.stores_skipped += filter.admit(&mut to_store);
+        }
+        let result = self.allocate(to_store);
+        for s in protected {
+            self.slots[s as usize].protected = false;
+        }
+        if result.is_none() {
+            self.allocation_failures += 1;
+        }
+        result
+    }
+
+    fn allocate(&mut self, to_store: Vec<ChunkKey>) -> Option<PrepareStoreOutput> {
+        let free = self.pool.available();
+        let need = to_store.len().saturating_sub(free);
+        let evictable = (self.counters.ready - self.counters.pinned) as usize;
+        if need > evictable {
+            self.record_alloc_size(to_store.len());
+            return None;
+        }
+        self.policy.on_store_miss(&to_store);
+        let victims = if need > 0 {
+            let slots = &self.slots;
+            let mut can_evict =
+                |s: u32| -> bool { slots[s as usize].ref_cnt == 0 && !slots[s as usize].protected };
+            match self.policy.evict(need, &mut can_evict) {
+                Some(v) => v,
+                None => {
+                    self.record_alloc_size(to_store.len());
+                    return None;
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        let mut evicted = Vec::with_capacity(victims.len());
+        for s in victims {
+            let slot = &mut self.slots[s as usize];
+            evicted.push(slot.key);
+            self.index.remove(&slot.key);
+            *slot = EMPTY_SLOT;
+            self.counters.ready -= 1;
+            self.pool.release(s);
+        }
+        self.events.evicted(evicted.clone());
+        let mut chunk_ids = Vec::with_capacity(to_store.len());
+        for &k in &to_store {
+            // The capacity check above guarantees a slot.
+            let Some(s) = self.pool.alloc() else {
+                unreachable!("slot pool exhausted after a successful capacity check")
+            };
+            self.slots[s as usize] = Slot {
+                key: k,
+                ref_cnt: PENDING,
+                state: SlotState::Occupied,
+                protected: false,
+            };
+            self.index.insert(k, s);
+            self.policy.on_insert(s, k);
+            self.events.reowned(k);
+            chunk_ids.push(ChunkId(s));
+        }
+        self.counters.pending += to_store.len() as u32;
+        self.record_alloc_size(to_store.len());
+        Some(PrepareStoreOutput {
+            keys_to_store: to_store,
+            chunk_ids,
+            evicted,
+        })
+    }
+
+    fn record_alloc_size(&mut self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let bucket = (usize::BITS - n.leading_zeros() - 1) as usize;
+        self.alloc_sizes[bucket.min(ALLOC_SIZE_BUCKETS - 1)] += 1;
+    }
+
+    /// Ends a store job. Pending keys become ready ([`StoreOutcome::Success`]),
+    /// are removed with their slots freed ([`StoreOutcome::Failure`]), or are
+    /// removed with their slots held back ([`StoreOutcome::Quarantined`], whose
+    /// slots are returned). Keys already ready are ignored; an unknown key is an error.
+    pub fn complete_store(
+        &mut self,
+        keys: &[ChunkKey],
+        outcome: StoreOutcome,
+        _req: Option<RequestId>,
+    ) -> Result<Vec<ChunkId>, ManagerError> {
+        for &k in keys {
+            if !self.index.contains_key(&k) {
+                return Err(ManagerError::UnknownKey(k));
+            }
+        }
+        let mut done = Vec::new();
+        let mut held = Vec::new();
+        for &k in keys {
+            let Some(&s) = self.index.get(&k) else {
+                continue; // listed twice and already removed by this call
+            };
+            if self.slots[s as usize].ref_cnt != PENDING {
+                continue;
+            }
+            self.counters.pending -= 1;
+            match outcome {
+                StoreOutcome::Success => {
+                    self.slots[s as usize].ref_cnt = 0;
+                    self.counters.ready += 1;
+                }
+                StoreOutcome::Failure => {
+                    self.index.remove(&k);
+                    self.slots[s as usize] = EMPTY_SLOT;
+                    self.policy.on_remove(s);
+                    self.pool.release(s);
+                }
+                StoreOutcome::Quarantined => {
+                    self.index.remove(&k);
+                    self.slots[s as usize] = Slot {
+                        state: SlotState::Quarantined,
+                        ..EMPTY_SLOT
+                    };
+                    self.policy.on_remove(s);
+                    self.counters.quarantined += 1;
+                    held.push(ChunkId(s));
+                }
+            }
+            done.push(k);
+        }
+        match outcome {
+            StoreOutcome::Success => self.events.stored(done),
+            StoreOutcome::Failure | StoreOutcome::Quarantined => self.events.store_failed(done),
+        }
+        Ok(held)
+    }
+
+    /// Returns quarantined slots to the free list (their late transfer is over).
+    pub fn release_quarantined(&mut self, chunks: &[ChunkId]) -> Result<(), ManagerError> {
+        let mut seen = std::collections::HashSet::with_capacity(chunks.len());
+        for &c in chunks {
+            let ok = (c.0 as usize) < self.slots.len()
+                && self.slots[c.0 as usize].state == SlotState::Quarantined
+                && seen.insert(c.0);
+            if !ok {
+                return Err(ManagerError::NotQuarantined(c));
+            }
+        }
+        for &ChunkId(s) in chunks {
+            self.slots[s as usize] = EMPTY_SLOT;
+            self.counters.quarantined -= 1;
+            self.pool.release(s);
+        }
+        Ok(())
+    }
+
+    /// Marks keys as recently used; the first key ends most recent. Absent keys
+    /// are ignored (ARC adapts its target when they are in a ghost list).
+    pub fn touch(&mut self, keys: &[ChunkKey], _req: Option<RequestId>) {
+        for &k in keys.iter().rev() {
+            let slot = self.index.get(&k).copied();
+            let ready = slot.is_some_and(|s| self.slots[s as usize].ref_cnt >= 0);
+            self.policy.on_touch(k, slot, ready);
+        }
+    }
+
+    /// The request will make no more `prepare_*` calls: its chunks are ordered
+    /// head-most-recent (LRU) or promoted once if it reused them (ARC).
+    /// `complete_*` calls for its jobs may still follow. Unknown requests are a no-op.
+    pub fn request_finished(&mut self, req: RequestId) {
+        let Some(acc) = self.requests.remove(&req) else {
+            return;
+        };
+        let accesses: Vec<FinishedAccess> = acc
+            .tail_first()
+            .filter_map(|(k, reused)| {
+                self.index.get(&k).map(|&s| FinishedAccess {
+                    slot: s,
+                    reused,
+                    ready: self.slots[s as usize].ref_cnt >= 0,
+                })
+            })
+            .collect();
+        self.policy.on_request_finished(&accesses);
+    }
+
+    /// Drains pending events (evictions before the stores that reuse their space).
+    pub fn take_events(&mut self) -> Vec<OffloadEvent> {
+        self.events.drain()
+    }
+
+    /// Events waiting to be drained.
+    pub fn pending_events(&self) -> usize {
+        self.events.len()
+    }
+
+    /// Whether the tier has background work of its own (never, for host memory).
+    pub fn has_pending_work(&self) -> bool {
+        false
+    }
+
+    /// Evicts everything without per-chunk events. Quarantined slots stay held
+    /// (a late transfer may still write them); undrained events stay.
+    pub fn reset(&mut self) {
+        self.index.clear();
+        for slot in &mut self.slots {
+            if slot.state != SlotState::Quarantined {
+                *slot = EMPTY_SLOT;
+            }
+        }
+        let slots = &self.slots;
+        self.pool
+            .reset(|s| slots[s as usize].state == SlotState::Quarantined);
+        self.policy.clear();
+        self.requests.clear();
+        if let Some(f) = self.filter.as_mut() {
+            f.clear();
+        }
+        self.counters = Counters {
+            quarantined: self.counters.quarantined,
+            ..Counters::default()
+        };
+        self.generation += 1;
+    }
+
+    /// Every transfer from before the last reset has ended (no-op for host memory).
+    pub fn on_reset_flushed(&mut self) {
+        tracing::debug!(generation = self.generation, "host tier: reset flushed");
+    }
+
+    /// Occupancy and usage.
+    pub fn stats(&self) -> ManagerStats {
+        let c = self.counters;
+        let n = f64::from(self.capacity);
+        let usage = f64::from(c.pinned + c.pending) / n;
+        let write_usage = f64::from(c.pending) / n;
+        ManagerStats {
+            num_chunks: self.capacity,
+            cached: c.ready,
+            pending: c.pending,
+            pinned: c.pinned,
+            evictable: c.ready - c.pinned,
+            quarantined: c.quarantined,
+            free: self.capacity - c.ready - c.pending - c.quarantined,
+            usage,
+            write_usage,
+            read_usage: usage - write_usage,
+            stores_skipped: self.stores_skipped,
+            allocation_failures: self.allocation_failures,
+        }
+    }
+
+    /// Histogram of `prepare_store` sizes: bucket i counts calls of `[2^i, 2^(i+1))` chunks.
+    pub fn allocation_size_histogram(&self) -> [u64; ALLOC_SIZE_BUCKETS] {
+        self.alloc_sizes
+    }
+
+    /// The quarantined slots, in id order.
+    pub fn quarantined_chunks(&self) -> Vec<ChunkId> {
+        (0..self.capacity)
+            .filter(|&s| self.slots[s as usize].state == SlotState::Quarantined)
+            .map(ChunkId)
+            .collect()
+    }
+
+    /// Bytes of heap memory the manager's metadata uses now.
+    pub fn metadata_bytes(&self) -> usize {
+        let entry = std::mem::size_of::<(ChunkKey, u32)>() + 1; // hashbrown: entry + control byte
+        self.index.capacity() * entry
+            + self.slots.capacity() * std::mem::size_of::<Slot>()
+            + self.pool.heap_bytes()
+            + self.policy.heap_bytes()
+            + std::mem::size_of::<Self>()
+    }
+
+    /// Recounts every state from the slots and checks the counters and the
+    /// slot/key bijection. Returns a description of the first inconsistency.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut c = Counters::default();
+        let mut occupied = 0usize;
+        for (s, slot) in self.slots.iter().enumerate() {
+            match slot.state {
+                SlotState::Free => {}
+                SlotState::Quarantined => c.quarantined += 1,
+                SlotState::Occupied => {
+                    occupied += 1;
+                    if self.index.get(&slot.key) != Some(&(s as u32)) {
+                        return Err(format!(
+                            "slot {s} holds key {} but the index disagrees",
+                            slot.key
+                        ));
+                    }
+                    match slot.ref_cnt {
+                        PENDING => c.pending += 1,
+                        0 => c.ready += 1,
+                        r if r > 0 => {
+                            c.ready += 1;
+                            c.pinned += 1;
+                        }
+                        r => return Err(format!("slot {s} has ref count {r}")),
+                    }
+                }
+            }
+            if slot.protected {
+                return Err(format!("slot {s} left protected"));
+            }
+        }
+        if occupied != self.index.len() {
+            return Err(format!(
+                "{} keys indexed but {occupied} slots occupied",
+                self.index.len()
+            ));
+        }
+        if c != self.counters {
+            return Err(format!("counters {:?} but recount {c:?}", self.counters));
+        }
+        let free = self.capacity as usize - occupied - c.quarantined as usize;
+        if self.pool.available() != free {
+            return Err(format!(
+                "pool offers {} slots but {free} are free",
+                self.pool.available()
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

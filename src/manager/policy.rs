@@ -1,0 +1,50 @@
+//! The eviction policy trait shared by LRU and ARC.
+//!
+//! Policies order the resident chunks by host slot id; the manager owns the
+//! chunk states and tells the policy which slots may be evicted.
+
+use crate::config::EvictionPolicyKind;
+use crate::key::ChunkKey;
+
+use super::arc::ArcPolicy;
+use super::lru::LruPolicy;
+
+/// One chunk a finished request accessed, for [`EvictionPolicy::on_request_finished`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FinishedAccess {
+    /// The chunk's host slot.
+    pub slot: u32,
+    /// The request read it (loaded it, or found it already stored) rather than only inserting it.
+    pub reused: bool,
+    /// The chunk is readable (its store completed).
+    pub ready: bool,
+}
+
+/// Recency/frequency ordering of the resident chunks.
+pub(crate) trait EvictionPolicy: Send + std::fmt::Debug {
+    /// A new chunk (being stored) took `slot`.
+    fn on_insert(&mut self, slot: u32, key: ChunkKey);
+    /// The chunk in `slot` left the tier without being evicted (failed store).
+    fn on_remove(&mut self, slot: u32);
+    /// Keys about to be inserted by a store (ARC adapts its target on ghost hits).
+    fn on_store_miss(&mut self, keys: &[ChunkKey]);
+    /// An access to one key: `slot` is its slot if resident.
+    fn on_touch(&mut self, key: ChunkKey, slot: Option<u32>, ready: bool);
+    /// A request finished; `accesses` are in reverse prefix order (tail first, head last).
+    fn on_request_finished(&mut self, accesses: &[FinishedAccess]);
+    /// Chooses `n` victims among the slots for which `can_evict` is true, atomically:
+    /// either all `n` are removed from the policy and returned, or nothing changes.
+    fn evict(&mut self, n: usize, can_evict: &mut dyn FnMut(u32) -> bool) -> Option<Vec<u32>>;
+    /// Forgets everything (cache reset).
+    fn clear(&mut self);
+    /// Heap bytes of the policy's bookkeeping.
+    fn heap_bytes(&self) -> usize;
+}
+
+/// Builds the configured policy for `capacity` slots.
+pub(crate) fn new_policy(kind: EvictionPolicyKind, capacity: u32) -> Box<dyn EvictionPolicy> {
+    match kind {
+        EvictionPolicyKind::Lru => Box::new(LruPolicy::new(capacity)),
+        EvictionPolicyKind::Arc => Box::new(ArcPolicy::new(capacity)),
+    }
+}
