@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use crate::key::{ChunkKey, KeyBuildHasher};
 
 use super::index_list::IndexList;
-use super::policy::{EvictionPolicy, FinishedAccess};
+use super::policy::{ArcView, EvictionPolicy, FinishedAccess};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Resident {
@@ -85,6 +85,10 @@ impl GhostList {
         self.order.push_back(i);
     }
 
+    fn keys_oldest_first(&self) -> Vec<ChunkKey> {
+        self.order.iter().map(|i| self.keys[i as usize]).collect()
+    }
+
     fn clear(&mut self) {
         self.index.clear();
         self.keys.clear();
@@ -140,25 +144,6 @@ impl ArcPolicy {
             resident: vec![Resident::None; capacity as usize],
             keys: vec![ChunkKey(0); capacity as usize],
         }
-    }
-
-    /// The adaptive target size of T1.
-    pub(crate) fn target_t1(&self) -> f64 {
-        self.target_t1
-    }
-
-    /// Sizes of (T1, T2, B1, B2).
-    pub(crate) fn list_sizes(&self) -> (usize, usize, usize, usize) {
-        (self.t1.len(), self.t2.len(), self.b1.len(), self.b2.len())
-    }
-
-    /// Slots of T1 or T2, least recent first.
-    pub(crate) fn t1_slots(&self) -> Vec<u32> {
-        self.t1.iter().collect()
-    }
-
-    pub(crate) fn t2_slots(&self) -> Vec<u32> {
-        self.t2.iter().collect()
     }
 
     fn adapt_on_ghost(&mut self, key: ChunkKey) {
@@ -296,6 +281,16 @@ impl EvictionPolicy for ArcPolicy {
         self.b1.clear();
         self.b2.clear();
         self.resident.fill(Resident::None);
+    }
+
+    fn arc_view(&self) -> Option<ArcView> {
+        Some(ArcView {
+            target_t1: self.target_t1,
+            t1: self.t1.iter().collect(),
+            t2: self.t2.iter().collect(),
+            b1: self.b1.keys_oldest_first(),
+            b2: self.b2.keys_oldest_first(),
+        })
     }
 
     fn heap_bytes(&self) -> usize {

@@ -70,6 +70,10 @@ impl EvictionPolicy for LruPolicy {
         self.order.clear();
     }
 
+    fn lru_view(&self) -> Option<Vec<u32>> {
+        Some(self.order.iter().collect())
+    }
+
     fn heap_bytes(&self) -> usize {
         self.order.heap_bytes()
     }

@@ -70,6 +70,21 @@ struct Counters {
     quarantined: u32,
 }
 
+/// ARC's state, as [`OffloadManager::arc_state`] reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ArcState {
+    /// Adaptive target size of T1.
+    pub target_t1: f64,
+    /// Resident keys seen once, least recent first.
+    pub t1: Vec<ChunkKey>,
+    /// Resident keys reused, least recent first.
+    pub t2: Vec<ChunkKey>,
+    /// Ghost keys evicted from T1, least recent first.
+    pub b1: Vec<ChunkKey>,
+    /// Ghost keys evicted from T2, least recent first.
+    pub b2: Vec<ChunkKey>,
+}
+
 /// Power-of-two buckets of `prepare_store` allocation sizes (chunks per call).
 pub const ALLOC_SIZE_BUCKETS: usize = 16;
 
@@ -524,6 +539,35 @@ impl OffloadManager {
     /// Histogram of `prepare_store` sizes: bucket i counts calls of `[2^i, 2^(i+1))` chunks.
     pub fn allocation_size_histogram(&self) -> [u64; ALLOC_SIZE_BUCKETS] {
         self.alloc_sizes
+    }
+
+    /// ARC's lists (keys, least recent first) and target; `None` under LRU.
+    pub fn arc_state(&self) -> Option<ArcState> {
+        let v = self.policy.arc_view()?;
+        let keys = |slots: Vec<u32>| {
+            slots
+                .into_iter()
+                .map(|s| self.slots[s as usize].key)
+                .collect()
+        };
+        Some(ArcState {
+            target_t1: v.target_t1,
+            t1: keys(v.t1),
+            t2: keys(v.t2),
+            b1: v.b1,
+            b2: v.b2,
+        })
+    }
+
+    /// Resident keys in LRU order (least recent first); `None` under ARC.
+    /// For tests and debugging: O(resident chunks).
+    pub fn lru_order(&self) -> Option<Vec<ChunkKey>> {
+        self.policy.lru_view().map(|slots| {
+            slots
+                .into_iter()
+                .map(|s| self.slots[s as usize].key)
+                .collect()
+        })
     }
 
     /// The quarantined slots, in id order.

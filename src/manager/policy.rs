@@ -39,6 +39,24 @@ pub(crate) trait EvictionPolicy: Send + std::fmt::Debug {
     fn clear(&mut self);
     /// Heap bytes of the policy's bookkeeping.
     fn heap_bytes(&self) -> usize;
+    /// LRU's order by slot, least recent first; `None` for other policies.
+    fn lru_view(&self) -> Option<Vec<u32>> {
+        None
+    }
+    /// ARC's lists and target, for inspection; `None` for other policies.
+    fn arc_view(&self) -> Option<ArcView> {
+        None
+    }
+}
+
+/// ARC's state by slot, as [`EvictionPolicy::arc_view`] reports it.
+#[derive(Debug, Clone)]
+pub(crate) struct ArcView {
+    pub target_t1: f64,
+    pub t1: Vec<u32>,
+    pub t2: Vec<u32>,
+    pub b1: Vec<ChunkKey>,
+    pub b2: Vec<ChunkKey>,
 }
 
 /// Builds the configured policy for `capacity` slots.

@@ -67,6 +67,7 @@ impl ReuseFilter {
         self.by_age.clear();
     }
 
+    #[cfg(test)]
     pub(crate) fn tracked(&self) -> usize {
         self.counts.len()
     }
