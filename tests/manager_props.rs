@@ -245,10 +245,7 @@ fn run(policy: EvictionPolicyKind, ops: Vec<Op>) -> Result<(), TestCaseError> {
         }
         // the manager agrees with the model on every key and on the counters
         for key in 0..KEYS {
-            let want = match model.chunks.get(&key) {
-                None => None,
-                Some(&(s, _)) => Some(ChunkId(s)),
-            };
+            let want = model.chunks.get(&key).map(|&(s, _)| ChunkId(s));
             prop_assert_eq!(m.slot_of(ChunkKey(key)), want, "step {} key {}", step, key);
         }
         let s = m.stats();

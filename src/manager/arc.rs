@@ -7,11 +7,11 @@
 //! Eviction takes from T1's LRU end while `|T1| >= int(target_t1)`, otherwise
 //! from T2, falling back to the other list; only evictable slots qualify.
 
-use std::collections::HashMap;
+use crate::key::ChunkKey;
 
-use crate::key::{ChunkKey, KeyBuildHasher};
-
+use super::huge_buffer::HugeBuffer;
 use super::index_list::IndexList;
+use super::key_index::KeyIndex;
 use super::policy::{ArcView, EvictionPolicy, FinishedAccess};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,7 +25,7 @@ enum Resident {
 #[derive(Debug)]
 struct GhostList {
     capacity: u32,
-    index: HashMap<ChunkKey, u32, KeyBuildHasher>,
+    index: KeyIndex,
     keys: Vec<ChunkKey>,
     order: IndexList,
     free: Vec<u32>,
@@ -35,7 +35,7 @@ impl GhostList {
     fn new(capacity: u32) -> Self {
         Self {
             capacity,
-            index: HashMap::default(),
+            index: KeyIndex::with_capacity(capacity as usize),
             keys: Vec::new(),
             order: IndexList::new(capacity),
             free: Vec::new(),
@@ -47,11 +47,11 @@ impl GhostList {
     }
 
     fn contains(&self, key: ChunkKey) -> bool {
-        self.index.contains_key(&key)
+        self.index.get(key).is_some()
     }
 
     fn remove(&mut self, key: ChunkKey) -> bool {
-        match self.index.remove(&key) {
+        match self.index.remove(key) {
             Some(i) => {
                 self.order.remove(i);
                 self.free.push(i);
@@ -97,7 +97,7 @@ impl GhostList {
     }
 
     fn heap_bytes(&self) -> usize {
-        self.index.capacity() * (std::mem::size_of::<(ChunkKey, u32)>() + 1)
+        self.index.heap_bytes()
             + self.keys.capacity() * std::mem::size_of::<ChunkKey>()
             + self.order.heap_bytes()
             + self.free.capacity() * 4
@@ -128,8 +128,8 @@ pub(crate) struct ArcPolicy {
     t2: IndexList,
     b1: GhostList,
     b2: GhostList,
-    resident: Vec<Resident>,
-    keys: Vec<ChunkKey>,
+    resident: HugeBuffer<Resident>,
+    keys: HugeBuffer<ChunkKey>,
 }
 
 impl ArcPolicy {
@@ -141,8 +141,8 @@ impl ArcPolicy {
             t2: IndexList::new(capacity),
             b1: GhostList::new(capacity),
             b2: GhostList::new(capacity),
-            resident: vec![Resident::None; capacity as usize],
-            keys: vec![ChunkKey(0); capacity as usize],
+            resident: HugeBuffer::new(capacity as usize, Resident::None),
+            keys: HugeBuffer::new(capacity as usize, ChunkKey(0)),
         }
     }
 
@@ -298,7 +298,7 @@ impl EvictionPolicy for ArcPolicy {
             + self.t2.heap_bytes()
             + self.b1.heap_bytes()
             + self.b2.heap_bytes()
-            + self.resident.capacity() * std::mem::size_of::<Resident>()
-            + self.keys.capacity() * std::mem::size_of::<ChunkKey>()
+            + self.resident.heap_bytes()
+            + self.keys.heap_bytes()
     }
 }

@@ -4,14 +4,16 @@
 //! costs 8 bytes per slot and every operation is O(1) without allocation.
 //! The front is the least recently used end, the back the most recent.
 
+use super::huge_buffer::HugeBuffer;
+
 const NIL: u32 = u32::MAX;
 const UNLINKED: u32 = u32::MAX - 1;
 
 /// A list of distinct indices in `0..capacity`.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct IndexList {
-    prev: Vec<u32>,
-    next: Vec<u32>,
+    prev: HugeBuffer<u32>,
+    next: HugeBuffer<u32>,
     head: u32,
     tail: u32,
     len: usize,
@@ -21,8 +23,8 @@ impl IndexList {
     /// An empty list that can hold indices `0..capacity`.
     pub(crate) fn new(capacity: u32) -> Self {
         Self {
-            prev: vec![UNLINKED; capacity as usize],
-            next: vec![NIL; capacity as usize],
+            prev: HugeBuffer::new(capacity as usize, UNLINKED),
+            next: HugeBuffer::new(capacity as usize, NIL),
             head: NIL,
             tail: NIL,
             len: 0,
@@ -117,7 +119,7 @@ impl IndexList {
 
     /// Heap bytes used by the links.
     pub(crate) fn heap_bytes(&self) -> usize {
-        (self.prev.capacity() + self.next.capacity()) * std::mem::size_of::<u32>()
+        self.prev.heap_bytes() + self.next.heap_bytes()
     }
 }
 

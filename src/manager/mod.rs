@@ -10,7 +10,9 @@
 
 mod arc;
 mod events;
+mod huge_buffer;
 mod index_list;
+mod key_index;
 mod lru;
 mod policy;
 mod request_access;
@@ -25,6 +27,8 @@ use crate::ids::{ChunkId, RequestId};
 use crate::key::{ChunkKey, KeyBuildHasher};
 
 use events::EventLog;
+use huge_buffer::HugeBuffer;
+use key_index::KeyIndex;
 use policy::{EvictionPolicy, FinishedAccess, new_policy};
 use request_access::RequestAccess;
 use reuse_filter::ReuseFilter;
@@ -93,8 +97,8 @@ pub const ALLOC_SIZE_BUCKETS: usize = 16;
 pub struct OffloadManager {
     capacity: u32,
     policy_kind: EvictionPolicyKind,
-    index: HashMap<ChunkKey, u32, KeyBuildHasher>,
-    slots: Vec<Slot>,
+    index: KeyIndex,
+    slots: HugeBuffer<Slot>,
     pool: SlotPool,
     policy: Box<dyn EvictionPolicy>,
     events: EventLog,
@@ -120,8 +124,8 @@ impl OffloadManager {
         Ok(Self {
             capacity,
             policy_kind: policy,
-            index: HashMap::default(),
-            slots: vec![EMPTY_SLOT; capacity as usize],
+            index: KeyIndex::with_capacity(capacity as usize),
+            slots: HugeBuffer::new(capacity as usize, EMPTY_SLOT),
             pool: SlotPool::new(capacity),
             policy: new_policy(policy, capacity),
             events: EventLog::default(),
@@ -169,16 +173,16 @@ impl OffloadManager {
     /// Whether `key` is stored (hit), being stored (hit pending) or absent (miss).
     #[inline]
     pub fn lookup(&self, key: ChunkKey) -> LookupResult {
-        match self.index.get(&key) {
+        match self.index.get(key) {
             None => LookupResult::Miss,
-            Some(&s) if self.slots[s as usize].ref_cnt == PENDING => LookupResult::HitPending,
+            Some(s) if self.slots[s as usize].ref_cnt == PENDING => LookupResult::HitPending,
             Some(_) => LookupResult::Hit,
         }
     }
 
     /// The host slot of `key`, if present (pending or ready).
     pub fn slot_of(&self, key: ChunkKey) -> Option<ChunkId> {
-        self.index.get(&key).map(|&s| ChunkId(s))
+        self.index.get(key).map(ChunkId)
     }
 
     /// Pins ready chunks for a load; returns their slots co-indexed with `keys`.
@@ -191,7 +195,7 @@ impl OffloadManager {
     ) -> Result<Vec<ChunkId>, ManagerError> {
         let mut out = Vec::with_capacity(keys.len());
         for &k in keys {
-            let &s = self.index.get(&k).ok_or(ManagerError::UnknownKey(k))?;
+            let s = self.index.get(k).ok_or(ManagerError::UnknownKey(k))?;
             if self.slots[s as usize].ref_cnt == PENDING {
                 return Err(ManagerError::NotReady(k));
             }
@@ -222,7 +226,7 @@ impl OffloadManager {
         // Validate with multiplicity: a key listed twice must be pinned twice.
         let mut need: HashMap<u32, i32, KeyBuildHasher> = HashMap::default();
         for &k in keys {
-            let &s = self.index.get(&k).ok_or(ManagerError::UnknownKey(k))?;
+            let s = self.index.get(k).ok_or(ManagerError::UnknownKey(k))?;
             let n = need.entry(s).or_insert(0);
             *n += 1;
             if self.slots[s as usize].ref_cnt < *n {
@@ -255,11 +259,11 @@ impl OffloadManager {
         let mut to_store: Vec<ChunkKey> = Vec::with_capacity(keys.len());
         let mut protected: Vec<u32> = Vec::new();
         for (i, &k) in keys.iter().enumerate() {
-            if keys[..i].contains(&k) && keys.len() <= 64 {
+            if keys.len() <= 64 && keys[..i].contains(&k) {
                 continue;
             }
-            match self.index.get(&k) {
-                Some(&s) => {
+            match self.index.get(k) {
+                Some(s) => {
                     if !self.slots[s as usize].protected {
                         self.slots[s as usize].protected = true;
                         protected.push(s);
@@ -280,8 +284,8 @@ impl OffloadManager {
             for &k in keys {
                 let reused = self
                     .index
-                    .get(&k)
-                    .is_some_and(|&s| self.slots[s as usize].ref_cnt >= 0);
+                    .get(k)
+                    .is_some_and(|s| self.slots[s as usize].ref_cnt >= 0);
                 acc.record(k, reused);
             }
         }
@@ -325,7 +329,7 @@ impl OffloadManager {
         for s in victims {
             let slot = &mut self.slots[s as usize];
             evicted.push(slot.key);
-            self.index.remove(&slot.key);
+            self.index.remove(slot.key);
             *slot = EMPTY_SLOT;
             self.counters.ready -= 1;
             self.pool.release(s);
@@ -375,18 +379,20 @@ impl OffloadManager {
         outcome: StoreOutcome,
         _req: Option<RequestId>,
     ) -> Result<Vec<ChunkId>, ManagerError> {
+        // One index pass: resolve every key to its slot (validating), then apply.
+        let mut resolved: Vec<(ChunkKey, u32)> = Vec::with_capacity(keys.len());
         for &k in keys {
-            if !self.index.contains_key(&k) {
-                return Err(ManagerError::UnknownKey(k));
+            match self.index.get(k) {
+                Some(s) => resolved.push((k, s)),
+                None => return Err(ManagerError::UnknownKey(k)),
             }
         }
-        let mut done = Vec::new();
+        let mut done = Vec::with_capacity(resolved.len());
         let mut held = Vec::new();
-        for &k in keys {
-            let Some(&s) = self.index.get(&k) else {
-                continue; // listed twice and already removed by this call
-            };
-            if self.slots[s as usize].ref_cnt != PENDING {
+        for (k, s) in resolved {
+            // Skip keys already ready, and keys listed twice (removed earlier in this call).
+            let slot = &self.slots[s as usize];
+            if slot.ref_cnt != PENDING || slot.state != SlotState::Occupied || slot.key != k {
                 continue;
             }
             self.counters.pending -= 1;
@@ -396,13 +402,13 @@ impl OffloadManager {
                     self.counters.ready += 1;
                 }
                 StoreOutcome::Failure => {
-                    self.index.remove(&k);
+                    self.index.remove(k);
                     self.slots[s as usize] = EMPTY_SLOT;
                     self.policy.on_remove(s);
                     self.pool.release(s);
                 }
                 StoreOutcome::Quarantined => {
-                    self.index.remove(&k);
+                    self.index.remove(k);
                     self.slots[s as usize] = Slot {
                         state: SlotState::Quarantined,
                         ..EMPTY_SLOT
@@ -444,7 +450,7 @@ impl OffloadManager {
     /// are ignored (ARC adapts its target when they are in a ghost list).
     pub fn touch(&mut self, keys: &[ChunkKey], _req: Option<RequestId>) {
         for &k in keys.iter().rev() {
-            let slot = self.index.get(&k).copied();
+            let slot = self.index.get(k);
             let ready = slot.is_some_and(|s| self.slots[s as usize].ref_cnt >= 0);
             self.policy.on_touch(k, slot, ready);
         }
@@ -460,7 +466,7 @@ impl OffloadManager {
         let accesses: Vec<FinishedAccess> = acc
             .tail_first()
             .filter_map(|(k, reused)| {
-                self.index.get(&k).map(|&s| FinishedAccess {
+                self.index.get(k).map(|s| FinishedAccess {
                     slot: s,
                     reused,
                     ready: self.slots[s as usize].ref_cnt >= 0,
@@ -489,7 +495,7 @@ impl OffloadManager {
     /// (a late transfer may still write them); undrained events stay.
     pub fn reset(&mut self) {
         self.index.clear();
-        for slot in &mut self.slots {
+        for slot in self.slots.iter_mut() {
             if slot.state != SlotState::Quarantined {
                 *slot = EMPTY_SLOT;
             }
@@ -580,9 +586,8 @@ impl OffloadManager {
 
     /// Bytes of heap memory the manager's metadata uses now.
     pub fn metadata_bytes(&self) -> usize {
-        let entry = std::mem::size_of::<(ChunkKey, u32)>() + 1; // hashbrown: entry + control byte
-        self.index.capacity() * entry
-            + self.slots.capacity() * std::mem::size_of::<Slot>()
+        self.index.heap_bytes()
+            + self.slots.heap_bytes()
             + self.pool.heap_bytes()
             + self.policy.heap_bytes()
             + std::mem::size_of::<Self>()
@@ -599,7 +604,7 @@ impl OffloadManager {
                 SlotState::Quarantined => c.quarantined += 1,
                 SlotState::Occupied => {
                     occupied += 1;
-                    if self.index.get(&slot.key) != Some(&(s as u32)) {
+                    if self.index.get(slot.key) != Some(s as u32) {
                         return Err(format!(
                             "slot {s} holds key {} but the index disagrees",
                             slot.key
