@@ -20,3 +20,8 @@ pub use clock::{Clock, ManualClock, MonotonicClock, SharedClock};
 pub use config::{ConfigError, EvictionPolicyKind, OffloadConfig};
 pub use ids::{ChunkId, GpuBlockId, JobId, RequestId};
 pub use key::{BlockHash, ChunkKey};
+
+/// The README's examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
