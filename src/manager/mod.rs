@@ -109,6 +109,9 @@ pub struct OffloadManager {
     allocation_failures: u64,
     alloc_sizes: [u64; ALLOC_SIZE_BUCKETS],
     generation: u64,
+    /// Reused buffers (no allocation on the hot path).
+    scratch_slots: Vec<u32>,
+    scratch_resolved: Vec<(ChunkKey, u32)>,
 }
 
 impl OffloadManager {
@@ -136,6 +139,8 @@ impl OffloadManager {
             allocation_failures: 0,
             alloc_sizes: [0; ALLOC_SIZE_BUCKETS],
             generation: 0,
+            scratch_slots: Vec::new(),
+            scratch_resolved: Vec::new(),
         })
     }
 
@@ -257,7 +262,11 @@ impl OffloadManager {
     ) -> Option<PrepareStoreOutput> {
         // Offered keys, deduplicated in order; present ones are protected from eviction.
         let mut to_store: Vec<ChunkKey> = Vec::with_capacity(keys.len());
-        let mut protected: Vec<u32> = Vec::new();
+        let mut protected = std::mem::take(&mut self.scratch_slots);
+        protected.clear();
+        for &k in keys {
+            self.index.prefetch(k);
+        }
         for (i, &k) in keys.iter().enumerate() {
             if keys.len() <= 64 && keys[..i].contains(&k) {
                 continue;
@@ -293,9 +302,10 @@ impl OffloadManager {
             self.stores_skipped += filter.admit(&mut to_store);
         }
         let result = self.allocate(to_store);
-        for s in protected {
+        for &s in &protected {
             self.slots[s as usize].protected = false;
         }
+        self.scratch_slots = protected;
         if result.is_none() {
             self.allocation_failures += 1;
         }
@@ -325,6 +335,9 @@ impl OffloadManager {
         } else {
             Vec::new()
         };
+        for &s in &victims {
+            self.index.prefetch(self.slots[s as usize].key);
+        }
         let mut evicted = Vec::with_capacity(victims.len());
         for s in victims {
             let slot = &mut self.slots[s as usize];
@@ -380,16 +393,20 @@ impl OffloadManager {
         _req: Option<RequestId>,
     ) -> Result<Vec<ChunkId>, ManagerError> {
         // One index pass: resolve every key to its slot (validating), then apply.
-        let mut resolved: Vec<(ChunkKey, u32)> = Vec::with_capacity(keys.len());
+        let mut resolved = std::mem::take(&mut self.scratch_resolved);
+        resolved.clear();
         for &k in keys {
             match self.index.get(k) {
                 Some(s) => resolved.push((k, s)),
-                None => return Err(ManagerError::UnknownKey(k)),
+                None => {
+                    self.scratch_resolved = resolved;
+                    return Err(ManagerError::UnknownKey(k));
+                }
             }
         }
         let mut done = Vec::with_capacity(resolved.len());
         let mut held = Vec::new();
-        for (k, s) in resolved {
+        for &(k, s) in &resolved {
             // Skip keys already ready, and keys listed twice (removed earlier in this call).
             let slot = &self.slots[s as usize];
             if slot.ref_cnt != PENDING || slot.state != SlotState::Occupied || slot.key != k {
@@ -420,6 +437,7 @@ impl OffloadManager {
             }
             done.push(k);
         }
+        self.scratch_resolved = resolved;
         match outcome {
             StoreOutcome::Success => self.events.stored(done),
             StoreOutcome::Failure | StoreOutcome::Quarantined => self.events.store_failed(done),
