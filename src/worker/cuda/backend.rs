@@ -40,7 +40,7 @@ impl Default for CudaBackendOptions {
     fn default() -> Self {
         Self {
             shape: LaunchShape::default(),
-            capacities: vec![64, 256, 1024, 4096, 16384],
+            capacities: vec![64, 256, 1024, 4096, 16384, 65536],
             ring_slots: 2,
             kernel_split_bytes: 64 << 10,
             strategies: StrategyTable::default(),
