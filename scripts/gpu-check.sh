@@ -6,9 +6,11 @@
 #   scripts/gpu-check.sh run     # on the GPU machine (no cargo, no network), from the
 #                                # repo root, using only gpu-carry/
 #
-# The one call that runs it on a GPU machine (with gpu-carry/ carried along):
-#
-#   bash scripts/gpu-check.sh run
+# The one call that runs it on a GPU machine: the device tool's `run` with
+#   command = "bash scripts/gpu-check.sh run"   and   carry = ["gpu-carry"]
+# (or, on a shell there, from the repo root with gpu-carry/ copied along:
+#   bash scripts/gpu-check.sh run             # full sweep
+#   bash scripts/gpu-check.sh run --quick     # short sweep)
 #
 # `run` executes every carried test binary with `--nocapture --test-threads=1`
 # (GPU tests print SKIP without a driver), then the sweep (4 KiB..2 MiB per block,
@@ -40,7 +42,7 @@ for line in sys.stdin:
     except ValueError:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
-        print(m["target"]["name"] + "\t" + m["executable"])
+        print(m["target"]["kind"][0] + "-" + m["target"]["name"] + "\t" + m["executable"])
 ' | while IFS=$'\t' read -r name exe; do
         cp "$exe" "$carry/tests/$name"
         echo "carried test binary: $name"
@@ -60,8 +62,8 @@ for line in sys.stdin:
     [[ -x "$carry/gpu_sweep" ]] || { echo "gpu-check: the sweep was not built" >&2; exit 1; }
     du -sh "$carry"
     echo
-    echo "Run on the GPU machine, from the repo root (gpu-carry/ carried along):"
-    echo "  bash scripts/gpu-check.sh run"
+    echo "Run on the GPU machine, from the repo root, carrying gpu-carry/ (device tool: carry=[\"gpu-carry\"]):"
+    echo "  bash scripts/gpu-check.sh run            # or: bash scripts/gpu-check.sh run --quick"
 }
 
 run() {
