@@ -19,7 +19,7 @@ struct CopyDesc {
     unsigned long long bytes;
 };
 
-#define UNROLL 4
+#define UNROLL 8
 
 // Both directions read with the streaming hint: the source (live KV being
 // offloaded, or host rows over the link) is read exactly once.
@@ -72,12 +72,12 @@ __device__ void copy_table(const CopyDesc* __restrict__ descs, uint32_t n) {
 }
 
 // GPU pages -> host chunk rows.
-extern "C" __global__ void __launch_bounds__(256) kv_gather(const CopyDesc* __restrict__ descs, uint32_t n) {
+extern "C" __global__ void __launch_bounds__(256, 1) kv_gather(const CopyDesc* __restrict__ descs, uint32_t n) {
     copy_table<true>(descs, n);
 }
 
 // Host chunk rows -> GPU pages.
-extern "C" __global__ void __launch_bounds__(256) kv_scatter(const CopyDesc* __restrict__ descs, uint32_t n) {
+extern "C" __global__ void __launch_bounds__(256, 1) kv_scatter(const CopyDesc* __restrict__ descs, uint32_t n) {
     copy_table<false>(descs, n);
 }
 
@@ -90,10 +90,10 @@ __device__ __forceinline__ uint32_t table_count(const CopyDesc* table, uint32_t 
     return n < capacity ? (uint32_t)n : capacity;
 }
 
-extern "C" __global__ void __launch_bounds__(256) kv_gather_table(const CopyDesc* __restrict__ table, uint32_t capacity) {
+extern "C" __global__ void __launch_bounds__(256, 1) kv_gather_table(const CopyDesc* __restrict__ table, uint32_t capacity) {
     copy_table<true>(table + 1, table_count(table, capacity));
 }
 
-extern "C" __global__ void __launch_bounds__(256) kv_scatter_table(const CopyDesc* __restrict__ table, uint32_t capacity) {
+extern "C" __global__ void __launch_bounds__(256, 1) kv_scatter_table(const CopyDesc* __restrict__ table, uint32_t capacity) {
     copy_table<false>(table + 1, table_count(table, capacity));
 }

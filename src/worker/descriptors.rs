@@ -197,4 +197,60 @@ mod tests {
             }
         ));
     }
+
+    proptest::proptest! {
+        /// Coalesced descriptors move exactly the pages of the naive per-page mapping.
+        #[test]
+        fn coalescing_preserves_the_page_mapping(
+            layers in 1usize..4,
+            page in 1u64..300,
+            pad in 0u64..3,
+            bpc in 1u32..5,
+            workers in 1u32..4,
+            first in 0u32..9,
+            picks in proptest::collection::vec(1u32..40, 1..20),
+            contiguous in proptest::bool::ANY,
+            store in proptest::bool::ANY,
+        ) {
+            let stride = page * (1 + pad);
+            let bases: Vec<u64> = (0..layers as u64).map(|l| 0x1000_0000 + l * 0x100_0000).collect();
+            let gpu = GpuLayout::per_layer(&bases, 64, stride, page).unwrap();
+            let row = HostRowLayout::uniform(bpc, workers, &vec![page; layers]).unwrap();
+            let l = WorkerLayout::new(gpu, row, workers - 1, 0x8000_0000, 64).unwrap();
+            let mut blocks: Vec<u32> = if contiguous {
+                (picks[0]..picks[0] + picks.len() as u32).collect()
+            } else {
+                picks.clone()
+            };
+            blocks.sort_unstable();
+            blocks.dedup();
+            let need = ((first % bpc) as usize + blocks.len()).div_ceil(bpc as usize);
+            let chunks: Vec<u32> = (0..need as u32).map(|c| (c * 7 + first) % 64).collect();
+            let mut uniq = chunks.clone();
+            uniq.sort_unstable();
+            uniq.dedup();
+            proptest::prop_assume!(uniq.len() == chunks.len());
+            let spec = TransferSpec::new(&blocks, first, &chunks);
+            let dir = if store { Direction::Store } else { Direction::Load };
+            let mut t = DescriptorTable::default();
+            plan(&l, dir, &spec, &mut t).unwrap();
+            let skip = (first % bpc) as usize;
+            let mut total = 0;
+            for tensor in 0..layers {
+                for (k, b) in spec.gpu_blocks.iter().enumerate() {
+                    let pos = skip + k;
+                    let g = l.gpu_addr(tensor, *b);
+                    let h = l.host_addr(tensor, spec.chunks[pos / bpc as usize], (pos % bpc as usize) as u32);
+                    let (src, dst) = if store { (g, h) } else { (h, g) };
+                    let d = t.descs.iter().find(|d| d.dst <= dst && dst < d.dst + d.bytes).expect("page covered");
+                    proptest::prop_assert!(dst + page <= d.dst + d.bytes);
+                    proptest::prop_assert_eq!(d.src + (dst - d.dst), src);
+                    total += page;
+                }
+            }
+            proptest::prop_assert_eq!(t.bytes, total);
+            proptest::prop_assert_eq!(t.descs.iter().map(|d| d.bytes).sum::<u64>(), total);
+            proptest::prop_assert!(t.descs.len() <= layers * blocks.len());
+        }
+    }
 }
