@@ -239,6 +239,9 @@ impl DeviceBuffer {
         check("cuMemsetD8", unsafe {
             sys::cuMemsetD8_v2(ptr, 0, len.max(1))
         })?;
+        // The memset is asynchronous to the host and on the legacy stream, which the
+        // backend's non-blocking streams do not wait for.
+        ctx.synchronize().map_err(driver("cuCtxSynchronize"))?;
         Ok(b)
     }
 
@@ -271,7 +274,10 @@ impl DeviceBuffer {
         // SAFETY: in bounds (checked); synchronous copy from a live slice.
         check("cuMemcpyHtoD", unsafe {
             sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, data.as_ptr().cast(), data.len())
-        })
+        })?;
+        // From pageable memory the call may return before the DMA lands; the
+        // backend's non-blocking streams would not wait for it.
+        self.ctx.synchronize().map_err(driver("cuCtxSynchronize"))
     }
 
     /// Synchronous download of `len` bytes from `offset` (tests only).
