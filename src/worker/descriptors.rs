@@ -201,6 +201,7 @@ mod tests {
     proptest::proptest! {
         /// Coalesced descriptors move exactly the pages of the naive per-page mapping.
         #[test]
+        #[cfg_attr(miri, ignore)] // proptest persistence needs the file system
         fn coalescing_preserves_the_page_mapping(
             layers in 1usize..4,
             page in 1u64..300,
