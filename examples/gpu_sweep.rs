@@ -3,7 +3,9 @@
 //! the percentage of a large pinned memcpy measured in the same run.
 //! Prints `SKIP: <reason>` and exits 0 without a GPU.
 //!
-//! `gpu_sweep [--quick]` (`--quick`: fewer sizes and repetitions).
+//! `gpu_sweep [--quick] [--write-table FILE]` (`--quick`: fewer sizes and
+//! repetitions; `--write-table`: write the fastest strategy per measured point as
+//! a `StrategyTable` JSON file, the calibration the CUDA backend can load).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,7 +13,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaContext, sys};
 use kvoffload::ids::JobId;
 use kvoffload::worker::cuda::{
-    CudaBackend, CudaBackendOptions, CudaError, DeviceBuffer, PinnedBuffer, Strategy, open_context,
+    CudaBackend, CudaBackendOptions, CudaError, DeviceBuffer, PinnedBuffer, Strategy, StrategyRule,
+    StrategyTable, open_context,
 };
 use kvoffload::worker::{
     Direction, GpuLayout, HostRowLayout, TransferBackend, TransferSpec, WorkerLayout,
@@ -21,7 +24,13 @@ use kvoffload::worker::{
 const MAX_JOB_BYTES: u64 = 2 << 30;
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let table_path = args
+        .iter()
+        .position(|a| a == "--write-table")
+        .and_then(|i| args.get(i + 1))
+        .cloned();
     let ctx = match open_context(0) {
         Ok(c) => c,
         Err(e) => {
@@ -29,13 +38,66 @@ fn main() {
             return;
         }
     };
-    if let Err(e) = run(&ctx, quick) {
-        eprintln!("gpu_sweep failed: {e}");
-        std::process::exit(1);
+    match run(&ctx, quick) {
+        Ok(points) => {
+            let table = calibrated_table(&points);
+            match serde_json::to_string_pretty(&table) {
+                Ok(json) => println!("# calibrated strategy table:\n{json}"),
+                Err(e) => eprintln!("cannot serialise the table: {e}"),
+            }
+            if let Some(path) = table_path
+                && let Err(e) = table.save(std::path::Path::new(&path))
+            {
+                eprintln!("{e}");
+            }
+        }
+        Err(e) => {
+            eprintln!("gpu_sweep failed: {e}");
+            std::process::exit(1);
+        }
     }
 }
 
-fn run(ctx: &Arc<CudaContext>, quick: bool) -> Result<(), CudaError> {
+/// One measured point: direction, bytes per block, block count, strategy, GB/s.
+type Point = (Direction, u64, usize, Strategy, f64);
+
+/// The fastest strategy per measured (direction, block size, count), as rules
+/// covering the ranges between measured sizes and counts.
+fn calibrated_table(points: &[Point]) -> StrategyTable {
+    let mut sizes: Vec<u64> = points.iter().map(|p| p.1).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let mut counts: Vec<usize> = points.iter().map(|p| p.2).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    let mut rules = Vec::new();
+    for dir in Direction::ALL {
+        for (si, &size) in sizes.iter().enumerate() {
+            for (ci, &count) in counts.iter().enumerate() {
+                let best = points
+                    .iter()
+                    .filter(|p| p.0 == dir && p.1 == size && p.2 == count && p.4.is_finite())
+                    .max_by(|a, b| a.4.total_cmp(&b.4));
+                let Some(best) = best else { continue };
+                rules.push(StrategyRule {
+                    direction: Some(dir),
+                    min_bytes_per_block: if si == 0 { 0 } else { size },
+                    max_bytes_per_block: sizes.get(si + 1).map(|n| n - 1),
+                    min_blocks: if ci == 0 { 0 } else { count },
+                    max_blocks: counts.get(ci + 1).map(|n| n - 1),
+                    strategy: best.3,
+                });
+            }
+        }
+    }
+    StrategyTable {
+        rules,
+        fallback: StrategyTable::default().fallback,
+    }
+}
+
+fn run(ctx: &Arc<CudaContext>, quick: bool) -> Result<Vec<Point>, CudaError> {
+    let mut points = Vec::new();
     let name = ctx.name().unwrap_or_else(|_| "?".into());
     println!("device: {name}");
     let pool = PinnedBuffer::host_alloc(ctx, MAX_JOB_BYTES as usize)?;
@@ -129,6 +191,7 @@ fn run(ctx: &Arc<CudaContext>, quick: bool) -> Result<(), CudaError> {
                         best_submit = best_submit.min(submit);
                     }
                     let gbps = bytes as f64 / best_dev.as_secs_f64() / 1e9;
+                    points.push((dir, block, count, strategy, gbps));
                     println!(
                         "{:<6} {:>9} {:>6} {:<13} {:>9.2} {:>7.1}% {:>10.1} {:>10.1}",
                         dir.to_string(),
@@ -145,7 +208,7 @@ fn run(ctx: &Arc<CudaContext>, quick: bool) -> Result<(), CudaError> {
             println!("# stats {}x{}: {:?}", human(block), count, backend.stats());
         }
     }
-    Ok(())
+    Ok(points)
 }
 
 /// GB/s of one large pinned memcpy (best of 3), timed with events.

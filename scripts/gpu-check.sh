@@ -81,8 +81,9 @@ run() {
         echo "=== $(basename "$t")"
         "$t" --nocapture --test-threads=1 || status=1
     done
-    echo "=== gpu_sweep ${2:-}"
-    "$carry/gpu_sweep" ${2:-} || status=1
+    local table="${OUT:-$carry}/strategy-table.json"
+    echo "=== gpu_sweep ${2:-} --write-table $table"
+    "$carry/gpu_sweep" ${2:-} --write-table "$table" || status=1
     exit $status
 }
 
