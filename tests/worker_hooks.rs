@@ -121,8 +121,13 @@ fn stores_are_queued_for_the_next_step_then_complete_with_stats() {
         0,
         "not submitted in its own step"
     );
-    step(&mut r.worker, StepPlan::default());
-    let report = drain(&mut r.worker, &[JobId(1)], 1);
+    // The store may already finish within the step that submits it.
+    let early = step(&mut r.worker, StepPlan::default());
+    let report = if early.completed.is_empty() {
+        drain(&mut r.worker, &[JobId(1)], 1)
+    } else {
+        early
+    };
     assert_eq!(report.completed.get(&JobId(1)), Some(&1));
     assert_eq!(report.stats.store.bytes, PAGE);
     assert_eq!(report.stats.store.jobs, 1);
