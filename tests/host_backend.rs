@@ -76,6 +76,19 @@ impl Fixture {
         worker: u32,
         num_chunks: u32,
     ) -> Self {
+        Self::with_help(true, kind, num_blocks, bpc, workers, worker, num_chunks)
+    }
+
+    /// `help`: whether `wait` may copy jobs itself (`HostBackendOptions::help_in_wait`).
+    fn with_help(
+        help: bool,
+        kind: Kind,
+        num_blocks: u32,
+        bpc: u32,
+        workers: u32,
+        worker: u32,
+        num_chunks: u32,
+    ) -> Self {
         let (pages, stride, layers) = match kind {
             Kind::PerLayer {
                 layers,
@@ -105,12 +118,11 @@ impl Fixture {
         assert_eq!(row_layout.row_bytes(), row);
         let layout =
             WorkerLayout::new(gpu_layout, row_layout, worker, pool.addr(), num_chunks).unwrap();
-        let backend = HostBackend::new(
-            layout,
-            vec![gpu.clone(), pool.clone()],
-            HostBackendOptions::default(),
-        )
-        .unwrap();
+        let options = HostBackendOptions {
+            help_in_wait: help,
+            ..HostBackendOptions::default()
+        };
+        let backend = HostBackend::new(layout, vec![gpu.clone(), pool.clone()], options).unwrap();
         let regions = pages
             .iter()
             .enumerate()
@@ -251,10 +263,12 @@ fn kinds() -> Vec<Kind> {
 fn every_layout_moves_the_right_bytes_both_ways() {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let mut job = 0;
-    for kind in kinds() {
+    for (i, kind) in kinds().into_iter().enumerate() {
         for bpc in [1u32, 2, 4] {
             for (workers, worker) in [(1u32, 0u32), (3, 1), (3, 2)] {
-                let mut f = Fixture::new(kind, 64, bpc, workers, worker, 24);
+                // Both completion paths: copied by the thread, or by the waiter.
+                let help = (i + bpc as usize + worker as usize).is_multiple_of(2);
+                let mut f = Fixture::with_help(help, kind, 64, bpc, workers, worker, 24);
                 for dir in Direction::ALL {
                     for contiguous in [true, false] {
                         for first in [0u32, 1, 3, 5] {
@@ -319,8 +333,15 @@ fn store_then_load_round_trips_into_other_blocks() {
 
 #[test]
 fn completions_are_fifo_per_direction() {
+    for help in [false, true] {
+        fifo(help);
+    }
+}
+
+fn fifo(help: bool) {
     let mut rng = Rng(7);
-    let mut f = Fixture::new(
+    let mut f = Fixture::with_help(
+        help,
         Kind::PerLayer {
             layers: 2,
             page: 4096,
@@ -569,4 +590,53 @@ fn layouts_outside_or_overlapping_the_buffers_are_refused() {
         HostBackend::new(overlap, vec![gpu, pool], HostBackendOptions::default()),
         Err(LayoutError::PoolOverlapsGpu { region: 0 })
     ));
+}
+
+#[test]
+fn jobs_to_the_same_chunk_are_copied_in_submission_order() {
+    for help in [false, true] {
+        let mut f = Fixture::with_help(
+            help,
+            Kind::Cross {
+                block: 4096,
+                stride: 4096,
+            },
+            64,
+            1,
+            1,
+            0,
+            8,
+        );
+        // SAFETY: no job in flight.
+        unsafe {
+            for b in 0..64usize {
+                f.gpu.write(b * 4096, &[b as u8; 4096]);
+            }
+        }
+        let mut last = 0;
+        for j in 1..=40u64 {
+            let block = 1 + (j as u32 % 63);
+            f.backend
+                .submit_store(JobId(j), &TransferSpec::new(&[block], 0, &[5]))
+                .unwrap();
+            last = block;
+        }
+        f.backend.wait(&[JobId(40)], LONG).unwrap();
+        // SAFETY: every job up to 40 is finished (FIFO: wait(40) implies the earlier ones
+        // in the same direction were copied first, by the thread or the waiter).
+        let chunk = unsafe { f.pool.read(5 * f.row, 4096) };
+        assert!(
+            chunk.iter().all(|&x| x == last as u8),
+            "help={help}: a later store was overwritten by an earlier one"
+        );
+        let mut out = Vec::new();
+        f.backend
+            .wait(&(1..=40).map(JobId).collect::<Vec<_>>(), LONG)
+            .unwrap();
+        f.backend.poll(&mut out);
+        assert_eq!(
+            out.iter().map(|r| r.job.0).collect::<Vec<_>>(),
+            (1..=40).collect::<Vec<_>>()
+        );
+    }
 }

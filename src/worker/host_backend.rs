@@ -7,6 +7,11 @@
 //! direction's queue only, so results come out FIFO per direction. Threads spin
 //! briefly before blocking so back-to-back jobs do not pay a wake-up each.
 //!
+//! A job is claimed (one atomic compare-exchange) by whoever copies it: its copy
+//! thread, or `wait` itself when the job is not claimed yet (the flush path then
+//! skips the hand-off; [`HostBackendOptions::help_in_wait`]). Either way the jobs
+//! of one direction are copied one at a time, in submission order.
+//!
 //! It is the default backend where no GPU is present and the reference every
 //! GPU result is checked against. [`Fault`]s can be injected per job.
 
@@ -27,20 +32,36 @@ use super::fault::Fault;
 use super::host_buffer::HostBuffer;
 use super::layout::{TransferSpec, WorkerLayout};
 
+/// Completion checks `wait` makes (spinning, yielding every 64) before it parks.
+const WAIT_SPINS: u32 = 1 << 14;
+
 const PENDING: u8 = 0;
 const DONE: u8 = 1;
 const FAILED: u8 = 2;
+/// Claimed by a copy thread or by a waiter, copy under way.
+const RUNNING: u8 = 3;
+
+fn finished(state: u8) -> bool {
+    state == DONE || state == FAILED
+}
 
 /// Tuning of the host backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HostBackendOptions {
     /// Empty-queue checks a copy thread makes before it blocks (0: block at once).
     pub spin_checks: u32,
+    /// `wait` copies the jobs it waits for itself when their copy thread has not
+    /// claimed them yet (in FIFO order, never past a job that is being copied):
+    /// the flush path then does not pay a thread hand-off.
+    pub help_in_wait: bool,
 }
 
 impl Default for HostBackendOptions {
     fn default() -> Self {
-        Self { spin_checks: 4096 }
+        Self {
+            spin_checks: 4096,
+            help_in_wait: true,
+        }
     }
 }
 
@@ -95,6 +116,7 @@ pub struct HostBackend {
     polls: u64,
     table: DescriptorTable,
     wake: Arc<WakeHook>,
+    help_in_wait: bool,
 }
 
 impl HostBackend {
@@ -182,6 +204,7 @@ impl HostBackend {
             polls: 0,
             table: DescriptorTable::default(),
             wake,
+            help_in_wait: options.help_in_wait,
         }
     }
 
@@ -274,6 +297,26 @@ impl HostBackend {
         Ok(())
     }
 
+    /// Copies, on the calling thread, the not-yet-claimed jobs of each direction
+    /// up to the last of `jobs`, in FIFO order, stopping at a job being copied.
+    fn help(&self, jobs: &[JobId]) {
+        for queue in &self.queues {
+            let Some(last) = queue.iter().rposition(|p| jobs.contains(&p.job.id)) else {
+                continue;
+            };
+            for p in queue.iter().take(last + 1) {
+                let state = p.job.state.load(Ordering::Acquire);
+                if finished(state) {
+                    continue;
+                }
+                if state == RUNNING || !claim(&p.job) {
+                    break;
+                }
+                run_claimed(&p.job);
+            }
+        }
+    }
+
     fn find(&self, job: JobId) -> Option<&Arc<HostJob>> {
         self.queues
             .iter()
@@ -302,7 +345,7 @@ impl TransferBackend for HostBackend {
                     break;
                 }
                 let state = front.job.state.load(Ordering::Acquire);
-                if state == PENDING {
+                if !finished(state) {
                     break;
                 }
                 let Some(p) = queue.pop_front() else { break };
@@ -325,7 +368,7 @@ impl TransferBackend for HostBackend {
         let targets: Vec<Arc<HostJob>> =
             jobs.iter().filter_map(|&j| self.find(j).cloned()).collect();
         let deadline = timeout.map(|t| Instant::now() + t);
-        let done = |t: &[Arc<HostJob>]| t.iter().all(|j| j.state.load(Ordering::SeqCst) != PENDING);
+        let done = |t: &[Arc<HostJob>]| t.iter().all(|j| finished(j.state.load(Ordering::SeqCst)));
         if let Ok(mut w) = self.wake.waiter.lock() {
             *w = Some(thread::current());
         }
@@ -334,19 +377,30 @@ impl TransferBackend for HostBackend {
             if done(&targets) {
                 break Ok(());
             }
+            if self.help_in_wait {
+                self.help(jobs);
+                if done(&targets) {
+                    break Ok(());
+                }
+            }
             let now = Instant::now();
             if deadline.is_some_and(|d| now >= d) {
                 break Err(BackendError::WaitTimedOut {
                     pending: targets
                         .iter()
-                        .filter(|j| j.state.load(Ordering::SeqCst) == PENDING)
+                        .filter(|j| !finished(j.state.load(Ordering::SeqCst)))
                         .map(|j| j.id)
                         .collect(),
                 });
             }
-            if spins < 256 {
+            // Spin, then yield (cheap while the copy runs on another core), then park.
+            if spins < WAIT_SPINS {
                 spins += 1;
-                std::hint::spin_loop();
+                if spins.is_multiple_of(64) {
+                    thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
                 continue;
             }
             self.wake.armed.store(true, Ordering::SeqCst);
@@ -400,29 +454,66 @@ fn next_job(rx: &Receiver<Arc<HostJob>>, spin: u32) -> Option<Arc<HostJob>> {
     rx.recv().ok()
 }
 
-fn copy_thread(rx: Receiver<Arc<HostJob>>, wake: Arc<WakeHook>, spin: u32) {
-    while let Some(job) = next_job(&rx, spin) {
-        let start = Instant::now();
-        if !job.fail {
-            for d in &job.descs {
-                // SAFETY: the descriptors were built from a validated spec over a
-                // layout whose memory is valid for the backend's lifetime (checked
-                // in `HostBackend::new`, promised in `from_raw`), and nothing else
-                // touches an in-flight job's bytes. Source (GPU stand-in or pool)
-                // and destination (the other one) never overlap.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        d.src as *const u8,
-                        d.dst as *mut u8,
-                        d.bytes as usize,
-                    )
-                };
-            }
+/// Claims a pending job for the calling thread; false if someone else has it.
+fn claim(job: &HostJob) -> bool {
+    job.state
+        .compare_exchange(PENDING, RUNNING, Ordering::AcqRel, Ordering::Acquire)
+        .is_ok()
+}
+
+/// Copies (or fails) a job claimed by the calling thread and publishes the result.
+fn run_claimed(job: &HostJob) {
+    let start = Instant::now();
+    if !job.fail {
+        for d in &job.descs {
+            // SAFETY: the descriptors were built from a validated spec over a
+            // layout whose memory is valid for the backend's lifetime (checked in
+            // `HostBackend::new`, promised in `from_raw`); nothing else touches an
+            // in-flight job's bytes, and the claim makes this thread the only one
+            // copying this job. Source (GPU stand-in or pool) and destination (the
+            // other one) never overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    d.src as *const u8,
+                    d.dst as *mut u8,
+                    d.bytes as usize,
+                )
+            };
         }
-        let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        job.nanos.store(nanos, Ordering::Relaxed);
-        job.state
-            .store(if job.fail { FAILED } else { DONE }, Ordering::SeqCst);
-        wake.notify();
+    }
+    let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    job.nanos.store(nanos, Ordering::Relaxed);
+    job.state
+        .store(if job.fail { FAILED } else { DONE }, Ordering::SeqCst);
+}
+
+fn copy_thread(rx: Receiver<Arc<HostJob>>, wake: Arc<WakeHook>, spin: u32) {
+    let mut prev: Option<Arc<HostJob>> = None;
+    while let Some(job) = next_job(&rx, spin) {
+        // Copies of one direction never overlap in time and run in submission
+        // order: if a waiter claimed the previous job, let it finish first.
+        if let Some(p) = prev.take() {
+            wait_finished(&p);
+        }
+        // A waiter may have claimed this one too (`help_in_wait`).
+        if claim(&job) {
+            run_claimed(&job);
+            wake.notify();
+        }
+        prev = Some(job);
+    }
+}
+
+/// Spins (yielding) until a job claimed by another thread is finished; that
+/// thread is copying it right now, so this is short.
+fn wait_finished(job: &HostJob) {
+    let mut i = 0u32;
+    while !finished(job.state.load(Ordering::Acquire)) {
+        i = i.wrapping_add(1);
+        if i.is_multiple_of(64) {
+            thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
     }
 }
