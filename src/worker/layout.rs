@@ -420,13 +420,13 @@ impl WorkerLayout {
     }
 
     /// GPU address of `block` in region `tensor` (unchecked ids; in range after `validate`).
-    pub fn gpu_addr(&self, tensor: usize, block: GpuBlockId) -> u64 {
+    pub(crate) fn gpu_addr(&self, tensor: usize, block: GpuBlockId) -> u64 {
         let r = &self.gpu.regions[tensor];
         r.base + u64::from(block.0) * r.block_stride
     }
 
     /// Host address of sub-block `sub` of tensor `tensor` in `chunk`.
-    pub fn host_addr(&self, tensor: usize, chunk: ChunkId, sub: u32) -> u64 {
+    pub(crate) fn host_addr(&self, tensor: usize, chunk: ChunkId, sub: u32) -> u64 {
         let slot = self.slot();
         self.host_base
             + u64::from(chunk.0) * self.row.row_bytes
