@@ -19,16 +19,11 @@ struct CopyDesc {
     unsigned long long bytes;
 };
 
-#define UNROLL 4
+#define UNROLL 8
 
-template <bool kGather>
-__device__ __forceinline__ uint4 load16(const uint4* p) {
-    if (kGather) {
-        return __ldcs(p);
-    } else {
-        return __ldcs(p);
-    }
-}
+// Both directions read with the streaming hint: the source (live KV being
+// offloaded, or host rows over the link) is read exactly once.
+__device__ __forceinline__ uint4 load16(const uint4* p) { return __ldcs(p); }
 
 template <bool kGather>
 __device__ __forceinline__ void store16(uint4* p, uint4 v) {
@@ -53,11 +48,11 @@ __device__ void copy_one(const CopyDesc d, unsigned lane) {
         for (; i + 32ull * (UNROLL - 1) < n16; i += step) {
             uint4 v[UNROLL];
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) v[u] = load16<kGather>(s + i + 32ull * u);
+            for (int u = 0; u < UNROLL; ++u) v[u] = load16(s + i + 32ull * u);
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) store16<kGather>(t + i + 32ull * u, v[u]);
         }
-        for (; i < n16; i += 32ull) store16<kGather>(t + i, load16<kGather>(s + i));
+        for (; i < n16; i += 32ull) store16<kGather>(t + i, load16(s + i));
         done = n16 << 4;
     }
     const unsigned char* sb = reinterpret_cast<const unsigned char*>(d.src);
@@ -77,11 +72,28 @@ __device__ void copy_table(const CopyDesc* __restrict__ descs, uint32_t n) {
 }
 
 // GPU pages -> host chunk rows.
-extern "C" __global__ void kv_gather(const CopyDesc* __restrict__ descs, uint32_t n) {
+extern "C" __global__ void __launch_bounds__(256, 1) kv_gather(const CopyDesc* __restrict__ descs, uint32_t n) {
     copy_table<true>(descs, n);
 }
 
 // Host chunk rows -> GPU pages.
-extern "C" __global__ void kv_scatter(const CopyDesc* __restrict__ descs, uint32_t n) {
+extern "C" __global__ void __launch_bounds__(256, 1) kv_scatter(const CopyDesc* __restrict__ descs, uint32_t n) {
     copy_table<false>(descs, n);
+}
+
+// Table variants for persistent tables and CUDA graphs: `table[0].bytes` holds the
+// descriptor count (written by the same memcpy that refreshes the descriptors), the
+// descriptors follow at `table + 1`, and `capacity` bounds the count. A graph
+// captured once per capacity therefore replays with any count up to it.
+__device__ __forceinline__ uint32_t table_count(const CopyDesc* table, uint32_t capacity) {
+    const unsigned long long n = table[0].bytes;
+    return n < capacity ? (uint32_t)n : capacity;
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) kv_gather_table(const CopyDesc* __restrict__ table, uint32_t capacity) {
+    copy_table<true>(table + 1, table_count(table, capacity));
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1) kv_scatter_table(const CopyDesc* __restrict__ table, uint32_t capacity) {
+    copy_table<false>(table + 1, table_count(table, capacity));
 }

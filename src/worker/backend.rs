@@ -1,0 +1,79 @@
+//! The one trait every transfer backend implements (host memcpy, CUDA).
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ids::JobId;
+
+use super::error::BackendError;
+use super::layout::TransferSpec;
+
+/// Which way a job moves bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Direction {
+    /// GPU pages -> host chunks (offload).
+    Store,
+    /// Host chunks -> GPU pages (load back).
+    Load,
+}
+
+impl Direction {
+    /// Both directions, store first.
+    pub const ALL: [Direction; 2] = [Direction::Store, Direction::Load];
+
+    /// 0 for store, 1 for load (for per-direction arrays).
+    pub fn index(self) -> usize {
+        match self {
+            Direction::Store => 0,
+            Direction::Load => 1,
+        }
+    }
+}
+
+impl std::fmt::Display for Direction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Direction::Store => "store",
+            Direction::Load => "load",
+        })
+    }
+}
+
+/// A finished job, as reported by [`TransferBackend::poll`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferResult {
+    /// The job.
+    pub job: JobId,
+    /// Its direction.
+    pub direction: Direction,
+    /// False when the copy failed (no guarantee on the destination bytes).
+    pub success: bool,
+    /// Bytes moved (planned bytes; 0 when the job failed).
+    pub bytes: u64,
+    /// Time the copy took on the backend (device time for CUDA).
+    pub duration: Duration,
+}
+
+/// A transfer backend: asynchronous block copies between GPU pages and host chunks.
+///
+/// Jobs of one direction complete in submission order (FIFO); the two directions
+/// are independent. Submitting never waits for a copy.
+pub trait TransferBackend: Send {
+    /// Starts copying the spec's GPU blocks into its host chunks.
+    fn submit_store(&mut self, job: JobId, spec: &TransferSpec) -> Result<(), BackendError>;
+
+    /// Starts copying the spec's host chunks into its GPU blocks.
+    fn submit_load(&mut self, job: JobId, spec: &TransferSpec) -> Result<(), BackendError>;
+
+    /// Appends the jobs finished since the last poll to `out`, FIFO per direction.
+    fn poll(&mut self, out: &mut Vec<TransferResult>);
+
+    /// Blocks until every named job has finished (unknown ids are ignored), or
+    /// until `timeout` (None: no limit). Finished jobs are still reported by `poll`.
+    fn wait(&mut self, jobs: &[JobId], timeout: Option<Duration>) -> Result<(), BackendError>;
+
+    /// Jobs submitted and not yet reported by `poll`.
+    fn in_flight(&self) -> usize;
+}

@@ -1,0 +1,327 @@
+//! The gather/scatter kernels (`kernels/copy_blocks.cu`) and their persistent
+//! descriptor tables: a device buffer of fixed capacity per slot, refreshed from
+//! pinned staging by a memcpy on the copy stream, optionally captured together
+//! with the kernel launch into a CUDA graph and replayed.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaFunction, CudaGraph, CudaStream, LaunchConfig, PushKernelArg, sys,
+};
+use cudarc::nvrtc::Ptx;
+
+use crate::worker::{CopyDesc, Direction};
+
+use super::error::{CudaError, check, driver};
+use super::memory::{DeviceBuffer, PinnedBuffer};
+
+/// Bytes of a table with room for `capacity` descriptors (one header entry first).
+pub fn table_bytes(capacity: usize) -> usize {
+    (capacity + 1) * std::mem::size_of::<CopyDesc>()
+}
+
+/// Grid shape of a copy launch: the grid size is the SM budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LaunchShape {
+    /// CTAs (at most one per SM is resident per CTA slot; a few by default).
+    pub ctas: u32,
+    /// Threads per CTA (a multiple of 32, at most 256).
+    pub threads: u32,
+}
+
+impl Default for LaunchShape {
+    fn default() -> Self {
+        Self {
+            ctas: 8,
+            threads: 256,
+        }
+    }
+}
+
+/// The loaded copy kernels.
+#[derive(Debug)]
+pub struct CopyKernels {
+    gather_table: CudaFunction,
+    scatter_table: CudaFunction,
+}
+
+impl CopyKernels {
+    /// Loads `copy_blocks` from the embedded fatbin.
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, CudaError> {
+        let module = crate::kernels::module("copy_blocks").ok_or(CudaError::KernelsNotBuilt)?;
+        // A Vec copy gives the image the alignment cuModuleLoadData expects.
+        let image = module.fatbin.to_vec();
+        let m = ctx
+            .load_module(Ptx::from_binary(image))
+            .map_err(driver("cuModuleLoadData"))?;
+        Ok(Self {
+            gather_table: m
+                .load_function("kv_gather_table")
+                .map_err(driver("cuModuleGetFunction"))?,
+            scatter_table: m
+                .load_function("kv_scatter_table")
+                .map_err(driver("cuModuleGetFunction"))?,
+        })
+    }
+
+    /// The table kernel of `direction` (store = gather into host rows).
+    pub fn table_function(&self, direction: Direction) -> &CudaFunction {
+        match direction {
+            Direction::Store => &self.gather_table,
+            Direction::Load => &self.scatter_table,
+        }
+    }
+}
+
+/// Launches a table kernel over the table at `table` (device address).
+pub fn launch_table(
+    stream: &Arc<CudaStream>,
+    f: &CudaFunction,
+    table: u64,
+    capacity: u32,
+    shape: LaunchShape,
+) -> Result<(), CudaError> {
+    let cfg = LaunchConfig {
+        grid_dim: (shape.ctas.max(1), 1, 1),
+        block_dim: (shape.threads.clamp(32, 256) & !31, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(f);
+    b.arg(&table).arg(&capacity);
+    // SAFETY: the kernel takes (const CopyDesc*, uint32_t); `table` is a device
+    // buffer of `capacity + 1` descriptors whose header holds the count, and every
+    // descriptor names memory the backend's layout contract keeps valid.
+    unsafe { b.launch(cfg) }.map_err(driver("cuLaunchKernel"))?;
+    Ok(())
+}
+
+/// Splits descriptors into pieces of at most `max` bytes (so one warp never
+/// owns a huge run while others idle); appends to `out`.
+pub fn split_descs(descs: &[CopyDesc], max: u64, out: &mut Vec<CopyDesc>) {
+    let max = max.max(16);
+    for d in descs {
+        let mut off = 0;
+        while off < d.bytes {
+            let n = (d.bytes - off).min(max);
+            out.push(CopyDesc {
+                src: d.src + off,
+                dst: d.dst + off,
+                bytes: n,
+            });
+            off += n;
+        }
+    }
+}
+
+/// A captured graph, owned by one slot of one backend.
+struct SlotGraph(CudaGraph);
+
+// SAFETY: a graph exec handle may be launched from any thread that binds its
+// context; the slot (behind the backend's `&mut`) never launches it concurrently.
+unsafe impl Send for SlotGraph {}
+
+impl std::fmt::Debug for SlotGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SlotGraph")
+    }
+}
+
+/// One persistent table: pinned staging, device copy, a graph once captured,
+/// and an event telling when the device has consumed the staging.
+#[derive(Debug)]
+pub struct TableSlot {
+    capacity: usize,
+    staging: PinnedBuffer,
+    device: DeviceBuffer,
+    consumed: CudaEvent,
+    used: bool,
+    graph: Option<SlotGraph>,
+}
+
+impl TableSlot {
+    /// A slot with room for `capacity` descriptors.
+    pub fn new(ctx: &Arc<CudaContext>, capacity: usize) -> Result<Self, CudaError> {
+        let bytes = table_bytes(capacity);
+        Ok(Self {
+            capacity,
+            staging: PinnedBuffer::host_alloc(ctx, bytes)?,
+            device: DeviceBuffer::new(ctx, bytes)?,
+            consumed: ctx.new_event(None).map_err(driver("cuEventCreate"))?,
+            used: false,
+            graph: None,
+        })
+    }
+
+    /// Descriptor capacity.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Writes the count and descriptors into the staging buffer. Returns true when
+    /// it had to wait for the previous use of this slot (a host sync; rare with
+    /// a ring of slots).
+    pub fn fill(&mut self, descs: &[CopyDesc]) -> Result<bool, CudaError> {
+        let n = descs.len().min(self.capacity);
+        let mut waited = false;
+        if self.used
+            && !self
+                .consumed
+                .try_is_complete()
+                .map_err(driver("cuEventQuery"))?
+        {
+            self.consumed
+                .synchronize()
+                .map_err(driver("cuEventSynchronize"))?;
+            waited = true;
+        }
+        let header = CopyDesc {
+            src: 0,
+            dst: 0,
+            bytes: n as u64,
+        };
+        // SAFETY: the staging is not read by the device any more (the `consumed`
+        // event of its previous use has completed, checked above), and both writes
+        // are within `table_bytes(capacity)`.
+        unsafe {
+            self.staging.write(0, bytemuck::bytes_of(&header));
+            self.staging.write(
+                std::mem::size_of::<CopyDesc>(),
+                bytemuck::cast_slice(&descs[..n]),
+            );
+        }
+        Ok(waited)
+    }
+
+    /// Enqueues the staging -> device refresh of `n` descriptors (plus header).
+    pub fn enqueue_refresh(&self, stream: &CudaStream, n: usize) -> Result<(), CudaError> {
+        let bytes = table_bytes(n.min(self.capacity));
+        // SAFETY: both buffers hold at least `bytes`; the staging is pinned, so the
+        // copy is asynchronous and reads it when the stream reaches it (it is not
+        // rewritten before `consumed` completes).
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                self.device.addr(),
+                self.staging.addr() as *const std::ffi::c_void,
+                bytes,
+                stream.cu_stream(),
+            )
+        })
+    }
+
+    /// Enqueues refresh + kernel directly (no graph).
+    pub fn enqueue_direct(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        f: &CudaFunction,
+        n: usize,
+        shape: LaunchShape,
+    ) -> Result<(), CudaError> {
+        self.enqueue_refresh(stream, n)?;
+        launch_table(stream, f, self.device.addr(), self.capacity as u32, shape)?;
+        self.mark_used(stream)
+    }
+
+    /// Replays the slot's graph (capturing it on first use): full-capacity
+    /// refresh from staging, then the kernel, which reads the count from the table.
+    pub fn enqueue_graph(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        f: &CudaFunction,
+        shape: LaunchShape,
+    ) -> Result<bool, CudaError> {
+        let mut captured = false;
+        if self.graph.is_none() {
+            stream
+                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(driver("cuStreamBeginCapture"))?;
+            let body = self.enqueue_refresh(stream, self.capacity).and_then(|()| {
+                launch_table(stream, f, self.device.addr(), self.capacity as u32, shape)
+            });
+            let end = stream
+                .end_capture(sys::CUgraphInstantiate_flags(0))
+                .map_err(driver("cuStreamEndCapture"));
+            body?;
+            let graph = end?.ok_or(CudaError::Driver {
+                op: "cuStreamEndCapture",
+                message: "empty graph".into(),
+            })?;
+            graph.upload().map_err(driver("cuGraphUpload"))?;
+            self.graph = Some(SlotGraph(graph));
+            captured = true;
+        }
+        if let Some(g) = &self.graph {
+            g.0.launch().map_err(driver("cuGraphLaunch"))?;
+        }
+        self.mark_used(stream)?;
+        Ok(captured)
+    }
+
+    fn mark_used(&mut self, stream: &CudaStream) -> Result<(), CudaError> {
+        self.consumed
+            .record(stream)
+            .map_err(driver("cuEventRecord"))?;
+        self.used = true;
+        Ok(())
+    }
+}
+
+/// Slots of one direction: per capacity bucket, a ring of slots.
+#[derive(Debug)]
+pub struct TableRing {
+    buckets: Vec<(usize, Vec<TableSlot>, usize)>,
+}
+
+impl TableRing {
+    /// `slots` slots for each capacity in `capacities` (ascending).
+    pub fn new(
+        ctx: &Arc<CudaContext>,
+        capacities: &[usize],
+        slots: usize,
+    ) -> Result<Self, CudaError> {
+        let mut caps = capacities.to_vec();
+        caps.sort_unstable();
+        caps.dedup();
+        let mut buckets = Vec::with_capacity(caps.len());
+        for c in caps {
+            let ring = (0..slots.max(1))
+                .map(|_| TableSlot::new(ctx, c))
+                .collect::<Result<Vec<_>, _>>()?;
+            buckets.push((c, ring, 0));
+        }
+        Ok(Self { buckets })
+    }
+
+    /// The next slot of the smallest bucket that holds `n` descriptors.
+    pub fn acquire(&mut self, n: usize) -> Option<&mut TableSlot> {
+        let (_, ring, next) = self.buckets.iter_mut().find(|(c, _, _)| *c >= n)?;
+        let i = *next;
+        *next = (i + 1) % ring.len();
+        ring.get_mut(i)
+    }
+
+    /// Largest capacity.
+    pub fn max_capacity(&self) -> usize {
+        self.buckets.last().map_or(0, |b| b.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_keeps_bytes_and_order() {
+        let d = [CopyDesc {
+            src: 0,
+            dst: 1000,
+            bytes: 100,
+        }];
+        let mut out = Vec::new();
+        split_descs(&d, 48, &mut out);
+        assert_eq!(out.len(), 3);
+        assert_eq!(out.iter().map(|d| d.bytes).sum::<u64>(), 100);
+        assert_eq!(out[2].src, 96);
+        assert_eq!(out[2].dst, 1096);
+        assert_eq!(table_bytes(2), 72);
+    }
+}

@@ -1,0 +1,519 @@
+//! The host backend: real memcpy gather/scatter between host buffers standing in
+//! for the GPU cache and the host pool, one copy thread per direction.
+//!
+//! Jobs go to the direction's thread over a channel; the thread copies the
+//! descriptor table and publishes the completion with one atomic store into the
+//! job (like a CUDA event). `poll` reads those flags from the head of each
+//! direction's queue only, so results come out FIFO per direction. Threads spin
+//! briefly before blocking so back-to-back jobs do not pay a wake-up each.
+//!
+//! A job is claimed (one atomic compare-exchange) by whoever copies it: its copy
+//! thread, or `wait` itself when the job is not claimed yet (the flush path then
+//! skips the hand-off; [`HostBackendOptions::help_in_wait`]). Either way the jobs
+//! of one direction are copied one at a time, in submission order.
+//!
+//! It is the default backend where no GPU is present and the reference every
+//! GPU result is checked against. [`Fault`]s can be injected per job.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, JoinHandle, Thread};
+use std::time::{Duration, Instant};
+
+use crate::ids::JobId;
+use crate::profiling::{self, InFlightRange, JobPhase};
+
+use super::backend::{Direction, TransferBackend, TransferResult};
+use super::descriptors::{CopyDesc, DescriptorTable, plan};
+use super::error::{BackendError, LayoutError};
+use super::fault::Fault;
+use super::host_buffer::HostBuffer;
+use super::layout::{TransferSpec, WorkerLayout};
+
+/// Completion checks `wait` makes (spinning, yielding every 64) before it parks.
+const WAIT_SPINS: u32 = 1 << 14;
+
+const PENDING: u8 = 0;
+const DONE: u8 = 1;
+const FAILED: u8 = 2;
+/// Claimed by a copy thread or by a waiter, copy under way.
+const RUNNING: u8 = 3;
+
+fn finished(state: u8) -> bool {
+    state == DONE || state == FAILED
+}
+
+/// Tuning of the host backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostBackendOptions {
+    /// Empty-queue checks a copy thread makes before it blocks (0: block at once).
+    pub spin_checks: u32,
+    /// `wait` copies the jobs it waits for itself when their copy thread has not
+    /// claimed them yet (in FIFO order, never past a job that is being copied):
+    /// the flush path then does not pay a thread hand-off.
+    pub help_in_wait: bool,
+}
+
+impl Default for HostBackendOptions {
+    fn default() -> Self {
+        Self {
+            spin_checks: 4096,
+            help_in_wait: true,
+        }
+    }
+}
+
+/// One submitted job, shared with its copy thread.
+#[derive(Debug)]
+struct HostJob {
+    id: JobId,
+    descs: Vec<CopyDesc>,
+    bytes: u64,
+    fail: bool,
+    state: AtomicU8,
+    nanos: AtomicU64,
+}
+
+/// A job waiting in its direction's FIFO.
+#[derive(Debug)]
+struct Pending {
+    job: Arc<HostJob>,
+    ready_at_poll: u64,
+    range: InFlightRange,
+}
+
+/// Lets a copy thread wake the thread blocked in `wait`.
+#[derive(Debug, Default)]
+struct WakeHook {
+    armed: AtomicBool,
+    waiter: Mutex<Option<Thread>>,
+}
+
+impl WakeHook {
+    fn notify(&self) {
+        if self.armed.load(Ordering::SeqCst)
+            && let Ok(w) = self.waiter.lock()
+            && let Some(t) = w.as_ref()
+        {
+            t.unpark();
+        }
+    }
+}
+
+/// The host memcpy backend. See the module docs.
+#[derive(Debug)]
+pub struct HostBackend {
+    layout: WorkerLayout,
+    _memory: Vec<Arc<HostBuffer>>,
+    senders: [Option<Sender<Arc<HostJob>>>; 2],
+    threads: [Option<JoinHandle<()>>; 2],
+    queues: [VecDeque<Pending>; 2],
+    stalled: HashMap<JobId, (Direction, Arc<HostJob>)>,
+    ids: HashSet<JobId>,
+    faults: HashMap<JobId, Fault>,
+    polls: u64,
+    table: DescriptorTable,
+    wake: Arc<WakeHook>,
+    help_in_wait: bool,
+}
+
+impl HostBackend {
+    /// A backend over `layout`, whose GPU regions and host pool must lie inside
+    /// `memory` (checked); the buffers are kept alive by the backend.
+    pub fn new(
+        layout: WorkerLayout,
+        memory: Vec<Arc<HostBuffer>>,
+        options: HostBackendOptions,
+    ) -> Result<Self, LayoutError> {
+        let inside = |what: String, (start, end): (u64, u64)| {
+            if memory.iter().any(|b| b.contains(start, end)) {
+                Ok(())
+            } else {
+                Err(LayoutError::OutsideBuffers { what, start, end })
+            }
+        };
+        for i in 0..layout.gpu().regions().len() {
+            let range = layout
+                .gpu()
+                .region_range(i)
+                .ok_or(LayoutError::Overflow("GPU region end"))?;
+            inside(format!("GPU region {i}"), range)?;
+        }
+        let pool = layout.host_range();
+        inside("host pool".to_string(), pool)?;
+        for i in 0..layout.gpu().regions().len() {
+            if let Some((start, end)) = layout.gpu().region_range(i)
+                && start < pool.1
+                && pool.0 < end
+            {
+                return Err(LayoutError::PoolOverlapsGpu { region: i });
+            }
+        }
+        // SAFETY: every address the layout can produce lies inside `memory`
+        // (checked above), which the backend keeps alive until its threads end.
+        Ok(unsafe { Self::build(layout, memory, options) })
+    }
+
+    /// A backend over memory owned elsewhere (for example a simulation's arena).
+    ///
+    /// # Safety
+    /// Every GPU region and the host pool of `layout` must be valid for reads and
+    /// writes for the lifetime of the backend, and nothing else may access bytes
+    /// of an in-flight job.
+    pub unsafe fn from_raw(layout: WorkerLayout, options: HostBackendOptions) -> Self {
+        // SAFETY: forwarded caller contract.
+        unsafe { Self::build(layout, Vec::new(), options) }
+    }
+
+    /// # Safety
+    /// As [`HostBackend::from_raw`].
+    unsafe fn build(
+        layout: WorkerLayout,
+        memory: Vec<Arc<HostBuffer>>,
+        options: HostBackendOptions,
+    ) -> Self {
+        let wake = Arc::new(WakeHook::default());
+        let mut senders = [None, None];
+        let mut threads = [None, None];
+        for dir in Direction::ALL {
+            let (tx, rx) = mpsc::channel();
+            let hook = wake.clone();
+            let spin = options.spin_checks;
+            let handle = thread::Builder::new()
+                .name(format!("kvoffload-host-{dir}"))
+                .spawn(move || copy_thread(rx, hook, spin));
+            match handle {
+                Ok(h) => {
+                    senders[dir.index()] = Some(tx);
+                    threads[dir.index()] = Some(h);
+                }
+                Err(e) => tracing::error!(%dir, error = %e, "cannot spawn a host copy thread"),
+            }
+        }
+        Self {
+            layout,
+            _memory: memory,
+            senders,
+            threads,
+            queues: [VecDeque::new(), VecDeque::new()],
+            stalled: HashMap::new(),
+            ids: HashSet::new(),
+            faults: HashMap::new(),
+            polls: 0,
+            table: DescriptorTable::default(),
+            wake,
+            help_in_wait: options.help_in_wait,
+        }
+    }
+
+    /// The layout this backend copies with.
+    pub fn layout(&self) -> &WorkerLayout {
+        &self.layout
+    }
+
+    /// Injects `fault` into `job` (it applies when the job is submitted).
+    pub fn set_fault(&mut self, job: JobId, fault: Fault) {
+        self.faults.insert(job, fault);
+    }
+
+    /// Lets a stalled job run now (a late completion). False if it is not stalled.
+    pub fn release_stalled(&mut self, job: JobId) -> bool {
+        let Some((dir, j)) = self.stalled.remove(&job) else {
+            return false;
+        };
+        let range = profiling::in_flight(dir, job, j.bytes);
+        if self.send(dir, j.clone()).is_err() {
+            self.stalled.insert(job, (dir, j));
+            return false;
+        }
+        self.queues[dir.index()].push_back(Pending {
+            job: j,
+            ready_at_poll: self.polls,
+            range,
+        });
+        true
+    }
+
+    /// Jobs held by a [`Fault::Stall`].
+    pub fn stalled(&self) -> Vec<JobId> {
+        let mut v: Vec<JobId> = self.stalled.keys().copied().collect();
+        v.sort();
+        v
+    }
+
+    fn send(&self, dir: Direction, job: Arc<HostJob>) -> Result<(), BackendError> {
+        self.senders[dir.index()]
+            .as_ref()
+            .ok_or(BackendError::WorkerGone(dir))?
+            .send(job)
+            .map_err(|_| BackendError::WorkerGone(dir))
+    }
+
+    fn submit(
+        &mut self,
+        dir: Direction,
+        job: JobId,
+        spec: &TransferSpec,
+    ) -> Result<(), BackendError> {
+        if self.ids.contains(&job) {
+            return Err(BackendError::DuplicateJob(job));
+        }
+        {
+            let _plan = profiling::phase(JobPhase::Plan, dir, job, 0);
+            plan(&self.layout, dir, spec, &mut self.table)?;
+        }
+        let bytes = self.table.bytes;
+        let _submit = profiling::phase(JobPhase::Submit, dir, job, bytes);
+        let fault = self.faults.remove(&job);
+        let descs = std::mem::take(&mut self.table.descs);
+        let host_job = Arc::new(HostJob {
+            id: job,
+            descs,
+            bytes,
+            fail: fault == Some(Fault::Fail),
+            state: AtomicU8::new(PENDING),
+            nanos: AtomicU64::new(0),
+        });
+        if fault == Some(Fault::Stall) {
+            tracing::debug!(%job, %dir, "fault injection: job stalls");
+            self.stalled.insert(job, (dir, host_job));
+            self.ids.insert(job);
+            return Ok(());
+        }
+        let delay = match fault {
+            Some(Fault::DelayPolls(n)) => u64::from(n),
+            _ => 0,
+        };
+        let range = profiling::in_flight(dir, job, bytes);
+        self.send(dir, host_job.clone())?;
+        self.ids.insert(job);
+        self.queues[dir.index()].push_back(Pending {
+            job: host_job,
+            ready_at_poll: self.polls + delay,
+            range,
+        });
+        Ok(())
+    }
+
+    /// Copies, on the calling thread, the not-yet-claimed jobs of each direction
+    /// up to the last of `jobs`, in FIFO order, stopping at a job being copied.
+    fn help(&self, jobs: &[JobId]) {
+        for queue in &self.queues {
+            let Some(last) = queue.iter().rposition(|p| jobs.contains(&p.job.id)) else {
+                continue;
+            };
+            for p in queue.iter().take(last + 1) {
+                let state = p.job.state.load(Ordering::Acquire);
+                if finished(state) {
+                    continue;
+                }
+                if state == RUNNING || !claim(&p.job) {
+                    break;
+                }
+                run_claimed(&p.job);
+            }
+        }
+    }
+
+    fn find(&self, job: JobId) -> Option<&Arc<HostJob>> {
+        self.queues
+            .iter()
+            .flat_map(|q| q.iter())
+            .map(|p| &p.job)
+            .find(|j| j.id == job)
+            .or_else(|| self.stalled.get(&job).map(|(_, j)| j))
+    }
+}
+
+impl TransferBackend for HostBackend {
+    fn submit_store(&mut self, job: JobId, spec: &TransferSpec) -> Result<(), BackendError> {
+        self.submit(Direction::Store, job, spec)
+    }
+
+    fn submit_load(&mut self, job: JobId, spec: &TransferSpec) -> Result<(), BackendError> {
+        self.submit(Direction::Load, job, spec)
+    }
+
+    fn poll(&mut self, out: &mut Vec<TransferResult>) {
+        self.polls += 1;
+        for dir in Direction::ALL {
+            let queue = &mut self.queues[dir.index()];
+            while let Some(front) = queue.front() {
+                if front.ready_at_poll > self.polls {
+                    break;
+                }
+                let state = front.job.state.load(Ordering::Acquire);
+                if !finished(state) {
+                    break;
+                }
+                let Some(p) = queue.pop_front() else { break };
+                let success = state == DONE;
+                let _complete = profiling::phase(JobPhase::Complete, dir, p.job.id, p.job.bytes);
+                p.range.end();
+                self.ids.remove(&p.job.id);
+                out.push(TransferResult {
+                    job: p.job.id,
+                    direction: dir,
+                    success,
+                    bytes: if success { p.job.bytes } else { 0 },
+                    duration: Duration::from_nanos(p.job.nanos.load(Ordering::Relaxed)),
+                });
+            }
+        }
+    }
+
+    fn wait(&mut self, jobs: &[JobId], timeout: Option<Duration>) -> Result<(), BackendError> {
+        let targets: Vec<Arc<HostJob>> =
+            jobs.iter().filter_map(|&j| self.find(j).cloned()).collect();
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let done = |t: &[Arc<HostJob>]| t.iter().all(|j| finished(j.state.load(Ordering::SeqCst)));
+        if let Ok(mut w) = self.wake.waiter.lock() {
+            *w = Some(thread::current());
+        }
+        let mut spins = 0u32;
+        let result = loop {
+            if done(&targets) {
+                break Ok(());
+            }
+            if self.help_in_wait {
+                self.help(jobs);
+                if done(&targets) {
+                    break Ok(());
+                }
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                break Err(BackendError::WaitTimedOut {
+                    pending: targets
+                        .iter()
+                        .filter(|j| !finished(j.state.load(Ordering::SeqCst)))
+                        .map(|j| j.id)
+                        .collect(),
+                });
+            }
+            // Spin, then yield (cheap while the copy runs on another core), then park.
+            if spins < WAIT_SPINS {
+                spins += 1;
+                if spins.is_multiple_of(64) {
+                    thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            self.wake.armed.store(true, Ordering::SeqCst);
+            if done(&targets) {
+                break Ok(());
+            }
+            let nap = Duration::from_millis(1);
+            let nap = deadline.map_or(nap, |d| nap.min(d.saturating_duration_since(now)));
+            thread::park_timeout(nap);
+        };
+        self.wake.armed.store(false, Ordering::SeqCst);
+        result
+    }
+
+    fn in_flight(&self) -> usize {
+        self.ids.len()
+    }
+}
+
+impl Drop for HostBackend {
+    fn drop(&mut self) {
+        for s in &mut self.senders {
+            s.take();
+        }
+        for t in &mut self.threads {
+            if let Some(h) = t.take()
+                && h.join().is_err()
+            {
+                tracing::error!("a host copy thread panicked");
+            }
+        }
+    }
+}
+
+/// Receives the next job, spinning `spin` checks before blocking; None when the
+/// backend is gone.
+fn next_job(rx: &Receiver<Arc<HostJob>>, spin: u32) -> Option<Arc<HostJob>> {
+    for i in 0..spin {
+        match rx.try_recv() {
+            Ok(j) => return Some(j),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) => {
+                if i % 64 == 63 {
+                    thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        }
+    }
+    rx.recv().ok()
+}
+
+/// Claims a pending job for the calling thread; false if someone else has it.
+fn claim(job: &HostJob) -> bool {
+    job.state
+        .compare_exchange(PENDING, RUNNING, Ordering::AcqRel, Ordering::Acquire)
+        .is_ok()
+}
+
+/// Copies (or fails) a job claimed by the calling thread and publishes the result.
+fn run_claimed(job: &HostJob) {
+    let start = Instant::now();
+    if !job.fail {
+        for d in &job.descs {
+            // SAFETY: the descriptors were built from a validated spec over a
+            // layout whose memory is valid for the backend's lifetime (checked in
+            // `HostBackend::new`, promised in `from_raw`); nothing else touches an
+            // in-flight job's bytes, and the claim makes this thread the only one
+            // copying this job. Source (GPU stand-in or pool) and destination (the
+            // other one) never overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    d.src as *const u8,
+                    d.dst as *mut u8,
+                    d.bytes as usize,
+                )
+            };
+        }
+    }
+    let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    job.nanos.store(nanos, Ordering::Relaxed);
+    job.state
+        .store(if job.fail { FAILED } else { DONE }, Ordering::SeqCst);
+}
+
+fn copy_thread(rx: Receiver<Arc<HostJob>>, wake: Arc<WakeHook>, spin: u32) {
+    let mut prev: Option<Arc<HostJob>> = None;
+    while let Some(job) = next_job(&rx, spin) {
+        // Copies of one direction never overlap in time and run in submission
+        // order: if a waiter claimed the previous job, let it finish first.
+        if let Some(p) = prev.take() {
+            wait_finished(&p);
+        }
+        // A waiter may have claimed this one too (`help_in_wait`).
+        if claim(&job) {
+            run_claimed(&job);
+            wake.notify();
+        }
+        prev = Some(job);
+    }
+}
+
+/// Spins (yielding) until a job claimed by another thread is finished; that
+/// thread is copying it right now, so this is short.
+fn wait_finished(job: &HostJob) {
+    let mut i = 0u32;
+    while !finished(job.state.load(Ordering::Acquire)) {
+        i = i.wrapping_add(1);
+        if i.is_multiple_of(64) {
+            thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! The data plane: layouts, descriptor tables, transfer backends (host memcpy
+//! and CUDA) and the worker's per-step hooks.
+//!
+//! - [`layout`]: GPU pages and host chunk rows, paired per worker;
+//! - [`descriptors`]: `(src, dst, bytes)` tables with runs coalesced;
+//! - [`backend`]: the [`TransferBackend`] trait;
+//! - [`host_backend`]: memcpy on threads, the reference and no-GPU default;
+//! - [`cuda`]: DMA, custom kernels and CUDA graphs (needs a driver at run time);
+//! - [`worker_hooks`]: [`OffloadWorker`], driven by a [`StepPlan`] each step.
+
+pub mod backend;
+pub mod cuda;
+pub mod descriptors;
+pub mod error;
+pub mod fault;
+pub mod host_backend;
+pub mod host_buffer;
+pub mod layout;
+pub mod plan;
+pub mod worker_hooks;
+
+pub use backend::{Direction, TransferBackend, TransferResult};
+pub use descriptors::{CopyDesc, DescriptorTable, plan as plan_descriptors};
+pub use error::{BackendError, LayoutError, SpecError};
+pub use fault::Fault;
+pub use host_backend::{HostBackend, HostBackendOptions};
+pub use host_buffer::{HostBuffer, HostBufferError};
+pub use layout::{
+    GpuLayout, GpuLayoutKind, GpuRegion, HostRowLayout, SlotLayout, TransferSpec, WorkerLayout,
+};
+pub use plan::{DirectionStats, LoadJob, StepPlan, StoreJob, TransferStats, WorkerReport};
+pub use worker_hooks::{OffloadWorker, WorkerError};

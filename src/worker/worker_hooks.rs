@@ -1,0 +1,194 @@
+//! The worker's per-step hooks (vLLM's `OffloadingConnectorWorker`, reference
+//! section A.6): flush on preemption, start transfers, queue stores for the next
+//! step, collect completions.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::ids::{JobId, RequestId};
+
+use super::backend::{Direction, TransferBackend, TransferResult};
+use super::error::BackendError;
+use super::plan::{StepPlan, StoreJob, WorkerReport};
+
+/// An error of a worker hook.
+#[derive(Debug, Error)]
+pub enum WorkerError {
+    /// Waiting on flushed jobs or synchronous loads failed (for example timed out).
+    #[error("waiting on transfers failed: {0}")]
+    Wait(#[source] BackendError),
+}
+
+/// One worker (one GPU, or one simulated rank) driving a transfer backend.
+#[derive(Debug)]
+pub struct OffloadWorker<B> {
+    backend: B,
+    store_writer: bool,
+    wait_timeout: Option<Duration>,
+    load_jobs: HashMap<JobId, Option<RequestId>>,
+    unsubmitted: Vec<StoreJob>,
+    report: WorkerReport,
+    results: Vec<TransferResult>,
+}
+
+impl<B: TransferBackend> OffloadWorker<B> {
+    /// A worker over `backend`. A worker that is not the store writer (a
+    /// replicated layout's rank > 0) acknowledges stores without copying.
+    pub fn new(backend: B, store_writer: bool) -> Self {
+        Self {
+            backend,
+            store_writer,
+            wait_timeout: None,
+            load_jobs: HashMap::new(),
+            unsubmitted: Vec::new(),
+            report: WorkerReport::default(),
+            results: Vec::new(),
+        }
+    }
+
+    /// Bounds the flush and sync-load waits (default: none, as vLLM).
+    pub fn with_wait_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.wait_timeout = timeout;
+        self
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The backend, mutably (fault injection in tests and simulations).
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
+    /// Whether this worker copies stores.
+    pub fn is_store_writer(&self) -> bool {
+        self.store_writer
+    }
+
+    /// Stores queued for the next step.
+    pub fn queued_stores(&self) -> usize {
+        self.unsubmitted.len()
+    }
+
+    /// Step hook 1, before the step's inputs are prepared: every flushed store of
+    /// this step's plan is taken out of `plan.stores` and queued, all queued stores
+    /// are submitted, then the flushed jobs (stores or loads) are waited for.
+    pub fn handle_preemptions(&mut self, plan: &mut StepPlan) -> Result<(), WorkerError> {
+        if plan.flush.is_empty() {
+            return Ok(());
+        }
+        let flushed: Vec<StoreJob> = {
+            let mut kept = Vec::with_capacity(plan.stores.len());
+            let mut taken = Vec::new();
+            for s in plan.stores.drain(..) {
+                if plan.flush.contains(&s.job) {
+                    taken.push(s);
+                } else {
+                    kept.push(s);
+                }
+            }
+            plan.stores = kept;
+            taken
+        };
+        for s in flushed {
+            self.queue_store(s);
+        }
+        self.submit_queued_stores();
+        self.backend
+            .wait(&plan.flush, self.wait_timeout)
+            .map_err(WorkerError::Wait)
+    }
+
+    /// Step hook 2: submits the stores queued in the previous step, then this
+    /// step's loads; synchronous loads (no request) are waited for.
+    pub fn start_transfers(&mut self, plan: &StepPlan) -> Result<(), WorkerError> {
+        self.submit_queued_stores();
+        let mut sync = Vec::new();
+        for l in &plan.loads {
+            match self.backend.submit_load(l.job, &l.spec) {
+                Ok(()) => {
+                    self.load_jobs.insert(l.job, l.request);
+                    if l.request.is_none() {
+                        sync.push(l.job);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(job = %l.job, error = %e, "load refused; reported as failed");
+                    self.fail(l.job, l.request);
+                }
+            }
+        }
+        if sync.is_empty() {
+            return Ok(());
+        }
+        self.backend
+            .wait(&sync, self.wait_timeout)
+            .map_err(WorkerError::Wait)
+    }
+
+    /// Step hook 3: queues this step's stores for the next step (a non-writer
+    /// acknowledges them at once).
+    pub fn queue_stores(&mut self, plan: &mut StepPlan) {
+        for s in plan.stores.drain(..) {
+            self.queue_store(s);
+        }
+    }
+
+    /// Step hook 4: everything that finished since the last call.
+    pub fn get_finished(&mut self) -> WorkerReport {
+        self.backend.poll(&mut self.results);
+        for r in self.results.drain(..) {
+            *self.report.completed.entry(r.job).or_insert(0) += 1;
+            let request = match r.direction {
+                Direction::Load => self.load_jobs.remove(&r.job).flatten(),
+                Direction::Store => None,
+            };
+            if r.success {
+                let s = self.report.stats.get_mut(r.direction);
+                s.jobs += 1;
+                s.bytes += r.bytes;
+                s.time += r.duration;
+                s.sizes.push(r.bytes);
+                if let Some(req) = request {
+                    self.report.finished_loads.push(req);
+                }
+            } else {
+                tracing::warn!(job = %r.job, direction = %r.direction, "transfer failed");
+                self.report.failed.push(r.job);
+                if let Some(req) = request {
+                    self.report.failed_loads.push(req);
+                }
+            }
+        }
+        std::mem::take(&mut self.report)
+    }
+
+    fn queue_store(&mut self, s: StoreJob) {
+        if self.store_writer {
+            self.unsubmitted.push(s);
+        } else {
+            *self.report.completed.entry(s.job).or_insert(0) += 1;
+        }
+    }
+
+    fn submit_queued_stores(&mut self) {
+        for s in std::mem::take(&mut self.unsubmitted) {
+            if let Err(e) = self.backend.submit_store(s.job, &s.spec) {
+                tracing::warn!(job = %s.job, error = %e, "store refused; reported as failed");
+                self.fail(s.job, None);
+            }
+        }
+    }
+
+    fn fail(&mut self, job: JobId, request: Option<RequestId>) {
+        *self.report.completed.entry(job).or_insert(0) += 1;
+        self.report.failed.push(job);
+        if let Some(req) = request {
+            self.report.failed_loads.push(req);
+        }
+    }
+}

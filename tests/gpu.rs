@@ -1,0 +1,383 @@
+//! GPU tests of the CUDA backend. Without a driver or a device each test prints
+//! `SKIP: <reason>` and passes. With a GPU, every strategy (DMA, batch DMA,
+//! kernel, kernel in a graph) is checked against the host backend on random
+//! data, with the pinned pool, events, and graph replay with refreshed tables.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::CudaContext;
+use kvoffload::ids::JobId;
+use kvoffload::worker::cuda::{
+    CudaBackend, CudaBackendOptions, CudaError, DeviceBuffer, PinnedBuffer, PinnedKind, Strategy,
+    open_context,
+};
+use kvoffload::worker::{
+    Direction, GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout,
+    TransferBackend, TransferResult, TransferSpec, WorkerLayout,
+};
+
+const LONG: Option<Duration> = Some(Duration::from_secs(60));
+
+fn gpu_or_skip(test: &str) -> Option<Arc<CudaContext>> {
+    match open_context(0) {
+        Ok(ctx) => Some(ctx),
+        Err(e) => {
+            println!("SKIP: {e} [{test}]");
+            None
+        }
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+    fn distinct(&mut self, n: usize, lo: u32, hi: u32) -> Vec<u32> {
+        let mut all: Vec<u32> = (lo..hi).collect();
+        for i in (1..all.len()).rev() {
+            let j = (self.next() % (i as u64 + 1)) as usize;
+            all.swap(i, j);
+        }
+        all.truncate(n);
+        all
+    }
+}
+
+/// Shape of one test layout.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    layers: usize,
+    page: u64,
+    stride: u64,
+    cross: bool,
+    bpc: u32,
+    blocks: u32,
+    chunks: u32,
+}
+
+fn layout(s: Shape, gpu_base: u64, pool_base: u64) -> WorkerLayout {
+    let span = s.stride * u64::from(s.blocks);
+    let gpu = if s.cross {
+        GpuLayout::cross_layer(gpu_base, s.blocks, s.stride, s.page).unwrap()
+    } else {
+        let bases: Vec<u64> = (0..s.layers as u64).map(|l| gpu_base + l * span).collect();
+        GpuLayout::per_layer(&bases, s.blocks, s.stride, s.page).unwrap()
+    };
+    let tensors = if s.cross { 1 } else { s.layers };
+    let row = HostRowLayout::uniform(s.bpc, 2, &vec![s.page; tensors]).unwrap();
+    WorkerLayout::new(gpu, row, 1, pool_base, s.chunks).unwrap()
+}
+
+fn gpu_bytes(s: Shape) -> usize {
+    (s.stride * u64::from(s.blocks)) as usize * if s.cross { 1 } else { s.layers }
+}
+
+fn finish<B: TransferBackend>(b: &mut B, job: JobId) -> TransferResult {
+    b.wait(&[job], LONG).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..10_000 {
+        b.poll(&mut out);
+        if !out.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(out.len(), 1, "{job} did not report");
+    out.remove(0)
+}
+
+/// The device side and its host-backend reference, loaded with the same bytes.
+/// Field order matters: the backends drop (and synchronise) before the buffers.
+struct Pair {
+    cuda: CudaBackend,
+    host: HostBackend,
+    dev_gpu: DeviceBuffer,
+    pool: PinnedBuffer,
+    ref_gpu: Arc<HostBuffer>,
+    ref_pool: Arc<HostBuffer>,
+}
+
+impl Pair {
+    fn new(ctx: &Arc<CudaContext>, s: Shape, pinned: PinnedKind) -> Result<Self, CudaError> {
+        let gbytes = gpu_bytes(s);
+        let row =
+            HostRowLayout::uniform(s.bpc, 2, &vec![s.page; if s.cross { 1 } else { s.layers }])
+                .unwrap()
+                .row_bytes();
+        let pbytes = (row * u64::from(s.chunks)) as usize;
+        let dev_gpu = DeviceBuffer::new(ctx, gbytes)?;
+        let pool = match pinned {
+            PinnedKind::HostAlloc => PinnedBuffer::host_alloc(ctx, pbytes)?,
+            PinnedKind::Registered => PinnedBuffer::registered(ctx, pbytes, 1 << 20)?,
+        };
+        let ref_gpu = Arc::new(HostBuffer::new(gbytes).unwrap());
+        let ref_pool = Arc::new(HostBuffer::new(pbytes).unwrap());
+        let compute = ctx.new_stream().map_err(|e| CudaError::Driver {
+            op: "stream",
+            message: format!("{e:?}"),
+        })?;
+        // SAFETY: the device buffer and pinned pool live in the same `Pair`, whose
+        // field order drops the backend (which synchronises its streams) first.
+        let cuda = unsafe {
+            CudaBackend::new(
+                ctx.clone(),
+                layout(s, dev_gpu.addr(), pool.addr()),
+                compute,
+                CudaBackendOptions::default(),
+            )?
+        };
+        let host = HostBackend::new(
+            layout(s, ref_gpu.addr(), ref_pool.addr()),
+            vec![ref_gpu.clone(), ref_pool.clone()],
+            HostBackendOptions::default(),
+        )
+        .unwrap();
+        Ok(Self {
+            dev_gpu,
+            pool,
+            ref_gpu,
+            ref_pool,
+            cuda,
+            host,
+        })
+    }
+
+    fn randomise(&self, rng: &mut Rng) -> Result<(), CudaError> {
+        let g = rng.bytes(self.ref_gpu.len());
+        let p = rng.bytes(self.ref_pool.len());
+        self.dev_gpu.upload(0, &g)?;
+        // SAFETY: no job in flight on either backend.
+        unsafe {
+            self.ref_gpu.write(0, &g);
+            self.pool.write(0, &p);
+            self.ref_pool.write(0, &p);
+        }
+        Ok(())
+    }
+
+    /// Runs `spec` on both backends and compares both sides in full.
+    fn check(
+        &mut self,
+        dir: Direction,
+        job: JobId,
+        spec: &TransferSpec,
+        what: &str,
+    ) -> Result<(), CudaError> {
+        for b in [&mut self.cuda as &mut dyn TransferBackend, &mut self.host] {
+            match dir {
+                Direction::Store => b.submit_store(job, spec).unwrap(),
+                Direction::Load => b.submit_load(job, spec).unwrap(),
+            }
+        }
+        let rc = finish(&mut self.cuda, job);
+        let rh = finish(&mut self.host, job);
+        assert!(rc.success, "{what}: CUDA job failed");
+        assert_eq!(rc.bytes, rh.bytes, "{what}");
+        assert_eq!(rc.direction, dir);
+        // SAFETY: both jobs finished.
+        let (pool, ref_pool) = unsafe {
+            (
+                self.pool.read(0, self.pool.len()),
+                self.ref_pool.read(0, self.ref_pool.len()),
+            )
+        };
+        assert!(
+            pool == ref_pool,
+            "{what}: host pool differs from the reference"
+        );
+        let dev = self.dev_gpu.download(0, self.dev_gpu.len())?;
+        // SAFETY: both jobs finished.
+        let reference = unsafe { self.ref_gpu.read(0, self.ref_gpu.len()) };
+        assert!(
+            dev == reference,
+            "{what}: GPU cache differs from the reference"
+        );
+        Ok(())
+    }
+}
+
+fn shapes() -> Vec<Shape> {
+    vec![
+        // Per-layer, 16 KiB pages (aligned, vectorised path), one block per chunk.
+        Shape {
+            layers: 4,
+            page: 16 << 10,
+            stride: 16 << 10,
+            cross: false,
+            bpc: 1,
+            blocks: 256,
+            chunks: 128,
+        },
+        // Per-layer, padded stride and odd page bytes (byte path), 4 blocks per chunk.
+        Shape {
+            layers: 3,
+            page: 1000,
+            stride: 1024,
+            cross: false,
+            bpc: 4,
+            blocks: 128,
+            chunks: 64,
+        },
+        // Cross-layer, 256 KiB blocks.
+        Shape {
+            layers: 1,
+            page: 256 << 10,
+            stride: 256 << 10,
+            cross: true,
+            bpc: 2,
+            blocks: 64,
+            chunks: 48,
+        },
+    ]
+}
+
+fn spec(rng: &mut Rng, s: Shape, n: usize, contiguous: bool, first: u32) -> TransferSpec {
+    let blocks: Vec<u32> = if contiguous {
+        let start = 1 + (rng.next() % u64::from(s.blocks - n as u32)) as u32;
+        (start..start + n as u32).collect()
+    } else {
+        rng.distinct(n, 1, s.blocks)
+    };
+    let need = ((first % s.bpc) as usize + n).div_ceil(s.bpc as usize);
+    let chunks = rng.distinct(need, 0, s.chunks);
+    TransferSpec::new(&blocks, first, &chunks)
+}
+
+#[test]
+#[cfg_attr(miri, ignore)]
+fn every_strategy_matches_the_host_backend() {
+    let Some(ctx) = gpu_or_skip("every_strategy_matches_the_host_backend") else {
+        return;
+    };
+    let mut rng = Rng(0xC0FFEE);
+    let mut job = 0u64;
+    for s in shapes() {
+        let mut p = Pair::new(&ctx, s, PinnedKind::HostAlloc).expect("setup");
+        if !p.cuda.has_kernels() {
+            println!("SKIP: kernels not built; kernel strategies fall back to DMA [{s:?}]");
+        }
+        if !p.cuda.has_batch_copy() {
+            println!("NOTE: cuMemcpyBatchAsync absent; batch DMA falls back to per-run DMA");
+        }
+        for strategy in Strategy::ALL {
+            p.cuda.force_strategy(Some(strategy));
+            for dir in Direction::ALL {
+                for (n, contiguous, first) in
+                    [(1, true, 0), (16, true, 1), (24, false, 3), (48, false, 0)]
+                {
+                    let n = n.min(s.blocks as usize - 2);
+                    p.randomise(&mut rng).expect("randomise");
+                    job += 1;
+                    let sp = spec(&mut rng, s, n, contiguous, first);
+                    let what = format!(
+                        "{strategy:?} {dir} n={n} contiguous={contiguous} first={first} {s:?}"
+                    );
+                    p.check(dir, JobId(job), &sp, &what).expect("check");
+                }
+            }
+        }
+        let st = p.cuda.stats();
+        println!("stats {s:?}: {st:?}");
+        if p.cuda.has_kernels() {
+            assert!(st.jobs_by_strategy[2] > 0 && st.jobs_by_strategy[3] > 0);
+        }
+    }
+}
+
+#[test]
+#[cfg_attr(miri, ignore)]
+fn graph_replays_with_a_refreshed_table() {
+    let Some(ctx) = gpu_or_skip("graph_replays_with_a_refreshed_table") else {
+        return;
+    };
+    let s = shapes()[0];
+    let mut p = Pair::new(&ctx, s, PinnedKind::HostAlloc).expect("setup");
+    if !p.cuda.has_kernels() {
+        println!("SKIP: kernels not built [graph_replays_with_a_refreshed_table]");
+        return;
+    }
+    p.cuda.force_strategy(Some(Strategy::KernelGraph));
+    let mut rng = Rng(99);
+    // Same bucket (<= 64 descriptors after splitting), many different tables.
+    for j in 0..8u64 {
+        p.randomise(&mut rng).expect("randomise");
+        let dir = if j % 2 == 0 {
+            Direction::Store
+        } else {
+            Direction::Load
+        };
+        let sp = spec(&mut rng, s, 3 + j as usize, false, 0);
+        p.check(dir, JobId(100 + j), &sp, &format!("replay {j}"))
+            .expect("check");
+    }
+    // Two ring slots per direction and bucket: at most 4 captures for 8 jobs.
+    let st = p.cuda.stats().clone();
+    assert!(st.graphs_captured <= 4, "{st:?}");
+    assert_eq!(st.jobs_by_strategy[3], 8);
+}
+
+#[test]
+#[cfg_attr(miri, ignore)]
+fn registered_pool_and_fifo_events() {
+    let Some(ctx) = gpu_or_skip("registered_pool_and_fifo_events") else {
+        return;
+    };
+    let s = shapes()[1];
+    let mut p = Pair::new(&ctx, s, PinnedKind::Registered).expect("setup");
+    assert_eq!(p.pool.kind(), PinnedKind::Registered);
+    let mut rng = Rng(5);
+    p.randomise(&mut rng).expect("randomise");
+    // Many jobs in flight at once: FIFO per direction from event queries.
+    let mut submitted = [Vec::new(), Vec::new()];
+    for j in 0..32u64 {
+        let dir = if j % 3 == 0 {
+            Direction::Load
+        } else {
+            Direction::Store
+        };
+        let sp = spec(&mut rng, s, 1 + (j as usize % 7), false, 0);
+        match dir {
+            Direction::Store => p.cuda.submit_store(JobId(j), &sp).unwrap(),
+            Direction::Load => p.cuda.submit_load(JobId(j), &sp).unwrap(),
+        }
+        submitted[dir.index()].push(JobId(j));
+    }
+    let all: Vec<JobId> = (0..32).map(JobId).collect();
+    p.cuda.wait(&all, LONG).unwrap();
+    let mut out = Vec::new();
+    p.cuda.poll(&mut out);
+    let mut seen = [Vec::new(), Vec::new()];
+    for r in &out {
+        assert!(r.success);
+        seen[r.direction.index()].push(r.job);
+    }
+    assert_eq!(seen, submitted);
+    assert!(
+        out.iter().map(|r| r.duration).sum::<Duration>() > Duration::ZERO,
+        "event timing"
+    );
+}
+
+#[test]
+#[cfg_attr(miri, ignore)]
+fn without_a_driver_everything_is_a_typed_error() {
+    match open_context(0) {
+        Ok(_) => {
+            println!("SKIP: a driver is present [without_a_driver_everything_is_a_typed_error]")
+        }
+        Err(e) => {
+            println!("SKIP: {e} [GPU half of the suite]");
+            assert!(matches!(
+                e,
+                CudaError::NoDriver | CudaError::NoDevice(_) | CudaError::Panicked { .. }
+            ));
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! Worker step hooks over the host backend (reference section A.6).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvoffload::ids::{JobId, RequestId};
+use kvoffload::worker::{
+    Fault, GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, LoadJob,
+    OffloadWorker, StepPlan, StoreJob, TransferBackend, TransferSpec, WorkerLayout, WorkerReport,
+};
+
+const PAGE: u64 = 1024;
+const BLOCKS: u32 = 32;
+const CHUNKS: u32 = 16;
+
+struct Rig {
+    gpu: Arc<HostBuffer>,
+    pool: Arc<HostBuffer>,
+    worker: OffloadWorker<HostBackend>,
+}
+
+fn rig(store_writer: bool) -> Rig {
+    let gpu = Arc::new(HostBuffer::new((PAGE * u64::from(BLOCKS)) as usize).unwrap());
+    let pool = Arc::new(HostBuffer::new(4096 * CHUNKS as usize).unwrap());
+    let layout = WorkerLayout::new(
+        GpuLayout::cross_layer(gpu.addr(), BLOCKS, PAGE, PAGE).unwrap(),
+        HostRowLayout::uniform(1, 1, &[PAGE]).unwrap(),
+        0,
+        pool.addr(),
+        CHUNKS,
+    )
+    .unwrap();
+    let backend = HostBackend::new(
+        layout,
+        vec![gpu.clone(), pool.clone()],
+        HostBackendOptions::default(),
+    )
+    .unwrap();
+    let worker =
+        OffloadWorker::new(backend, store_writer).with_wait_timeout(Some(Duration::from_secs(30)));
+    // SAFETY: no job in flight.
+    unsafe {
+        for b in 0..BLOCKS {
+            gpu.write(
+                (u64::from(b) * PAGE) as usize,
+                &vec![b as u8; PAGE as usize],
+            );
+        }
+        pool.fill(0xEE);
+    }
+    Rig { gpu, pool, worker }
+}
+
+fn store(job: u64, block: u32, chunk: u32) -> StoreJob {
+    StoreJob {
+        job: JobId(job),
+        spec: TransferSpec::new(&[block], 0, &[chunk]),
+    }
+}
+
+fn load(job: u64, req: Option<u64>, block: u32, chunk: u32) -> LoadJob {
+    LoadJob {
+        job: JobId(job),
+        request: req.map(RequestId),
+        spec: TransferSpec::new(&[block], 0, &[chunk]),
+    }
+}
+
+/// Runs the four hooks of one step.
+fn step(w: &mut OffloadWorker<HostBackend>, mut plan: StepPlan) -> WorkerReport {
+    w.handle_preemptions(&mut plan).unwrap();
+    w.start_transfers(&plan).unwrap();
+    w.queue_stores(&mut plan);
+    w.get_finished()
+}
+
+/// Collects reports until `n` jobs completed (bounded; waits on the backend, never a timer).
+fn drain(w: &mut OffloadWorker<HostBackend>, jobs: &[JobId], n: usize) -> WorkerReport {
+    w.backend_mut()
+        .wait(jobs, Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut all = WorkerReport::default();
+    for _ in 0..1000 {
+        let r = w.get_finished();
+        for (k, v) in r.completed {
+            *all.completed.entry(k).or_insert(0) += v;
+        }
+        all.finished_loads.extend(r.finished_loads);
+        all.failed_loads.extend(r.failed_loads);
+        all.failed.extend(r.failed);
+        all.stats.store.bytes += r.stats.store.bytes;
+        all.stats.load.bytes += r.stats.load.bytes;
+        all.stats.store.jobs += r.stats.store.jobs;
+        all.stats.load.jobs += r.stats.load.jobs;
+        if all.completed.len() >= n {
+            break;
+        }
+    }
+    all
+}
+
+fn chunk_byte(r: &Rig, chunk: u32) -> u8 {
+    // SAFETY: callers only read after the jobs touching this chunk finished.
+    unsafe { r.pool.read(4096 * chunk as usize, 1)[0] }
+}
+
+#[test]
+fn stores_are_queued_for_the_next_step_then_complete_with_stats() {
+    let mut r = rig(true);
+    let report = step(
+        &mut r.worker,
+        StepPlan {
+            stores: vec![store(1, 5, 2)],
+            ..Default::default()
+        },
+    );
+    assert!(report.is_empty());
+    assert_eq!(r.worker.queued_stores(), 1);
+    assert_eq!(
+        r.worker.backend().in_flight(),
+        0,
+        "not submitted in its own step"
+    );
+    // The store may already finish within the step that submits it.
+    let early = step(&mut r.worker, StepPlan::default());
+    let report = if early.completed.is_empty() {
+        drain(&mut r.worker, &[JobId(1)], 1)
+    } else {
+        early
+    };
+    assert_eq!(report.completed.get(&JobId(1)), Some(&1));
+    assert_eq!(report.stats.store.bytes, PAGE);
+    assert_eq!(report.stats.store.jobs, 1);
+    assert_eq!(chunk_byte(&r, 2), 5);
+}
+
+#[test]
+fn loads_start_in_their_step_and_report_their_request() {
+    let mut r = rig(true);
+    // Put a known chunk in the pool first.
+    step(
+        &mut r.worker,
+        StepPlan {
+            stores: vec![store(1, 7, 3)],
+            ..Default::default()
+        },
+    );
+    step(&mut r.worker, StepPlan::default());
+    drain(&mut r.worker, &[JobId(1)], 1);
+    let report = step(
+        &mut r.worker,
+        StepPlan {
+            loads: vec![load(2, Some(40), 9, 3)],
+            ..Default::default()
+        },
+    );
+    let mut report2 = drain(&mut r.worker, &[JobId(2)], 1);
+    report2.completed.extend(report.completed);
+    report2.finished_loads.extend(report.finished_loads);
+    assert_eq!(report2.completed.get(&JobId(2)), Some(&1));
+    assert_eq!(report2.finished_loads, vec![RequestId(40)]);
+    // SAFETY: the load finished.
+    assert_eq!(
+        unsafe { r.gpu.read(9 * PAGE as usize, PAGE as usize) },
+        vec![7u8; PAGE as usize]
+    );
+}
+
+#[test]
+fn sync_loads_are_waited_in_the_step_and_not_reported_as_recving() {
+    let mut r = rig(true);
+    let mut plan = StepPlan {
+        loads: vec![load(3, None, 4, 0)],
+        ..Default::default()
+    };
+    r.worker.handle_preemptions(&mut plan).unwrap();
+    r.worker.start_transfers(&plan).unwrap();
+    // Already done without polling: the bytes are in place.
+    // SAFETY: the sync load was waited for.
+    assert_eq!(unsafe { r.gpu.read(4 * PAGE as usize, 1) }, vec![0xEE]);
+    let report = drain(&mut r.worker, &[JobId(3)], 1);
+    assert_eq!(report.completed.get(&JobId(3)), Some(&1));
+    assert!(report.finished_loads.is_empty());
+}
+
+#[test]
+fn preemption_flushes_this_steps_and_queued_stores_before_compute() {
+    let mut r = rig(true);
+    // Step N queues store 1; step N+1 plans store 2 and flushes both.
+    step(
+        &mut r.worker,
+        StepPlan {
+            stores: vec![store(1, 1, 1)],
+            ..Default::default()
+        },
+    );
+    let mut plan = StepPlan {
+        stores: vec![store(2, 2, 2), store(3, 3, 3)],
+        flush: vec![JobId(1), JobId(2), JobId(99)],
+        ..Default::default()
+    };
+    r.worker.handle_preemptions(&mut plan).unwrap();
+    assert_eq!(plan.stores.len(), 1, "the flushed store left the plan");
+    assert_eq!(plan.stores[0].job, JobId(3));
+    // Both flushed stores are done (waited), before any poll.
+    assert_eq!(chunk_byte(&r, 1), 1);
+    assert_eq!(chunk_byte(&r, 2), 2);
+    assert_eq!(
+        chunk_byte(&r, 3),
+        0xEE,
+        "the unflushed store waits for the next step"
+    );
+    r.worker.start_transfers(&plan).unwrap();
+    r.worker.queue_stores(&mut plan);
+    assert_eq!(r.worker.queued_stores(), 1);
+    let report = drain(&mut r.worker, &[JobId(1), JobId(2)], 2);
+    assert_eq!(report.completed.len(), 2);
+}
+
+#[test]
+fn a_non_writer_acknowledges_stores_without_copying() {
+    let mut r = rig(false);
+    let report = step(
+        &mut r.worker,
+        StepPlan {
+            stores: vec![store(1, 5, 2)],
+            ..Default::default()
+        },
+    );
+    assert_eq!(report.completed.get(&JobId(1)), Some(&1));
+    assert_eq!(report.stats.store.bytes, 0);
+    step(&mut r.worker, StepPlan::default());
+    assert_eq!(r.worker.backend().in_flight(), 0);
+    assert_eq!(chunk_byte(&r, 2), 0xEE);
+}
+
+#[test]
+fn failed_and_refused_jobs_are_reported_failed() {
+    let mut r = rig(true);
+    r.worker.backend_mut().set_fault(JobId(1), Fault::Fail);
+    let plan = StepPlan {
+        loads: vec![
+            load(1, Some(10), 3, 0),
+            load(2, Some(11), 0, 0),
+            load(3, Some(12), 4, CHUNKS),
+        ],
+        ..Default::default()
+    };
+    let report = step(&mut r.worker, plan);
+    // Jobs 2 (null block) and 3 (chunk out of range) were refused at submit.
+    let mut all = drain(&mut r.worker, &[JobId(1)], 1);
+    all.completed.extend(report.completed);
+    all.failed.extend(report.failed);
+    all.failed_loads.extend(report.failed_loads);
+    all.failed.sort();
+    all.failed_loads.sort();
+    assert_eq!(all.failed, vec![JobId(1), JobId(2), JobId(3)]);
+    assert_eq!(
+        all.failed_loads,
+        vec![RequestId(10), RequestId(11), RequestId(12)]
+    );
+    assert!(all.finished_loads.is_empty());
+    assert_eq!(all.completed.len(), 3);
+}
