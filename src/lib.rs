@@ -14,9 +14,6 @@ pub mod config;
 pub mod ids;
 pub mod kernels;
 pub mod key;
-// Upstream WIP: a few pub(crate) manager helpers are used only by tests, which
-// fails `clippy -D warnings` on the lib target. Drop this once they are used.
-#[allow(dead_code)]
 pub mod manager;
 pub mod profiling;
 pub mod worker;
