@@ -61,12 +61,13 @@ impl GhostList {
         }
     }
 
-    /// Adds `key` as the most recent ghost, dropping the oldest beyond capacity.
+    /// Adds `key` (not a ghost yet: it was resident) as the most recent ghost,
+    /// dropping the oldest beyond capacity.
     fn push(&mut self, key: ChunkKey) {
         if self.capacity == 0 {
             return;
         }
-        self.remove(key);
+        debug_assert!(!self.contains(key), "a resident key is never a ghost");
         if self.order.len() >= self.capacity as usize
             && let Some(oldest) = self.order.front()
         {
@@ -130,6 +131,8 @@ pub(crate) struct ArcPolicy {
     b2: GhostList,
     resident: HugeBuffer<Resident>,
     keys: HugeBuffer<ChunkKey>,
+    /// Keys of the current store found in B1 or B2 (set by `on_store_miss`).
+    ghost_hits: Vec<ChunkKey>,
 }
 
 impl ArcPolicy {
@@ -143,10 +146,12 @@ impl ArcPolicy {
             b2: GhostList::new(capacity),
             resident: HugeBuffer::new(capacity as usize, Resident::None),
             keys: HugeBuffer::new(capacity as usize, ChunkKey(0)),
+            ghost_hits: Vec::new(),
         }
     }
 
-    fn adapt_on_ghost(&mut self, key: ChunkKey) {
+    /// Adapts the target if `key` is a ghost; returns whether it was.
+    fn adapt_on_ghost(&mut self, key: ChunkKey) -> bool {
         let (b1, b2) = (self.b1.len() as f64, self.b2.len() as f64);
         if self.b1.contains(key) {
             let delta = if b1 > 0.0 { (b2 / b1).max(1.0) } else { 1.0 };
@@ -154,7 +159,10 @@ impl ArcPolicy {
         } else if self.b2.contains(key) {
             let delta = if b2 > 0.0 { (b1 / b2).max(1.0) } else { 1.0 };
             self.target_t1 = (self.target_t1 - delta).max(0.0);
+        } else {
+            return false;
         }
+        true
     }
 
     fn unlink(&mut self, slot: u32) {
@@ -186,8 +194,12 @@ impl ArcPolicy {
 
 impl EvictionPolicy for ArcPolicy {
     fn on_insert(&mut self, slot: u32, key: ChunkKey) {
-        self.b1.remove(key);
-        self.b2.remove(key);
+        // Only keys the preceding `on_store_miss` found in a ghost list can be there.
+        if let Some(i) = self.ghost_hits.iter().position(|&k| k == key) {
+            self.ghost_hits.swap_remove(i);
+            self.b1.remove(key);
+            self.b2.remove(key);
+        }
         self.unlink(slot);
         self.t1.push_back(slot);
         self.resident[slot as usize] = Resident::T1;
@@ -200,14 +212,23 @@ impl EvictionPolicy for ArcPolicy {
 
     fn on_store_miss(&mut self, keys: &[ChunkKey]) {
         for &k in keys {
-            self.adapt_on_ghost(k);
+            self.b1.index.prefetch(k);
+            self.b2.index.prefetch(k);
+        }
+        self.ghost_hits.clear();
+        for &k in keys {
+            if self.adapt_on_ghost(k) {
+                self.ghost_hits.push(k);
+            }
         }
     }
 
     fn on_touch(&mut self, key: ChunkKey, slot: Option<u32>, ready: bool) {
         match slot {
             Some(slot) => self.promote(slot, ready),
-            None => self.adapt_on_ghost(key),
+            None => {
+                self.adapt_on_ghost(key);
+            }
         }
     }
 

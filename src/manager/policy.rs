@@ -22,7 +22,8 @@ pub(crate) struct FinishedAccess {
 
 /// Recency/frequency ordering of the resident chunks.
 pub(crate) trait EvictionPolicy: Send + std::fmt::Debug {
-    /// A new chunk (being stored) took `slot`.
+    /// A new chunk (being stored) took `slot`. Always preceded by
+    /// [`Self::on_store_miss`] for the same store's keys.
     fn on_insert(&mut self, slot: u32, key: ChunkKey);
     /// The chunk in `slot` left the tier without being evicted (failed store).
     fn on_remove(&mut self, slot: u32);
