@@ -71,7 +71,7 @@ run() {
     [[ -d "$carry/tests" ]] || { echo "gpu-check: no gpu-carry/ (run 'scripts/gpu-check.sh build' first)" >&2; exit 1; }
     if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so'; then
         for d in /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu /usr/local/cuda/compat; do
-            [[ -d "$d" ]] && ls "$d"/libcuda.so* >/dev/null 2>&1 && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+            [[ -d "$d" ]] && ls "$d"/libcuda.so* >/dev/null 2>&1 && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
         done
     fi
     echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
