@@ -1,0 +1,135 @@
+//! Store planning (vLLM `_build_store_jobs`, one full-attention group).
+
+use crate::ids::{ChunkId, GpuBlockId, RequestId};
+use crate::key::ChunkKey;
+
+use super::Scheduler;
+use super::jobs::JobEntry;
+use super::types::{JobKind, TransferJob};
+
+/// How far a request's stores may reach in this step.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum StoreReach {
+    /// Running: computed + scheduled tokens.
+    Running { computed: u64, scheduled: u64 },
+    /// Listed as finished in this step.
+    Finished,
+}
+
+impl Scheduler {
+    /// Plans at most one store job for `req`; pushes it to `out`.
+    pub(crate) fn plan_store(
+        &mut self,
+        req: RequestId,
+        reach: StoreReach,
+        out: &mut Vec<TransferJob>,
+    ) {
+        let g = self.geo;
+        let Some(rs) = self.requests.get_mut(&req) else {
+            return;
+        };
+        let tokens_after = match reach {
+            StoreReach::Running {
+                computed,
+                scheduled,
+            } => computed + scheduled,
+            StoreReach::Finished => match rs.finish {
+                Some(f) if f.aborted => f.computed_tokens,
+                _ => rs.prompt_tokens.max(rs.num_tokens.saturating_sub(1)),
+            },
+        };
+        let mut offloadable = tokens_after.min(rs.num_tokens);
+        if g.offload_prompt_only {
+            offloadable = offloadable.min(rs.prompt_tokens);
+        }
+        let bpc = g.blocks_per_chunk;
+        let num_chunks = ((offloadable / g.tokens_per_chunk) as usize)
+            .min(rs.block_ids.len() / bpc)
+            .min(rs.num_keys(bpc));
+        let start = rs.next_stored_chunk;
+        if start >= num_chunks {
+            return;
+        }
+        // Candidates: chunks whose last block is not the null block.
+        let mut cand_idx: Vec<usize> = Vec::with_capacity(num_chunks - start);
+        let mut cand: Vec<ChunkKey> = Vec::with_capacity(num_chunks - start);
+        for i in start..num_chunks {
+            if rs.block_ids[(i + 1) * bpc - 1].0 != 0 {
+                cand_idx.push(i);
+                cand.push(rs.key(i, bpc));
+            }
+        }
+        if cand.is_empty() {
+            rs.next_stored_chunk = num_chunks;
+            return;
+        }
+        let Some(ps) = self.manager.prepare_store(&cand, Some(req)) else {
+            self.counters.allocation_failures += 1;
+            tracing::warn!(%req, chunks = cand.len(), "host tier cannot allocate; store retried next step");
+            return;
+        };
+        let Some(rs) = self.requests.get_mut(&req) else {
+            return;
+        };
+        rs.next_stored_chunk = rs.next_stored_chunk.max(num_chunks);
+        if ps.keys_to_store.is_empty() {
+            return;
+        }
+        // keys_to_store is an ordered subset of the candidates: walk both.
+        let mut blocks: Vec<GpuBlockId> = Vec::with_capacity(ps.keys_to_store.len() * bpc);
+        let mut c = 0;
+        for k in &ps.keys_to_store {
+            while c < cand.len() && cand[c] != *k {
+                c += 1;
+            }
+            if c == cand.len() {
+                break;
+            }
+            let i = cand_idx[c];
+            blocks.extend(
+                rs.block_ids[i * bpc..(i + 1) * bpc]
+                    .iter()
+                    .filter(|b| b.0 != 0),
+            );
+            c += 1;
+        }
+        let finished = rs.finish.is_some();
+        let job = self.new_job_id();
+        let now = self.now_ns();
+        let flush = finished && blocks.iter().any(|b| self.batch.allocated.contains(b));
+        if finished {
+            self.fences.add(job, &blocks);
+        }
+        if flush {
+            self.batch.flush.push(job);
+        }
+        if let Some(rs) = self.requests.get_mut(&req) {
+            rs.jobs.push(job);
+        }
+        let keys: Vec<ChunkKey> = ps.keys_to_store;
+        let chunk_ids: Vec<ChunkId> = ps.chunk_ids;
+        out.push(TransferJob {
+            job,
+            req,
+            block_ids: blocks.clone(),
+            chunk_ids: chunk_ids.clone(),
+            keys: keys.clone(),
+        });
+        self.jobs.insert(
+            job,
+            JobEntry {
+                kind: JobKind::Store,
+                failed: false,
+                fenced: finished,
+                stall_flag: Default::default(),
+                pending: g.world_size,
+                req,
+                created_ns: now,
+                deadline_ns: now.saturating_add(g.stall_timeout_ns),
+                keys: keys.into_boxed_slice(),
+                chunk_ids: chunk_ids.into_boxed_slice(),
+                blocks: blocks.into_boxed_slice(),
+            },
+        );
+    }
+}

@@ -1,0 +1,152 @@
+//! The stall watchdog: scans the job table every scan interval and hands jobs
+//! past their deadline to the scheduler through a lock-free queue.
+//!
+//! The thread waits on a condvar between scans (so it stops at once when the
+//! scheduler is dropped) and reads time only from the injected clock. Tests and
+//! replay never start the thread: they call the scan synchronously.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_queue::SegQueue;
+
+use crate::clock::SharedClock;
+use crate::ids::JobId;
+
+use super::jobs::JobTable;
+
+/// State shared by the scheduler and the watchdog thread.
+#[derive(Debug)]
+pub(crate) struct WatchdogShared {
+    /// The job table.
+    pub jobs: Arc<JobTable>,
+    /// Stalled job ids, from the watchdog to the scheduler.
+    pub queue: SegQueue<JobId>,
+    clock: SharedClock,
+    interval: Duration,
+    /// Clock time of the last scan (nanoseconds); `u64::MAX` before the first.
+    last_scan_ns: AtomicU64,
+    scans: AtomicU64,
+    stop: Mutex<bool>,
+    wake: Condvar,
+}
+
+impl WatchdogShared {
+    /// Shared state over `jobs`, scanning every `interval` of `clock` time.
+    pub fn new(jobs: Arc<JobTable>, clock: SharedClock, interval: Duration) -> Self {
+        Self {
+            jobs,
+            queue: SegQueue::new(),
+            clock,
+            interval,
+            last_scan_ns: AtomicU64::new(u64::MAX),
+            scans: AtomicU64::new(0),
+            stop: Mutex::new(false),
+            wake: Condvar::new(),
+        }
+    }
+
+    /// Scans now: every job past its deadline that was not handed over yet is queued.
+    /// Returns how many were queued.
+    pub fn scan(&self) -> usize {
+        let now = nanos(self.clock.now());
+        let n = self.jobs.expire(now, |id| self.queue.push(id));
+        self.last_scan_ns.store(now, Ordering::Release);
+        self.scans.fetch_add(1, Ordering::Relaxed);
+        if n > 0 {
+            tracing::warn!(stalled = n, "stall watchdog: jobs past their deadline");
+        }
+        n
+    }
+
+    /// Scans if a scan interval of clock time has passed since the last scan
+    /// (or there was none). Returns whether it scanned.
+    pub fn scan_if_due(&self) -> bool {
+        let last = self.last_scan_ns.load(Ordering::Acquire);
+        let now = nanos(self.clock.now());
+        let due = last == u64::MAX || now.saturating_sub(last) >= nanos(self.interval);
+        if due {
+            self.scan();
+        }
+        due
+    }
+
+    /// Scans done so far.
+    pub fn scans(&self) -> u64 {
+        self.scans.load(Ordering::Relaxed)
+    }
+
+    /// Forgets the last scan time (after a reset).
+    pub fn reset_schedule(&self) {
+        self.last_scan_ns.store(u64::MAX, Ordering::Release);
+    }
+}
+
+/// Clock time in nanoseconds, saturating.
+pub(crate) fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The watchdog thread; stops and joins when dropped.
+#[derive(Debug)]
+pub(crate) struct Watchdog {
+    shared: Arc<WatchdogShared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Watchdog {
+    /// Starts the thread.
+    pub fn start(shared: Arc<WatchdogShared>) -> std::io::Result<Self> {
+        let s = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("kvoffload-stall-watchdog".into())
+            .spawn(move || run(&s))?;
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+        })
+    }
+}
+
+fn run(s: &WatchdogShared) {
+    let wait = s.interval.max(Duration::from_millis(1));
+    let mut stop = match s.stop.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    };
+    loop {
+        if *stop {
+            return;
+        }
+        stop = match s.wake.wait_timeout(stop, wait) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+        if *stop {
+            return;
+        }
+        drop(stop);
+        s.scan_if_due();
+        stop = match s.stop.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        match self.shared.stop.lock() {
+            Ok(mut g) => *g = true,
+            Err(p) => *p.into_inner() = true,
+        }
+        self.shared.wake.notify_all();
+        if let Some(t) = self.thread.take()
+            && t.join().is_err()
+        {
+            tracing::error!("stall watchdog thread panicked");
+        }
+    }
+}
