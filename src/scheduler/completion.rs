@@ -27,7 +27,14 @@ enum Route {
 
 impl Scheduler {
     fn route(&self, job: JobId, count: u32) -> Result<Route, SchedulerError> {
-        if self.stalled.contains_key(&job) {
+        if let Some(s) = self.stalled.get(&job) {
+            if count > s.remaining {
+                return Err(SchedulerError::TooManyReports {
+                    job,
+                    expected: s.remaining,
+                    got: count,
+                });
+            }
             return Ok(Route::Stalled);
         }
         if job.0 < self.stale_threshold {
