@@ -406,3 +406,41 @@ fn metrics_track_stalls() {
     assert_eq!(m.stalled_jobs, 2);
     assert_eq!(m.quarantined_chunks, 4);
 }
+
+#[test]
+fn deadline_queue_scan_matches_a_full_table_scan() {
+    // Jobs created at different times, some completed: both scans expire the same jobs.
+    let mut ids = Vec::new();
+    let mut results = Vec::new();
+    for full in [false, true] {
+        let mut h = H::new(Geo::default());
+        let mut made = Vec::new();
+        for i in 0..6u64 {
+            h.add(i, i + 1, 4);
+            h.lookup(i, 0);
+            h.alloc(i, &b([i as u32 + 1]), 0);
+            made.push(h.run(&[(i, b([i as u32 + 1]), 0, 4)], &[], &[]).stores[0].job);
+            h.advance_s(100);
+        }
+        h.complete(&[made[1], made[4]], 1);
+        // now = 600 s: jobs created at 0, 100, 200 are past 300 s; job 1 is gone.
+        let handle = h.s.watchdog_handle();
+        let n = if full {
+            handle.scan_full()
+        } else {
+            handle.scan()
+        };
+        // The next hook cleans up what the scan handed over.
+        h.run(&[], &[], &[]);
+        let stalled: Vec<JobId> = made
+            .iter()
+            .copied()
+            .filter(|&j| h.s.is_job_stalled(j))
+            .collect();
+        results.push((n, stalled));
+        ids = made;
+    }
+    assert_eq!(results[0], results[1]);
+    assert_eq!(results[0].0, 2);
+    assert_eq!(results[0].1, vec![ids[0], ids[2]]);
+}

@@ -173,6 +173,7 @@ impl Scheduler {
         for &k in &keys {
             *self.being_loaded.entry(k).or_insert(0) += 1;
         }
+        let deadline = now.saturating_add(g.stall_timeout_ns);
         self.jobs.insert(
             job,
             JobEntry {
@@ -183,12 +184,14 @@ impl Scheduler {
                 pending: g.world_size,
                 req,
                 created_ns: now,
-                deadline_ns: now.saturating_add(g.stall_timeout_ns),
+                deadline_ns: deadline,
                 keys: keys.clone().into_boxed_slice(),
                 chunk_ids: chunk_ids.clone().into_boxed_slice(),
                 blocks: Box::default(),
             },
         );
+        // After the insert: the watchdog drops deadline entries of absent jobs.
+        self.watch.track(job, deadline);
         self.batch.loads.push(TransferJob {
             job,
             req,

@@ -41,6 +41,8 @@ use request::{FinishInfo, RequestState};
 use stall::StalledJob;
 use watchdog::{Watchdog, WatchdogShared, nanos};
 
+pub use watchdog::WatchdogHandle;
+
 pub use metrics::SchedulerMetrics;
 pub use types::{
     JobKind, LookupOutcome, ScanOutcome, ScheduledRequest, SchedulerError, SchedulerState,
@@ -93,6 +95,8 @@ pub struct Scheduler {
     stalled: HashMap<JobId, StalledJob, KeyBuildHasher>,
     failed_loads: Vec<RequestId>,
     counters: Counters,
+    scratch_idx: Vec<usize>,
+    scratch_keys: Vec<ChunkKey>,
 }
 
 impl Scheduler {
@@ -137,6 +141,8 @@ impl Scheduler {
             stalled: HashMap::default(),
             failed_loads: Vec::new(),
             counters: Counters::default(),
+            scratch_idx: Vec::new(),
+            scratch_keys: Vec::new(),
         }
     }
 
@@ -147,6 +153,11 @@ impl Scheduler {
             self.watchdog = Some(Watchdog::start(Arc::clone(&self.watch))?);
         }
         Ok(())
+    }
+
+    /// A handle to run the watchdog's scans from another thread.
+    pub fn watchdog_handle(&self) -> WatchdogHandle {
+        WatchdogHandle(Arc::clone(&self.watch))
     }
 
     /// Whether the watchdog thread runs.

@@ -32,6 +32,9 @@ impl Scheduler {
     /// hook (called at the start of every hook). Returns them, sorted.
     pub(crate) fn apply_stalls(&mut self) -> Vec<JobId> {
         let mut ids = Vec::new();
+        if self.watch.queue.is_empty() {
+            return ids;
+        }
         while let Some(id) = self.watch.queue.pop() {
             ids.push(id);
         }

@@ -1,6 +1,6 @@
 //! Store planning (vLLM `_build_store_jobs`, one full-attention group).
 
-use crate::ids::{ChunkId, GpuBlockId, RequestId};
+use crate::ids::{GpuBlockId, RequestId};
 use crate::key::ChunkKey;
 
 use super::Scheduler;
@@ -50,9 +50,12 @@ impl Scheduler {
         if start >= num_chunks {
             return;
         }
-        // Candidates: chunks whose last block is not the null block.
-        let mut cand_idx: Vec<usize> = Vec::with_capacity(num_chunks - start);
-        let mut cand: Vec<ChunkKey> = Vec::with_capacity(num_chunks - start);
+        // Candidates: chunks whose last block is not the null block (scratch
+        // buffers are reused across calls).
+        let mut cand_idx = std::mem::take(&mut self.scratch_idx);
+        let mut cand = std::mem::take(&mut self.scratch_keys);
+        cand_idx.clear();
+        cand.clear();
         for i in start..num_chunks {
             if rs.block_ids[(i + 1) * bpc - 1].0 != 0 {
                 cand_idx.push(i);
@@ -61,18 +64,22 @@ impl Scheduler {
         }
         if cand.is_empty() {
             rs.next_stored_chunk = num_chunks;
+            self.scratch_idx = cand_idx;
+            self.scratch_keys = cand;
             return;
         }
-        let Some(ps) = self.manager.prepare_store(&cand, Some(req)) else {
+        let ps = self.manager.prepare_store(&cand, Some(req));
+        let (Some(ps), Some(rs)) = (ps, self.requests.get_mut(&req)) else {
             self.counters.allocation_failures += 1;
             tracing::warn!(%req, chunks = cand.len(), "host tier cannot allocate; store retried next step");
-            return;
-        };
-        let Some(rs) = self.requests.get_mut(&req) else {
+            self.scratch_idx = cand_idx;
+            self.scratch_keys = cand;
             return;
         };
         rs.next_stored_chunk = rs.next_stored_chunk.max(num_chunks);
         if ps.keys_to_store.is_empty() {
+            self.scratch_idx = cand_idx;
+            self.scratch_keys = cand;
             return;
         }
         // keys_to_store is an ordered subset of the candidates: walk both.
@@ -107,14 +114,15 @@ impl Scheduler {
             rs.jobs.push(job);
         }
         let keys: Vec<ChunkKey> = ps.keys_to_store;
-        let chunk_ids: Vec<ChunkId> = ps.chunk_ids;
+        let chunk_ids = ps.chunk_ids;
         out.push(TransferJob {
             job,
             req,
             block_ids: blocks.clone(),
-            chunk_ids: chunk_ids.clone(),
+            chunk_ids,
             keys: keys.clone(),
         });
+        let deadline = now.saturating_add(g.stall_timeout_ns);
         self.jobs.insert(
             job,
             JobEntry {
@@ -125,11 +133,14 @@ impl Scheduler {
                 pending: g.world_size,
                 req,
                 created_ns: now,
-                deadline_ns: now.saturating_add(g.stall_timeout_ns),
+                deadline_ns: deadline,
                 keys: keys.into_boxed_slice(),
-                chunk_ids: chunk_ids.into_boxed_slice(),
+                // A stalled store gets its held slots from the manager.
+                chunk_ids: Box::default(),
                 blocks: blocks.into_boxed_slice(),
             },
         );
+        // After the insert: the watchdog drops deadline entries of absent jobs.
+        self.watch.track(job, deadline);
     }
 }

@@ -1,6 +1,16 @@
 //! The stall watchdog: scans the job table every scan interval and hands jobs
 //! past their deadline to the scheduler through a lock-free queue.
 //!
+//! Jobs get their deadline at creation (creation time + stall timeout) from one
+//! monotonic clock, in job id order, so deadlines never decrease along job ids.
+//! The scheduler therefore also appends `(job, deadline)` to a lock-free
+//! deadline queue, and a scan walks that queue from its oldest entry: entries of
+//! jobs that are gone are dropped, expired jobs are handed over, and the scan
+//! stops at the first live job that is not expired. Its cost is the number of
+//! jobs that ended or expired since the last scan, not the number in flight. A
+//! full scan of the concurrent map ([`WatchdogHandle::scan_full`]) gives the
+//! same result and remains available as a cross-check.
+//!
 //! The thread waits on a condvar between scans (so it stops at once when the
 //! scheduler is dropped) and reads time only from the injected clock. Tests and
 //! replay never start the thread: they call the scan synchronously.
@@ -24,6 +34,10 @@ pub(crate) struct WatchdogShared {
     pub jobs: Arc<JobTable>,
     /// Stalled job ids, from the watchdog to the scheduler.
     pub queue: SegQueue<JobId>,
+    /// `(job, deadline)` in job id order (so in deadline order), from the scheduler.
+    deadlines: SegQueue<(JobId, u64)>,
+    /// The oldest deadline entry not yet expired, held by the scan (one scan at a time).
+    front: Mutex<Option<(JobId, u64)>>,
     clock: SharedClock,
     interval: Duration,
     /// Clock time of the last scan (nanoseconds); `u64::MAX` before the first.
@@ -39,6 +53,8 @@ impl WatchdogShared {
         Self {
             jobs,
             queue: SegQueue::new(),
+            deadlines: SegQueue::new(),
+            front: Mutex::new(None),
             clock,
             interval,
             last_scan_ns: AtomicU64::new(u64::MAX),
@@ -48,11 +64,48 @@ impl WatchdogShared {
         }
     }
 
+    /// Registers a new job's deadline (call in job id order).
+    pub fn track(&self, job: JobId, deadline_ns: u64) {
+        self.deadlines.push((job, deadline_ns));
+    }
+
     /// Scans now: every job past its deadline that was not handed over yet is queued.
     /// Returns how many were queued.
     pub fn scan(&self) -> usize {
         let now = nanos(self.clock.now());
+        let mut front = match self.front.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        let mut n = 0;
+        while let Some((id, deadline)) = front.take().or_else(|| self.deadlines.pop()) {
+            if now <= deadline {
+                if self.jobs.contains(id) {
+                    *front = Some((id, deadline));
+                    break;
+                }
+                continue;
+            }
+            if let Some(e) = self.jobs.get(id)
+                && !e.stall_flag.swap(true, Ordering::AcqRel)
+            {
+                self.queue.push(id);
+                n += 1;
+            }
+        }
+        drop(front);
+        self.finish_scan(now, n)
+    }
+
+    /// Scans every job of the concurrent map (cost linear in the jobs in
+    /// flight); same result as [`Self::scan`].
+    pub fn scan_full(&self) -> usize {
+        let now = nanos(self.clock.now());
         let n = self.jobs.expire(now, |id| self.queue.push(id));
+        self.finish_scan(now, n)
+    }
+
+    fn finish_scan(&self, now: u64, n: usize) -> usize {
         self.last_scan_ns.store(now, Ordering::Release);
         self.scans.fetch_add(1, Ordering::Relaxed);
         if n > 0 {
@@ -81,6 +134,29 @@ impl WatchdogShared {
     /// Forgets the last scan time (after a reset).
     pub fn reset_schedule(&self) {
         self.last_scan_ns.store(u64::MAX, Ordering::Release);
+    }
+}
+
+/// A handle on the watchdog's scans, usable from any thread (for example a
+/// backend's own housekeeping thread, or a benchmark).
+#[derive(Debug, Clone)]
+pub struct WatchdogHandle(pub(crate) Arc<WatchdogShared>);
+
+impl WatchdogHandle {
+    /// Scans the deadline queue now; expired jobs are handed to the scheduler,
+    /// which cleans them up at its next hook. Returns how many were handed over.
+    pub fn scan(&self) -> usize {
+        self.0.scan()
+    }
+
+    /// Scans the whole job table now (linear in the jobs in flight).
+    pub fn scan_full(&self) -> usize {
+        self.0.scan_full()
+    }
+
+    /// Scans if a scan interval of clock time has passed since the last scan.
+    pub fn scan_if_due(&self) -> bool {
+        self.0.scan_if_due()
     }
 }
 
