@@ -63,3 +63,24 @@ impl FenceIndex {
         self.map.iter().map(|(b, j)| (*b, j.as_slice()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn add_remove_and_drop_empty_blocks() {
+        let mut f = FenceIndex::default();
+        f.add(JobId(1), &[GpuBlockId(0), GpuBlockId(3), GpuBlockId(4)]);
+        f.add(JobId(2), &[GpuBlockId(4)]);
+        f.add(JobId(2), &[GpuBlockId(4)]);
+        assert_eq!(f.len(), 2, "the null block is never fenced");
+        assert_eq!(f.jobs(GpuBlockId(4)), &[JobId(1), JobId(2)]);
+        f.remove(JobId(1), &[GpuBlockId(3), GpuBlockId(4)]);
+        assert_eq!(f.len(), 1, "block 3 has no job left and is dropped");
+        assert_eq!(f.jobs(GpuBlockId(4)), &[JobId(2)]);
+        f.remove(JobId(2), &[GpuBlockId(4)]);
+        assert!(f.is_empty());
+        assert!(f.jobs(GpuBlockId(9)).is_empty());
+    }
+}

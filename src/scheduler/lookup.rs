@@ -206,3 +206,71 @@ impl Scheduler {
         Ok(Some(job))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::EvictionPolicyKind;
+    use crate::manager::StoreOutcome;
+
+    fn manager(ready: &[u64], pending: &[u64]) -> OffloadManager {
+        let mut m = OffloadManager::new(16, EvictionPolicyKind::Lru).unwrap();
+        let all: Vec<ChunkKey> = ready.iter().chain(pending).map(|&k| ChunkKey(k)).collect();
+        m.prepare_store(&all, None).unwrap();
+        let r: Vec<ChunkKey> = ready.iter().map(|&k| ChunkKey(k)).collect();
+        m.complete_store(&r, StoreOutcome::Success, None).unwrap();
+        m
+    }
+
+    fn scan(m: &OffloadManager, keys: &[u64]) -> PrefixScan {
+        maximal_prefix(m, keys.iter().map(|&k| ChunkKey(k)))
+    }
+
+    #[test]
+    fn all_hit() {
+        let m = manager(&[1, 2, 3], &[]);
+        assert_eq!(
+            scan(&m, &[1, 2, 3]),
+            PrefixScan {
+                hits: 3,
+                defer: false
+            }
+        );
+    }
+
+    #[test]
+    fn partial_prefix_and_miss_stops_the_scan() {
+        let m = manager(&[1, 2, 4], &[]);
+        assert_eq!(
+            scan(&m, &[1, 2, 3, 4]),
+            PrefixScan {
+                hits: 2,
+                defer: false
+            }
+        );
+    }
+
+    #[test]
+    fn miss_then_hit_is_zero() {
+        let m = manager(&[2], &[]);
+        assert_eq!(
+            scan(&m, &[1, 2]),
+            PrefixScan {
+                hits: 0,
+                defer: false
+            }
+        );
+    }
+
+    #[test]
+    fn hit_pending_counts_defers_and_the_scan_continues() {
+        let m = manager(&[1, 3], &[2]);
+        assert_eq!(
+            scan(&m, &[1, 2, 3, 4]),
+            PrefixScan {
+                hits: 3,
+                defer: true
+            }
+        );
+    }
+}

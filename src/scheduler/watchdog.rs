@@ -226,3 +226,79 @@ impl Drop for Watchdog {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::ids::RequestId;
+    use crate::scheduler::jobs::JobEntry;
+    use crate::scheduler::types::JobKind;
+
+    fn entry(deadline_ns: u64) -> JobEntry {
+        JobEntry {
+            kind: JobKind::Store,
+            failed: false,
+            fenced: false,
+            stall_flag: Default::default(),
+            pending: 1,
+            req: RequestId(0),
+            created_ns: 0,
+            deadline_ns,
+            keys: Box::default(),
+            chunk_ids: Box::default(),
+            blocks: Box::default(),
+        }
+    }
+
+    #[test]
+    fn deadline_scan_hands_each_expired_job_over_once_and_skips_gone_jobs() {
+        let clock = ManualClock::new();
+        let jobs = Arc::new(JobTable::default());
+        let w = WatchdogShared::new(Arc::clone(&jobs), clock.shared(), Duration::from_secs(10));
+        for (id, dl) in [(0u64, 10u64), (1, 20), (2, 30), (3, 40)] {
+            jobs.insert(JobId(id), entry(dl));
+            w.track(JobId(id), dl);
+        }
+        jobs.remove(JobId(1));
+        clock.set(Duration::from_nanos(30));
+        assert_eq!(
+            w.scan(),
+            1,
+            "job 0 only: 1 is gone, 2 expires strictly after 30"
+        );
+        assert_eq!(w.queue.pop(), Some(JobId(0)));
+        assert_eq!(w.scan(), 0, "handed over once");
+        clock.set(Duration::from_nanos(100));
+        assert_eq!(w.scan_full(), 2);
+        assert_eq!(w.scan(), 0, "the full scan already handed 2 and 3 over");
+        assert_eq!(w.scans(), 4);
+    }
+
+    #[test]
+    fn scan_if_due_follows_the_interval() {
+        let clock = ManualClock::new();
+        let w = WatchdogShared::new(
+            Arc::new(JobTable::default()),
+            clock.shared(),
+            Duration::from_secs(10),
+        );
+        assert!(w.scan_if_due());
+        clock.advance(Duration::from_secs(9));
+        assert!(!w.scan_if_due());
+        clock.advance(Duration::from_secs(1));
+        assert!(w.scan_if_due());
+    }
+
+    #[test]
+    fn the_thread_stops_and_joins_on_drop() {
+        let w = Arc::new(WatchdogShared::new(
+            Arc::new(JobTable::default()),
+            ManualClock::new().shared(),
+            Duration::from_secs(3600),
+        ));
+        let dog = Watchdog::start(Arc::clone(&w)).unwrap();
+        drop(dog); // returns at once: the condvar wakes the thread
+        assert_eq!(Arc::strong_count(&w), 1);
+    }
+}
