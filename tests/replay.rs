@@ -143,3 +143,74 @@ fn keys_print_in_their_first_form() {
         lines[1]
     );
 }
+
+#[test]
+fn huge_numbers_are_errors_not_panics() {
+    let trace = format!(
+        "{HEADER}\n{}\n{}\n{}\n{}\n{}\n",
+        r#"{"op": "add_request", "req": "r", "prompt_tokens": 18446744073709551615, "block_hashes": [1]}"#,
+        r#"{"op": "lookup", "req": "r", "computed_tokens": 18446744073709551615}"#,
+        r#"{"op": "alloc", "req": "r", "block_ids": [1], "external_tokens": 18446744073709551615}"#,
+        r#"{"op": "step", "scheduled": [{"req": "r", "new_block_ids": [1], "computed_tokens": 18446744073709551615, "scheduled_tokens": 18446744073709551615}]}"#,
+        r#"{"op": "advance", "ms": 18446744073709551615}"#
+    );
+    let out = replay_lib(&trace).expect("well-formed");
+    assert_eq!(out.lines().count(), 5);
+    assert!(out.lines().nth(2).unwrap().contains("error"));
+}
+
+mod fuzz {
+    use proptest::prelude::*;
+
+    /// Well-formed operations with arbitrary (small) values, in any order.
+    fn line() -> impl Strategy<Value = String> {
+        let req = prop_oneof![Just("a"), Just("b"), Just("c")];
+        let n = 0u64..40;
+        let ids = proptest::collection::vec(0u64..12, 0..5);
+        (0usize..17, req, n.clone(), n, ids.clone(), ids, any::<bool>()).prop_map(
+            |(op, r, x, y, v, w, flag)| match op {
+                0 => format!(r#"{{"op":"add_request","req":"{r}","prompt_tokens":{x},"block_hashes":{v:?}}}"#),
+                1 => format!(r#"{{"op":"update_request","req":"{r}","num_tokens":{x},"block_hashes":{v:?}}}"#),
+                2 => format!(r#"{{"op":"lookup","req":"{r}","computed_tokens":{x}}}"#),
+                3 => format!(r#"{{"op":"alloc","req":"{r}","block_ids":{v:?},"external_tokens":{y}}}"#),
+                4 => format!(
+                    r#"{{"op":"step","scheduled":[{{"req":"{r}","new_block_ids":{v:?},"computed_tokens":{x},"scheduled_tokens":{y}}}],"preempted":{},"finished":{}}}"#,
+                    if flag { r#"["a"]"# } else { "[]" },
+                    if !flag { r#"["b"]"# } else { "[]" }
+                ),
+                5 => format!(r#"{{"op":"worker_output","completed":{{"{x}":{}}},"failed":{w:?}}}"#, y % 3),
+                6 => format!(r#"{{"op":"request_finished","req":"{r}","block_ids":{v:?},"aborted":{flag},"computed_tokens":{x}}}"#),
+                7 => r#"{"op":"reset"}"#.to_string(),
+                8 => format!(r#"{{"op":"advance","ms":{}}}"#, x * 20_000),
+                9 => r#"{"op":"scan"}"#.to_string(),
+                10 => r#"{"op":"events"}"#.to_string(),
+                11 => r#"{"op":"state"}"#.to_string(),
+                12 => format!(r#"{{"op":"confirm_cancelled","job":{x}}}"#),
+                13 => format!(r#"{{"op":"manager.prepare_store","keys":{v:?}}}"#),
+                14 => format!(r#"{{"op":"manager.complete_store","keys":{v:?},"success":{flag}}}"#),
+                15 => format!(r#"{{"op":"manager.prepare_load","keys":{v:?},"req":"{r}"}}"#),
+                _ => format!(r#"{{"op":"manager.complete_load","keys":{v:?}}}"#),
+            },
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+        #[test]
+        fn well_formed_traces_never_crash_and_are_deterministic(
+            lines in proptest::collection::vec(line(), 0..60)
+        ) {
+            let trace = format!(
+                "{}\n{}\n",
+                r#"{"kvoffload_trace": 1, "config": {"tokens_per_block": 4, "num_cpu_chunks": 6, "world_size": 2, "stall_timeout_ms": 100000, "stall_scan_interval_ms": 1000}}"#,
+                lines.join("\n")
+            );
+            let mut a = Vec::new();
+            kvoffload::replay::run(trace.as_bytes(), &mut a).expect("every line is well formed");
+            let mut b = Vec::new();
+            kvoffload::replay::run(trace.as_bytes(), &mut b).unwrap();
+            prop_assert_eq!(a, b);
+        }
+    }
+}

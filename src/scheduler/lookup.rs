@@ -85,7 +85,10 @@ impl Scheduler {
         if scan.defer {
             return Ok(LookupOutcome::Defer);
         }
-        let covered = (g.tokens_per_chunk * (start + scan.hits) as u64).min(max_hit);
+        let covered = g
+            .tokens_per_chunk
+            .saturating_mul((start + scan.hits) as u64)
+            .min(max_hit);
         let hit = covered.saturating_sub(computed_tokens);
         if hit < g.tokens_per_chunk {
             return Ok(LookupOutcome::Hit(0));
@@ -127,7 +130,7 @@ impl Scheduler {
             if !rs.jobs.is_empty() {
                 return Err(SchedulerError::JobsInFlight(req));
             }
-            let cached = computed + external_tokens;
+            let cached = computed.saturating_add(external_tokens);
             let start_block = (computed / g.tokens_per_block) as usize;
             let end_block = cached.div_ceil(g.tokens_per_block) as usize;
             if end_block > block_ids.len() {

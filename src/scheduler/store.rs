@@ -32,7 +32,7 @@ impl Scheduler {
             StoreReach::Running {
                 computed,
                 scheduled,
-            } => computed + scheduled,
+            } => computed.saturating_add(scheduled),
             StoreReach::Finished => match rs.finish {
                 Some(f) if f.aborted => f.computed_tokens,
                 _ => rs.prompt_tokens.max(rs.num_tokens.saturating_sub(1)),
