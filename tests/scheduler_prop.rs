@@ -366,3 +366,55 @@ proptest! {
         run(ops, world, chunks);
     }
 }
+
+#[test]
+fn regression_stalled_load_then_reset() {
+    use Op::*;
+    let s = |p: Option<u8>| Step {
+        preempt: p,
+        finish: None,
+        abort: false,
+    };
+    run(
+        vec![
+            Add {
+                family: 0,
+                prompt: 4,
+            },
+            Add {
+                family: 0,
+                prompt: 4,
+            },
+            s(None),
+            s(None),
+            Add {
+                family: 0,
+                prompt: 1,
+            },
+            Add {
+                family: 0,
+                prompt: 1,
+            },
+            Add {
+                family: 0,
+                prompt: 1,
+            },
+            Add {
+                family: 0,
+                prompt: 1,
+            },
+            s(Some(0)),
+            Report {
+                pick: 0,
+                count: 2,
+                fail: false,
+            },
+            s(None),
+            Advance { secs: 301 },
+            Scan,
+            Reset,
+        ],
+        1,
+        4,
+    );
+}

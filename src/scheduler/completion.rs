@@ -207,6 +207,7 @@ impl Scheduler {
                         chunk_ids: held.into_boxed_slice(),
                         blocks: e.blocks,
                         fenced,
+                        load_quarantined: false,
                         remaining: e.pending,
                     },
                 );
@@ -231,6 +232,7 @@ impl Scheduler {
                         chunk_ids: e.chunk_ids,
                         blocks: Box::default(),
                         fenced: false,
+                        load_quarantined: false,
                         remaining: e.pending,
                     },
                 );

@@ -167,6 +167,14 @@ impl Scheduler {
                     }
                     held += s.chunk_ids.len();
                 }
+                JobKind::Load if s.load_quarantined => {
+                    for c in s.chunk_ids.iter() {
+                        if !quarantined.contains(c) {
+                            return Err(format!("stalled load {j}: {c} not quarantined"));
+                        }
+                    }
+                    held += s.chunk_ids.len();
+                }
                 JobKind::Load => {
                     for k in s.keys.iter() {
                         pinned.insert(*k);
@@ -176,7 +184,7 @@ impl Scheduler {
         }
         if held != quarantined.len() {
             return Err(format!(
-                "{} slots quarantined but stalled stores hold {held}",
+                "{} slots quarantined but stalled jobs hold {held}",
                 quarantined.len()
             ));
         }

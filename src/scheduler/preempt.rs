@@ -60,12 +60,13 @@ impl Scheduler {
     /// are finalized (the manager's `request_finished` if they had not had it)
     /// and dropped; surviving requests re-offer every chunk and forget their jobs.
     ///
-    /// Stalled jobs are not added to the reset fence (they may never report).
-    /// A stalled load's state is dropped: the manager's reset unpins everything.
-    /// A stalled store keeps its quarantined host slots (the manager's reset
-    /// keeps them held) until its late reports arrive or its cancellation is
-    /// confirmed; its GPU fences are dropped (a late read of a reused GPU block
-    /// can only land in its quarantined slot).
+    /// Stalled jobs are not added to the reset fence (they may never report),
+    /// but they keep their host slots out of reuse until their late reports
+    /// arrive or their cancellation is confirmed: a stalled store's quarantined
+    /// slots stay held (the manager's reset keeps them), and a stalled load's
+    /// pinned chunks are turned into quarantined slots before the manager's
+    /// reset would free them. Their GPU fences are dropped (a late store reading
+    /// a reused GPU block can only land in its own quarantined slot).
     pub fn reset(&mut self) -> Result<(), SchedulerError> {
         self.apply_stalls();
         if !self.batch.loads.is_empty() {
@@ -98,6 +99,35 @@ impl Scheduler {
                 self.counters.manager_request_finished += 1;
             }
         }
+        // Stalled loads keep their host chunks across the reset: pinned chunks
+        // become quarantined slots (the reset frees pins, not quarantine).
+        let mut stalled_loads: Vec<JobId> = self
+            .stalled
+            .iter()
+            .filter(|(_, s)| s.kind == JobKind::Load && !s.load_quarantined)
+            .map(|(j, _)| *j)
+            .collect();
+        stalled_loads.sort_unstable();
+        for job in stalled_loads {
+            let Some(s) = self.stalled.get_mut(&job) else {
+                continue;
+            };
+            // A chunk pinned by two stalled loads is quarantined once, for the first.
+            let keys: Vec<_> = s
+                .keys
+                .iter()
+                .copied()
+                .filter(|&k| self.manager.slot_of(k).is_some())
+                .collect();
+            match self.manager.quarantine_pinned(&keys) {
+                Ok(held) => s.chunk_ids = held.into_boxed_slice(),
+                Err(err) => {
+                    tracing::error!(%job, error = %err, "stalled load: cannot quarantine its chunks");
+                    s.chunk_ids = Box::default();
+                }
+            }
+            s.load_quarantined = true;
+        }
         self.manager.reset();
         for rs in self.requests.values_mut() {
             rs.next_stored_chunk = 0;
@@ -108,8 +138,7 @@ impl Scheduler {
         self.jobs.clear();
         self.fences.clear();
         self.being_loaded.clear();
-        self.stalled
-            .retain(|_, s| s.kind == JobKind::Store && !s.chunk_ids.is_empty());
+        self.stalled.retain(|_, s| !s.chunk_ids.is_empty());
         for s in self.stalled.values_mut() {
             s.fenced = false;
             s.blocks = Box::default();

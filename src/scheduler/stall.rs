@@ -23,6 +23,8 @@ pub(crate) struct StalledJob {
     pub blocks: Box<[GpuBlockId]>,
     /// `blocks` are registered in the fence index.
     pub fenced: bool,
+    /// A load whose pinned chunks were turned into quarantined slots (at a reset).
+    pub load_quarantined: bool,
     /// Worker reports still due.
     pub remaining: u32,
 }
@@ -124,7 +126,7 @@ impl Scheduler {
         }
         let r = match s.kind {
             JobKind::Store => self.manager.release_quarantined(&s.chunk_ids),
-            // Stalled loads do not survive a reset, so their pins are still there.
+            JobKind::Load if s.load_quarantined => self.manager.release_quarantined(&s.chunk_ids),
             JobKind::Load => self.manager.complete_load(&s.keys, Some(s.req)),
         };
         if let Err(err) = r {
