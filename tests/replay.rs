@@ -36,7 +36,7 @@ fn example_traces_match_their_expected_outputs() {
         );
         n += 1;
     }
-    assert!(n >= 5, "expected at least 5 example traces, found {n}");
+    assert!(n >= 6, "expected at least 6 example traces, found {n}");
 }
 
 #[test]

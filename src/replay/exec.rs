@@ -325,6 +325,12 @@ impl Engine {
                     ("fenced_blocks", Value::from(s.fenced_blocks)),
                     ("stalled_jobs", Value::from(s.stalled_jobs)),
                     ("quarantined_chunks", Value::from(s.quarantined_chunks)),
+                    // The manager counts, both as dotted names and as one object.
+                    ("manager.cached", Value::from(s.manager.cached)),
+                    ("manager.pending", Value::from(s.manager.pending)),
+                    ("manager.pinned", Value::from(s.manager.pinned)),
+                    ("manager.free", Value::from(s.manager.free)),
+                    ("manager.quarantined", Value::from(s.manager.quarantined)),
                     (
                         "manager",
                         json!({
