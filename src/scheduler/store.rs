@@ -17,17 +17,29 @@ pub(crate) enum StoreReach {
 }
 
 impl Scheduler {
-    /// Plans at most one store job for `req`; pushes it to `out`.
+    /// Plans at most one store job for `req`; pushes it to `out`. With
+    /// `update`, first applies the step's block update (new block ids, whether
+    /// they are the full table) in the same map lookup.
     pub(crate) fn plan_store(
         &mut self,
         req: RequestId,
         reach: StoreReach,
+        update: Option<(&[GpuBlockId], bool)>,
         out: &mut Vec<TransferJob>,
     ) {
         let g = self.geo;
         let Some(rs) = self.requests.get_mut(&req) else {
             return;
         };
+        if let Some((new_blocks, full_table)) = update {
+            if full_table {
+                rs.block_ids.clear();
+            }
+            rs.block_ids.extend_from_slice(new_blocks);
+            self.batch
+                .allocated
+                .extend(new_blocks.iter().copied().filter(|b| b.0 != 0));
+        }
         let tokens_after = match reach {
             StoreReach::Running {
                 computed,
