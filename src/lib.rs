@@ -16,6 +16,8 @@ pub mod kernels;
 pub mod key;
 pub mod manager;
 pub mod profiling;
+pub mod replay;
+pub mod scheduler;
 pub mod worker;
 
 pub use clock::{Clock, ManualClock, MonotonicClock, SharedClock};

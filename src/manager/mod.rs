@@ -464,6 +464,39 @@ impl OffloadManager {
         Ok(())
     }
 
+    /// Turns pinned chunks into quarantined slots: the keys leave the tier at
+    /// once (a removal event), the slots stay out of the free list until
+    /// [`Self::release_quarantined`], whatever `reset` does meanwhile. For a
+    /// stalled load whose late transfer may still read them. Every key must be
+    /// pinned; a key listed twice is quarantined once. Returns the slots.
+    pub fn quarantine_pinned(&mut self, keys: &[ChunkKey]) -> Result<Vec<ChunkId>, ManagerError> {
+        for &k in keys {
+            let s = self.index.get(k).ok_or(ManagerError::UnknownKey(k))?;
+            if self.slots[s as usize].ref_cnt < 1 {
+                return Err(ManagerError::NotPinned(k));
+            }
+        }
+        let mut held = Vec::with_capacity(keys.len());
+        let mut removed = Vec::with_capacity(keys.len());
+        for &k in keys {
+            let Some(s) = self.index.remove(k) else {
+                continue; // listed twice
+            };
+            self.policy.on_remove(s);
+            self.slots[s as usize] = Slot {
+                state: SlotState::Quarantined,
+                ..EMPTY_SLOT
+            };
+            self.counters.ready -= 1;
+            self.counters.pinned -= 1;
+            self.counters.quarantined += 1;
+            held.push(ChunkId(s));
+            removed.push(k);
+        }
+        self.events.evicted(removed);
+        Ok(held)
+    }
+
     /// Marks keys as recently used; the first key ends most recent. Absent keys
     /// are ignored (ARC adapts its target when they are in a ghost list).
     pub fn touch(&mut self, keys: &[ChunkKey], _req: Option<RequestId>) {

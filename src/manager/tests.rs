@@ -603,3 +603,34 @@ fn metadata_stays_small_per_chunk() {
     let per_chunk = m.metadata_bytes() as f64 / n as f64;
     assert!(per_chunk <= 64.0, "{per_chunk} bytes of metadata per chunk");
 }
+
+#[test]
+fn quarantine_pinned_holds_the_slots_of_a_stalled_load_across_reset() {
+    let mut m = mgr(3, Lru);
+    store_ok(&mut m, &[1, 2, 3]);
+    assert_eq!(
+        m.quarantine_pinned(&k(&[1])),
+        Err(ManagerError::NotPinned(ChunkKey(1)))
+    );
+    assert_eq!(
+        m.quarantine_pinned(&k(&[9])),
+        Err(ManagerError::UnknownKey(ChunkKey(9)))
+    );
+    m.prepare_load(&k(&[1, 2]), None).unwrap();
+    let held = m.quarantine_pinned(&k(&[2, 2])).unwrap();
+    assert_eq!(held, ids(&[1]), "a key listed twice is quarantined once");
+    assert_eq!(m.lookup(ChunkKey(2)), LookupResult::Miss);
+    m.check_invariants().unwrap();
+    m.reset();
+    let out = m.prepare_store(&k(&[4, 5, 6]), None);
+    assert!(
+        out.is_none(),
+        "only two slots are free while slot 1 is held"
+    );
+    assert_eq!(
+        m.prepare_store(&k(&[4, 5]), None).unwrap().chunk_ids,
+        ids(&[0, 2])
+    );
+    m.release_quarantined(&held).unwrap();
+    m.check_invariants().unwrap();
+}

@@ -1,12 +1,46 @@
 //! The `kvoffload` command line.
 //!
-//! Subcommands arrive with their issues (sim, bench, replay); this binary
-//! reports what it was built with.
+//! `info` reports what the binary was built with; `replay` runs a trace
+//! (docs/trace-format.md). More subcommands (sim, bench) arrive with their issues.
 
 use std::process::ExitCode;
 
 fn usage() -> &'static str {
-    "usage: kvoffload <command>\n\ncommands:\n  info       what this build contains (kernels, nvcc)\n  --version  print the version\n"
+    "usage: kvoffload <command>\n\ncommands:\n  info       what this build contains (kernels, nvcc)\n  replay T   replay a trace (JSON Lines, docs/trace-format.md); one output line per operation\n  --version  print the version\n"
+}
+
+/// `kvoffload replay TRACE.jsonl` (`-` reads stdin): exit 2 on a malformed line.
+fn replay(path: Option<&str>) -> ExitCode {
+    use std::io::{BufReader, Write};
+    let Some(path) = path else {
+        eprint!("kvoffload replay: missing trace path\n\n{}", usage());
+        return ExitCode::from(2);
+    };
+    let stdout = std::io::stdout();
+    let out = std::io::BufWriter::new(stdout.lock());
+    let result = if path == "-" {
+        kvoffload::replay::run(std::io::stdin().lock(), out)
+    } else {
+        match std::fs::File::open(path) {
+            Ok(f) => kvoffload::replay::run(BufReader::new(f), out),
+            Err(e) => {
+                eprintln!("kvoffload replay: {path}: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    };
+    let _ = std::io::stdout().flush();
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e @ kvoffload::replay::ReplayError::Malformed { .. }) => {
+            eprintln!("{e}");
+            ExitCode::from(2)
+        }
+        Err(e) => {
+            eprintln!("kvoffload replay: {e}");
+            ExitCode::from(1)
+        }
+    }
 }
 
 fn main() -> ExitCode {
@@ -28,6 +62,7 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
+        Some("replay") => replay(args.get(1).map(String::as_str)),
         Some("-h" | "--help" | "help") => {
             print!("{}", usage());
             ExitCode::SUCCESS

@@ -1,0 +1,260 @@
+//! Worker reports and the one completion path of a job (vLLM
+//! `update_connector_output` and `_complete_job`).
+
+use crate::ids::{JobId, RequestId};
+use crate::manager::StoreOutcome;
+
+use super::Scheduler;
+use super::stall::StalledJob;
+use super::types::{JobKind, SchedulerError, WorkerOutcome, WorkerReport};
+
+/// How a job ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// Every worker reported; `failed` if one reported a failed transfer.
+    Reported { failed: bool },
+    /// The watchdog declared it stalled.
+    Stalled,
+}
+
+/// Where a worker report for a job goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Route {
+    Live,
+    Stalled,
+    Stale,
+}
+
+impl Scheduler {
+    fn route(&self, job: JobId, count: u32) -> Result<Route, SchedulerError> {
+        if let Some(s) = self.stalled.get(&job) {
+            if count > s.remaining {
+                return Err(SchedulerError::TooManyReports {
+                    job,
+                    expected: s.remaining,
+                    got: count,
+                });
+            }
+            return Ok(Route::Stalled);
+        }
+        if job.0 < self.stale_threshold {
+            return Ok(Route::Stale);
+        }
+        let Some(e) = self.jobs.get(job) else {
+            return Err(SchedulerError::UnknownJob(job));
+        };
+        if count > e.pending {
+            return Err(SchedulerError::TooManyReports {
+                job,
+                expected: e.pending,
+                got: count,
+            });
+        }
+        Ok(Route::Live)
+    }
+
+    /// Report entries summed per job, in ascending job id order.
+    fn normalize(report: &WorkerReport) -> Vec<(JobId, u32, bool)> {
+        let mut v: Vec<(JobId, u32, bool)> =
+            Vec::with_capacity(report.completed.len() + report.failed.len());
+        for &(job, n) in &report.completed {
+            v.push((job, n, report.failed.contains(&job)));
+        }
+        for &job in &report.failed {
+            if !report.completed.iter().any(|(j, _)| *j == job) {
+                v.push((job, 1, true));
+            }
+        }
+        v.sort_by_key(|(j, _, _)| *j);
+        // Merge duplicates.
+        let mut out: Vec<(JobId, u32, bool)> = Vec::with_capacity(v.len());
+        for (j, n, f) in v {
+            match out.last_mut() {
+                Some(last) if last.0 == j => {
+                    last.1 = last.1.saturating_add(n);
+                    last.2 |= f;
+                }
+                _ => out.push((j, n, f)),
+            }
+        }
+        out
+    }
+
+    /// Checks a report without applying it: the first entry that
+    /// [`Self::on_worker_output`] would reject.
+    pub fn check_report(&self, report: &WorkerReport) -> Result<(), SchedulerError> {
+        for (job, n, _) in Self::normalize(report) {
+            self.route(job, n)?;
+        }
+        Ok(())
+    }
+
+    /// Applies worker reports (summed over workers), in ascending job id order.
+    ///
+    /// A job completes when it has received `world_size` reports in total.
+    /// Reports for jobs created before a reset count toward the reset fence;
+    /// late reports for stalled jobs count down their quarantine. Reports for
+    /// unknown jobs, or beyond what a job expects, are rejected (counted, logged,
+    /// listed in the outcome) and the rest is applied.
+    pub fn on_worker_output(&mut self, report: &WorkerReport) -> WorkerOutcome {
+        self.apply_stalls();
+        let mut out = WorkerOutcome::default();
+        for (job, n, failed) in Self::normalize(report) {
+            match self.route(job, n) {
+                Err(e) => {
+                    self.counters.unknown_reports += u64::from(n);
+                    tracing::warn!(%job, count = n, error = %e, "rejected worker report");
+                    out.rejected.push((job, e));
+                }
+                Ok(Route::Stalled) => self.late_report(job, n),
+                Ok(Route::Stale) => self.stale_report(job, n, &mut out.finished_loads),
+                Ok(Route::Live) => {
+                    let done = match self.jobs.get_mut(job) {
+                        Some(mut e) => {
+                            e.pending -= n;
+                            e.failed |= failed;
+                            (e.pending == 0).then_some(e.failed)
+                        }
+                        None => None,
+                    };
+                    if let Some(failed) = done
+                        && let Some((kind, req)) =
+                            self.complete_job(job, Ending::Reported { failed })
+                        && kind == JobKind::Load
+                    {
+                        if failed {
+                            out.failed_loads.push(req);
+                        } else {
+                            out.finished_loads.push(req);
+                        }
+                    }
+                }
+            }
+        }
+        out.finished_loads.sort_unstable();
+        out.finished_loads.dedup();
+        out.failed_loads.sort_unstable();
+        out.failed_loads.dedup();
+        out
+    }
+
+    fn stale_report(&mut self, job: JobId, n: u32, finished_loads: &mut Vec<RequestId>) {
+        let Some(f) = self.reset_fence.get_mut(&job) else {
+            tracing::debug!(%job, "report for a job dropped by a reset, fence already drained");
+            return;
+        };
+        f.remaining = f.remaining.saturating_sub(n);
+        if f.remaining == 0 {
+            if let Some(req) = f.load_req {
+                finished_loads.push(req);
+            }
+            self.reset_fence.remove(&job);
+            if self.reset_fence.is_empty() {
+                self.manager.on_reset_flushed();
+            }
+        }
+    }
+
+    /// The one completion path: removes the job and applies its effects on the
+    /// manager, the being-loaded set, the fences and the request state. Never
+    /// calls the manager's `request_finished`. Returns the job's kind and request.
+    pub(crate) fn complete_job(
+        &mut self,
+        job: JobId,
+        ending: Ending,
+    ) -> Option<(JobKind, RequestId)> {
+        let e = self.jobs.remove(job)?;
+        let req = e.req;
+        let finished_or_missing = self.requests.get(&req).is_none_or(|r| r.finish.is_some());
+        match (e.kind, ending) {
+            (JobKind::Store, Ending::Reported { failed }) => {
+                let outcome = if failed {
+                    StoreOutcome::Failure
+                } else {
+                    StoreOutcome::Success
+                };
+                if let Err(err) = self.manager.complete_store(&e.keys, outcome, Some(req)) {
+                    tracing::error!(%job, error = %err, "complete_store refused");
+                }
+                if e.fenced {
+                    self.fences.remove(job, &e.blocks);
+                }
+            }
+            (JobKind::Store, Ending::Stalled) => {
+                let held = match self.manager.complete_store(
+                    &e.keys,
+                    StoreOutcome::Quarantined,
+                    Some(req),
+                ) {
+                    Ok(h) => h,
+                    Err(err) => {
+                        tracing::error!(%job, error = %err, "complete_store (quarantine) refused");
+                        Vec::new()
+                    }
+                };
+                // Source blocks stay fenced while the late DMA may still read them.
+                let fenced = e.fenced || finished_or_missing;
+                if fenced && !e.fenced {
+                    self.fences.add(job, &e.blocks);
+                }
+                self.counters.stalled_stores += 1;
+                self.stalled.insert(
+                    job,
+                    StalledJob {
+                        kind: JobKind::Store,
+                        req,
+                        keys: e.keys,
+                        chunk_ids: held.into_boxed_slice(),
+                        blocks: e.blocks,
+                        fenced,
+                        load_quarantined: false,
+                        remaining: e.pending,
+                    },
+                );
+            }
+            (JobKind::Load, Ending::Reported { .. }) => {
+                if let Err(err) = self.manager.complete_load(&e.keys, Some(req)) {
+                    tracing::error!(%job, error = %err, "complete_load refused");
+                }
+                self.unmark_loading(&e.keys);
+            }
+            (JobKind::Load, Ending::Stalled) => {
+                // Chunks stay pinned (quarantined) until the late reports arrive.
+                self.unmark_loading(&e.keys);
+                self.counters.stalled_loads += 1;
+                self.failed_loads.push(req);
+                self.stalled.insert(
+                    job,
+                    StalledJob {
+                        kind: JobKind::Load,
+                        req,
+                        keys: e.keys,
+                        chunk_ids: e.chunk_ids,
+                        blocks: Box::default(),
+                        fenced: false,
+                        load_quarantined: false,
+                        remaining: e.pending,
+                    },
+                );
+            }
+        }
+        if let Some(rs) = self.requests.get_mut(&req) {
+            rs.jobs.retain(|&j| j != job);
+            if rs.finished_signaled && rs.jobs.is_empty() {
+                self.requests.remove(&req);
+            }
+        }
+        Some((e.kind, req))
+    }
+
+    fn unmark_loading(&mut self, keys: &[crate::key::ChunkKey]) {
+        for k in keys {
+            if let Some(n) = self.being_loaded.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    self.being_loaded.remove(k);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,279 @@
+//! Lookup of a request's prefix in the host tier (vLLM
+//! `get_num_new_matched_tokens`) and creation of its load job
+//! (`update_state_after_alloc`).
+
+use crate::ids::{GpuBlockId, JobId, RequestId};
+use crate::key::ChunkKey;
+use crate::manager::{LookupResult, OffloadManager};
+
+use super::Scheduler;
+use super::jobs::JobEntry;
+use super::types::{JobKind, LookupOutcome, SchedulerError, TransferJob};
+
+/// Result of a maximal-prefix scan over chunk keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PrefixScan {
+    /// Leading keys that are present (hit or hit pending), up to the first miss.
+    pub hits: usize,
+    /// A counted key was still being written: ask again later.
+    pub defer: bool,
+}
+
+/// Scans `keys` in order: a hit counts; a pending hit counts and defers but the
+/// scan continues; a miss stops the scan.
+pub(crate) fn maximal_prefix(
+    manager: &OffloadManager,
+    keys: impl Iterator<Item = ChunkKey>,
+) -> PrefixScan {
+    let mut scan = PrefixScan {
+        hits: 0,
+        defer: false,
+    };
+    for k in keys {
+        match manager.lookup(k) {
+            LookupResult::Hit => scan.hits += 1,
+            LookupResult::HitPending => {
+                scan.hits += 1;
+                scan.defer = true;
+            }
+            LookupResult::Miss => break,
+        }
+    }
+    scan
+}
+
+impl Scheduler {
+    /// How many tokens beyond `computed_tokens` the host tier can supply for
+    /// `req` (vLLM `get_num_new_matched_tokens`).
+    ///
+    /// Restarts the request first: its block list is emptied and every chunk is
+    /// offered again for storing, even when the answer is [`LookupOutcome::Defer`].
+    /// Defers while the request has a job in flight, while a hit chunk is still
+    /// being written, and while a hit chunk is being loaded for another request.
+    /// Hits below one chunk count as zero.
+    pub fn lookup(
+        &mut self,
+        req: RequestId,
+        computed_tokens: u64,
+    ) -> Result<LookupOutcome, SchedulerError> {
+        self.apply_stalls();
+        let g = self.geo;
+        let rs = self
+            .requests
+            .get_mut(&req)
+            .ok_or(SchedulerError::UnknownRequest(req))?;
+        rs.restart();
+        rs.lookup_computed = Some(computed_tokens);
+        if !rs.jobs.is_empty() {
+            return Ok(LookupOutcome::Defer);
+        }
+        let max_hit = rs.num_tokens;
+        if max_hit.saturating_sub(computed_tokens) < g.tokens_per_chunk {
+            return Ok(LookupOutcome::Hit(0));
+        }
+        let start = (computed_tokens / g.tokens_per_chunk) as usize;
+        let end =
+            (max_hit.div_ceil(g.tokens_per_chunk) as usize).min(rs.num_keys(g.blocks_per_chunk));
+        if start >= end {
+            return Ok(LookupOutcome::Hit(0));
+        }
+        let rs = &self.requests[&req];
+        let scan = maximal_prefix(
+            &self.manager,
+            (start..end).map(|i| rs.key(i, g.blocks_per_chunk)),
+        );
+        if scan.defer {
+            return Ok(LookupOutcome::Defer);
+        }
+        let covered = g
+            .tokens_per_chunk
+            .saturating_mul((start + scan.hits) as u64)
+            .min(max_hit);
+        let hit = covered.saturating_sub(computed_tokens);
+        if hit < g.tokens_per_chunk {
+            return Ok(LookupOutcome::Hit(0));
+        }
+        if !self.being_loaded.is_empty()
+            && (start..start + scan.hits).any(|i| {
+                self.being_loaded
+                    .contains_key(&rs.key(i, g.blocks_per_chunk))
+            })
+        {
+            return Ok(LookupOutcome::Defer);
+        }
+        Ok(LookupOutcome::Hit(hit))
+    }
+
+    /// The backend allocated `block_ids` (the request's whole table) for `req`,
+    /// `external_tokens` of which are to be loaded (vLLM `update_state_after_alloc`).
+    ///
+    /// Every non-null block counts as allocated in this step (fence check at
+    /// [`Self::build_step`]). With external tokens, one asynchronous load job is
+    /// created: it pins its chunks and marks them as being loaded.
+    pub fn on_alloc(
+        &mut self,
+        req: RequestId,
+        block_ids: &[GpuBlockId],
+        external_tokens: u64,
+    ) -> Result<Option<JobId>, SchedulerError> {
+        self.apply_stalls();
+        let g = self.geo;
+        let rs = self
+            .requests
+            .get(&req)
+            .ok_or(SchedulerError::UnknownRequest(req))?;
+        // Validate everything before changing anything.
+        let plan = if external_tokens == 0 {
+            None
+        } else {
+            let computed = rs.lookup_computed.ok_or(SchedulerError::NoLookup(req))?;
+            if !rs.jobs.is_empty() {
+                return Err(SchedulerError::JobsInFlight(req));
+            }
+            let cached = computed.saturating_add(external_tokens);
+            let start_block = (computed / g.tokens_per_block) as usize;
+            let end_block = cached.div_ceil(g.tokens_per_block) as usize;
+            if end_block > block_ids.len() {
+                return Err(SchedulerError::LoadOutOfRange {
+                    req,
+                    what: format!(
+                        "needs {end_block} blocks, the table has {}",
+                        block_ids.len()
+                    ),
+                });
+            }
+            let first_chunk = start_block / g.blocks_per_chunk;
+            let end_chunk = cached.div_ceil(g.tokens_per_chunk) as usize;
+            if end_chunk > rs.num_keys(g.blocks_per_chunk) {
+                return Err(SchedulerError::LoadOutOfRange {
+                    req,
+                    what: format!(
+                        "needs {end_chunk} chunk keys, the request has {}",
+                        rs.num_keys(g.blocks_per_chunk)
+                    ),
+                });
+            }
+            let keys: Vec<ChunkKey> = (first_chunk..end_chunk)
+                .map(|i| rs.key(i, g.blocks_per_chunk))
+                .collect();
+            Some((keys, start_block, end_block, end_chunk))
+        };
+        let plan = match plan {
+            None => None,
+            Some((keys, sb, eb, end_chunk)) => {
+                let chunk_ids = self.manager.prepare_load(&keys, Some(req))?;
+                Some((keys, chunk_ids, sb, eb, end_chunk))
+            }
+        };
+        self.batch
+            .allocated
+            .extend(block_ids.iter().copied().filter(|b| b.0 != 0));
+        let Some((keys, chunk_ids, sb, eb, end_chunk)) = plan else {
+            return Ok(None);
+        };
+        let job = self.new_job_id();
+        let now = self.now_ns();
+        for &k in &keys {
+            *self.being_loaded.entry(k).or_insert(0) += 1;
+        }
+        let deadline = now.saturating_add(g.stall_timeout_ns);
+        self.jobs.insert(
+            job,
+            JobEntry {
+                kind: JobKind::Load,
+                failed: false,
+                fenced: false,
+                stall_flag: Default::default(),
+                pending: g.world_size,
+                req,
+                created_ns: now,
+                deadline_ns: deadline,
+                keys: keys.clone().into_boxed_slice(),
+                chunk_ids: chunk_ids.clone().into_boxed_slice(),
+                blocks: Box::default(),
+            },
+        );
+        // After the insert: the watchdog drops deadline entries of absent jobs.
+        self.watch.track(job, deadline);
+        self.batch.loads.push(TransferJob {
+            job,
+            req,
+            block_ids: block_ids[sb..eb].to_vec(),
+            chunk_ids,
+            keys,
+        });
+        if let Some(rs) = self.requests.get_mut(&req) {
+            rs.jobs.push(job);
+            rs.next_stored_chunk = rs.next_stored_chunk.max(end_chunk);
+        }
+        Ok(Some(job))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::EvictionPolicyKind;
+    use crate::manager::StoreOutcome;
+
+    fn manager(ready: &[u64], pending: &[u64]) -> OffloadManager {
+        let mut m = OffloadManager::new(16, EvictionPolicyKind::Lru).unwrap();
+        let all: Vec<ChunkKey> = ready.iter().chain(pending).map(|&k| ChunkKey(k)).collect();
+        m.prepare_store(&all, None).unwrap();
+        let r: Vec<ChunkKey> = ready.iter().map(|&k| ChunkKey(k)).collect();
+        m.complete_store(&r, StoreOutcome::Success, None).unwrap();
+        m
+    }
+
+    fn scan(m: &OffloadManager, keys: &[u64]) -> PrefixScan {
+        maximal_prefix(m, keys.iter().map(|&k| ChunkKey(k)))
+    }
+
+    #[test]
+    fn all_hit() {
+        let m = manager(&[1, 2, 3], &[]);
+        assert_eq!(
+            scan(&m, &[1, 2, 3]),
+            PrefixScan {
+                hits: 3,
+                defer: false
+            }
+        );
+    }
+
+    #[test]
+    fn partial_prefix_and_miss_stops_the_scan() {
+        let m = manager(&[1, 2, 4], &[]);
+        assert_eq!(
+            scan(&m, &[1, 2, 3, 4]),
+            PrefixScan {
+                hits: 2,
+                defer: false
+            }
+        );
+    }
+
+    #[test]
+    fn miss_then_hit_is_zero() {
+        let m = manager(&[2], &[]);
+        assert_eq!(
+            scan(&m, &[1, 2]),
+            PrefixScan {
+                hits: 0,
+                defer: false
+            }
+        );
+    }
+
+    #[test]
+    fn hit_pending_counts_defers_and_the_scan_continues() {
+        let m = manager(&[1, 3], &[2]);
+        assert_eq!(
+            scan(&m, &[1, 2, 3, 4]),
+            PrefixScan {
+                hits: 3,
+                defer: true
+            }
+        );
+    }
+}

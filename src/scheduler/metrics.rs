@@ -1,0 +1,43 @@
+//! Scheduler counters and gauges (plain values; exported by the metrics layer).
+
+/// A snapshot of the scheduler's counters and gauges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SchedulerMetrics {
+    /// Store jobs the watchdog declared stalled (counter).
+    pub stalled_stores: u64,
+    /// Load jobs the watchdog declared stalled (counter).
+    pub stalled_loads: u64,
+    /// Worker reports that arrived for stalled jobs (counter).
+    pub late_reports: u64,
+    /// Worker reports for jobs that never existed or beyond what a job expects (counter).
+    pub unknown_reports: u64,
+    /// Stalled jobs released by a cancellation confirmation (counter).
+    pub cancellations_confirmed: u64,
+    /// `prepare_store` calls that could not allocate (counter).
+    pub allocation_failures: u64,
+    /// Jobs created (counter).
+    pub jobs_created: u64,
+    /// `request_finished` calls made to the manager (counter).
+    pub manager_request_finished: u64,
+    /// Watchdog scans (counter).
+    pub scans: u64,
+    /// Live jobs (gauge).
+    pub jobs_in_flight: u64,
+    /// Stalled jobs awaiting late reports (gauge).
+    pub stalled_jobs: u64,
+    /// Host chunks held by stalled jobs (gauge).
+    pub quarantined_chunks: u64,
+}
+
+/// The counters the scheduler thread owns.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Counters {
+    pub stalled_stores: u64,
+    pub stalled_loads: u64,
+    pub late_reports: u64,
+    pub unknown_reports: u64,
+    pub cancellations_confirmed: u64,
+    pub allocation_failures: u64,
+    pub jobs_created: u64,
+    pub manager_request_finished: u64,
+}

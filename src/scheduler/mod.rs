@@ -1,0 +1,380 @@
+//! The control plane: vLLM's `OffloadingConnectorScheduler` for one
+//! full-attention KV group and the host tier, with asynchronous loads, plus
+//! stall detection with quarantine.
+//!
+//! One [`Scheduler`] owns the host-tier [`OffloadManager`]. The serving backend
+//! calls its hooks in vLLM's order each step: [`Scheduler::add_request`],
+//! [`Scheduler::lookup`], [`Scheduler::on_alloc`], [`Scheduler::build_step`]
+//! (the plan for the workers), then [`Scheduler::on_worker_output`] and
+//! [`Scheduler::request_finished`]. Job state lives in a concurrent table that
+//! the stall watchdog scans; stalled jobs are cleaned at the next hook through
+//! the same completion path as normal completions.
+
+mod completion;
+mod fences;
+mod invariants;
+mod jobs;
+mod lookup;
+mod metrics;
+mod preempt;
+mod request;
+mod stall;
+mod step;
+mod store;
+mod types;
+mod watchdog;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::clock::SharedClock;
+use crate::config::OffloadConfig;
+use crate::ids::{GpuBlockId, JobId, RequestId};
+use crate::key::{BlockHash, ChunkKey, KeyBuildHasher};
+use crate::manager::{OffloadEvent, OffloadManager};
+
+use fences::FenceIndex;
+use jobs::JobTable;
+use metrics::Counters;
+use request::{FinishInfo, RequestState};
+use stall::StalledJob;
+use watchdog::{Watchdog, WatchdogShared, nanos};
+
+pub use watchdog::WatchdogHandle;
+
+pub use metrics::SchedulerMetrics;
+pub use types::{
+    JobKind, LookupOutcome, ScanOutcome, ScheduledRequest, SchedulerError, SchedulerState,
+    StepInput, StepPlan, TransferJob, WorkerOutcome, WorkerReport,
+};
+
+/// Geometry and timing the scheduler needs from the configuration.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Geometry {
+    tokens_per_block: u64,
+    blocks_per_chunk: usize,
+    tokens_per_chunk: u64,
+    world_size: u32,
+    offload_prompt_only: bool,
+    stall_timeout_ns: u64,
+}
+
+/// A job of a reset that is still owed worker reports.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FencedReset {
+    remaining: u32,
+    /// The request of an asynchronous load (it still appears in `finished_loads`).
+    load_req: Option<RequestId>,
+}
+
+/// State of the step being built (between the first hook and `build_step`).
+#[derive(Debug, Default)]
+pub(crate) struct Batch {
+    loads: Vec<TransferJob>,
+    flush: Vec<JobId>,
+    allocated: HashSet<GpuBlockId, KeyBuildHasher>,
+}
+
+/// The offload scheduler (control plane) for one KV group.
+#[derive(Debug)]
+pub struct Scheduler {
+    geo: Geometry,
+    manager: OffloadManager,
+    clock: SharedClock,
+    requests: HashMap<RequestId, RequestState, KeyBuildHasher>,
+    jobs: Arc<JobTable>,
+    watch: Arc<WatchdogShared>,
+    watchdog: Option<Watchdog>,
+    next_job: u64,
+    stale_threshold: u64,
+    reset_fence: HashMap<JobId, FencedReset, KeyBuildHasher>,
+    fences: FenceIndex,
+    being_loaded: HashMap<ChunkKey, u32, KeyBuildHasher>,
+    batch: Batch,
+    stalled: HashMap<JobId, StalledJob, KeyBuildHasher>,
+    failed_loads: Vec<RequestId>,
+    counters: Counters,
+    scratch_idx: Vec<usize>,
+    scratch_keys: Vec<ChunkKey>,
+}
+
+impl Scheduler {
+    /// A scheduler for `cfg` (validated) with its own host-tier manager and no
+    /// watchdog thread (call [`Self::start_watchdog`], or [`Self::scan_now`]).
+    pub fn new(cfg: &OffloadConfig, clock: SharedClock) -> Result<Self, SchedulerError> {
+        let manager = OffloadManager::from_config(cfg)?;
+        Ok(Self::with_manager(cfg, manager, clock))
+    }
+
+    /// A scheduler over an existing manager.
+    pub fn with_manager(cfg: &OffloadConfig, manager: OffloadManager, clock: SharedClock) -> Self {
+        let jobs = Arc::new(JobTable::default());
+        let watch = Arc::new(WatchdogShared::new(
+            Arc::clone(&jobs),
+            Arc::clone(&clock),
+            cfg.stall_scan_interval(),
+        ));
+        let bpc = cfg.blocks_per_chunk.max(1) as usize;
+        let tpb = u64::from(cfg.tokens_per_block.max(1));
+        Self {
+            geo: Geometry {
+                tokens_per_block: tpb,
+                blocks_per_chunk: bpc,
+                tokens_per_chunk: tpb * bpc as u64,
+                world_size: cfg.world_size.max(1),
+                offload_prompt_only: cfg.offload_prompt_only,
+                stall_timeout_ns: nanos(cfg.stall_timeout()),
+            },
+            manager,
+            clock,
+            requests: HashMap::default(),
+            jobs,
+            watch,
+            watchdog: None,
+            next_job: 0,
+            stale_threshold: 0,
+            reset_fence: HashMap::default(),
+            fences: FenceIndex::default(),
+            being_loaded: HashMap::default(),
+            batch: Batch::default(),
+            stalled: HashMap::default(),
+            failed_loads: Vec::new(),
+            counters: Counters::default(),
+            scratch_idx: Vec::new(),
+            scratch_keys: Vec::new(),
+        }
+    }
+
+    /// Starts the stall watchdog thread (scans every `stall_scan_interval`; it
+    /// stops and joins when the scheduler is dropped). No-op if already started.
+    pub fn start_watchdog(&mut self) -> std::io::Result<()> {
+        if self.watchdog.is_none() {
+            self.watchdog = Some(Watchdog::start(Arc::clone(&self.watch))?);
+        }
+        Ok(())
+    }
+
+    /// A handle to run the watchdog's scans from another thread.
+    pub fn watchdog_handle(&self) -> WatchdogHandle {
+        WatchdogHandle(Arc::clone(&self.watch))
+    }
+
+    /// Whether the watchdog thread runs.
+    pub fn watchdog_running(&self) -> bool {
+        self.watchdog.is_some()
+    }
+
+    /// The host-tier manager (read only).
+    pub fn manager(&self) -> &OffloadManager {
+        &self.manager
+    }
+
+    /// The host-tier manager, bypassing the scheduler's bookkeeping (replay's
+    /// manager operations and tests only).
+    pub fn manager_mut(&mut self) -> &mut OffloadManager {
+        &mut self.manager
+    }
+
+    /// A new request (vLLM `on_new_request`) with the hashes of its full blocks.
+    pub fn add_request(
+        &mut self,
+        req: RequestId,
+        prompt_tokens: u64,
+        block_hashes: &[BlockHash],
+    ) -> Result<(), SchedulerError> {
+        self.apply_stalls();
+        if self.requests.contains_key(&req) {
+            return Err(SchedulerError::DuplicateRequest(req));
+        }
+        self.requests
+            .insert(req, RequestState::new(prompt_tokens, block_hashes));
+        Ok(())
+    }
+
+    /// New tokens of a request: `num_tokens` is the total (prompt + accepted
+    /// output); `new_hashes` are the hashes of blocks completed since the last update.
+    pub fn update_request(
+        &mut self,
+        req: RequestId,
+        num_tokens: u64,
+        new_hashes: &[BlockHash],
+    ) -> Result<(), SchedulerError> {
+        self.apply_stalls();
+        let rs = self
+            .requests
+            .get_mut(&req)
+            .ok_or(SchedulerError::UnknownRequest(req))?;
+        rs.num_tokens = num_tokens;
+        rs.hashes.extend_from_slice(new_hashes);
+        Ok(())
+    }
+
+    /// The backend finished (or aborted) a request and will free `block_ids`.
+    ///
+    /// Pending stores of the request now fence their source blocks. Its last
+    /// stores and the manager's `request_finished` come at the next
+    /// [`Self::build_step`] that lists it in `finished`. A request the scheduler
+    /// never tracked is finished in the manager at once.
+    pub fn request_finished(
+        &mut self,
+        req: RequestId,
+        block_ids: &[GpuBlockId],
+        aborted: bool,
+        computed_tokens: u64,
+    ) -> Result<(), SchedulerError> {
+        self.apply_stalls();
+        let Some(rs) = self.requests.get_mut(&req) else {
+            self.manager.request_finished(req);
+            self.counters.manager_request_finished += 1;
+            return Ok(());
+        };
+        rs.finish = Some(FinishInfo {
+            aborted,
+            computed_tokens,
+        });
+        if !block_ids.is_empty() {
+            rs.block_ids.clear();
+            rs.block_ids.extend_from_slice(block_ids);
+        }
+        for &job in &rs.jobs {
+            if let Some(mut e) = self.jobs.get_mut(job)
+                && e.kind == JobKind::Store
+                && !e.fenced
+            {
+                e.fenced = true;
+                self.fences.add(job, &e.blocks);
+            }
+        }
+        for (&job, s) in self.stalled.iter_mut() {
+            if s.req == req && s.kind == JobKind::Store && !s.fenced {
+                s.fenced = true;
+                self.fences.add(job, &s.blocks);
+            }
+        }
+        Ok(())
+    }
+
+    /// Drains the host tier's events (evictions before the stores reusing their space).
+    pub fn take_events(&mut self) -> Vec<OffloadEvent> {
+        self.apply_stalls();
+        self.manager.take_events()
+    }
+
+    /// Whether the engine must keep stepping: live jobs, an undrained reset
+    /// fence, or work in the manager. Stalled jobs do not count (they may never report).
+    pub fn has_pending_work(&self) -> bool {
+        !self.jobs.is_empty() || !self.reset_fence.is_empty() || self.manager.has_pending_work()
+    }
+
+    /// Counts of the scheduler's state.
+    pub fn state(&self) -> SchedulerState {
+        SchedulerState {
+            jobs: self.jobs.len(),
+            requests: self.requests.len(),
+            chunks_being_loaded: self.being_loaded.len(),
+            fenced_blocks: self.fences.len(),
+            stalled_jobs: self.stalled.len(),
+            quarantined_chunks: self.quarantined_chunks(),
+            manager: self.manager.stats(),
+        }
+    }
+
+    /// Counters and gauges.
+    pub fn metrics(&self) -> SchedulerMetrics {
+        let c = self.counters;
+        SchedulerMetrics {
+            stalled_stores: c.stalled_stores,
+            stalled_loads: c.stalled_loads,
+            late_reports: c.late_reports,
+            unknown_reports: c.unknown_reports,
+            cancellations_confirmed: c.cancellations_confirmed,
+            allocation_failures: c.allocation_failures,
+            jobs_created: c.jobs_created,
+            manager_request_finished: c.manager_request_finished,
+            scans: self.watch.scans(),
+            jobs_in_flight: self.jobs.len() as u64,
+            stalled_jobs: self.stalled.len() as u64,
+            quarantined_chunks: self.quarantined_chunks() as u64,
+        }
+    }
+
+    /// Whether `req` is tracked.
+    pub fn has_request(&self, req: RequestId) -> bool {
+        self.requests.contains_key(&req)
+    }
+
+    /// The jobs in flight for `req` (sorted), or `None` if it is not tracked.
+    pub fn request_jobs(&self, req: RequestId) -> Option<Vec<JobId>> {
+        self.requests.get(&req).map(|r| {
+            let mut v = r.jobs.clone();
+            v.sort_unstable();
+            v
+        })
+    }
+
+    /// The next chunk index `req` will offer for storing.
+    pub fn next_stored_chunk(&self, req: RequestId) -> Option<usize> {
+        self.requests.get(&req).map(|r| r.next_stored_chunk)
+    }
+
+    /// Whether `job` is live (created, not complete, not stalled, not dropped by a reset).
+    pub fn is_job_live(&self, job: JobId) -> bool {
+        self.jobs.contains(job)
+    }
+
+    /// When `job` was created (clock time), if it is live.
+    pub fn job_created(&self, job: JobId) -> Option<Duration> {
+        self.jobs
+            .get(job)
+            .map(|e| Duration::from_nanos(e.created_ns))
+    }
+
+    /// Whether `job` is stalled and still awaits late reports.
+    pub fn is_job_stalled(&self, job: JobId) -> bool {
+        self.stalled.contains_key(&job)
+    }
+
+    /// Whether `key` is being loaded by an asynchronous load.
+    pub fn is_being_loaded(&self, key: ChunkKey) -> bool {
+        self.being_loaded.contains_key(&key)
+    }
+
+    /// Jobs fencing GPU block `block` (sorted).
+    pub fn fenced_jobs(&self, block: GpuBlockId) -> Vec<JobId> {
+        let mut v = self.fences.jobs(block).to_vec();
+        v.sort_unstable();
+        v
+    }
+
+    /// Job ids below this were created before the last reset.
+    pub fn stale_threshold(&self) -> JobId {
+        JobId(self.stale_threshold)
+    }
+
+    /// The id the next job will get.
+    pub fn next_job_id(&self) -> JobId {
+        JobId(self.next_job)
+    }
+
+    /// Reports still owed to the reset fence.
+    pub fn reset_fence_len(&self) -> usize {
+        self.reset_fence.len()
+    }
+
+    fn now_ns(&self) -> u64 {
+        nanos(self.clock.now())
+    }
+
+    fn new_job_id(&mut self) -> JobId {
+        let id = JobId(self.next_job);
+        self.next_job += 1;
+        self.counters.jobs_created += 1;
+        id
+    }
+
+    /// The stall timeout.
+    pub fn stall_timeout(&self) -> Duration {
+        Duration::from_nanos(self.geo.stall_timeout_ns)
+    }
+}

@@ -1,0 +1,152 @@
+//! Preemption flush and cache reset (vLLM `reset_cache`).
+
+use crate::ids::{JobId, RequestId};
+
+use super::types::{JobKind, SchedulerError};
+use super::{FencedReset, Scheduler};
+
+impl Scheduler {
+    fn is_current_load(&self, job: JobId) -> bool {
+        self.batch.loads.iter().any(|l| l.job == job)
+    }
+
+    /// Invariant D.3 at a preemption flush: apart from loads created in this
+    /// step, a preempted request's pending jobs must all be stores.
+    pub(crate) fn check_preemption_flush(
+        &self,
+        preempted: &[RequestId],
+    ) -> Result<(), SchedulerError> {
+        for &req in preempted {
+            let Some(rs) = self.requests.get(&req) else {
+                continue;
+            };
+            for &job in &rs.jobs {
+                if self.is_current_load(job) {
+                    continue;
+                }
+                let kind = self.jobs.get(job).map(|e| e.kind);
+                if kind != Some(JobKind::Store) {
+                    return Err(SchedulerError::PreemptedWithPendingLoad {
+                        req,
+                        job,
+                        kind: kind.map_or("unknown", JobKind::as_str),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The pending stores of preempted requests go to the flush set; loads
+    /// created in this step (same-step resume) stay in flight.
+    pub(crate) fn preemption_flush(&mut self, preempted: &[RequestId]) {
+        for &req in preempted {
+            let Some(rs) = self.requests.get(&req) else {
+                continue;
+            };
+            for &job in &rs.jobs {
+                if !self.batch.loads.iter().any(|l| l.job == job) {
+                    self.batch.flush.push(job);
+                }
+            }
+        }
+    }
+
+    /// Resets the host tier (vLLM `reset_cache`).
+    ///
+    /// Every live job goes to the next step's flush set and to the reset fence
+    /// (reports for jobs created before the reset are then counted there only;
+    /// the manager hears `on_reset_flushed` when it drains). Finished requests
+    /// are finalized (the manager's `request_finished` if they had not had it)
+    /// and dropped; surviving requests re-offer every chunk and forget their jobs.
+    ///
+    /// Stalled jobs are not added to the reset fence (they may never report),
+    /// but they keep their host slots out of reuse until their late reports
+    /// arrive or their cancellation is confirmed: a stalled store's quarantined
+    /// slots stay held (the manager's reset keeps them), and a stalled load's
+    /// pinned chunks are turned into quarantined slots before the manager's
+    /// reset would free them. Their GPU fences are dropped (a late store reading
+    /// a reused GPU block can only land in its own quarantined slot).
+    pub fn reset(&mut self) -> Result<(), SchedulerError> {
+        self.apply_stalls();
+        if !self.batch.loads.is_empty() {
+            return Err(SchedulerError::ResetMidStep);
+        }
+        let mut live: Vec<(JobId, FencedReset)> = Vec::with_capacity(self.jobs.len());
+        self.jobs.for_each(|id, e| {
+            live.push((
+                id,
+                FencedReset {
+                    remaining: e.pending,
+                    load_req: (e.kind == JobKind::Load).then_some(e.req),
+                },
+            ));
+        });
+        live.sort_unstable_by_key(|(id, _)| *id);
+        self.batch.flush.extend(live.iter().map(|(id, _)| *id));
+        let mut finished: Vec<RequestId> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| r.finish.is_some())
+            .map(|(id, _)| *id)
+            .collect();
+        finished.sort_unstable();
+        for req in finished {
+            if let Some(rs) = self.requests.remove(&req)
+                && !rs.manager_finished
+            {
+                self.manager.request_finished(req);
+                self.counters.manager_request_finished += 1;
+            }
+        }
+        // Stalled loads keep their host chunks across the reset: pinned chunks
+        // become quarantined slots (the reset frees pins, not quarantine).
+        let mut stalled_loads: Vec<JobId> = self
+            .stalled
+            .iter()
+            .filter(|(_, s)| s.kind == JobKind::Load && !s.load_quarantined)
+            .map(|(j, _)| *j)
+            .collect();
+        stalled_loads.sort_unstable();
+        for job in stalled_loads {
+            let Some(s) = self.stalled.get_mut(&job) else {
+                continue;
+            };
+            // A chunk pinned by two stalled loads is quarantined once, for the first.
+            let keys: Vec<_> = s
+                .keys
+                .iter()
+                .copied()
+                .filter(|&k| self.manager.slot_of(k).is_some())
+                .collect();
+            match self.manager.quarantine_pinned(&keys) {
+                Ok(held) => s.chunk_ids = held.into_boxed_slice(),
+                Err(err) => {
+                    tracing::error!(%job, error = %err, "stalled load: cannot quarantine its chunks");
+                    s.chunk_ids = Box::default();
+                }
+            }
+            s.load_quarantined = true;
+        }
+        self.manager.reset();
+        for rs in self.requests.values_mut() {
+            rs.next_stored_chunk = 0;
+            rs.jobs.clear();
+        }
+        self.stale_threshold = self.next_job;
+        self.reset_fence.extend(live);
+        self.jobs.clear();
+        self.fences.clear();
+        self.being_loaded.clear();
+        self.stalled.retain(|_, s| !s.chunk_ids.is_empty());
+        for s in self.stalled.values_mut() {
+            s.fenced = false;
+            s.blocks = Box::default();
+        }
+        self.watch.reset_schedule();
+        if self.reset_fence.is_empty() {
+            self.manager.on_reset_flushed();
+        }
+        Ok(())
+    }
+}

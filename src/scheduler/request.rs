@@ -1,0 +1,68 @@
+//! Per-request offload state (vLLM's `RequestOffloadState`, one KV group).
+
+use crate::ids::{GpuBlockId, JobId};
+use crate::key::{BlockHash, ChunkKey};
+
+/// How a finished request ended, as told by `request_finished`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FinishInfo {
+    /// Aborted: only the computed tokens are stored.
+    pub aborted: bool,
+    /// Tokens computed when it was aborted.
+    pub computed_tokens: u64,
+}
+
+/// Everything the scheduler tracks for one request.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RequestState {
+    /// Prompt length in tokens.
+    pub prompt_tokens: u64,
+    /// Prompt plus accepted output tokens.
+    pub num_tokens: u64,
+    /// Hashes of the full GPU blocks so far (chained).
+    pub hashes: Vec<BlockHash>,
+    /// The request's block table (group 0).
+    pub block_ids: Vec<GpuBlockId>,
+    /// First chunk not yet offered for storing.
+    pub next_stored_chunk: usize,
+    /// Jobs in flight: exactly one load, or only stores.
+    pub jobs: Vec<JobId>,
+    /// Set by `request_finished`.
+    pub finish: Option<FinishInfo>,
+    /// A step listed it as finished: its last stores are planned.
+    pub finished_signaled: bool,
+    /// The manager heard `request_finished` for it.
+    pub manager_finished: bool,
+    /// Computed tokens of the latest lookup since the last restart.
+    pub lookup_computed: Option<u64>,
+}
+
+impl RequestState {
+    /// A new request with its prompt and the hashes of its full blocks.
+    pub fn new(prompt_tokens: u64, hashes: &[BlockHash]) -> Self {
+        Self {
+            prompt_tokens,
+            num_tokens: prompt_tokens,
+            hashes: hashes.to_vec(),
+            ..Self::default()
+        }
+    }
+
+    /// Number of complete chunks that have a key.
+    #[inline]
+    pub fn num_keys(&self, blocks_per_chunk: usize) -> usize {
+        self.hashes.len() / blocks_per_chunk
+    }
+
+    /// The key of chunk `i` (hash of its last block, group 0). `i < num_keys`.
+    #[inline]
+    pub fn key(&self, i: usize, blocks_per_chunk: usize) -> ChunkKey {
+        ChunkKey::for_group(self.hashes[(i + 1) * blocks_per_chunk - 1], 0)
+    }
+
+    /// Restart: forget the block list and re-offer every chunk for storing.
+    pub fn restart(&mut self) {
+        self.block_ids.clear();
+        self.next_stored_chunk = 0;
+    }
+}

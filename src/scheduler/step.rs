@@ -1,0 +1,128 @@
+//! One scheduling step (vLLM `build_connector_meta`): request updates,
+//! preemption and fence flushes, store planning, finalization of finished requests.
+
+use crate::ids::RequestId;
+
+use super::Scheduler;
+use super::store::StoreReach;
+use super::types::{SchedulerError, StepInput, StepPlan};
+
+impl Scheduler {
+    /// Builds the step's plan for the workers.
+    ///
+    /// Validates the whole input first (unknown scheduled requests, the
+    /// preemption-flush invariant) and returns an error with nothing changed.
+    pub fn build_step(&mut self, input: &StepInput) -> Result<StepPlan, SchedulerError> {
+        self.apply_stalls();
+        // A scheduled request that is already finished (abnormal) needs the
+        // two-pass order; otherwise each request is updated and planned in one
+        // map lookup, which gives the same result.
+        let mut one_pass = true;
+        for s in &input.scheduled {
+            match self.requests.get(&s.req) {
+                None => return Err(SchedulerError::UnknownRequest(s.req)),
+                Some(rs) => one_pass &= rs.finish.is_none(),
+            }
+        }
+        self.check_preemption_flush(&input.preempted)?;
+
+        // 1. Preemption flush (loads of this step excluded). Block updates do not
+        //    change job sets, so it may come first.
+        self.preemption_flush(&input.preempted);
+        let mut stores = Vec::new();
+        if one_pass {
+            // 2 and 4. Request updates and their store planning, in list order.
+            for s in &input.scheduled {
+                let reach = StoreReach::Running {
+                    computed: s.computed_tokens,
+                    scheduled: s.scheduled_tokens,
+                };
+                let update = Some((s.new_block_ids.as_slice(), s.full_table));
+                self.plan_store(s.req, reach, update, &mut stores);
+            }
+            // 3. Fence flush (stores of running requests are never fenced).
+            self.fence_flush();
+        } else {
+            for s in &input.scheduled {
+                if let Some(rs) = self.requests.get_mut(&s.req) {
+                    if s.full_table {
+                        rs.block_ids.clear();
+                    }
+                    rs.block_ids.extend_from_slice(&s.new_block_ids);
+                }
+                self.batch
+                    .allocated
+                    .extend(s.new_block_ids.iter().copied().filter(|b| b.0 != 0));
+            }
+            self.fence_flush();
+            for s in &input.scheduled {
+                let reach = StoreReach::Running {
+                    computed: s.computed_tokens,
+                    scheduled: s.scheduled_tokens,
+                };
+                self.plan_store(s.req, reach, None, &mut stores);
+            }
+        }
+        // 4. Store planning for finished requests, in list order.
+        for &req in &input.finished {
+            if self
+                .requests
+                .get(&req)
+                .is_some_and(|r| !r.finished_signaled)
+            {
+                self.plan_store(req, StoreReach::Finished, None, &mut stores);
+            }
+        }
+        // 5. The plan.
+        let mut flush = std::mem::take(&mut self.batch.flush);
+        flush.sort_unstable();
+        flush.dedup();
+        let mut failed_loads = std::mem::take(&mut self.failed_loads);
+        failed_loads.sort_unstable();
+        failed_loads.dedup();
+        let plan = StepPlan {
+            loads: std::mem::take(&mut self.batch.loads),
+            stores,
+            flush,
+            failed_loads,
+        };
+        // 6. Finished requests: the manager hears it once, after their last store.
+        for &req in &input.finished {
+            self.finalize_finished(req);
+        }
+        // 7. Per-step state.
+        self.batch.allocated.clear();
+        Ok(plan)
+    }
+
+    /// Every pending store reading a block allocated in this step is flushed.
+    fn fence_flush(&mut self) {
+        if !self.fences.is_empty() {
+            for b in &self.batch.allocated {
+                self.batch.flush.extend_from_slice(self.fences.jobs(*b));
+            }
+        }
+    }
+
+    fn finalize_finished(&mut self, req: RequestId) {
+        let Some(rs) = self.requests.get_mut(&req) else {
+            return;
+        };
+        if rs.finish.is_none() {
+            tracing::debug!(%req, "listed as finished without request_finished");
+            rs.finish = Some(super::request::FinishInfo {
+                aborted: false,
+                computed_tokens: 0,
+            });
+        }
+        rs.finished_signaled = true;
+        if !rs.manager_finished {
+            rs.manager_finished = true;
+            self.manager.request_finished(req);
+            self.counters.manager_request_finished += 1;
+        }
+        if rs.jobs.is_empty() {
+            self.requests.remove(&req);
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! Store planning (vLLM `_build_store_jobs`, one full-attention group).
+
+use crate::ids::{GpuBlockId, RequestId};
+use crate::key::ChunkKey;
+
+use super::Scheduler;
+use super::jobs::JobEntry;
+use super::types::{JobKind, TransferJob};
+
+/// How far a request's stores may reach in this step.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum StoreReach {
+    /// Running: computed + scheduled tokens.
+    Running { computed: u64, scheduled: u64 },
+    /// Listed as finished in this step.
+    Finished,
+}
+
+impl Scheduler {
+    /// Plans at most one store job for `req`; pushes it to `out`. With
+    /// `update`, first applies the step's block update (new block ids, whether
+    /// they are the full table) in the same map lookup.
+    pub(crate) fn plan_store(
+        &mut self,
+        req: RequestId,
+        reach: StoreReach,
+        update: Option<(&[GpuBlockId], bool)>,
+        out: &mut Vec<TransferJob>,
+    ) {
+        let g = self.geo;
+        let Some(rs) = self.requests.get_mut(&req) else {
+            return;
+        };
+        if let Some((new_blocks, full_table)) = update {
+            if full_table {
+                rs.block_ids.clear();
+            }
+            rs.block_ids.extend_from_slice(new_blocks);
+            self.batch
+                .allocated
+                .extend(new_blocks.iter().copied().filter(|b| b.0 != 0));
+        }
+        let tokens_after = match reach {
+            StoreReach::Running {
+                computed,
+                scheduled,
+            } => computed.saturating_add(scheduled),
+            StoreReach::Finished => match rs.finish {
+                Some(f) if f.aborted => f.computed_tokens,
+                _ => rs.prompt_tokens.max(rs.num_tokens.saturating_sub(1)),
+            },
+        };
+        let mut offloadable = tokens_after.min(rs.num_tokens);
+        if g.offload_prompt_only {
+            offloadable = offloadable.min(rs.prompt_tokens);
+        }
+        let bpc = g.blocks_per_chunk;
+        let num_chunks = ((offloadable / g.tokens_per_chunk) as usize)
+            .min(rs.block_ids.len() / bpc)
+            .min(rs.num_keys(bpc));
+        let start = rs.next_stored_chunk;
+        if start >= num_chunks {
+            return;
+        }
+        // Candidates: chunks whose last block is not the null block (scratch
+        // buffers are reused across calls).
+        let mut cand_idx = std::mem::take(&mut self.scratch_idx);
+        let mut cand = std::mem::take(&mut self.scratch_keys);
+        cand_idx.clear();
+        cand.clear();
+        for i in start..num_chunks {
+            if rs.block_ids[(i + 1) * bpc - 1].0 != 0 {
+                cand_idx.push(i);
+                cand.push(rs.key(i, bpc));
+            }
+        }
+        if cand.is_empty() {
+            rs.next_stored_chunk = num_chunks;
+            self.scratch_idx = cand_idx;
+            self.scratch_keys = cand;
+            return;
+        }
+        let ps = self.manager.prepare_store(&cand, Some(req));
+        let (Some(ps), Some(rs)) = (ps, self.requests.get_mut(&req)) else {
+            self.counters.allocation_failures += 1;
+            tracing::warn!(%req, chunks = cand.len(), "host tier cannot allocate; store retried next step");
+            self.scratch_idx = cand_idx;
+            self.scratch_keys = cand;
+            return;
+        };
+        rs.next_stored_chunk = rs.next_stored_chunk.max(num_chunks);
+        if ps.keys_to_store.is_empty() {
+            self.scratch_idx = cand_idx;
+            self.scratch_keys = cand;
+            return;
+        }
+        // keys_to_store is an ordered subset of the candidates: walk both.
+        let mut blocks: Vec<GpuBlockId> = Vec::with_capacity(ps.keys_to_store.len() * bpc);
+        let mut c = 0;
+        for k in &ps.keys_to_store {
+            while c < cand.len() && cand[c] != *k {
+                c += 1;
+            }
+            if c == cand.len() {
+                break;
+            }
+            let i = cand_idx[c];
+            blocks.extend(
+                rs.block_ids[i * bpc..(i + 1) * bpc]
+                    .iter()
+                    .filter(|b| b.0 != 0),
+            );
+            c += 1;
+        }
+        let finished = rs.finish.is_some();
+        let job = self.new_job_id();
+        let now = self.now_ns();
+        let flush = finished && blocks.iter().any(|b| self.batch.allocated.contains(b));
+        if finished {
+            self.fences.add(job, &blocks);
+        }
+        if flush {
+            self.batch.flush.push(job);
+        }
+        if let Some(rs) = self.requests.get_mut(&req) {
+            rs.jobs.push(job);
+        }
+        let keys: Vec<ChunkKey> = ps.keys_to_store;
+        let chunk_ids = ps.chunk_ids;
+        out.push(TransferJob {
+            job,
+            req,
+            block_ids: blocks.clone(),
+            chunk_ids,
+            keys: keys.clone(),
+        });
+        let deadline = now.saturating_add(g.stall_timeout_ns);
+        self.jobs.insert(
+            job,
+            JobEntry {
+                kind: JobKind::Store,
+                failed: false,
+                fenced: finished,
+                stall_flag: Default::default(),
+                pending: g.world_size,
+                req,
+                created_ns: now,
+                deadline_ns: deadline,
+                keys: keys.into_boxed_slice(),
+                // A stalled store gets its held slots from the manager.
+                chunk_ids: Box::default(),
+                blocks: blocks.into_boxed_slice(),
+            },
+        );
+        // After the insert: the watchdog drops deadline entries of absent jobs.
+        self.watch.track(job, deadline);
+    }
+}

@@ -1,0 +1,304 @@
+//! The stall watchdog: scans the job table every scan interval and hands jobs
+//! past their deadline to the scheduler through a lock-free queue.
+//!
+//! Jobs get their deadline at creation (creation time + stall timeout) from one
+//! monotonic clock, in job id order, so deadlines never decrease along job ids.
+//! The scheduler therefore also appends `(job, deadline)` to a lock-free
+//! deadline queue, and a scan walks that queue from its oldest entry: entries of
+//! jobs that are gone are dropped, expired jobs are handed over, and the scan
+//! stops at the first live job that is not expired. Its cost is the number of
+//! jobs that ended or expired since the last scan, not the number in flight. A
+//! full scan of the concurrent map ([`WatchdogHandle::scan_full`]) gives the
+//! same result and remains available as a cross-check.
+//!
+//! The thread waits on a condvar between scans (so it stops at once when the
+//! scheduler is dropped) and reads time only from the injected clock. Tests and
+//! replay never start the thread: they call the scan synchronously.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_queue::SegQueue;
+
+use crate::clock::SharedClock;
+use crate::ids::JobId;
+
+use super::jobs::JobTable;
+
+/// State shared by the scheduler and the watchdog thread.
+#[derive(Debug)]
+pub(crate) struct WatchdogShared {
+    /// The job table.
+    pub jobs: Arc<JobTable>,
+    /// Stalled job ids, from the watchdog to the scheduler.
+    pub queue: SegQueue<JobId>,
+    /// `(job, deadline)` in job id order (so in deadline order), from the scheduler.
+    deadlines: SegQueue<(JobId, u64)>,
+    /// The oldest deadline entry not yet expired, held by the scan (one scan at a time).
+    front: Mutex<Option<(JobId, u64)>>,
+    clock: SharedClock,
+    interval: Duration,
+    /// Clock time of the last scan (nanoseconds); `u64::MAX` before the first.
+    last_scan_ns: AtomicU64,
+    scans: AtomicU64,
+    stop: Mutex<bool>,
+    wake: Condvar,
+}
+
+impl WatchdogShared {
+    /// Shared state over `jobs`, scanning every `interval` of `clock` time.
+    pub fn new(jobs: Arc<JobTable>, clock: SharedClock, interval: Duration) -> Self {
+        Self {
+            jobs,
+            queue: SegQueue::new(),
+            deadlines: SegQueue::new(),
+            front: Mutex::new(None),
+            clock,
+            interval,
+            last_scan_ns: AtomicU64::new(u64::MAX),
+            scans: AtomicU64::new(0),
+            stop: Mutex::new(false),
+            wake: Condvar::new(),
+        }
+    }
+
+    /// Registers a new job's deadline (call in job id order).
+    pub fn track(&self, job: JobId, deadline_ns: u64) {
+        self.deadlines.push((job, deadline_ns));
+    }
+
+    /// Scans now: every job past its deadline that was not handed over yet is queued.
+    /// Returns how many were queued.
+    pub fn scan(&self) -> usize {
+        let now = nanos(self.clock.now());
+        let mut front = match self.front.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        let mut n = 0;
+        while let Some((id, deadline)) = front.take().or_else(|| self.deadlines.pop()) {
+            if now <= deadline {
+                if self.jobs.contains(id) {
+                    *front = Some((id, deadline));
+                    break;
+                }
+                continue;
+            }
+            if let Some(e) = self.jobs.get(id)
+                && !e.stall_flag.swap(true, Ordering::AcqRel)
+            {
+                self.queue.push(id);
+                n += 1;
+            }
+        }
+        drop(front);
+        self.finish_scan(now, n)
+    }
+
+    /// Scans every job of the concurrent map (cost linear in the jobs in
+    /// flight); same result as [`Self::scan`].
+    pub fn scan_full(&self) -> usize {
+        let now = nanos(self.clock.now());
+        let n = self.jobs.expire(now, |id| self.queue.push(id));
+        self.finish_scan(now, n)
+    }
+
+    fn finish_scan(&self, now: u64, n: usize) -> usize {
+        self.last_scan_ns.store(now, Ordering::Release);
+        self.scans.fetch_add(1, Ordering::Relaxed);
+        if n > 0 {
+            tracing::warn!(stalled = n, "stall watchdog: jobs past their deadline");
+        }
+        n
+    }
+
+    /// Scans if a scan interval of clock time has passed since the last scan
+    /// (or there was none). Returns whether it scanned.
+    pub fn scan_if_due(&self) -> bool {
+        let last = self.last_scan_ns.load(Ordering::Acquire);
+        let now = nanos(self.clock.now());
+        let due = last == u64::MAX || now.saturating_sub(last) >= nanos(self.interval);
+        if due {
+            self.scan();
+        }
+        due
+    }
+
+    /// Scans done so far.
+    pub fn scans(&self) -> u64 {
+        self.scans.load(Ordering::Relaxed)
+    }
+
+    /// Forgets the last scan time (after a reset).
+    pub fn reset_schedule(&self) {
+        self.last_scan_ns.store(u64::MAX, Ordering::Release);
+    }
+}
+
+/// A handle on the watchdog's scans, usable from any thread (for example a
+/// backend's own housekeeping thread, or a benchmark).
+#[derive(Debug, Clone)]
+pub struct WatchdogHandle(pub(crate) Arc<WatchdogShared>);
+
+impl WatchdogHandle {
+    /// Scans the deadline queue now; expired jobs are handed to the scheduler,
+    /// which cleans them up at its next hook. Returns how many were handed over.
+    pub fn scan(&self) -> usize {
+        self.0.scan()
+    }
+
+    /// Scans the whole job table now (linear in the jobs in flight).
+    pub fn scan_full(&self) -> usize {
+        self.0.scan_full()
+    }
+
+    /// Scans if a scan interval of clock time has passed since the last scan.
+    pub fn scan_if_due(&self) -> bool {
+        self.0.scan_if_due()
+    }
+}
+
+/// Clock time in nanoseconds, saturating.
+pub(crate) fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The watchdog thread; stops and joins when dropped.
+#[derive(Debug)]
+pub(crate) struct Watchdog {
+    shared: Arc<WatchdogShared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Watchdog {
+    /// Starts the thread.
+    pub fn start(shared: Arc<WatchdogShared>) -> std::io::Result<Self> {
+        let s = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("kvoffload-stall-watchdog".into())
+            .spawn(move || run(&s))?;
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+        })
+    }
+}
+
+fn run(s: &WatchdogShared) {
+    let wait = s.interval.max(Duration::from_millis(1));
+    let mut stop = match s.stop.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    };
+    loop {
+        if *stop {
+            return;
+        }
+        stop = match s.wake.wait_timeout(stop, wait) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+        if *stop {
+            return;
+        }
+        drop(stop);
+        s.scan_if_due();
+        stop = match s.stop.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        match self.shared.stop.lock() {
+            Ok(mut g) => *g = true,
+            Err(p) => *p.into_inner() = true,
+        }
+        self.shared.wake.notify_all();
+        if let Some(t) = self.thread.take()
+            && t.join().is_err()
+        {
+            tracing::error!("stall watchdog thread panicked");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::ids::RequestId;
+    use crate::scheduler::jobs::JobEntry;
+    use crate::scheduler::types::JobKind;
+
+    fn entry(deadline_ns: u64) -> JobEntry {
+        JobEntry {
+            kind: JobKind::Store,
+            failed: false,
+            fenced: false,
+            stall_flag: Default::default(),
+            pending: 1,
+            req: RequestId(0),
+            created_ns: 0,
+            deadline_ns,
+            keys: Box::default(),
+            chunk_ids: Box::default(),
+            blocks: Box::default(),
+        }
+    }
+
+    #[test]
+    fn deadline_scan_hands_each_expired_job_over_once_and_skips_gone_jobs() {
+        let clock = ManualClock::new();
+        let jobs = Arc::new(JobTable::default());
+        let w = WatchdogShared::new(Arc::clone(&jobs), clock.shared(), Duration::from_secs(10));
+        for (id, dl) in [(0u64, 10u64), (1, 20), (2, 30), (3, 40)] {
+            jobs.insert(JobId(id), entry(dl));
+            w.track(JobId(id), dl);
+        }
+        jobs.remove(JobId(1));
+        clock.set(Duration::from_nanos(30));
+        assert_eq!(
+            w.scan(),
+            1,
+            "job 0 only: 1 is gone, 2 expires strictly after 30"
+        );
+        assert_eq!(w.queue.pop(), Some(JobId(0)));
+        assert_eq!(w.scan(), 0, "handed over once");
+        clock.set(Duration::from_nanos(100));
+        assert_eq!(w.scan_full(), 2);
+        assert_eq!(w.scan(), 0, "the full scan already handed 2 and 3 over");
+        assert_eq!(w.scans(), 4);
+    }
+
+    #[test]
+    fn scan_if_due_follows_the_interval() {
+        let clock = ManualClock::new();
+        let w = WatchdogShared::new(
+            Arc::new(JobTable::default()),
+            clock.shared(),
+            Duration::from_secs(10),
+        );
+        assert!(w.scan_if_due());
+        clock.advance(Duration::from_secs(9));
+        assert!(!w.scan_if_due());
+        clock.advance(Duration::from_secs(1));
+        assert!(w.scan_if_due());
+    }
+
+    #[test]
+    fn the_thread_stops_and_joins_on_drop() {
+        let w = Arc::new(WatchdogShared::new(
+            Arc::new(JobTable::default()),
+            ManualClock::new().shared(),
+            Duration::from_secs(3600),
+        ));
+        let dog = Watchdog::start(Arc::clone(&w)).unwrap();
+        drop(dog); // returns at once: the condvar wakes the thread
+        assert_eq!(Arc::strong_count(&w), 1);
+    }
+}

@@ -1,0 +1,216 @@
+//! `kvoffload replay`: the example traces reproduce their checked-in outputs
+//! byte for byte, and malformed lines exit 2 with `line N: <reason>`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn traces_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/traces")
+}
+
+fn replay_lib(trace: &str) -> Result<String, kvoffload::replay::ReplayError> {
+    let mut out = Vec::new();
+    kvoffload::replay::run(trace.as_bytes(), &mut out)?;
+    Ok(String::from_utf8(out).expect("utf-8 output"))
+}
+
+#[test]
+fn example_traces_match_their_expected_outputs() {
+    let mut n = 0;
+    for entry in std::fs::read_dir(traces_dir()).expect("examples/traces") {
+        let path = entry.expect("entry").path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if !name.ends_with(".jsonl") || name.ends_with(".expected.jsonl") {
+            continue;
+        }
+        let trace = std::fs::read_to_string(&path).expect("trace");
+        let expected_path = path.with_extension("expected.jsonl");
+        let expected = std::fs::read_to_string(&expected_path)
+            .unwrap_or_else(|e| panic!("{}: {e}", expected_path.display()));
+        let got = replay_lib(&trace).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(got, expected, "{name} differs from its expected output");
+        assert_eq!(
+            replay_lib(&trace).unwrap(),
+            got,
+            "{name}: not deterministic"
+        );
+        n += 1;
+    }
+    assert!(n >= 6, "expected at least 6 example traces, found {n}");
+}
+
+#[test]
+fn binary_output_matches_the_library() {
+    let path = traces_dir().join("stalled_store.jsonl");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvoffload"))
+        .arg("replay")
+        .arg(&path)
+        .output()
+        .expect("run kvoffload");
+    assert!(out.status.success());
+    let expected =
+        std::fs::read_to_string(traces_dir().join("stalled_store.expected.jsonl")).unwrap();
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), expected);
+}
+
+const HEADER: &str =
+    r#"{"kvoffload_trace": 1, "config": {"tokens_per_block": 4, "num_cpu_chunks": 4}}"#;
+
+fn run_bin(trace: &str) -> (i32, String, String) {
+    let dir = std::env::temp_dir().join(format!("kvoffload-replay-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("t{}.jsonl", trace.len()));
+    std::fs::write(&path, trace).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvoffload"))
+        .arg("replay")
+        .arg(&path)
+        .output()
+        .expect("run kvoffload");
+    let _ = std::fs::remove_file(&path);
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn malformed_lines_exit_2_with_the_line_number() {
+    for (line, reason) in [
+        ("{not json", "invalid JSON"),
+        (
+            r#"{"op": "lookup", "req": "r"}"#,
+            "missing field \"computed_tokens\"",
+        ),
+        (
+            r#"{"op": "lookup", "req": 7, "computed_tokens": 0}"#,
+            "must be a string",
+        ),
+        (r#"{"op": "manager.lookup", "keys": [-1]}"#, "keys"),
+        (r#"{"op": "teleport"}"#, "unknown op"),
+    ] {
+        let trace = format!("{HEADER}\n{{\"op\": \"state\"}}\n{line}\n{{\"op\": \"state\"}}\n");
+        let (code, stdout, stderr) = run_bin(&trace);
+        assert_eq!(code, 2, "{line}");
+        assert!(stderr.starts_with("line 3: "), "{line}: {stderr}");
+        assert!(stderr.contains(reason), "{line}: {stderr}");
+        assert_eq!(
+            stdout.lines().count(),
+            1,
+            "lines before the bad one are written"
+        );
+    }
+    let (code, _, stderr) = run_bin("{\"kvoffload_trace\": 1, \"config\": {\"bogus\": 1}}\n");
+    assert_eq!(code, 2);
+    assert!(stderr.starts_with("line 1: "), "{stderr}");
+}
+
+#[test]
+fn rejected_operations_print_an_error_and_change_nothing() {
+    let trace = format!(
+        "{HEADER}\n{}\n{}\n{}\n{}\n",
+        r#"{"op": "manager.prepare_load", "keys": ["nope"]}"#,
+        r#"{"op": "worker_output", "completed": {"3": 1}}"#,
+        r#"{"op": "lookup", "req": "ghost", "computed_tokens": 0}"#,
+        r#"{"op": "state"}"#
+    );
+    let out = replay_lib(&trace).expect("no malformed line");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 4);
+    assert!(lines[0].contains(r#""error":"key"#) && lines[0].contains(r#""line":2"#));
+    assert!(lines[1].contains(r#""error":"unknown job"#));
+    assert!(lines[2].contains(r#""error":"unknown request"#));
+    assert!(lines[3].contains(r#""jobs":0"#));
+}
+
+#[test]
+fn keys_print_in_their_first_form() {
+    let trace = format!(
+        "{HEADER}\n{}\n{}\n",
+        r#"{"op": "manager.prepare_store", "keys": ["5", 6]}"#,
+        r#"{"op": "manager.prepare_store", "keys": [5, "6", "x"]}"#
+    );
+    let out = replay_lib(&trace).unwrap();
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines[0].contains(r#""keys_to_store":["5",6]"#),
+        "{}",
+        lines[0]
+    );
+    assert!(
+        lines[1].contains(r#""keys_to_store":["x"]"#),
+        "{}",
+        lines[1]
+    );
+}
+
+#[test]
+fn huge_numbers_are_errors_not_panics() {
+    let trace = format!(
+        "{HEADER}\n{}\n{}\n{}\n{}\n{}\n",
+        r#"{"op": "add_request", "req": "r", "prompt_tokens": 18446744073709551615, "block_hashes": [1]}"#,
+        r#"{"op": "lookup", "req": "r", "computed_tokens": 18446744073709551615}"#,
+        r#"{"op": "alloc", "req": "r", "block_ids": [1], "external_tokens": 18446744073709551615}"#,
+        r#"{"op": "step", "scheduled": [{"req": "r", "new_block_ids": [1], "computed_tokens": 18446744073709551615, "scheduled_tokens": 18446744073709551615}]}"#,
+        r#"{"op": "advance", "ms": 18446744073709551615}"#
+    );
+    let out = replay_lib(&trace).expect("well-formed");
+    assert_eq!(out.lines().count(), 5);
+    assert!(out.lines().nth(2).unwrap().contains("error"));
+}
+
+mod fuzz {
+    use proptest::prelude::*;
+
+    /// Well-formed operations with arbitrary (small) values, in any order.
+    fn line() -> impl Strategy<Value = String> {
+        let req = prop_oneof![Just("a"), Just("b"), Just("c")];
+        let n = 0u64..40;
+        let ids = proptest::collection::vec(0u64..12, 0..5);
+        (0usize..17, req, n.clone(), n, ids.clone(), ids, any::<bool>()).prop_map(
+            |(op, r, x, y, v, w, flag)| match op {
+                0 => format!(r#"{{"op":"add_request","req":"{r}","prompt_tokens":{x},"block_hashes":{v:?}}}"#),
+                1 => format!(r#"{{"op":"update_request","req":"{r}","num_tokens":{x},"block_hashes":{v:?}}}"#),
+                2 => format!(r#"{{"op":"lookup","req":"{r}","computed_tokens":{x}}}"#),
+                3 => format!(r#"{{"op":"alloc","req":"{r}","block_ids":{v:?},"external_tokens":{y}}}"#),
+                4 => format!(
+                    r#"{{"op":"step","scheduled":[{{"req":"{r}","new_block_ids":{v:?},"computed_tokens":{x},"scheduled_tokens":{y}}}],"preempted":{},"finished":{}}}"#,
+                    if flag { r#"["a"]"# } else { "[]" },
+                    if !flag { r#"["b"]"# } else { "[]" }
+                ),
+                5 => format!(r#"{{"op":"worker_output","completed":{{"{x}":{}}},"failed":{w:?}}}"#, y % 3),
+                6 => format!(r#"{{"op":"request_finished","req":"{r}","block_ids":{v:?},"aborted":{flag},"computed_tokens":{x}}}"#),
+                7 => r#"{"op":"reset"}"#.to_string(),
+                8 => format!(r#"{{"op":"advance","ms":{}}}"#, x * 20_000),
+                9 => r#"{"op":"scan"}"#.to_string(),
+                10 => r#"{"op":"events"}"#.to_string(),
+                11 => r#"{"op":"state"}"#.to_string(),
+                12 => format!(r#"{{"op":"confirm_cancelled","job":{x}}}"#),
+                13 => format!(r#"{{"op":"manager.prepare_store","keys":{v:?}}}"#),
+                14 => format!(r#"{{"op":"manager.complete_store","keys":{v:?},"success":{flag}}}"#),
+                15 => format!(r#"{{"op":"manager.prepare_load","keys":{v:?},"req":"{r}"}}"#),
+                _ => format!(r#"{{"op":"manager.complete_load","keys":{v:?}}}"#),
+            },
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+        #[test]
+        fn well_formed_traces_never_crash_and_are_deterministic(
+            lines in proptest::collection::vec(line(), 0..60)
+        ) {
+            let trace = format!(
+                "{}\n{}\n",
+                r#"{"kvoffload_trace": 1, "config": {"tokens_per_block": 4, "num_cpu_chunks": 6, "world_size": 2, "stall_timeout_ms": 100000, "stall_scan_interval_ms": 1000}}"#,
+                lines.join("\n")
+            );
+            let mut a = Vec::new();
+            kvoffload::replay::run(trace.as_bytes(), &mut a).expect("every line is well formed");
+            let mut b = Vec::new();
+            kvoffload::replay::run(trace.as_bytes(), &mut b).unwrap();
+            prop_assert_eq!(a, b);
+        }
+    }
+}

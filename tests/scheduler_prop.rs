@@ -1,0 +1,420 @@
+//! Property test: a randomized serving backend (admission, prefill, decode,
+//! preemption, finish and abort, partial worker reports, stalls, resets,
+//! cancellations, block reuse) drives the scheduler; every invariant holds after
+//! every hook, no report is ever rejected, and everything drains at the end.
+
+mod common;
+
+use common::*;
+use kvoffload::scheduler::{LookupOutcome, ScheduledRequest, StepInput, WorkerReport};
+use kvoffload::{BlockHash, GpuBlockId, JobId, RequestId};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Add {
+        family: u8,
+        prompt: u8,
+    },
+    Step {
+        preempt: Option<u8>,
+        finish: Option<u8>,
+        abort: bool,
+    },
+    Report {
+        pick: u8,
+        count: u8,
+        fail: bool,
+    },
+    Advance {
+        secs: u16,
+    },
+    Scan,
+    Reset,
+    Cancel {
+        pick: u8,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        2 => (0u8..3, 1u8..24).prop_map(|(family, prompt)| Op::Add { family, prompt }),
+        5 => (proptest::option::of(any::<u8>()), proptest::option::of(any::<u8>()), any::<bool>())
+            .prop_map(|(preempt, finish, abort)| Op::Step { preempt, finish, abort }),
+        4 => (any::<u8>(), 1u8..4, proptest::bool::weighted(0.1))
+            .prop_map(|(pick, count, fail)| Op::Report { pick, count, fail }),
+        1 => (0u16..400).prop_map(|secs| Op::Advance { secs }),
+        1 => Just(Op::Scan),
+        1 => Just(Op::Reset),
+        1 => any::<u8>().prop_map(|pick| Op::Cancel { pick }),
+    ]
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum St {
+    Waiting,
+    Loading,
+    Running,
+    Done,
+}
+
+struct MReq {
+    id: u64,
+    family: u64,
+    prompt_blocks: u64,
+    tokens: u64,
+    computed: u64,
+    st: St,
+    /// The scheduler's block list is empty: the next step carries the whole table.
+    full: bool,
+    blocks: Vec<GpuBlockId>,
+}
+
+struct Model {
+    h: H,
+    world: u32,
+    tpb: u64,
+    reqs: Vec<MReq>,
+    inflight: Vec<(JobId, u32)>,
+    free_blocks: Vec<GpuBlockId>,
+    next_block: u32,
+}
+
+fn hash(m: &MReq, i: u64) -> BlockHash {
+    if i < m.prompt_blocks {
+        BlockHash(m.family * 1000 + i + 1)
+    } else {
+        BlockHash((m.id + 1) * 1_000_000 + i)
+    }
+}
+
+impl Model {
+    fn block(&mut self) -> GpuBlockId {
+        self.free_blocks.pop().unwrap_or_else(|| {
+            self.next_block += 1;
+            GpuBlockId(self.next_block)
+        })
+    }
+
+    fn blocks_for(&mut self, tokens: u64) -> Vec<GpuBlockId> {
+        (0..tokens / self.tpb + 1).map(|_| self.block()).collect()
+    }
+
+    fn free(&mut self, i: usize) {
+        let b = std::mem::take(&mut self.reqs[i].blocks);
+        self.free_blocks.extend(b);
+    }
+
+    fn on_loads(&mut self, finished: &[RequestId], failed: &[RequestId]) {
+        for m in &mut self.reqs {
+            if m.st != St::Loading {
+                continue;
+            }
+            if failed.contains(&RequestId(m.id)) {
+                m.st = St::Running;
+                m.computed = 0; // recompute
+                m.full = true;
+            } else if finished.contains(&RequestId(m.id)) {
+                m.st = St::Running;
+                m.full = true;
+            }
+        }
+    }
+
+    fn step(&mut self, preempt: Option<u8>, finish: Option<u8>, abort: bool) {
+        let tpb = self.tpb;
+        let mut input = StepInput::default();
+        // Admission of waiting requests.
+        for i in 0..self.reqs.len() {
+            if self.reqs[i].st != St::Waiting {
+                continue;
+            }
+            let id = self.reqs[i].id;
+            match self.h.lookup(id, 0) {
+                LookupOutcome::Defer => {}
+                LookupOutcome::Hit(n) => {
+                    let blocks = self.blocks_for(self.reqs[i].tokens);
+                    let job = self.h.alloc(id, &blocks, n);
+                    let m = &mut self.reqs[i];
+                    m.blocks = blocks;
+                    m.full = true;
+                    if let Some(job) = job {
+                        self.inflight.push((job, self.world));
+                        m.st = St::Loading;
+                        m.computed = n;
+                    } else {
+                        m.st = St::Running;
+                        m.computed = 0;
+                    }
+                }
+            }
+        }
+        let running: Vec<usize> = (0..self.reqs.len())
+            .filter(|&i| self.reqs[i].st == St::Running && !self.reqs[i].full)
+            .collect();
+        let mut skip = Vec::new();
+        if let Some(p) = preempt
+            && !running.is_empty()
+        {
+            let i = running[p as usize % running.len()];
+            input.preempted.push(RequestId(self.reqs[i].id));
+            self.reqs[i].st = St::Waiting;
+            self.reqs[i].computed = 0;
+            self.free(i);
+            skip.push(i);
+        }
+        if let Some(f) = finish
+            && !running.is_empty()
+        {
+            let i = running[f as usize % running.len()];
+            if !skip.contains(&i) {
+                let m = &self.reqs[i];
+                self.h
+                    .s
+                    .request_finished(RequestId(m.id), &m.blocks, abort, m.computed)
+                    .unwrap();
+                input.finished.push(RequestId(m.id));
+                self.reqs[i].st = St::Done;
+                self.free(i);
+                skip.push(i);
+            }
+        }
+        for i in 0..self.reqs.len() {
+            if self.reqs[i].st != St::Running || skip.contains(&i) {
+                continue;
+            }
+            // Prefill what is left, or decode one token.
+            let (id, computed, full) = (self.reqs[i].id, self.reqs[i].computed, self.reqs[i].full);
+            if computed >= self.reqs[i].tokens {
+                let m = &mut self.reqs[i];
+                m.tokens += 1;
+                let new_hashes: Vec<BlockHash> = if m.tokens.is_multiple_of(tpb) {
+                    vec![hash(m, m.tokens / tpb - 1)]
+                } else {
+                    vec![]
+                };
+                let n = m.tokens;
+                self.h.grow_raw(id, n, &new_hashes);
+            }
+            let mut new_blocks = Vec::new();
+            while (self.reqs[i].blocks.len() as u64) * tpb <= self.reqs[i].tokens {
+                let b = self.block();
+                self.reqs[i].blocks.push(b);
+                new_blocks.push(b);
+            }
+            let m = &mut self.reqs[i];
+            input.scheduled.push(ScheduledRequest {
+                req: RequestId(id),
+                new_block_ids: if full { m.blocks.clone() } else { new_blocks },
+                computed_tokens: computed,
+                scheduled_tokens: m.tokens - computed,
+                full_table: full,
+            });
+            m.computed = m.tokens;
+            m.full = false;
+        }
+        let plan = self.h.step(input);
+        for s in &plan.stores {
+            self.inflight.push((s.job, self.world));
+        }
+        self.on_loads(&[], &plan.failed_loads);
+    }
+}
+
+fn run(ops: Vec<Op>, world: u32, chunks: u64) {
+    let h = H::new(Geo {
+        chunks,
+        world,
+        ..Geo::default()
+    });
+    let mut m = Model {
+        h,
+        world,
+        tpb: 4,
+        reqs: Vec::new(),
+        inflight: Vec::new(),
+        free_blocks: Vec::new(),
+        next_block: 0,
+    };
+    for op in ops {
+        match op {
+            Op::Add { family, prompt } => {
+                let id = m.reqs.len() as u64;
+                let prompt = u64::from(prompt);
+                let pb = prompt / m.tpb;
+                let r = MReq {
+                    id,
+                    family: u64::from(family),
+                    prompt_blocks: pb,
+                    tokens: prompt,
+                    computed: 0,
+                    st: St::Waiting,
+                    full: true,
+                    blocks: vec![],
+                };
+                let hashes: Vec<BlockHash> = (0..pb).map(|i| hash(&r, i)).collect();
+                m.h.s.add_request(RequestId(id), prompt, &hashes).unwrap();
+                m.reqs.push(r);
+                m.h.check();
+            }
+            Op::Step {
+                preempt,
+                finish,
+                abort,
+            } => m.step(preempt, finish, abort),
+            Op::Report { pick, count, fail } => {
+                if m.inflight.is_empty() {
+                    continue;
+                }
+                let k = pick as usize % m.inflight.len();
+                let (job, left) = m.inflight[k];
+                let n = u32::from(count).min(left);
+                let out = m.h.s.on_worker_output(&WorkerReport {
+                    completed: vec![(job, n)],
+                    failed: if fail { vec![job] } else { vec![] },
+                });
+                assert!(out.rejected.is_empty(), "{:?}", out.rejected);
+                m.h.check();
+                if n == left {
+                    m.inflight.remove(k);
+                } else {
+                    m.inflight[k].1 -= n;
+                }
+                m.on_loads(&out.finished_loads, &out.failed_loads);
+            }
+            Op::Advance { secs } => m.h.advance_s(u64::from(secs)),
+            Op::Scan => {
+                let out = m.h.s.scan_now();
+                m.h.check();
+                m.on_loads(&[], &out.failed_loads);
+            }
+            Op::Reset => {
+                m.h.s.reset().unwrap();
+                m.h.check();
+                for r in &mut m.reqs {
+                    // Surviving requests restart their block lists at their next step.
+                    if r.st == St::Running {
+                        r.full = true;
+                    }
+                }
+            }
+            Op::Cancel { pick } => {
+                if m.inflight.is_empty() {
+                    continue;
+                }
+                let k = pick as usize % m.inflight.len();
+                let job = m.inflight[k].0;
+                if m.h.s.is_job_stalled(job) {
+                    m.h.s.confirm_cancelled(job).unwrap();
+                    m.inflight.remove(k);
+                    m.h.check();
+                }
+            }
+        }
+    }
+    // Drain: every outstanding report arrives, every live request finishes.
+    let all: Vec<(JobId, u32)> = std::mem::take(&mut m.inflight);
+    let out = m.h.s.on_worker_output(&WorkerReport {
+        completed: all,
+        failed: vec![],
+    });
+    assert!(out.rejected.is_empty(), "{:?}", out.rejected);
+    m.h.check();
+    let live: Vec<u64> = m
+        .reqs
+        .iter()
+        .filter(|r| r.st != St::Done)
+        .map(|r| r.id)
+        .collect();
+    for &id in &live {
+        m.h.s.request_finished(RequestId(id), &[], true, 0).unwrap();
+    }
+    let plan = m.h.run(&[], &[], &live);
+    assert!(
+        plan.stores.is_empty(),
+        "aborted at 0 computed tokens: nothing to store"
+    );
+    let st = m.h.s.state();
+    assert_eq!(st.jobs, 0);
+    assert_eq!(st.requests, 0, "no request state leaked");
+    assert_eq!(st.chunks_being_loaded, 0);
+    assert_eq!(st.fenced_blocks, 0);
+    assert_eq!(st.stalled_jobs, 0);
+    assert_eq!(st.quarantined_chunks, 0);
+    assert_eq!(
+        st.manager.pending + st.manager.pinned + st.manager.quarantined,
+        0
+    );
+    assert!(!m.h.s.has_pending_work());
+}
+
+impl H {
+    fn grow_raw(&mut self, id: u64, num_tokens: u64, hashes: &[BlockHash]) {
+        self.s.update_request(r(id), num_tokens, hashes).unwrap();
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn scheduler_invariants_hold_under_random_backends(
+        ops in proptest::collection::vec(op(), 1..80),
+        world in 1u32..3,
+        chunks in prop_oneof![Just(4u64), Just(16), Just(64)],
+    ) {
+        run(ops, world, chunks);
+    }
+}
+
+#[test]
+fn regression_stalled_load_then_reset() {
+    use Op::*;
+    let s = |p: Option<u8>| Step {
+        preempt: p,
+        finish: None,
+        abort: false,
+    };
+    run(
+        vec![
+            Add {
+                family: 0,
+                prompt: 4,
+            },
+            Add {
+                family: 0,
+                prompt: 4,
+            },
+            s(None),
+            s(None),
+            Add {
+                family: 0,
+                prompt: 1,
+            },
+            Add {
+                family: 0,
+                prompt: 1,
+            },
+            Add {
+                family: 0,
+                prompt: 1,
+            },
+            Add {
+                family: 0,
+                prompt: 1,
+            },
+            s(Some(0)),
+            Report {
+                pick: 0,
+                count: 2,
+                fail: false,
+            },
+            s(None),
+            Advance { secs: 301 },
+            Scan,
+            Reset,
+        ],
+        1,
+        4,
+    );
+}
