@@ -97,10 +97,16 @@ impl Sim {
         self.s.on_worker_output(&report);
     }
 
-    /// Timed steps (only `build_step` is timed); stores complete untimed.
+    /// Timed steps (only `build_step` is timed); stores complete untimed, and a
+    /// watchdog scan runs untimed every 100 steps (as the thread would every
+    /// scan interval), which keeps the deadline queue short.
     fn timed_steps(&mut self, iters: u64) -> Duration {
         let mut total = Duration::ZERO;
-        for _ in 0..iters {
+        let watchdog = self.s.watchdog_handle();
+        for i in 0..iters {
+            if i % 100 == 0 {
+                watchdog.scan();
+            }
             self.prepare();
             let t0 = Instant::now();
             let plan = black_box(self.step());

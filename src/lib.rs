@@ -3,8 +3,9 @@
 //! while it still sits anywhere on the machine.
 //!
 //! The crate has two halves:
-//! - the control plane ([`manager`], and the scheduler): which chunks live on
-//!   the host tier, which to load, store, flush or evict;
+//! - the control plane ([`manager`] and [`scheduler`]): which chunks live on
+//!   the host tier, which to load, store, flush or evict, and which transfers
+//!   stalled; [`replay`] drives it from a trace file;
 //! - the data plane (the worker): moving blocks between GPU pages and host chunks.
 //!
 //! Time is always injected through a [`clock::Clock`].

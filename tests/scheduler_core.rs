@@ -621,3 +621,88 @@ fn complete_store_is_called_per_job_with_its_own_keys() {
     assert_eq!(h.lookup_key(key(1, 0, 1)), LookupResult::Hit);
     let _ = JobId(0);
 }
+
+#[test]
+fn max_offload_tokens_caps_stores() {
+    // 0 disables storing; 24 tokens store 2 chunks of 12.
+    for (cap, chunks) in [(Some(0u64), 0usize), (Some(24), 2), (None, 3)] {
+        let mut h = H::new(geo3());
+        h.add(1, 1, 36);
+        h.s.set_request_caps(
+            r(1),
+            kvoffload::scheduler::RequestCaps {
+                max_offload_tokens: cap,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        h.lookup(1, 0);
+        h.alloc(1, &b(1..=9), 0);
+        let plan = h.run(&[(1, b(1..=9), 0, 36)], &[], &[]);
+        let stored: usize = plan.stores.iter().map(|s| s.keys.len()).sum();
+        assert_eq!(stored, chunks, "cap {cap:?}");
+    }
+}
+
+#[test]
+fn max_load_tokens_caps_hits() {
+    let mut h = H::new(Geo::default());
+    let k = [key(1, 0, 1), key(1, 1, 1), key(1, 2, 1)];
+    h.s.manager_mut().prepare_store(&k, None).unwrap();
+    h.s.manager_mut()
+        .complete_store(&k, StoreOutcome::Success, None)
+        .unwrap();
+    h.add(1, 1, 13);
+    h.s.set_request_caps(
+        r(1),
+        kvoffload::scheduler::RequestCaps {
+            max_load_tokens: Some(9),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        h.lookup(1, 0),
+        LookupOutcome::Hit(9),
+        "min(cap, covered chunks), as vLLM"
+    );
+}
+
+#[test]
+fn store_waits_for_a_missing_chunk_key() {
+    let mut h = H::new(Geo::default());
+    h.add(1, 1, 8);
+    h.lookup(1, 0);
+    h.alloc(1, &b(1..=3), 0);
+    h.run(&[(1, b(1..=3), 0, 8)], &[], &[]);
+    // 4 more tokens complete block 3, but its hash is not known yet.
+    h.s.update_request(r(1), 12, &[]).unwrap();
+    let plan = h.run(&[(1, vec![], 8, 4)], &[], &[]);
+    assert!(plan.stores.is_empty(), "no key, no store");
+    h.grow(1, 1, 8, 12);
+    let plan = h.run(&[(1, vec![], 12, 0)], &[], &[]);
+    assert_eq!(plan.stores[0].keys, vec![key(1, 2, 1)]);
+}
+
+#[test]
+fn a_restarted_request_re_offers_every_chunk() {
+    let mut h = H::new(Geo::default());
+    h.add(1, 1, 8);
+    h.lookup(1, 0);
+    h.alloc(1, &b(1..=2), 0);
+    let plan = h.run(&[(1, b(1..=2), 0, 8)], &[], &[]);
+    h.s.on_worker_output(&WorkerReport {
+        completed: vec![(plan.stores[0].job, 1)],
+        failed: vec![plan.stores[0].job],
+    });
+    h.check();
+    assert_eq!(h.s.next_stored_chunk(r(1)), Some(2));
+    // Preempted and re-admitted: the failed chunks are offered again.
+    h.run(&[], &[1], &[]);
+    assert_eq!(h.lookup(1, 0), LookupOutcome::Hit(0));
+    assert_eq!(h.s.next_stored_chunk(r(1)), Some(0));
+    h.alloc(1, &b(5..=6), 0);
+    let plan = h.run(&[(1, b(5..=6), 0, 8)], &[], &[]);
+    assert_eq!(plan.stores[0].keys, vec![key(1, 0, 1), key(1, 1, 1)]);
+    assert_eq!(plan.stores[0].block_ids, b(5..=6));
+}

@@ -462,3 +462,22 @@ fn deadline_queue_scan_matches_a_full_table_scan() {
     assert_eq!(results[0].0, 2);
     assert_eq!(results[0].1, vec![ids[0], ids[2]]);
 }
+
+#[test]
+fn stalled_store_of_a_running_request_fences_its_blocks_too() {
+    let (mut h, s) = with_store(1);
+    h.advance_s(301);
+    h.s.scan_now();
+    h.check();
+    assert_eq!(h.s.fenced_jobs(GpuBlockId(1)), vec![s]);
+    // Preempted: its blocks go back to the pool and block 1 is reused at once.
+    h.run(&[], &[1], &[]);
+    h.add(2, 2, 4);
+    h.lookup(2, 0);
+    h.alloc(2, &b([1]), 0);
+    let plan = h.run(&[(2, b([1]), 0, 4)], &[], &[]);
+    assert!(plan.flush.contains(&s));
+    h.s.confirm_cancelled(s).unwrap();
+    h.check();
+    assert!(h.s.fenced_jobs(GpuBlockId(1)).is_empty());
+}

@@ -9,7 +9,7 @@ use crate::ids::{JobId, RequestId};
 use crate::key::{BlockHash, ChunkKey};
 use crate::manager::{LookupResult, OffloadEvent, StoreOutcome};
 use crate::scheduler::{
-    LookupOutcome, ScheduledRequest, Scheduler, StepInput, TransferJob, WorkerReport,
+    LookupOutcome, RequestCaps, ScheduledRequest, Scheduler, StepInput, TransferJob, WorkerReport,
 };
 
 use super::intern::{Keys, Requests};
@@ -219,9 +219,16 @@ impl Engine {
                 let req = self.req(f)?;
                 let prompt = f.u64("prompt_tokens")?;
                 let hashes = self.hashes(f, "block_hashes", false)?;
+                let caps = RequestCaps {
+                    max_load_tokens: f.opt_u64("max_load_tokens")?,
+                    max_offload_tokens: f.opt_u64("max_offload_tokens")?,
+                };
                 self.sched
                     .add_request(req, prompt, &hashes)
                     .map_err(rejected)?;
+                if caps != RequestCaps::default() {
+                    self.sched.set_request_caps(req, caps).map_err(rejected)?;
+                }
                 Ok(vec![])
             }
             "update_request" => {

@@ -165,7 +165,6 @@ impl Scheduler {
     ) -> Option<(JobKind, RequestId)> {
         let e = self.jobs.remove(job)?;
         let req = e.req;
-        let finished_or_missing = self.requests.get(&req).is_none_or(|r| r.finish.is_some());
         match (e.kind, ending) {
             (JobKind::Store, Ending::Reported { failed }) => {
                 let outcome = if failed {
@@ -192,9 +191,9 @@ impl Scheduler {
                         Vec::new()
                     }
                 };
-                // Source blocks stay fenced while the late DMA may still read them.
-                let fenced = e.fenced || finished_or_missing;
-                if fenced && !e.fenced {
+                // Source blocks are fenced (whatever the request's state) while the
+                // late DMA may still read them: a reuse flushes the job.
+                if !e.fenced {
                     self.fences.add(job, &e.blocks);
                 }
                 self.counters.stalled_stores += 1;
@@ -206,7 +205,7 @@ impl Scheduler {
                         keys: e.keys,
                         chunk_ids: held.into_boxed_slice(),
                         blocks: e.blocks,
-                        fenced,
+                        fenced: true,
                         load_quarantined: false,
                         remaining: e.pending,
                     },

@@ -16,6 +16,9 @@ use super::types::JobKind;
 /// (about 16 K jobs per shard at 1 M jobs), few enough to stay cache-friendly.
 const SHARDS: usize = 64;
 
+/// Initial capacity of the job table (all shards together).
+const INITIAL_CAPACITY: usize = 8192;
+
 /// One in-flight job.
 #[derive(Debug)]
 pub struct JobEntry {
@@ -52,8 +55,10 @@ pub struct JobTable {
 impl Default for JobTable {
     fn default() -> Self {
         Self {
+            // Pre-sized so that steady insert/remove churn does not keep
+            // rehashing tiny shard tables.
             map: DashMap::with_capacity_and_hasher_and_shard_amount(
-                0,
+                INITIAL_CAPACITY,
                 KeyBuildHasher::default(),
                 SHARDS,
             ),

@@ -67,7 +67,10 @@ impl Scheduler {
         if !rs.jobs.is_empty() {
             return Ok(LookupOutcome::Defer);
         }
-        let max_hit = rs.num_tokens;
+        let max_hit = rs
+            .caps
+            .max_load_tokens
+            .map_or(rs.num_tokens, |cap| cap.min(rs.num_tokens));
         if max_hit.saturating_sub(computed_tokens) < g.tokens_per_chunk {
             return Ok(LookupOutcome::Hit(0));
         }

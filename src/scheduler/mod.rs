@@ -38,6 +38,8 @@ use fences::FenceIndex;
 use jobs::JobTable;
 use metrics::Counters;
 use request::{FinishInfo, RequestState};
+
+pub use request::RequestCaps;
 use stall::StalledJob;
 use watchdog::{Watchdog, WatchdogShared, nanos};
 
@@ -189,6 +191,20 @@ impl Scheduler {
         }
         self.requests
             .insert(req, RequestState::new(prompt_tokens, block_hashes));
+        Ok(())
+    }
+
+    /// Sets a request's load and store limits (vLLM `kv_transfer_params`).
+    pub fn set_request_caps(
+        &mut self,
+        req: RequestId,
+        caps: RequestCaps,
+    ) -> Result<(), SchedulerError> {
+        let rs = self
+            .requests
+            .get_mut(&req)
+            .ok_or(SchedulerError::UnknownRequest(req))?;
+        rs.caps = caps;
         Ok(())
     }
 

@@ -35,6 +35,18 @@ pub(crate) struct RequestState {
     pub manager_finished: bool,
     /// Computed tokens of the latest lookup since the last restart.
     pub lookup_computed: Option<u64>,
+    /// Per-request limits (vLLM `kv_transfer_params`).
+    pub caps: RequestCaps,
+}
+
+/// Per-request limits on what is loaded and stored (vLLM's `max_load_tokens`
+/// and `max_offload_tokens` transfer parameters). `None`: no limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RequestCaps {
+    /// At most this many leading tokens are loaded from the host tier.
+    pub max_load_tokens: Option<u64>,
+    /// At most this many leading tokens are stored (0 disables storing).
+    pub max_offload_tokens: Option<u64>,
 }
 
 impl RequestState {

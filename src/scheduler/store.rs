@@ -51,6 +51,9 @@ impl Scheduler {
             },
         };
         let mut offloadable = tokens_after.min(rs.num_tokens);
+        if let Some(cap) = rs.caps.max_offload_tokens {
+            offloadable = offloadable.min(cap);
+        }
         if g.offload_prompt_only {
             offloadable = offloadable.min(rs.prompt_tokens);
         }
