@@ -214,3 +214,20 @@ mod fuzz {
         }
     }
 }
+
+#[test]
+fn manager_lru_example_reproduces_the_reference_scenario() {
+    let trace = std::fs::read_to_string(traces_dir().join("manager_lru.jsonl")).unwrap();
+    let out = replay_lib(&trace).unwrap();
+    let line12 = out
+        .lines()
+        .find(|l| l.contains(r#""line":12,"#))
+        .expect("line 12");
+    assert!(
+        line12.contains(r#""chunk_ids":[2,0,3],"evicted":[4,5,3]"#),
+        "B.4: store [6,7,8] evicts [4,5,3] into [2,0,3]: {line12}"
+    );
+    assert!(out.contains(
+        r#"{"line":20,"op":"manager.prepare_load","error":"key \"x\" is not in the host tier"}"#
+    ));
+}

@@ -63,6 +63,18 @@ pub enum ManagerError {
     NotQuarantined(ChunkId),
 }
 
+impl ManagerError {
+    /// The chunk key the error is about, if any.
+    pub fn key(&self) -> Option<ChunkKey> {
+        match self {
+            ManagerError::UnknownKey(k)
+            | ManagerError::NotReady(k)
+            | ManagerError::NotPinned(k) => Some(*k),
+            _ => None,
+        }
+    }
+}
+
 /// One change of the host tier's content, for KV-cache events.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OffloadEvent {

@@ -7,7 +7,7 @@ use serde_json::{Map, Value, json};
 use crate::clock::ManualClock;
 use crate::ids::{JobId, RequestId};
 use crate::key::{BlockHash, ChunkKey};
-use crate::manager::{LookupResult, OffloadEvent, StoreOutcome};
+use crate::manager::{LookupResult, ManagerError, OffloadEvent, StoreOutcome};
 use crate::scheduler::{
     LookupOutcome, RequestCaps, ScheduledRequest, Scheduler, StepInput, TransferJob, WorkerReport,
 };
@@ -47,6 +47,17 @@ pub(crate) struct Engine {
 }
 
 impl Engine {
+    /// A manager rejection, with its key written as the trace wrote it.
+    fn rejected_key(&self, e: ManagerError) -> Fail {
+        let msg = e.to_string();
+        match e.key() {
+            Some(k) => {
+                Fail::Rejected(msg.replacen(&k.to_string(), &self.keys.show(k).to_string(), 1))
+            }
+            None => Fail::Rejected(msg),
+        }
+    }
+
     fn keys(&mut self, f: &Fields<'_>, name: &str) -> Result<Vec<ChunkKey>, Fail> {
         let arr = f.array(name)?;
         let mut out = Vec::with_capacity(arr.len());
@@ -147,7 +158,7 @@ impl Engine {
                     .sched
                     .manager_mut()
                     .prepare_load(&keys, req)
-                    .map_err(rejected)?;
+                    .map_err(|e| self.rejected_key(e))?;
                 Ok(vec![(
                     "chunk_ids",
                     Value::from(ids.iter().map(|c| c.0).collect::<Vec<_>>()),
@@ -159,7 +170,7 @@ impl Engine {
                 self.sched
                     .manager_mut()
                     .complete_load(&keys, req)
-                    .map_err(rejected)?;
+                    .map_err(|e| self.rejected_key(e))?;
                 Ok(vec![])
             }
             "manager.prepare_store" => {
@@ -189,7 +200,7 @@ impl Engine {
                 self.sched
                     .manager_mut()
                     .complete_store(&keys, outcome, req)
-                    .map_err(rejected)?;
+                    .map_err(|e| self.rejected_key(e))?;
                 Ok(vec![])
             }
             "manager.touch" => {
