@@ -267,18 +267,28 @@ impl OffloadManager {
         for &k in keys {
             self.index.prefetch(k);
         }
+        let mut access = req.map(|r| self.requests.entry(r).or_default());
         for (i, &k) in keys.iter().enumerate() {
             if keys.len() <= 64 && keys[..i].contains(&k) {
                 continue;
             }
             match self.index.get(k) {
                 Some(s) => {
-                    if !self.slots[s as usize].protected {
-                        self.slots[s as usize].protected = true;
+                    let slot = &mut self.slots[s as usize];
+                    if let Some(acc) = access.as_mut() {
+                        acc.record(k, slot.ref_cnt >= 0);
+                    }
+                    if !slot.protected {
+                        slot.protected = true;
                         protected.push(s);
                     }
                 }
-                None => to_store.push(k),
+                None => {
+                    if let Some(acc) = access.as_mut() {
+                        acc.record(k, false);
+                    }
+                    to_store.push(k);
+                }
             }
         }
         if keys.len() > 64 {
@@ -287,16 +297,6 @@ impl OffloadManager {
                 KeyBuildHasher::default(),
             );
             to_store.retain(|k| seen.insert(*k));
-        }
-        if let Some(req) = req {
-            let acc = self.requests.entry(req).or_default();
-            for &k in keys {
-                let reused = self
-                    .index
-                    .get(k)
-                    .is_some_and(|s| self.slots[s as usize].ref_cnt >= 0);
-                acc.record(k, reused);
-            }
         }
         if let Some(filter) = self.filter.as_mut() {
             self.stores_skipped += filter.admit(&mut to_store);
@@ -516,6 +516,7 @@ impl OffloadManager {
         };
         let accesses: Vec<FinishedAccess> = acc
             .tail_first()
+            .into_iter()
             .filter_map(|(k, reused)| {
                 self.index.get(k).map(|s| FinishedAccess {
                     slot: s,

@@ -1,31 +1,62 @@
 //! What each live request stored or read on the host tier, in prefix order,
 //! so that finishing the request orders its chunks head-most-recent.
+//!
+//! Recording is one push per offered key (the hot path); duplicates from
+//! re-offers are folded once, when the request finishes.
 
 use std::collections::HashMap;
 
 use crate::key::{ChunkKey, KeyBuildHasher};
 
-/// The chunks one request touched, deduplicated, in first-seen (prefix) order.
+/// The chunks one request touched, in offer (prefix) order, possibly repeated.
 #[derive(Debug, Default)]
 pub(crate) struct RequestAccess {
     order: Vec<(ChunkKey, bool)>,
-    position: HashMap<ChunkKey, u32, KeyBuildHasher>,
 }
 
 impl RequestAccess {
     /// Records an access; `reused` is true for a read of an existing chunk.
+    #[inline]
     pub(crate) fn record(&mut self, key: ChunkKey, reused: bool) {
-        match self.position.get(&key) {
-            Some(&i) => self.order[i as usize].1 |= reused,
-            None => {
-                self.position.insert(key, self.order.len() as u32);
-                self.order.push((key, reused));
-            }
-        }
+        self.order.push((key, reused));
     }
 
-    /// The accesses, tail first (reverse prefix order).
-    pub(crate) fn tail_first(&self) -> impl Iterator<Item = (ChunkKey, bool)> + '_ {
-        self.order.iter().rev().copied()
+    /// The distinct keys, tail first (reverse order of first access), each with
+    /// `reused` true if any of its accesses was a read.
+    pub(crate) fn tail_first(&self) -> Vec<(ChunkKey, bool)> {
+        let mut first: HashMap<ChunkKey, usize, KeyBuildHasher> = HashMap::default();
+        let mut distinct: Vec<(ChunkKey, bool)> = Vec::with_capacity(self.order.len());
+        for &(k, reused) in &self.order {
+            match first.get(&k) {
+                Some(&i) => distinct[i].1 |= reused,
+                None => {
+                    first.insert(k, distinct.len());
+                    distinct.push((k, reused));
+                }
+            }
+        }
+        distinct.reverse();
+        distinct
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn repeated_accesses_fold_into_first_position_and_any_read() {
+        let mut a = RequestAccess::default();
+        for (k, r) in [(1, false), (2, false), (1, true), (3, false), (2, false)] {
+            a.record(ChunkKey(k), r);
+        }
+        assert_eq!(
+            a.tail_first(),
+            vec![
+                (ChunkKey(3), false),
+                (ChunkKey(2), false),
+                (ChunkKey(1), true)
+            ]
+        );
     }
 }
