@@ -704,7 +704,7 @@ fn fxhash(s: &str) -> u64 {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
     #[test]
     fn control_plane_matches_the_model(
