@@ -19,6 +19,7 @@ pub mod manager;
 pub mod profiling;
 pub mod replay;
 pub mod scheduler;
+pub(crate) mod sync;
 pub mod worker;
 
 pub use clock::{Clock, ManualClock, MonotonicClock, SharedClock};

@@ -5,6 +5,7 @@ use crate::ids::{JobId, RequestId};
 use crate::manager::StoreOutcome;
 
 use super::Scheduler;
+use super::latch::ReportEffect;
 use super::stall::StalledJob;
 use super::types::{JobKind, SchedulerError, WorkerOutcome, WorkerReport};
 
@@ -43,10 +44,11 @@ impl Scheduler {
         let Some(e) = self.jobs.get(job) else {
             return Err(SchedulerError::UnknownJob(job));
         };
-        if count > e.pending {
+        let pending = e.latch.pending();
+        if count > pending {
             return Err(SchedulerError::TooManyReports {
                 job,
-                expected: e.pending,
+                expected: pending,
                 got: count,
             });
         }
@@ -109,14 +111,31 @@ impl Scheduler {
                 Ok(Route::Stalled) => self.late_report(job, n),
                 Ok(Route::Stale) => self.stale_report(job, n, &mut out.finished_loads),
                 Ok(Route::Live) => {
+                    let mut stalled_first = false;
                     let done = match self.jobs.get_mut(job) {
-                        Some(mut e) => {
-                            e.pending -= n;
-                            e.failed |= failed;
-                            (e.pending == 0).then_some(e.failed)
-                        }
+                        Some(mut e) => match e.latch.report(n) {
+                            ReportEffect::Completed => {
+                                e.failed |= failed;
+                                Some(e.failed)
+                            }
+                            ReportEffect::Counted { .. } => {
+                                e.failed |= failed;
+                                None
+                            }
+                            // The watchdog handed it over since this hook began:
+                            // the stall wins and this report is late.
+                            ReportEffect::Late => {
+                                stalled_first = true;
+                                None
+                            }
+                            ReportEffect::AlreadyDone | ReportEffect::TooMany { .. } => None,
+                        },
                         None => None,
                     };
+                    if stalled_first {
+                        self.complete_job(job, Ending::Stalled);
+                        self.late_report(job, n);
+                    }
                     if let Some(failed) = done
                         && let Some((kind, req)) =
                             self.complete_job(job, Ending::Reported { failed })
@@ -207,7 +226,7 @@ impl Scheduler {
                         blocks: e.blocks,
                         fenced: true,
                         load_quarantined: false,
-                        remaining: e.pending,
+                        remaining: e.latch.pending(),
                     },
                 );
             }
@@ -232,7 +251,7 @@ impl Scheduler {
                         blocks: Box::default(),
                         fenced: false,
                         load_quarantined: false,
-                        remaining: e.pending,
+                        remaining: e.latch.pending(),
                     },
                 );
             }

@@ -47,7 +47,7 @@ impl Scheduler {
                 fenced: e.fenced,
                 blocks: e.blocks.to_vec(),
                 keys: e.keys.to_vec(),
-                pending: e.pending,
+                pending: e.latch.pending(),
             });
         });
         let mut loading: HashMap<ChunkKey, u32> = HashMap::new();

@@ -1,15 +1,14 @@
 //! The job table: per-job state in a concurrent map shared with the stall watchdog.
 //!
 //! The scheduler thread inserts, updates and removes entries; the watchdog only
-//! reads them (shard read locks) and flips an atomic flag on the jobs it hands over.
-
-use std::sync::atomic::{AtomicBool, Ordering};
+//! reads them (shard read locks) and stalls the [`JobLatch`] of the jobs it hands over.
 
 use dashmap::DashMap;
 
 use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
 use crate::key::{ChunkKey, KeyBuildHasher};
 
+use super::latch::JobLatch;
 use super::types::JobKind;
 
 /// Shards of the job table: enough that a full scan holds each lock briefly
@@ -28,10 +27,9 @@ pub struct JobEntry {
     pub failed: bool,
     /// `blocks` are registered in the fence index.
     pub fenced: bool,
-    /// Set once by the watchdog when it hands the job over as stalled.
-    pub stall_flag: AtomicBool,
-    /// Worker reports still expected.
-    pub pending: u32,
+    /// Worker reports still expected, and the stall/completion race (set once
+    /// by the watchdog when it hands the job over as stalled).
+    pub latch: JobLatch,
     /// The request it serves.
     pub req: RequestId,
     /// Creation time (clock nanoseconds).
@@ -120,10 +118,7 @@ impl JobTable {
         let mut n = 0;
         for r in self.map.iter() {
             let e = r.value();
-            if now_ns > e.deadline_ns
-                && !e.stall_flag.load(Ordering::Relaxed)
-                && !e.stall_flag.swap(true, Ordering::AcqRel)
-            {
+            if now_ns > e.deadline_ns && !e.latch.is_stalled() && e.latch.try_stall() {
                 out(*r.key());
                 n += 1;
             }

@@ -14,6 +14,7 @@ mod completion;
 mod fences;
 mod invariants;
 mod jobs;
+mod latch;
 mod lookup;
 mod metrics;
 mod preempt;
@@ -43,6 +44,7 @@ pub use request::RequestCaps;
 use stall::StalledJob;
 use watchdog::{Watchdog, WatchdogShared, nanos};
 
+pub use latch::{JobLatch, ReportEffect};
 pub use watchdog::WatchdogHandle;
 
 pub use metrics::SchedulerMetrics;

@@ -77,7 +77,7 @@ impl Scheduler {
             live.push((
                 id,
                 FencedReset {
-                    remaining: e.pending,
+                    remaining: e.latch.pending(),
                     load_req: (e.kind == JobKind::Load).then_some(e.req),
                 },
             ));

@@ -87,7 +87,7 @@ impl WatchdogShared {
                 continue;
             }
             if let Some(e) = self.jobs.get(id)
-                && !e.stall_flag.swap(true, Ordering::AcqRel)
+                && e.latch.try_stall()
             {
                 self.queue.push(id);
                 n += 1;
@@ -240,8 +240,7 @@ mod tests {
             kind: JobKind::Store,
             failed: false,
             fenced: false,
-            stall_flag: Default::default(),
-            pending: 1,
+            latch: crate::scheduler::latch::JobLatch::new(1),
             req: RequestId(0),
             created_ns: 0,
             deadline_ns,

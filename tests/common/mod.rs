@@ -1,6 +1,8 @@
 //! Test harness: a scheduler on a manual clock, checked after every hook.
 #![allow(dead_code)]
 
+pub mod trace_rec;
+
 use std::time::Duration;
 
 use kvoffload::manager::LookupResult;
