@@ -53,7 +53,7 @@ fn sim_prints_the_summary_writes_the_report_and_a_replayable_trace() {
         assert!(stdout.contains(line), "missing {line:?} in\n{stdout}");
     }
     assert!(
-        stdout.contains("leaks after drain              0\n"),
+        stdout.contains("leaks after drain                0\n"),
         "{stdout}"
     );
     let json: serde_json::Value =

@@ -33,9 +33,9 @@ pub struct TransferCounts {
     pub bytes_stored: u64,
     /// Bytes loaded (host → GPU).
     pub bytes_loaded: u64,
-    /// Store jobs / load jobs completed successfully.
+    /// Successful store copies, one per job per worker.
     pub store_jobs: u64,
-    /// Load jobs completed successfully.
+    /// Successful load copies, one per job per worker.
     pub load_jobs: u64,
     /// Store rate over the copy time, GB/s.
     pub store_gbps: f64,
@@ -181,7 +181,7 @@ impl SimSummary {
         let l = &self.leaks;
         let pct = |x: f64| format!("{:.1}%", x * 100.0);
         let mut row = |k: &str, v: String| {
-            let _ = writeln!(o, "  {k:<30} {v}");
+            let _ = writeln!(o, "  {k:<32} {v}");
         };
         row(
             "seed / workers / backend",
@@ -220,7 +220,7 @@ impl SimSummary {
         row(
             "stored",
             format!(
-                "{} in {} jobs ({:.2} GB/s copy rate)",
+                "{} in {} worker copies ({:.2} GB/s copy rate)",
                 gb(t.bytes_stored),
                 t.store_jobs,
                 t.store_gbps
@@ -229,7 +229,7 @@ impl SimSummary {
         row(
             "loaded",
             format!(
-                "{} in {} jobs ({:.2} GB/s copy rate)",
+                "{} in {} worker copies ({:.2} GB/s copy rate)",
                 gb(t.bytes_loaded),
                 t.load_jobs,
                 t.load_gbps
@@ -244,12 +244,19 @@ impl SimSummary {
         );
         row(
             "stalls detected",
-            format!("{} stores, {} loads", f.stalled_stores, f.stalled_loads),
+            format!(
+                "{} stores, {} loads ({} of {} injected; {} forced earlier by a flush)",
+                f.stalled_stores,
+                f.stalled_loads,
+                f.injected_stalls_detected,
+                f.injected_stalls,
+                f.stalls_forced_by_flush
+            ),
         );
         row(
             "stalls cleaned up",
             format!(
-                "{} late reports counted down, {} resumed, {} cancelled",
+                "{} late reports counted down, {} resumed late, {} cancelled",
                 f.late_reports, f.released, f.cancelled
             ),
         );
