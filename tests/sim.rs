@@ -129,8 +129,22 @@ fn decision_of(line: &Value) -> Option<Value> {
 
 #[test]
 fn recorded_sim_replays_to_the_same_decisions() {
+    record_and_replay(default_config(), 11);
+}
+
+#[test]
+fn recorded_sim_replays_with_multi_block_chunks_arc_and_three_workers() {
+    let mut cfg = default_config();
+    cfg.blocks_per_chunk = 2;
+    cfg.world_size = 3;
+    cfg.eviction_policy = kvoffload::EvictionPolicyKind::Arc;
+    cfg.num_cpu_chunks = Some(300);
+    record_and_replay(cfg, 12);
+}
+
+fn record_and_replay(cfg: kvoffload::OffloadConfig, seed: u64) {
     let buf = Buf::default();
-    let mut sim = Sim::new(default_config(), opts(11, 200, heavy_faults())).unwrap();
+    let mut sim = Sim::new(cfg, opts(seed, 200, heavy_faults())).unwrap();
     sim.record_to(Box::new(buf.clone()));
     sim.keep_decisions();
     let out = sim.run(&mut |_| {}).unwrap();
