@@ -126,6 +126,10 @@ fn invalid_config_values_are_reported_by_name_with_range_exit_2() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("gpu_blocks = 2 is out of range"));
 
+    let out = kvoffload(&["sim", "--metrics-addr", "not-an-address", "--requests", "5"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("metrics address not-an-address"));
+
     let out = kvoffload(&["sim", "--backend", "tpu"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("allowed host, cuda"));
