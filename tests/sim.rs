@@ -32,7 +32,17 @@ fn heavy_faults() -> FaultRates {
 
 #[test]
 fn sim_under_faults_detects_every_stall_and_drains_to_zero_leaks() {
-    let out = Sim::new(default_config(), opts(7, 300, heavy_faults()))
+    let seeds: u64 = std::env::var("KVOFFLOAD_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    for seed in 7..7 + seeds {
+        faulty_run_drains_clean(seed);
+    }
+}
+
+fn faulty_run_drains_clean(seed: u64) {
+    let out = Sim::new(default_config(), opts(seed, 300, heavy_faults()))
         .unwrap()
         .run(&mut |_| {})
         .unwrap();

@@ -196,6 +196,7 @@ fn worker_loop(mut w: OffloadWorker<HostBackend>, rx: Receiver<WorkerCommand>, t
         let mut released = Vec::new();
         for job in release {
             if w.backend_mut().release_stalled(job) {
+                stall_set.remove(&job);
                 released.push(job);
             }
         }
@@ -203,6 +204,7 @@ fn worker_loop(mut w: OffloadWorker<HostBackend>, rx: Receiver<WorkerCommand>, t
         let mut released_by_flush = Vec::new();
         for &job in &plan.flush {
             if w.backend_mut().release_stalled(job) {
+                stall_set.remove(&job);
                 released_by_flush.push(job);
             } else if stall_set.remove(&job) {
                 // Not submitted yet: the flush submits it now, so it must not stall.

@@ -657,6 +657,11 @@ impl Sim {
                 self.waiting.push_front(id);
                 break;
             }
+            // A request preempted in this step waits for the next one.
+            if input.preempted.contains(&id) {
+                skipped.push_back(id);
+                continue;
+            }
             let (len, local) = {
                 let q = &self.reqs[&id];
                 let len = q.tokens.len() as u64;
