@@ -10,15 +10,19 @@
 //!
 //! Time is always injected through a [`clock::Clock`].
 
+pub mod bench;
 pub mod clock;
 pub mod config;
+pub mod engine;
 pub mod ids;
 pub mod kernels;
 pub mod key;
 pub mod manager;
+pub mod metrics;
 pub mod profiling;
 pub mod replay;
 pub mod scheduler;
+pub mod sim;
 pub(crate) mod sync;
 pub mod worker;
 

@@ -1,21 +1,40 @@
-//! The `kvoffload` command line.
+//! The `kvoffload` command line: `sim`, `bench`, `replay`, `info`.
 //!
-//! `info` reports what the binary was built with; `replay` runs a trace
-//! (docs/trace-format.md). More subcommands (sim, bench) arrive with their issues.
+//! It only parses arguments and prints; everything else is in the library.
+
+mod cmd_bench;
+mod cmd_sim;
 
 use std::process::ExitCode;
 
-fn usage() -> &'static str {
-    "usage: kvoffload <command>\n\ncommands:\n  info       what this build contains (kernels, nvcc)\n  replay T   replay a trace (JSON Lines, docs/trace-format.md); one output line per operation\n  --version  print the version\n"
+use clap::{Parser, Subcommand};
+
+/// Offloads an LLM server's paged KV cache to pinned host memory and loads it back.
+#[derive(Debug, Parser)]
+#[command(name = "kvoffload", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Runs a synthetic serving workload through the engine, with faults, and prints a summary.
+    Sim(cmd_sim::SimArgs),
+    /// Measures transfer throughput per backend, strategy, direction and block size.
+    Bench(cmd_bench::BenchArgs),
+    /// Replays a trace (JSON Lines, docs/trace-format.md; `-` reads stdin).
+    Replay {
+        /// The trace file.
+        trace: String,
+    },
+    /// What this build contains (kernels, nvcc).
+    Info,
 }
 
 /// `kvoffload replay TRACE.jsonl` (`-` reads stdin): exit 2 on a malformed line.
-fn replay(path: Option<&str>) -> ExitCode {
+fn replay(path: &str) -> ExitCode {
     use std::io::{BufReader, Write};
-    let Some(path) = path else {
-        eprint!("kvoffload replay: missing trace path\n\n{}", usage());
-        return ExitCode::from(2);
-    };
     let stdout = std::io::stdout();
     let out = std::io::BufWriter::new(stdout.lock());
     let result = if path == "-" {
@@ -43,37 +62,32 @@ fn replay(path: Option<&str>) -> ExitCode {
     }
 }
 
+fn info() -> ExitCode {
+    println!("kvoffload {}", env!("CARGO_PKG_VERSION"));
+    if kvoffload::kernels::KERNELS_BUILT {
+        println!("CUDA kernels: built ({})", kvoffload::kernels::NVCC_VERSION);
+        for m in kvoffload::kernels::MODULES {
+            println!("  {}: fatbin {} bytes", m.name, m.fatbin.len());
+        }
+    } else {
+        println!("CUDA kernels: not built (no nvcc at build time)");
+    }
+    ExitCode::SUCCESS
+}
+
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("--version" | "-V") => {
-            println!("kvoffload {}", env!("CARGO_PKG_VERSION"));
-            ExitCode::SUCCESS
-        }
-        Some("info") => {
-            println!("kvoffload {}", env!("CARGO_PKG_VERSION"));
-            if kvoffload::kernels::KERNELS_BUILT {
-                println!("CUDA kernels: built ({})", kvoffload::kernels::NVCC_VERSION);
-                for m in kvoffload::kernels::MODULES {
-                    println!("  {}: fatbin {} bytes", m.name, m.fatbin.len());
-                }
-            } else {
-                println!("CUDA kernels: not built (no nvcc at build time)");
-            }
-            ExitCode::SUCCESS
-        }
-        Some("replay") => replay(args.get(1).map(String::as_str)),
-        Some("-h" | "--help" | "help") => {
-            print!("{}", usage());
-            ExitCode::SUCCESS
-        }
-        Some(other) => {
-            eprintln!("kvoffload: unknown command {other:?}\n\n{}", usage());
-            ExitCode::from(2)
-        }
-        None => {
-            eprint!("{}", usage());
-            ExitCode::from(2)
-        }
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Sim(a) => cmd_sim::run(a),
+        Command::Bench(a) => cmd_bench::run(a),
+        Command::Replay { trace } => replay(&trace),
+        Command::Info => info(),
     }
 }

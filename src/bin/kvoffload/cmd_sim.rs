@@ -1,0 +1,180 @@
+//! `kvoffload sim`: arguments, config merging, progress bar, summary output.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Args;
+use kvoffload::OffloadConfig;
+use kvoffload::metrics::{MetricsServer, SharedMetricsText};
+use kvoffload::sim::{Progress, Sim, SimOptions, config_from_path, default_config};
+
+/// Arguments of `kvoffload sim`.
+#[derive(Debug, Args)]
+pub struct SimArgs {
+    /// Engine configuration (TOML or JSON): its keys replace the sim's defaults; flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Seed of the workload and the faults (same seed, same decisions).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Requests (conversation turns) to run.
+    #[arg(long)]
+    requests: Option<u64>,
+    /// Worker threads (simulated GPUs); overrides `world_size`.
+    #[arg(long)]
+    world_size: Option<u32>,
+    /// Host chunk slots; overrides `num_cpu_chunks`.
+    #[arg(long)]
+    num_cpu_chunks: Option<u64>,
+    /// GPU blocks per worker in the simulated serving backend.
+    #[arg(long)]
+    gpu_blocks: Option<u32>,
+    /// Transfer backend: host (default) or cuda.
+    #[arg(long, default_value = "host")]
+    backend: String,
+    /// Turn fault injection off.
+    #[arg(long)]
+    no_faults: bool,
+    /// Write the summary as JSON to this file.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Record the control-plane calls as a trace (replayable by `kvoffload replay`).
+    #[arg(long)]
+    record: Option<PathBuf>,
+    /// Serve Prometheus metrics on http://ADDR/metrics while running (e.g. 127.0.0.1:9400).
+    #[arg(long)]
+    metrics_addr: Option<String>,
+}
+
+fn fail(msg: impl std::fmt::Display, code: u8) -> ExitCode {
+    eprintln!("kvoffload sim: {msg}");
+    ExitCode::from(code)
+}
+
+/// The engine configuration: the sim's defaults, the file, then the flags; validated.
+fn config(a: &SimArgs) -> Result<OffloadConfig, kvoffload::ConfigError> {
+    let mut cfg = match &a.config {
+        Some(p) => config_from_path(p)?,
+        None => default_config(),
+    };
+    if let Some(w) = a.world_size {
+        cfg.world_size = w;
+    }
+    if let Some(n) = a.num_cpu_chunks {
+        cfg.num_cpu_chunks = Some(n);
+        cfg.cpu_bytes_to_use = None;
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+/// Runs the subcommand.
+pub fn run(a: SimArgs) -> ExitCode {
+    let cfg = match config(&a) {
+        Ok(c) => c,
+        Err(e) => return fail(e, 2),
+    };
+    match a.backend.as_str() {
+        "host" => {}
+        "cuda" => {
+            return fail(
+                "backend cuda: the simulation drives host backends only in this version (use `kvoffload bench` for CUDA transfers)",
+                2,
+            );
+        }
+        other => {
+            return fail(
+                format!("backend = {other:?} is not allowed: allowed host, cuda"),
+                2,
+            );
+        }
+    }
+    let mut opts = SimOptions {
+        seed: a.seed,
+        ..SimOptions::default()
+    };
+    if let Some(r) = a.requests {
+        opts.requests = r;
+    }
+    if let Some(g) = a.gpu_blocks {
+        opts.gpu_blocks = g;
+    }
+    if a.no_faults {
+        opts.faults = kvoffload::sim::FaultRates::none();
+    }
+    if let Some(kb) = cfg.kv_bytes_per_block {
+        opts.block_bytes = kb;
+    }
+    let mut sim = match Sim::new(cfg, opts) {
+        Ok(s) => s,
+        Err(kvoffload::sim::SimError::Config(e)) => return fail(e, 2),
+        Err(e @ kvoffload::sim::SimError::Options(_)) => return fail(e, 2),
+        Err(e) => return fail(e, 1),
+    };
+    if let Some(p) = &a.record {
+        match std::fs::File::create(p) {
+            Ok(f) => sim.record_to(Box::new(std::io::BufWriter::new(f))),
+            Err(e) => return fail(format!("{}: {e}", p.display()), 1),
+        }
+    }
+    let _server = match &a.metrics_addr {
+        Some(addr) => {
+            let text = SharedMetricsText::default();
+            sim.publish_metrics(text.clone());
+            match MetricsServer::start(addr, text) {
+                Ok(s) => {
+                    eprintln!("metrics: http://{}/metrics", s.local_addr());
+                    Some(s)
+                }
+                Err(e) => return fail(format!("metrics address {addr}: {e}"), 2),
+            }
+        }
+        None => None,
+    };
+    let tty = std::io::stderr().is_terminal();
+    let mut progress = |p: Progress| {
+        if !tty {
+            return;
+        }
+        let width = 40usize;
+        let done = (p.finished * width as u64)
+            .checked_div(p.total)
+            .map_or(width, |d| d as usize);
+        let mut e = std::io::stderr();
+        let _ = write!(
+            e,
+            "\r[{}{}] {}/{} requests, step {}{}",
+            "#".repeat(done.min(width)),
+            " ".repeat(width - done.min(width)),
+            p.finished,
+            p.total,
+            p.step,
+            if p.draining { " (draining)" } else { "" }
+        );
+        let _ = e.flush();
+    };
+    let out = match sim.run(&mut progress) {
+        Ok(o) => o,
+        Err(e) => return fail(e, 1),
+    };
+    if tty {
+        eprintln!();
+    }
+    let s = &out.summary;
+    println!("kvoffload sim summary");
+    print!("{}", s.render());
+    if let Some(p) = &a.report {
+        let json = match serde_json::to_string_pretty(s) {
+            Ok(j) => j,
+            Err(e) => return fail(e, 1),
+        };
+        if let Err(e) = std::fs::write(p, json + "\n") {
+            return fail(format!("{}: {e}", p.display()), 1);
+        }
+    }
+    if s.leaks.total != 0 {
+        return fail(format!("leaks after drain: {:?}", s.leaks), 1);
+    }
+    ExitCode::SUCCESS
+}

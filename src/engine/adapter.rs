@@ -1,0 +1,98 @@
+//! Translation between the control plane's types ([`crate::scheduler::StepPlan`],
+//! [`crate::scheduler::WorkerReport`]) and the data plane's
+//! ([`crate::worker::StepPlan`], [`crate::worker::WorkerReport`]).
+
+use std::collections::BTreeMap;
+
+use crate::ids::JobId;
+use crate::scheduler::{self, TransferJob};
+use crate::worker::{self, LoadJob, StoreJob, TransferSpec};
+
+fn spec(job: &TransferJob, blocks_per_chunk: u32) -> TransferSpec {
+    let bpc = blocks_per_chunk.max(1) as usize;
+    // A job starting inside its first chunk skips that chunk's leading blocks.
+    let skip = (job.keys.len() * bpc).saturating_sub(job.block_ids.len());
+    TransferSpec {
+        gpu_blocks: job.block_ids.clone(),
+        first_block_index: skip as u32,
+        chunks: job.chunk_ids.clone(),
+    }
+}
+
+/// The plan every worker receives for a scheduler step (loads carry their request).
+pub fn to_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32) -> worker::StepPlan {
+    worker::StepPlan {
+        loads: plan
+            .loads
+            .iter()
+            .map(|j| LoadJob {
+                job: j.job,
+                request: Some(j.req),
+                spec: spec(j, blocks_per_chunk),
+            })
+            .collect(),
+        stores: plan
+            .stores
+            .iter()
+            .map(|j| StoreJob {
+                job: j.job,
+                spec: spec(j, blocks_per_chunk),
+            })
+            .collect(),
+        flush: plan.flush.clone(),
+    }
+}
+
+/// Sums worker reports into the scheduler's report: counts per job added up,
+/// failed jobs listed once (ascending job ids).
+pub fn merge_reports<'a>(
+    reports: impl IntoIterator<Item = &'a worker::WorkerReport>,
+) -> scheduler::WorkerReport {
+    let mut completed: BTreeMap<JobId, u32> = BTreeMap::new();
+    let mut failed: Vec<JobId> = Vec::new();
+    for r in reports {
+        for (&job, &n) in &r.completed {
+            *completed.entry(job).or_insert(0) += n;
+        }
+        failed.extend_from_slice(&r.failed);
+    }
+    failed.sort_unstable();
+    failed.dedup();
+    scheduler::WorkerReport {
+        completed: completed.into_iter().collect(),
+        failed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::{ChunkId, GpuBlockId, RequestId};
+    use crate::key::ChunkKey;
+
+    #[test]
+    fn unaligned_load_skips_leading_blocks_and_reports_sum() {
+        let j = TransferJob {
+            job: JobId(3),
+            req: RequestId(1),
+            block_ids: vec![GpuBlockId(7)],
+            chunk_ids: vec![ChunkId(2)],
+            keys: vec![ChunkKey(9)],
+        };
+        let plan = scheduler::StepPlan {
+            loads: vec![j],
+            ..Default::default()
+        };
+        let w = to_worker_plan(&plan, 2);
+        assert_eq!(w.loads[0].spec.first_block_index, 1);
+        assert_eq!(w.loads[0].request, Some(RequestId(1)));
+        let mut a = worker::WorkerReport::default();
+        a.completed.insert(JobId(3), 1);
+        a.failed.push(JobId(3));
+        let mut b = worker::WorkerReport::default();
+        b.completed.insert(JobId(3), 1);
+        let m = merge_reports([&a, &b]);
+        assert_eq!(m.completed, vec![(JobId(3), 2)]);
+        assert_eq!(m.failed, vec![JobId(3)]);
+    }
+}

@@ -1,0 +1,252 @@
+//! A pool of worker threads, one [`OffloadWorker`] over a [`HostBackend`] each,
+//! driven in lock step: every step each worker runs its four hooks, waits for
+//! the transfers it submitted (never for a stalled one), and reports.
+//!
+//! Waiting before the report makes what a step reports depend only on the plan
+//! and the injected faults, not on thread timing: a simulation is reproducible.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::ids::JobId;
+use crate::worker::{
+    Fault, GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostBufferError, HostRowLayout,
+    LayoutError, OffloadWorker, StepPlan, TransferBackend, WorkerLayout, WorkerReport,
+};
+
+/// Bound on one wait for a step's transfers (a wedged copy thread, not a stall).
+const STEP_WAIT: Duration = Duration::from_secs(60);
+
+/// Why the pool could not be built or a step failed.
+#[derive(Debug, Error)]
+pub enum PoolError {
+    /// Memory for the simulated GPU or host pool.
+    #[error("allocating buffers: {0}")]
+    Buffer(#[from] HostBufferError),
+    /// The layout was rejected.
+    #[error("layout: {0}")]
+    Layout(#[from] LayoutError),
+    /// A worker thread could not start.
+    #[error("starting a worker thread: {0}")]
+    Spawn(#[source] std::io::Error),
+    /// A worker hook failed, or a worker thread is gone.
+    #[error("worker {worker}: {message}")]
+    Worker {
+        /// The worker's rank.
+        worker: u32,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// What one worker does in one step.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerCommand {
+    /// The step's plan.
+    pub plan: StepPlan,
+    /// Faults to inject (apply when the job is submitted on this worker).
+    pub faults: Vec<(JobId, Fault)>,
+    /// Stalled jobs to let run late now.
+    pub release: Vec<JobId>,
+}
+
+/// What the pool returns for one step.
+#[derive(Debug, Clone, Default)]
+pub struct PoolStep {
+    /// One report per worker, by rank.
+    pub reports: Vec<WorkerReport>,
+    /// Stalled jobs released because a flush named them (they run late).
+    pub released_by_flush: Vec<JobId>,
+    /// Stalled jobs released as the command asked (they were still held).
+    pub released: Vec<JobId>,
+}
+
+struct Reply {
+    report: Result<WorkerReport, String>,
+    released_by_flush: Vec<JobId>,
+    released: Vec<JobId>,
+}
+
+/// Worker threads over host backends sharing one host pool.
+#[derive(Debug)]
+pub struct HostWorkerPool {
+    txs: Vec<Sender<WorkerCommand>>,
+    rxs: Vec<Receiver<Reply>>,
+    handles: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reply").finish_non_exhaustive()
+    }
+}
+
+impl HostWorkerPool {
+    /// `world_size` workers, each with `gpu_blocks` blocks of `block_bytes`
+    /// (cross-layer pages), sharing a host pool of `num_chunks` rows of
+    /// `blocks_per_chunk` blocks per worker.
+    pub fn new(
+        world_size: u32,
+        gpu_blocks: u32,
+        block_bytes: u64,
+        blocks_per_chunk: u32,
+        num_chunks: u32,
+    ) -> Result<Self, PoolError> {
+        let world = world_size.max(1);
+        let row = HostRowLayout::uniform(blocks_per_chunk.max(1), world, &[block_bytes])?;
+        let pool_bytes = row
+            .pool_bytes(num_chunks)
+            .ok_or(LayoutError::Overflow("host pool size"))?;
+        let pool = Arc::new(HostBuffer::new(pool_bytes as usize)?);
+        let mut me = Self {
+            txs: Vec::new(),
+            rxs: Vec::new(),
+            handles: Vec::new(),
+        };
+        for rank in 0..world {
+            let gpu = Arc::new(HostBuffer::new(
+                (u64::from(gpu_blocks) * block_bytes) as usize,
+            )?);
+            let layout = WorkerLayout::new(
+                GpuLayout::cross_layer(gpu.addr(), gpu_blocks, block_bytes, block_bytes)?,
+                row.clone(),
+                rank,
+                pool.addr(),
+                num_chunks,
+            )?;
+            let backend = HostBackend::new(
+                layout,
+                vec![gpu, Arc::clone(&pool)],
+                HostBackendOptions::default(),
+            )?;
+            let worker = OffloadWorker::new(backend, true).with_wait_timeout(Some(STEP_WAIT));
+            let (tx, rx) = mpsc::channel::<WorkerCommand>();
+            let (rtx, rrx) = mpsc::channel::<Reply>();
+            let h = std::thread::Builder::new()
+                .name(format!("kvoffload-sim-worker-{rank}"))
+                .spawn(move || worker_loop(worker, rx, rtx))
+                .map_err(PoolError::Spawn)?;
+            me.txs.push(tx);
+            me.rxs.push(rrx);
+            me.handles.push(h);
+        }
+        Ok(me)
+    }
+
+    /// Number of workers.
+    pub fn world_size(&self) -> u32 {
+        self.txs.len() as u32
+    }
+
+    /// Runs one step on every worker (in parallel) and collects their reports.
+    pub fn step(&mut self, cmds: Vec<WorkerCommand>) -> Result<PoolStep, PoolError> {
+        let gone = |worker: usize| PoolError::Worker {
+            worker: worker as u32,
+            message: "worker thread is gone".into(),
+        };
+        for (i, (tx, cmd)) in self.txs.iter().zip(cmds).enumerate() {
+            tx.send(cmd).map_err(|_| gone(i))?;
+        }
+        let mut out = PoolStep::default();
+        for (i, rx) in self.rxs.iter().enumerate() {
+            let reply = rx.recv().map_err(|_| gone(i))?;
+            out.released_by_flush.extend(reply.released_by_flush);
+            out.released.extend(reply.released);
+            let report = reply.report.map_err(|message| PoolError::Worker {
+                worker: i as u32,
+                message,
+            })?;
+            out.reports.push(report);
+        }
+        out.released_by_flush.sort_unstable();
+        out.released_by_flush.dedup();
+        Ok(out)
+    }
+}
+
+impl Drop for HostWorkerPool {
+    fn drop(&mut self) {
+        self.txs.clear();
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+fn worker_loop(mut w: OffloadWorker<HostBackend>, rx: Receiver<WorkerCommand>, tx: Sender<Reply>) {
+    let mut known: HashSet<JobId> = HashSet::new();
+    let mut stall_set: HashSet<JobId> = HashSet::new();
+    for cmd in rx {
+        let WorkerCommand {
+            mut plan,
+            faults,
+            release,
+        } = cmd;
+        for (job, f) in faults {
+            if f == Fault::Stall {
+                stall_set.insert(job);
+            }
+            w.backend_mut().set_fault(job, f);
+        }
+        let mut released = Vec::new();
+        for job in release {
+            if w.backend_mut().release_stalled(job) {
+                stall_set.remove(&job);
+                released.push(job);
+            }
+        }
+        // A flush waits for its jobs: one stalled on this backend runs late now.
+        let mut released_by_flush = Vec::new();
+        for &job in &plan.flush {
+            if w.backend_mut().release_stalled(job) {
+                stall_set.remove(&job);
+                released_by_flush.push(job);
+            } else if stall_set.remove(&job) {
+                // Not submitted yet: the flush submits it now, so it must not stall.
+                w.backend_mut().set_fault(job, Fault::DelayPolls(0));
+                released_by_flush.push(job);
+            }
+        }
+        known.extend(plan.loads.iter().map(|l| l.job));
+        known.extend(plan.stores.iter().map(|s| s.job));
+        let report = run_step(&mut w, &mut plan, &known);
+        if let Ok(r) = &report {
+            for job in r.completed.keys() {
+                known.remove(job);
+                stall_set.remove(job);
+            }
+        }
+        if tx
+            .send(Reply {
+                report,
+                released_by_flush,
+                released,
+            })
+            .is_err()
+        {
+            return;
+        }
+    }
+}
+
+fn run_step(
+    w: &mut OffloadWorker<HostBackend>,
+    plan: &mut StepPlan,
+    known: &HashSet<JobId>,
+) -> Result<WorkerReport, String> {
+    w.handle_preemptions(plan).map_err(|e| e.to_string())?;
+    w.start_transfers(plan).map_err(|e| e.to_string())?;
+    w.queue_stores(plan);
+    let stalled: HashSet<JobId> = w.backend().stalled().into_iter().collect();
+    let mut ids: Vec<JobId> = known.difference(&stalled).copied().collect();
+    ids.sort_unstable();
+    w.backend_mut()
+        .wait(&ids, Some(STEP_WAIT))
+        .map_err(|e| e.to_string())?;
+    Ok(w.get_finished())
+}

@@ -1,0 +1,72 @@
+//! The serving simulation behind `kvoffload sim`: a synthetic workload (shared
+//! system prompts, multi-turn conversations), a small model of the serving
+//! backend's scheduler (admission, GPU block allocation with a prefix cache,
+//! preemption), the real control plane, worker threads on host backends,
+//! injected faults, and a summary whose leak counts come from the engine's
+//! state after a full drain. Everything runs on a manual clock, so a seed gives
+//! the same control-plane decisions every time.
+
+mod config;
+pub mod faults;
+pub mod gpu_pool;
+pub mod recorder;
+pub mod rng;
+mod run;
+pub mod summary;
+pub mod workload;
+
+pub use config::{config_from_path, default_config, overlay};
+pub use faults::{FaultPlan, FaultRates, StallFate};
+pub use recorder::Recorder;
+pub use rng::SimRng;
+pub use run::{Progress, Sim, SimError, SimOutput};
+pub use summary::SimSummary;
+pub use workload::{Workload, WorkloadShape};
+
+/// Knobs of a simulation (the engine's own knobs are in [`crate::OffloadConfig`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimOptions {
+    /// Seed of the workload and the fault plan.
+    pub seed: u64,
+    /// Requests (conversation turns) to create.
+    pub requests: u64,
+    /// GPU blocks per worker in the serving backend's pool.
+    pub gpu_blocks: u32,
+    /// Most requests running at once.
+    pub max_running: usize,
+    /// Token budget of one step.
+    pub max_batch_tokens: u64,
+    /// Simulated duration of one step, milliseconds.
+    pub step_ms: u64,
+    /// Probability that a new conversation arrives in a step.
+    pub arrival_rate: f64,
+    /// Reset the prefix cache every this many steps (0: never).
+    pub reset_every: u64,
+    /// Bytes of one GPU block on one worker.
+    pub block_bytes: u64,
+    /// Faults.
+    pub faults: FaultRates,
+    /// The workload's shape.
+    pub shape: WorkloadShape,
+    /// Give up after this many steps (a bug, not a workload property).
+    pub max_steps: u64,
+}
+
+impl Default for SimOptions {
+    fn default() -> Self {
+        Self {
+            seed: 1,
+            requests: 2000,
+            gpu_blocks: 384,
+            max_running: 24,
+            max_batch_tokens: 4096,
+            step_ms: 10,
+            arrival_rate: 0.35,
+            reset_every: 1500,
+            block_bytes: 16 * 1024,
+            faults: FaultRates::default(),
+            shape: WorkloadShape::default(),
+            max_steps: 200_000,
+        }
+    }
+}

@@ -1,0 +1,289 @@
+//! The end-of-run summary: counts, hit rates, transfer volumes, faults and their
+//! cleanup, leaks (from the engine's real state after the drain), step times.
+
+use std::fmt::Write;
+
+use serde::Serialize;
+
+/// Requests and tokens.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct WorkCounts {
+    /// Requests created (conversation turns).
+    pub requests: u64,
+    /// Requests finished.
+    pub finished: u64,
+    /// Preemptions (a request may be preempted several times).
+    pub preemptions: u64,
+    /// Prompt tokens of every admission (re-admissions after preemption included).
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Prompt tokens found in the GPU prefix cache.
+    pub gpu_hit_tokens: u64,
+    /// Prompt tokens loaded back from the host tier.
+    pub loaded_tokens: u64,
+    /// Tokens recomputed because their load failed or stalled.
+    pub recomputed_tokens: u64,
+}
+
+/// Transfer volumes.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct TransferCounts {
+    /// Bytes stored (GPU → host).
+    pub bytes_stored: u64,
+    /// Bytes loaded (host → GPU).
+    pub bytes_loaded: u64,
+    /// Successful store copies, one per job per worker.
+    pub store_jobs: u64,
+    /// Successful load copies, one per job per worker.
+    pub load_jobs: u64,
+    /// Store rate over the copy time, GB/s.
+    pub store_gbps: f64,
+    /// Load rate over the copy time, GB/s.
+    pub load_gbps: f64,
+}
+
+/// Faults injected and how they were handled.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct FaultCounts {
+    /// Transfers that stalled on a worker.
+    pub injected_stalls: u64,
+    /// Transfers that reported late on a worker.
+    pub injected_late: u64,
+    /// Duplicate reports delivered.
+    pub injected_duplicates: u64,
+    /// Transfers that failed on a worker.
+    pub injected_failures: u64,
+    /// Injected stalls the watchdog found.
+    pub injected_stalls_detected: u64,
+    /// Injected stalls a flush forced to run before their deadline.
+    pub stalls_forced_by_flush: u64,
+    /// Stores the watchdog declared stalled.
+    pub stalled_stores: u64,
+    /// Loads the watchdog declared stalled.
+    pub stalled_loads: u64,
+    /// Late reports counted down for stalled jobs.
+    pub late_reports: u64,
+    /// Stalled jobs whose transfer the backend confirmed cancelled.
+    pub cancelled: u64,
+    /// Stall-injected jobs that resumed (released, or forced by a flush).
+    pub released: u64,
+    /// Reports the scheduler rejected (duplicates, reports after cancellation).
+    pub rejected_reports: u64,
+    /// Loads that failed or stalled and whose tokens were recomputed.
+    pub failed_loads_recomputed: u64,
+    /// Stores that failed on a worker.
+    pub failed_stores: u64,
+    /// Host-tier resets with requests running.
+    pub resets: u64,
+}
+
+/// What is left after the drain (all must be zero).
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct Leaks {
+    /// Live jobs.
+    pub jobs: u64,
+    /// Tracked requests.
+    pub requests: u64,
+    /// Keys still marked as being loaded.
+    pub chunks_being_loaded: u64,
+    /// Fenced GPU blocks.
+    pub fenced_blocks: u64,
+    /// Stalled jobs awaiting reports.
+    pub stalled_jobs: u64,
+    /// Quarantined host chunks.
+    pub quarantined_chunks: u64,
+    /// Host chunks pinned by loads.
+    pub pinned_chunks: u64,
+    /// Host chunks pending a store.
+    pub pending_chunks: u64,
+    /// GPU blocks still held by the simulated serving backend.
+    pub gpu_blocks_in_use: u64,
+    /// Reset-fence entries still owed.
+    pub reset_fence: u64,
+    /// Invariant violations found by `check_invariants` (0 or 1).
+    pub invariant_violations: u64,
+    /// The sum of the above.
+    pub total: u64,
+}
+
+/// Scheduler time per step (all hooks of the step), microseconds.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct StepTimes {
+    /// Steps measured.
+    pub steps: u64,
+    /// Median.
+    pub p50_us: f64,
+    /// 99th percentile.
+    pub p99_us: f64,
+    /// Maximum.
+    pub max_us: f64,
+}
+
+/// The whole summary (`--report` writes it as JSON).
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct SimSummary {
+    /// The seed.
+    pub seed: u64,
+    /// Workers.
+    pub world_size: u32,
+    /// Backend name.
+    pub backend: String,
+    /// Steps run (drain included).
+    pub steps: u64,
+    /// Simulated seconds.
+    pub simulated_s: f64,
+    /// Wall-clock seconds of the run.
+    pub wall_s: f64,
+    /// Requests and tokens.
+    pub work: WorkCounts,
+    /// Prefix hit rate with the GPU prefix cache alone.
+    pub hit_rate_without_offload: f64,
+    /// Prefix hit rate with the GPU prefix cache and the host tier.
+    pub hit_rate_with_offload: f64,
+    /// Transfers.
+    pub transfers: TransferCounts,
+    /// Faults.
+    pub faults: FaultCounts,
+    /// Leaks after the drain.
+    pub leaks: Leaks,
+    /// Scheduler time per step.
+    pub step_time: StepTimes,
+    /// The invariant violation found at the end, if any.
+    pub invariant_error: Option<String>,
+}
+
+/// Percentile (nearest rank) of sorted values.
+pub fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn gb(bytes: u64) -> String {
+    let b = bytes as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else {
+        format!("{:.1} MB", b / 1e6)
+    }
+}
+
+impl SimSummary {
+    /// The summary as a plain-text table.
+    pub fn render(&self) -> String {
+        let mut o = String::new();
+        let w = &self.work;
+        let t = &self.transfers;
+        let f = &self.faults;
+        let l = &self.leaks;
+        let pct = |x: f64| format!("{:.1}%", x * 100.0);
+        let mut row = |k: &str, v: String| {
+            let _ = writeln!(o, "  {k:<32} {v}");
+        };
+        row(
+            "seed / workers / backend",
+            format!("{} / {} / {}", self.seed, self.world_size, self.backend),
+        );
+        row(
+            "steps (simulated time)",
+            format!(
+                "{} ({:.1} s simulated, {:.2} s wall)",
+                self.steps, self.simulated_s, self.wall_s
+            ),
+        );
+        row(
+            "requests finished / created",
+            format!(
+                "{} / {} ({} preemptions)",
+                w.finished, w.requests, w.preemptions
+            ),
+        );
+        row(
+            "tokens prompt / generated",
+            format!("{} / {}", w.prompt_tokens, w.generated_tokens),
+        );
+        row(
+            "prefix hit rate without offload",
+            pct(self.hit_rate_without_offload),
+        );
+        row(
+            "prefix hit rate with offload",
+            format!(
+                "{} (+{} tokens loaded from host)",
+                pct(self.hit_rate_with_offload),
+                w.loaded_tokens
+            ),
+        );
+        row(
+            "stored",
+            format!(
+                "{} in {} worker copies ({:.2} GB/s copy rate)",
+                gb(t.bytes_stored),
+                t.store_jobs,
+                t.store_gbps
+            ),
+        );
+        row(
+            "loaded",
+            format!(
+                "{} in {} worker copies ({:.2} GB/s copy rate)",
+                gb(t.bytes_loaded),
+                t.load_jobs,
+                t.load_gbps
+            ),
+        );
+        row(
+            "faults injected",
+            format!(
+                "{} stalls, {} late, {} duplicate, {} failed",
+                f.injected_stalls, f.injected_late, f.injected_duplicates, f.injected_failures
+            ),
+        );
+        row(
+            "stalls detected",
+            format!(
+                "{} stores, {} loads ({} of {} injected; {} forced earlier by a flush)",
+                f.stalled_stores,
+                f.stalled_loads,
+                f.injected_stalls_detected,
+                f.injected_stalls,
+                f.stalls_forced_by_flush
+            ),
+        );
+        row(
+            "stalls cleaned up",
+            format!(
+                "{} late reports counted down, {} resumed late, {} cancelled",
+                f.late_reports, f.released, f.cancelled
+            ),
+        );
+        row("rejected reports", f.rejected_reports.to_string());
+        row(
+            "failed loads recomputed",
+            format!(
+                "{} ({} tokens); {} failed stores",
+                f.failed_loads_recomputed, w.recomputed_tokens, f.failed_stores
+            ),
+        );
+        row("resets with requests running", f.resets.to_string());
+        row(
+            "leaks after drain",
+            if l.total == 0 {
+                "0".to_string()
+            } else {
+                format!("{} ({l:?})", l.total)
+            },
+        );
+        row(
+            "scheduler time per step",
+            format!(
+                "p50 {:.1} us, p99 {:.1} us, max {:.1} us",
+                self.step_time.p50_us, self.step_time.p99_us, self.step_time.max_us
+            ),
+        );
+        o
+    }
+}

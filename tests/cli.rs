@@ -1,0 +1,220 @@
+//! The `kvoffload` binary: sim (summary, report, record), config validation
+//! errors (exit 2, key and allowed range named), bench (table, JSON, CSV, SVG), info.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn kvoffload(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvoffload"))
+        .args(args)
+        .output()
+        .expect("run kvoffload")
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvoffload-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn sim_prints_the_summary_writes_the_report_and_a_replayable_trace() {
+    let report = tmp("report.json");
+    let trace = tmp("trace.jsonl");
+    let out = kvoffload(&[
+        "sim",
+        "--requests",
+        "80",
+        "--seed",
+        "9",
+        "--report",
+        report.to_str().unwrap(),
+        "--record",
+        trace.to_str().unwrap(),
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(
+        !text(&out.stderr).contains('\r'),
+        "no progress bar when not a terminal"
+    );
+    for line in [
+        "requests finished / created",
+        "prefix hit rate without offload",
+        "prefix hit rate with offload",
+        "stalls detected",
+        "failed loads recomputed",
+        "scheduler time per step",
+    ] {
+        assert!(stdout.contains(line), "missing {line:?} in\n{stdout}");
+    }
+    assert!(
+        stdout.contains("leaks after drain                0\n"),
+        "{stdout}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(json["seed"], 9);
+    assert_eq!(json["work"]["finished"], 80);
+    assert_eq!(json["leaks"]["total"], 0);
+    assert!(json["step_time"]["p99_us"].as_f64().unwrap() > 0.0);
+    // The trace replays, and its last line (state) shows nothing left.
+    let replay = kvoffload(&["replay", trace.to_str().unwrap()]);
+    assert!(replay.status.success());
+    let last = text(&replay.stdout).lines().last().unwrap().to_string();
+    let last: serde_json::Value = serde_json::from_str(&last).unwrap();
+    assert_eq!(last["op"], "state");
+    assert_eq!(last["jobs"], 0);
+    assert_eq!(last["has_pending_work"], false);
+}
+
+#[test]
+fn sim_same_seed_same_report_counts() {
+    let run = |seed: &str| {
+        let out = kvoffload(&["sim", "--requests", "60", "--seed", seed]);
+        assert!(out.status.success());
+        // Drop the lines with wall-clock figures.
+        text(&out.stdout)
+            .lines()
+            .filter(|l| !l.contains("wall") && !l.contains("per step") && !l.contains("GB/s"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert_eq!(run("5"), run("5"));
+}
+
+#[test]
+fn invalid_config_values_are_reported_by_name_with_range_exit_2() {
+    let bad = tmp("bad.toml");
+    std::fs::write(&bad, "num_cpu_chunks = 64\nworld_size = 0\n").unwrap();
+    let out = kvoffload(&["sim", "--config", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("world_size = 0") && err.contains("1..=4096"),
+        "{err}"
+    );
+
+    // A flag overrides the file and is validated the same way.
+    let good = tmp("good.json");
+    std::fs::write(&good, r#"{"num_cpu_chunks": 256, "stall_timeout_ms": 300}"#).unwrap();
+    let out = kvoffload(&[
+        "sim",
+        "--config",
+        good.to_str().unwrap(),
+        "--world-size",
+        "5000",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("world_size = 5000"));
+
+    let unknown = tmp("unknown.toml");
+    std::fs::write(&unknown, "num_cpu_chunk = 64\n").unwrap();
+    let out = kvoffload(&["sim", "--config", unknown.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("num_cpu_chunk"),
+        "{}",
+        text(&out.stderr)
+    );
+
+    let out = kvoffload(&["sim", "--gpu-blocks", "2"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("gpu_blocks = 2 is out of range"));
+
+    let out = kvoffload(&["sim", "--metrics-addr", "not-an-address", "--requests", "5"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("metrics address not-an-address"));
+
+    let out = kvoffload(&["sim", "--backend", "tpu"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("allowed host, cuda"));
+
+    // A valid file runs.
+    let out = kvoffload(&[
+        "sim",
+        "--config",
+        good.to_str().unwrap(),
+        "--requests",
+        "30",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn bench_json_csv_and_plot() {
+    let csv = tmp("bench.csv");
+    let svg = tmp("bench.svg");
+    let out = kvoffload(&[
+        "bench",
+        "--json",
+        "--block-bytes",
+        "4096,16384",
+        "--blocks",
+        "8",
+        "--bytes-per-point",
+        "262144",
+        "--csv",
+        csv.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rows.len(), 4, "2 sizes x 1 count x 2 directions");
+    for r in &rows {
+        for k in [
+            "backend",
+            "strategy",
+            "direction",
+            "block_bytes",
+            "blocks",
+            "gbps",
+            "fraction_of_ceiling",
+        ] {
+            assert!(r.get(k).is_some(), "missing {k}");
+        }
+        assert_eq!(r["backend"], "host");
+        let g = r["gbps"].as_f64().unwrap();
+        let c = r["ceiling_gbps"].as_f64().unwrap();
+        assert!(g > 0.0 && c > 0.0);
+        let f = r["fraction_of_ceiling"].as_f64().unwrap();
+        assert!((f - g / c).abs() < 1e-9);
+    }
+    assert!(text(&out.stderr).contains("cuda: SKIP"));
+    let csv = std::fs::read_to_string(&csv).unwrap();
+    assert_eq!(csv.lines().count(), 5);
+    assert!(csv.starts_with("backend,strategy,direction,block_bytes,blocks,gbps"));
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("<polyline"));
+    // The table form.
+    let out = kvoffload(&[
+        "bench",
+        "--block-bytes",
+        "4096",
+        "--blocks",
+        "4",
+        "--bytes-per-point",
+        "65536",
+    ]);
+    assert!(out.status.success());
+    assert!(text(&out.stdout).contains("fraction"));
+    let out = kvoffload(&["bench", "--blocks", "0"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn info_and_help_still_work() {
+    let out = kvoffload(&["info"]);
+    assert!(out.status.success());
+    assert!(text(&out.stdout).contains("CUDA kernels"));
+    let out = kvoffload(&["--help"]);
+    assert!(out.status.success());
+    for c in ["sim", "bench", "replay", "info"] {
+        assert!(text(&out.stdout).contains(c));
+    }
+}

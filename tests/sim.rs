@@ -1,0 +1,230 @@
+//! `kvoffload sim` (library side): the run drains to zero leaks under faults,
+//! a seed reproduces the decisions, a recorded run replays to the same
+//! decisions, and the metrics are served over HTTP.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::{Arc, Mutex};
+
+use kvoffload::metrics::{MetricsServer, SharedMetricsText};
+use kvoffload::sim::{FaultRates, Sim, SimOptions, default_config};
+use serde_json::Value;
+
+fn opts(seed: u64, requests: u64, faults: FaultRates) -> SimOptions {
+    SimOptions {
+        seed,
+        requests,
+        reset_every: 400,
+        faults,
+        ..SimOptions::default()
+    }
+}
+
+fn heavy_faults() -> FaultRates {
+    FaultRates {
+        stall: 0.05,
+        late: 0.05,
+        duplicate: 0.05,
+        fail: 0.05,
+        max_delay_steps: 40,
+    }
+}
+
+#[test]
+fn sim_under_faults_detects_every_stall_and_drains_to_zero_leaks() {
+    let seeds: u64 = std::env::var("KVOFFLOAD_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    for seed in 7..7 + seeds {
+        faulty_run_drains_clean(seed);
+    }
+}
+
+fn faulty_run_drains_clean(seed: u64) {
+    let out = Sim::new(default_config(), opts(seed, 300, heavy_faults()))
+        .unwrap()
+        .run(&mut |_| {})
+        .unwrap();
+    let s = out.summary;
+    assert_eq!(s.work.finished, 300, "every request finishes");
+    assert_eq!(s.invariant_error, None);
+    assert_eq!(s.leaks.total, 0, "leaks: {:?}", s.leaks);
+    let f = &s.faults;
+    assert!(f.injected_stalls > 0 && f.injected_late > 0 && f.injected_failures > 0);
+    // Every injected stall is detected by the watchdog, unless a flush forced
+    // the transfer before its deadline (late reports may stall more jobs).
+    assert_eq!(
+        f.injected_stalls_detected + f.stalls_forced_by_flush,
+        f.injected_stalls,
+        "{f:?}"
+    );
+    assert!(f.stalled_stores + f.stalled_loads >= f.injected_stalls_detected);
+    assert!(f.stalled_loads > 0 && f.stalled_stores > 0, "{f:?}");
+    // ... and cleaned up: each one detected resumed late (its late report counted
+    // down its quarantine) or was cancelled by the backend.
+    assert!(f.late_reports > 0 && f.cancelled > 0, "{f:?}");
+    assert_eq!(
+        f.released + f.cancelled,
+        f.injected_stalls_detected,
+        "{f:?}"
+    );
+    // Duplicate reports are rejected, never applied.
+    assert!(f.injected_duplicates > 0);
+    assert_eq!(f.rejected_reports, f.injected_duplicates, "{f:?}");
+    assert!(f.failed_loads_recomputed >= f.stalled_loads, "{f:?}");
+    assert!(s.work.recomputed_tokens > 0);
+    assert!(f.resets > 0);
+    assert!(
+        s.work.preemptions > 0,
+        "the GPU pool is small enough to preempt"
+    );
+    assert!(s.hit_rate_with_offload > s.hit_rate_without_offload);
+    assert!(s.transfers.bytes_loaded > 0 && s.transfers.bytes_stored > 0);
+}
+
+#[test]
+fn same_seed_same_decisions_other_seed_other_decisions() {
+    let run = |seed| {
+        let mut sim = Sim::new(default_config(), opts(seed, 120, heavy_faults())).unwrap();
+        sim.keep_decisions();
+        sim.run(&mut |_| {}).unwrap()
+    };
+    let a = run(3);
+    let b = run(3);
+    let c = run(4);
+    assert!(a.decisions.len() > 100);
+    assert_eq!(a.decisions, b.decisions);
+    assert_eq!(a.summary.faults, b.summary.faults);
+    assert_ne!(a.decisions, c.decisions);
+}
+
+/// A `Write` into shared memory.
+#[derive(Clone, Default)]
+struct Buf(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Buf {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A replay output line in the sim's decision form (None for other ops).
+fn decision_of(line: &Value) -> Option<Value> {
+    let op = line["op"].as_str()?;
+    let keep: &[&str] = match op {
+        "lookup" => &["hit_tokens", "defer"],
+        "alloc" => &["load_job"],
+        "step" => &["loads", "stores", "flush", "failed_loads"],
+        "worker_output" if line.get("error").is_some() => {
+            return Some(serde_json::json!({"op": op, "rejected": true}));
+        }
+        "worker_output" => &["finished_loads", "failed_loads"],
+        "scan" => &["stalled", "failed_loads"],
+        _ => return None,
+    };
+    let mut m = serde_json::Map::new();
+    m.insert("op".into(), Value::from(op));
+    for k in keep {
+        if let Some(v) = line.get(*k) {
+            m.insert((*k).into(), v.clone());
+        }
+    }
+    Some(Value::Object(m))
+}
+
+#[test]
+fn recorded_sim_replays_to_the_same_decisions() {
+    record_and_replay(default_config(), 11);
+}
+
+#[test]
+fn recorded_sim_replays_with_multi_block_chunks_arc_and_three_workers() {
+    let mut cfg = default_config();
+    cfg.blocks_per_chunk = 2;
+    cfg.world_size = 3;
+    cfg.eviction_policy = kvoffload::EvictionPolicyKind::Arc;
+    cfg.num_cpu_chunks = Some(300);
+    record_and_replay(cfg, 12);
+}
+
+fn record_and_replay(cfg: kvoffload::OffloadConfig, seed: u64) {
+    let buf = Buf::default();
+    let mut sim = Sim::new(cfg, opts(seed, 200, heavy_faults())).unwrap();
+    sim.record_to(Box::new(buf.clone()));
+    sim.keep_decisions();
+    let out = sim.run(&mut |_| {}).unwrap();
+    assert_eq!(out.summary.leaks.total, 0);
+    let trace = buf.0.lock().unwrap().clone();
+    let mut replayed = Vec::new();
+    kvoffload::replay::run(trace.as_slice(), &mut replayed).unwrap();
+    let lines: Vec<Value> = String::from_utf8(replayed)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let got: Vec<Value> = lines.iter().filter_map(decision_of).collect();
+    assert_eq!(got.len(), out.decisions.len());
+    for (i, (g, want)) in got.iter().zip(&out.decisions).enumerate() {
+        assert_eq!(g, want, "decision {i} differs");
+    }
+    // Errors in the replay are exactly the rejected (duplicate) reports.
+    let errors = lines.iter().filter(|l| l.get("error").is_some()).count() as u64;
+    assert_eq!(errors, out.summary.faults.rejected_reports);
+    // The final state line shows the same zero leaks.
+    let last = lines.last().unwrap();
+    assert_eq!(last["op"], "state");
+    for k in [
+        "jobs",
+        "requests",
+        "stalled_jobs",
+        "quarantined_chunks",
+        "manager.pinned",
+    ] {
+        assert_eq!(last[k], 0, "{k}");
+    }
+}
+
+fn http_get(addr: std::net::SocketAddr, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn metrics_are_served_over_http_with_vllm_names() {
+    let text = SharedMetricsText::default();
+    let mut sim = Sim::new(default_config(), opts(5, 150, heavy_faults())).unwrap();
+    sim.publish_metrics(text.clone());
+    let out = sim.run(&mut |_| {}).unwrap();
+    let server = MetricsServer::start("127.0.0.1:0", text).unwrap();
+    assert!(server.local_addr().ip().is_loopback());
+    let resp = http_get(server.local_addr(), "/metrics");
+    assert!(resp.starts_with("HTTP/1.1 200 OK"), "{resp}");
+    for name in [
+        "vllm:kv_offload_load_bytes",
+        "vllm:kv_offload_store_time",
+        "vllm:kv_offload_store_size_bucket",
+        "vllm:kv_offload_allocation_failure",
+        "vllm:kv_offload_cpu_cache_usage_perc",
+        "vllm:kv_offload_stalled_transfers{transfer_type=\"GPU_to_CPU\"}",
+        "kvoffload_late_reports",
+        "kvoffload_unknown_reports",
+        "kvoffload_quarantined_chunks 0",
+    ] {
+        assert!(resp.contains(name), "missing {name}");
+    }
+    let loaded = format!(
+        "vllm:kv_offload_load_bytes {}\n",
+        out.summary.transfers.bytes_loaded
+    );
+    assert!(resp.contains(&loaded), "the served bytes match the summary");
+    let resp = http_get(server.local_addr(), "/other");
+    assert!(resp.starts_with("HTTP/1.1 404"));
+}
