@@ -1,0 +1,156 @@
+//! What comes back from the workers and the watchdog: stall scans and the
+//! fates of stalled jobs, worker reports (with rejected entries and duplicates
+//! delivered alone, as replay checks a whole line), failed loads.
+
+use serde_json::{Value, json};
+
+use crate::ids::{JobId, RequestId};
+use crate::scheduler::{JobKind, WorkerReport};
+
+use super::super::faults::StallFate;
+use super::super::recorder::req_set;
+use super::{Phase, Sim, SimError};
+
+impl Sim {
+    pub(super) fn scan(&mut self) {
+        let out = self.timed(|s| s.scan_now());
+        self.rec.call(json!({"op": "scan"}));
+        self.rec.decision(json!({
+            "op": "scan",
+            "stalled": out.stalled.iter().map(|j| j.0).collect::<Vec<_>>(),
+            "failed_loads": req_set(&out.failed_loads),
+        }));
+        for &job in &out.stalled {
+            if let Some(&(_, kind)) = self.stall_faulted.get(&job) {
+                if self.open_stalls.remove(&job) {
+                    self.summary.faults.injected_stalls_detected += 1;
+                }
+                let fate = self.faults.stall_fate(kind == JobKind::Store);
+                let after = match fate {
+                    StallFate::ReleaseAfter(n) | StallFate::CancelAfter(n) => n,
+                };
+                self.due.push((self.step + after, job, fate));
+            }
+        }
+        for &r in &out.failed_loads {
+            self.load_failed(r);
+        }
+    }
+
+    pub(super) fn cancel(&mut self, job: JobId) -> Result<(), SimError> {
+        if !self.sched.is_job_stalled(job) {
+            return Ok(());
+        }
+        self.timed(|s| s.confirm_cancelled(job))?;
+        self.rec
+            .call(json!({"op": "confirm_cancelled", "job": job.0}));
+        self.summary.faults.cancelled += 1;
+        Ok(())
+    }
+
+    pub(super) fn load_failed(&mut self, r: RequestId) {
+        if let Some(q) = self.reqs.get_mut(&r)
+            && q.phase == Phase::Loading
+        {
+            q.phase = Phase::LoadFailed;
+            self.summary.faults.failed_loads_recomputed += 1;
+            self.summary.work.recomputed_tokens += q.external;
+        }
+    }
+
+    /// Delivers the merged report: entries the scheduler accepts in one call,
+    /// each rejected entry alone (as replay checks a whole line), then duplicates.
+    pub(super) fn deliver(&mut self, merged: WorkerReport, draining: bool) -> Result<(), SimError> {
+        if merged.completed.is_empty() && merged.failed.is_empty() {
+            return Ok(());
+        }
+        let mut good = WorkerReport::default();
+        let mut bad = Vec::new();
+        let mut dups = Vec::new();
+        for &(job, n) in &merged.completed {
+            let failed: Vec<JobId> = merged
+                .failed
+                .iter()
+                .copied()
+                .filter(|&f| f == job)
+                .collect();
+            let one = WorkerReport {
+                completed: vec![(job, n)],
+                failed: failed.clone(),
+            };
+            if self.sched.check_report(&one).is_ok() {
+                good.completed.push((job, n));
+                good.failed.extend(failed);
+                if !draining && self.faults.duplicate() {
+                    dups.push(job);
+                }
+            } else {
+                bad.insert(0, one);
+            }
+        }
+        for j in &good.failed {
+            if self.kinds.get(j) == Some(&JobKind::Store) {
+                self.summary.faults.failed_stores += 1;
+            }
+        }
+        for (j, _) in &good.completed {
+            self.kinds.remove(j);
+        }
+        if !good.completed.is_empty() {
+            self.report(&good);
+        }
+        for b in bad {
+            self.report(&b);
+        }
+        // A duplicate of a report the scheduler has fully applied (a job that
+        // is gone, not stalled, not owed to a reset fence) must be rejected.
+        for job in dups {
+            if job >= self.sched.stale_threshold()
+                && !self.sched.is_job_live(job)
+                && !self.sched.is_job_stalled(job)
+            {
+                self.summary.faults.injected_duplicates += 1;
+                self.report(&WorkerReport {
+                    completed: vec![(job, 1)],
+                    failed: Vec::new(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn report(&mut self, r: &WorkerReport) {
+        let completed: serde_json::Map<String, Value> = r
+            .completed
+            .iter()
+            .map(|(j, n)| (j.0.to_string(), Value::from(*n)))
+            .collect();
+        let mut line = json!({"op": "worker_output", "completed": completed});
+        if !r.failed.is_empty() {
+            line["failed"] = Value::from(r.failed.iter().map(|j| j.0).collect::<Vec<_>>());
+        }
+        self.rec.call(line);
+        let out = self.timed(|s| s.on_worker_output(r));
+        if !out.rejected.is_empty() {
+            self.summary.faults.rejected_reports += out.rejected.len() as u64;
+            self.rec
+                .decision(json!({"op": "worker_output", "rejected": true}));
+            return;
+        }
+        self.rec.decision(json!({
+            "op": "worker_output",
+            "finished_loads": req_set(&out.finished_loads),
+            "failed_loads": req_set(&out.failed_loads),
+        }));
+        for &q in &out.finished_loads {
+            if let Some(q) = self.reqs.get_mut(&q)
+                && q.phase == Phase::Loading
+            {
+                q.phase = Phase::LoadDone;
+            }
+        }
+        for &q in &out.failed_loads {
+            self.load_failed(q);
+        }
+    }
+}

@@ -1,0 +1,396 @@
+//! The simulation loop: one serving step at a time, the backend model calls
+//! the scheduler's hooks, the workers execute the plan, reports come back.
+
+mod completions;
+mod report;
+mod serving;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use thiserror::Error;
+
+use crate::clock::ManualClock;
+use crate::config::{ConfigError, OffloadConfig};
+use crate::engine::{HostWorkerPool, PoolError, WorkerCommand, merge_reports, to_worker_plan};
+use crate::ids::{GpuBlockId, JobId, RequestId};
+use crate::key::BlockHash;
+use crate::metrics::{OffloadMetrics, SharedMetricsText};
+use crate::scheduler::{JobKind, Scheduler, SchedulerError, StepInput};
+use crate::worker::Fault;
+
+use super::SimOptions;
+use super::faults::{FaultPlan, StallFate};
+use super::gpu_pool::GpuPool;
+use super::recorder::{Recorder, jobs_value, req_name, req_set};
+use super::summary::SimSummary;
+use super::workload::{Conversation, Workload};
+
+/// Why a simulation could not run to the end.
+#[derive(Debug, Error)]
+pub enum SimError {
+    /// The engine configuration.
+    #[error("config: {0}")]
+    Config(#[from] ConfigError),
+    /// The scheduler rejected a hook call (a bug in the simulation or the engine).
+    #[error("scheduler: {0}")]
+    Scheduler(#[from] SchedulerError),
+    /// The worker pool.
+    #[error("workers: {0}")]
+    Pool(#[from] PoolError),
+    /// An option is unusable.
+    #[error("{0}")]
+    Options(String),
+    /// The run did not finish or drain within `max_steps`.
+    #[error("did not drain after {0} steps")]
+    NoDrain(u64),
+    /// Writing the trace.
+    #[error("writing the trace: {0}")]
+    Trace(#[from] std::io::Error),
+}
+
+/// Progress, reported every few steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// Requests finished.
+    pub finished: u64,
+    /// Requests the run will create.
+    pub total: u64,
+    /// Steps so far.
+    pub step: u64,
+    /// Whether the run is draining.
+    pub draining: bool,
+}
+
+/// A finished simulation.
+#[derive(Debug, Clone)]
+pub struct SimOutput {
+    /// The summary.
+    pub summary: SimSummary,
+    /// The scheduler's decisions in replay's output fields (with `keep_decisions`).
+    pub decisions: Vec<Value>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Waiting,
+    Loading,
+    LoadDone,
+    LoadFailed,
+    Running,
+}
+
+#[derive(Debug)]
+struct Req {
+    conv: Conversation,
+    tokens: Vec<u64>,
+    hashes: Vec<BlockHash>,
+    prompt_len: u64,
+    out_target: u64,
+    generated: u64,
+    blocks: Vec<GpuBlockId>,
+    computed: u64,
+    local: u64,
+    external: u64,
+    phase: Phase,
+}
+
+/// A simulation, ready to run.
+#[derive(Debug)]
+pub struct Sim {
+    cfg: OffloadConfig,
+    opts: SimOptions,
+    tpb: u64,
+    clock: ManualClock,
+    sched: Scheduler,
+    pool: HostWorkerPool,
+    gpu: GpuPool,
+    workload: Workload,
+    faults: FaultPlan,
+    rec: Recorder,
+    metrics_out: Option<SharedMetricsText>,
+    metrics: OffloadMetrics,
+    reqs: BTreeMap<RequestId, Req>,
+    running: Vec<RequestId>,
+    waiting: VecDeque<RequestId>,
+    loading: Vec<RequestId>,
+    arrivals: Vec<(u64, Conversation)>,
+    next_req: u64,
+    finished_prev: Vec<RequestId>,
+    stall_faulted: HashMap<JobId, (u32, JobKind)>,
+    kinds: HashMap<JobId, JobKind>,
+    open_stalls: std::collections::HashSet<JobId>,
+    due: Vec<(u64, JobId, StallFate)>,
+    step: u64,
+    step_ns: Vec<u64>,
+    cur_ns: u64,
+    summary: SimSummary,
+}
+
+impl Sim {
+    /// A simulation of `opts` over the engine configured by `cfg` (validated).
+    pub fn new(cfg: OffloadConfig, opts: SimOptions) -> Result<Self, SimError> {
+        cfg.validate()?;
+        if opts.gpu_blocks < 8 {
+            return Err(SimError::Options(format!(
+                "gpu_blocks = {} is out of range: allowed 8..=1048576",
+                opts.gpu_blocks
+            )));
+        }
+        if opts.step_ms == 0 {
+            return Err(SimError::Options(
+                "step_ms = 0 is out of range: allowed 1..".into(),
+            ));
+        }
+        let num_chunks = cfg.num_chunks()?;
+        let clock = ManualClock::new();
+        let sched = Scheduler::new(&cfg, clock.shared())?;
+        let pool = HostWorkerPool::new(
+            cfg.world_size,
+            opts.gpu_blocks,
+            opts.block_bytes,
+            cfg.blocks_per_chunk,
+            num_chunks,
+        )?;
+        let tpb = u64::from(cfg.tokens_per_block.max(1));
+        let workload = Workload::new(opts.shape, tpb, opts.seed);
+        let faults = FaultPlan::new(opts.faults, cfg.world_size, opts.seed ^ 0xFA17);
+        let summary = SimSummary {
+            seed: opts.seed,
+            world_size: cfg.world_size,
+            backend: "host".into(),
+            ..SimSummary::default()
+        };
+        Ok(Self {
+            gpu: GpuPool::new(opts.gpu_blocks),
+            cfg,
+            tpb,
+            clock,
+            sched,
+            pool,
+            workload,
+            faults,
+            rec: Recorder::off(),
+            metrics_out: None,
+            metrics: OffloadMetrics::default(),
+            reqs: BTreeMap::new(),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            loading: Vec::new(),
+            arrivals: Vec::new(),
+            next_req: 0,
+            finished_prev: Vec::new(),
+            stall_faulted: HashMap::new(),
+            kinds: HashMap::new(),
+            open_stalls: Default::default(),
+            due: Vec::new(),
+            step: 0,
+            step_ns: Vec::new(),
+            cur_ns: 0,
+            summary,
+            opts,
+        })
+    }
+
+    /// Records the control-plane calls as a trace into `out`.
+    pub fn record_to(&mut self, out: Box<dyn std::io::Write + Send>) {
+        self.rec.trace_to(out, &self.cfg);
+    }
+
+    /// Keeps the scheduler's decisions (returned in [`SimOutput::decisions`]).
+    pub fn keep_decisions(&mut self) {
+        self.rec.keep_decisions();
+    }
+
+    /// Publishes the Prometheus text into `text` while running.
+    pub fn publish_metrics(&mut self, text: SharedMetricsText) {
+        self.metrics_out = Some(text);
+    }
+
+    /// Runs to the end and drains; `progress` is called every few steps.
+    pub fn run(mut self, progress: &mut dyn FnMut(Progress)) -> Result<SimOutput, SimError> {
+        let wall = Instant::now();
+        let mut draining = false;
+        loop {
+            if self.step >= self.opts.max_steps {
+                return Err(SimError::NoDrain(self.step));
+            }
+            let work_left = self.next_req < self.opts.requests
+                || !self.reqs.is_empty()
+                || !self.arrivals.is_empty();
+            if !work_left {
+                draining = true;
+                if !self.sched.has_pending_work()
+                    && self.sched.state().stalled_jobs == 0
+                    && self.finished_prev.is_empty()
+                {
+                    break;
+                }
+            }
+            self.one_step(draining)?;
+            if self.step.is_multiple_of(25) {
+                progress(Progress {
+                    finished: self.summary.work.finished,
+                    total: self.opts.requests,
+                    step: self.step,
+                    draining,
+                });
+                self.publish();
+            }
+        }
+        self.publish();
+        self.summary.wall_s = wall.elapsed().as_secs_f64();
+        self.finish()
+    }
+
+    fn publish(&mut self) {
+        if let Some(out) = &self.metrics_out {
+            self.metrics.scheduler = self.sched.metrics();
+            self.metrics.manager = self.sched.manager().stats();
+            out.set(self.metrics.render());
+        }
+    }
+
+    /// Runs `f` on the scheduler, adding its time to the step's.
+    fn timed<T>(&mut self, f: impl FnOnce(&mut Scheduler) -> T) -> T {
+        let t = Instant::now();
+        let r = f(&mut self.sched);
+        self.cur_ns += t.elapsed().as_nanos() as u64;
+        r
+    }
+
+    fn one_step(&mut self, draining: bool) -> Result<(), SimError> {
+        self.step += 1;
+        self.cur_ns = 0;
+        let step = self.step;
+        self.clock.advance(Duration::from_millis(self.opts.step_ms));
+        self.rec
+            .call(json!({"op": "advance", "ms": self.opts.step_ms}));
+        let scan_every = (self.cfg.stall_scan_interval_ms / self.opts.step_ms).max(1);
+        if step.is_multiple_of(scan_every) {
+            self.scan();
+        }
+        if !draining && self.opts.reset_every > 0 && step.is_multiple_of(self.opts.reset_every) {
+            self.timed(|s| s.reset())?;
+            self.rec.call(json!({"op": "reset"}));
+            self.summary.faults.resets += 1;
+            // Stalled jobs that span a reset are cancelled by the backend.
+            let due: Vec<JobId> = self.due.drain(..).map(|(_, j, _)| j).collect();
+            for job in due {
+                self.cancel(job)?;
+            }
+        }
+        let mut release: Vec<Vec<JobId>> = vec![Vec::new(); self.pool.world_size() as usize];
+        let mut i = 0;
+        while i < self.due.len() {
+            let (at, job, fate) = self.due[i];
+            if at > step && !draining {
+                i += 1;
+                continue;
+            }
+            self.due.swap_remove(i);
+            match fate {
+                StallFate::ReleaseAfter(_) => {
+                    if let Some(&(w, _)) = self.stall_faulted.get(&job) {
+                        release[w as usize].push(job);
+                    }
+                }
+                StallFate::CancelAfter(_) => self.cancel(job)?,
+            }
+        }
+        self.arrive(step, draining)?;
+        let input = self.schedule()?;
+        self.rec.call(step_line(&input));
+        let plan = self.timed(|s| s.build_step(&input))?;
+        self.rec.decision(json!({
+            "op": "step",
+            "loads": jobs_value(&plan.loads),
+            "stores": jobs_value(&plan.stores),
+            "flush": plan.flush.iter().map(|j| j.0).collect::<Vec<_>>(),
+            "failed_loads": req_set(&plan.failed_loads),
+        }));
+        for &r in &plan.failed_loads {
+            self.load_failed(r);
+        }
+        // Faults for the new jobs.
+        let world = self.pool.world_size() as usize;
+        let mut faults: Vec<Vec<(JobId, Fault)>> = vec![Vec::new(); world];
+        for (kind, jobs) in [(JobKind::Load, &plan.loads), (JobKind::Store, &plan.stores)] {
+            for j in jobs {
+                self.kinds.insert(j.job, kind);
+                if draining {
+                    continue;
+                }
+                if let Some((w, f)) = self.faults.for_job(j.job) {
+                    match f {
+                        Fault::Stall => {
+                            self.summary.faults.injected_stalls += 1;
+                            self.stall_faulted.insert(j.job, (w, kind));
+                            self.open_stalls.insert(j.job);
+                        }
+                        Fault::DelayPolls(_) => self.summary.faults.injected_late += 1,
+                        Fault::Fail => self.summary.faults.injected_failures += 1,
+                    }
+                    faults[w as usize].push((j.job, f));
+                }
+            }
+        }
+        let wplan = to_worker_plan(&plan, self.cfg.blocks_per_chunk);
+        let cmds: Vec<WorkerCommand> = faults
+            .into_iter()
+            .zip(release)
+            .map(|(faults, release)| WorkerCommand {
+                plan: wplan.clone(),
+                faults,
+                release,
+            })
+            .collect();
+        let out = self.pool.step(cmds)?;
+        self.summary.faults.released += out.released.len() as u64;
+        for job in &out.released_by_flush {
+            if self.open_stalls.remove(job) {
+                self.summary.faults.stalls_forced_by_flush += 1;
+            } else {
+                self.summary.faults.released += 1;
+            }
+        }
+        for r in &out.reports {
+            self.metrics.add_transfers(&r.stats);
+        }
+        let merged = merge_reports(&out.reports);
+        self.deliver(merged, draining)?;
+        self.advance_tokens(&input)?;
+        self.step_ns.push(self.cur_ns);
+        Ok(())
+    }
+}
+
+fn ids(blocks: &[GpuBlockId]) -> Vec<u32> {
+    blocks.iter().map(|b| b.0).collect()
+}
+
+fn step_line(input: &StepInput) -> Value {
+    let scheduled: Vec<Value> = input
+        .scheduled
+        .iter()
+        .map(|s| {
+            let mut v = json!({
+                "req": req_name(s.req),
+                "new_block_ids": ids(&s.new_block_ids),
+                "computed_tokens": s.computed_tokens,
+                "scheduled_tokens": s.scheduled_tokens,
+            });
+            if s.full_table {
+                v["full_table"] = Value::Bool(true);
+            }
+            v
+        })
+        .collect();
+    json!({
+        "op": "step",
+        "scheduled": scheduled,
+        "preempted": input.preempted.iter().map(|&r| req_name(r)).collect::<Vec<_>>(),
+        "finished": input.finished.iter().map(|&r| req_name(r)).collect::<Vec<_>>(),
+    })
+}

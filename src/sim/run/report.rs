@@ -1,0 +1,89 @@
+//! The end of a run: cancellations still due, leak counts from the engine's
+//! state, rates and step-time percentiles.
+
+use serde_json::json;
+
+use crate::ids::JobId;
+
+use super::super::summary::{Leaks, StepTimes, percentile};
+use super::{Sim, SimError, SimOutput};
+
+impl Sim {
+    pub(super) fn finish(mut self) -> Result<SimOutput, SimError> {
+        // Anything still stalled is cancelled by the backend.
+        let due: Vec<JobId> = self.due.drain(..).map(|(_, j, _)| j).collect();
+        for job in due {
+            self.cancel(job)?;
+        }
+        self.rec.call(json!({"op": "state"}));
+        let st = self.sched.state();
+        let invariant = self.sched.check_invariants().err();
+        let m = self.sched.metrics();
+        let mut l = Leaks {
+            jobs: st.jobs as u64,
+            requests: st.requests as u64,
+            chunks_being_loaded: st.chunks_being_loaded as u64,
+            fenced_blocks: st.fenced_blocks as u64,
+            stalled_jobs: st.stalled_jobs as u64,
+            quarantined_chunks: st.quarantined_chunks as u64,
+            pinned_chunks: u64::from(st.manager.pinned),
+            pending_chunks: u64::from(st.manager.pending),
+            gpu_blocks_in_use: (self.gpu.capacity() - self.gpu.num_free()) as u64,
+            reset_fence: self.sched.reset_fence_len() as u64,
+            invariant_violations: u64::from(invariant.is_some()),
+            total: 0,
+        };
+        l.total = l.jobs
+            + l.requests
+            + l.chunks_being_loaded
+            + l.fenced_blocks
+            + l.stalled_jobs
+            + l.quarantined_chunks
+            + l.pinned_chunks
+            + l.pending_chunks
+            + l.gpu_blocks_in_use
+            + l.reset_fence
+            + l.invariant_violations;
+        let s = &mut self.summary;
+        s.leaks = l;
+        s.invariant_error = invariant;
+        s.steps = self.step;
+        s.simulated_s = (self.step * self.opts.step_ms) as f64 / 1000.0;
+        s.faults.stalled_stores = m.stalled_stores;
+        s.faults.stalled_loads = m.stalled_loads;
+        s.faults.late_reports = m.late_reports;
+        let w = &s.work;
+        if w.prompt_tokens > 0 {
+            s.hit_rate_without_offload = w.gpu_hit_tokens as f64 / w.prompt_tokens as f64;
+            s.hit_rate_with_offload =
+                (w.gpu_hit_tokens + w.loaded_tokens) as f64 / w.prompt_tokens as f64;
+        }
+        let t = &mut s.transfers;
+        t.bytes_stored = self.metrics.store.bytes;
+        t.bytes_loaded = self.metrics.load.bytes;
+        t.store_jobs = self.metrics.store.jobs;
+        t.load_jobs = self.metrics.load.jobs;
+        let rate = |b: u64, secs: f64| {
+            if secs > 0.0 {
+                b as f64 / secs / 1e9
+            } else {
+                0.0
+            }
+        };
+        t.store_gbps = rate(t.bytes_stored, self.metrics.store.seconds);
+        t.load_gbps = rate(t.bytes_loaded, self.metrics.load.seconds);
+        let mut ns = std::mem::take(&mut self.step_ns);
+        ns.sort_unstable();
+        s.step_time = StepTimes {
+            steps: ns.len() as u64,
+            p50_us: percentile(&ns, 50.0) as f64 / 1e3,
+            p99_us: percentile(&ns, 99.0) as f64 / 1e3,
+            max_us: ns.last().copied().unwrap_or(0) as f64 / 1e3,
+        };
+        let decisions = self.rec.finish()?;
+        Ok(SimOutput {
+            summary: self.summary,
+            decisions,
+        })
+    }
+}
