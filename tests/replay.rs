@@ -231,3 +231,37 @@ fn manager_lru_example_reproduces_the_reference_scenario() {
         r#"{"line":20,"op":"manager.prepare_load","error":"key \"x\" is not in the host tier"}"#
     ));
 }
+
+#[test]
+fn a_load_failed_after_a_reset_is_a_failed_load_not_a_finished_one() {
+    let trace = r#"{"kvoffload_trace": 1, "config": {"tokens_per_block": 4, "blocks_per_chunk": 1, "num_cpu_chunks": 8, "world_size": 2}}
+{"op": "manager.prepare_store", "keys": [61, 62]}
+{"op": "manager.complete_store", "keys": [61, 62]}
+{"op": "add_request", "req": "r", "prompt_tokens": 9, "block_hashes": [61, 62]}
+{"op": "lookup", "req": "r", "computed_tokens": 0}
+{"op": "alloc", "req": "r", "block_ids": [1, 2, 3], "external_tokens": 8}
+{"op": "step", "scheduled": []}
+{"op": "worker_output", "completed": {"0": 1}, "failed": [0]}
+{"op": "reset"}
+{"op": "step", "scheduled": []}
+{"op": "worker_output", "completed": {"0": 1}}
+"#;
+    let out = replay_lib(trace).unwrap();
+    let last = out.lines().last().unwrap();
+    assert_eq!(
+        last, r#"{"line":11,"op":"worker_output","finished_loads":[],"failed_loads":["r"]}"#,
+        "the failure reported before the reset must survive it"
+    );
+    let after = trace.replace(
+        "{\"op\": \"worker_output\", \"completed\": {\"0\": 1}, \"failed\": [0]}\n{\"op\": \"reset\"}",
+        "{\"op\": \"reset\"}\n{\"op\": \"worker_output\", \"completed\": {\"0\": 1}, \"failed\": [0]}",
+    );
+    let out = replay_lib(&after).unwrap();
+    assert!(
+        out.lines()
+            .last()
+            .unwrap()
+            .contains(r#""failed_loads":["r"]"#),
+        "{out}"
+    );
+}

@@ -109,7 +109,7 @@ impl Scheduler {
                     out.rejected.push((job, e));
                 }
                 Ok(Route::Stalled) => self.late_report(job, n),
-                Ok(Route::Stale) => self.stale_report(job, n, &mut out.finished_loads),
+                Ok(Route::Stale) => self.stale_report(job, n, failed, &mut out),
                 Ok(Route::Live) => {
                     let mut stalled_first = false;
                     let done = match self.jobs.get_mut(job) {
@@ -157,15 +157,20 @@ impl Scheduler {
         out
     }
 
-    fn stale_report(&mut self, job: JobId, n: u32, finished_loads: &mut Vec<RequestId>) {
+    fn stale_report(&mut self, job: JobId, n: u32, failed: bool, out: &mut WorkerOutcome) {
         let Some(f) = self.reset_fence.get_mut(&job) else {
             tracing::debug!(%job, "report for a job dropped by a reset, fence already drained");
             return;
         };
         f.remaining = f.remaining.saturating_sub(n);
+        f.failed |= failed;
         if f.remaining == 0 {
             if let Some(req) = f.load_req {
-                finished_loads.push(req);
+                if f.failed {
+                    out.failed_loads.push(req);
+                } else {
+                    out.finished_loads.push(req);
+                }
             }
             self.reset_fence.remove(&job);
             if self.reset_fence.is_empty() {

@@ -68,8 +68,11 @@ pub(crate) struct Geometry {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct FencedReset {
     remaining: u32,
-    /// The request of an asynchronous load (it still appears in `finished_loads`).
+    /// The request of an asynchronous load (it still appears in `finished_loads`,
+    /// or in `failed_loads` if a worker reported its transfer failed).
     load_req: Option<RequestId>,
+    /// A worker reported the transfer failed (before or after the reset).
+    failed: bool,
 }
 
 /// State of the step being built (between the first hook and `build_step`).

@@ -79,6 +79,7 @@ impl Scheduler {
                 FencedReset {
                     remaining: e.latch.pending(),
                     load_req: (e.kind == JobKind::Load).then_some(e.req),
+                    failed: e.failed,
                 },
             ));
         });
