@@ -318,10 +318,18 @@ impl World {
                     }
                 }
                 JSt::Dropped => {
+                    // A load dropped by a reset still ends for the backend: as a
+                    // failed load if any worker reported a failure, before or
+                    // after the reset.
                     let before = j.left;
                     j.left = j.left.saturating_sub(n);
+                    j.failed |= fail;
                     if before > 0 && j.left == 0 && j.kind == JobKind::Load {
-                        exp_finished.push(j.req);
+                        if j.failed {
+                            exp_failed.push(j.req);
+                        } else {
+                            exp_finished.push(j.req);
+                        }
                     }
                 }
                 JSt::Completed | JSt::Released => {}

@@ -60,6 +60,12 @@ impl RequestState {
         }
     }
 
+    /// Number of full-block hashes known.
+    #[inline]
+    pub fn num_hashes(&self) -> usize {
+        self.hashes.len()
+    }
+
     /// Number of complete chunks that have a key.
     #[inline]
     pub fn num_keys(&self, blocks_per_chunk: usize) -> usize {

@@ -58,13 +58,21 @@ impl Scheduler {
             offloadable = offloadable.min(rs.prompt_tokens);
         }
         let bpc = g.blocks_per_chunk;
+        let start = rs.next_stored_chunk;
+        // Fast exit without divisions (most requests complete no chunk in a step):
+        // chunk `start` is complete only if the tokens, the blocks and the
+        // hashes all reach its end.
+        let end_blocks = (start + 1) * bpc;
+        if offloadable < (start as u64 + 1) * g.tokens_per_chunk
+            || rs.block_ids.len() < end_blocks
+            || rs.num_hashes() < end_blocks
+        {
+            return;
+        }
         let num_chunks = ((offloadable / g.tokens_per_chunk) as usize)
             .min(rs.block_ids.len() / bpc)
             .min(rs.num_keys(bpc));
-        let start = rs.next_stored_chunk;
-        if start >= num_chunks {
-            return;
-        }
+        debug_assert!(start < num_chunks);
         // Candidates: chunks whose last block is not the null block (scratch
         // buffers are reused across calls).
         let mut cand_idx = std::mem::take(&mut self.scratch_idx);
