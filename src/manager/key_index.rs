@@ -168,7 +168,9 @@ mod tests {
         let mut idx = KeyIndex::with_capacity(cap);
         let mut model: HashMap<u64, u32> = HashMap::new();
         let mut x: u64 = 12345;
-        for step in 0..200_000u32 {
+        // Miri interprets every probe: a shorter churn still wraps, collides and shifts.
+        let steps = if cfg!(miri) { 4_000 } else { 200_000u32 };
+        for step in 0..steps {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
@@ -181,7 +183,7 @@ mod tests {
                 assert_eq!(idx.remove(ChunkKey(key)), model.remove(&key));
             }
             assert_eq!(idx.len(), model.len());
-            if step % 997 == 0 {
+            if step % if cfg!(miri) { 499 } else { 997 } == 0 {
                 for k in 0..3000 {
                     assert_eq!(idx.get(ChunkKey(k)), model.get(&k).copied(), "key {k}");
                 }

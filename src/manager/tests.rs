@@ -593,6 +593,7 @@ fn arc_failed_store_cleans_up() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore)] // 65 536 stores: a size check, minutes under Miri
 fn metadata_stays_small_per_chunk() {
     let n = 1 << 16;
     let mut m = mgr(n, Lru);
