@@ -529,6 +529,8 @@ impl OffloadManager {
     }
 
     /// Drains pending events (evictions before the stores that reuse their space).
+    /// Call it every step: at most 65,536 undrained events are kept, the oldest
+    /// beyond that are dropped (counted in [`ManagerStats::dropped_events`]).
     pub fn take_events(&mut self) -> Vec<OffloadEvent> {
         self.events.drain()
     }
@@ -591,6 +593,7 @@ impl OffloadManager {
             read_usage: usage - write_usage,
             stores_skipped: self.stores_skipped,
             allocation_failures: self.allocation_failures,
+            dropped_events: self.events.dropped(),
         }
     }
 

@@ -114,4 +114,6 @@ pub struct ManagerStats {
     pub stores_skipped: u64,
     /// `prepare_store` calls that could not allocate.
     pub allocation_failures: u64,
+    /// Events dropped because `take_events` was not called for a long time.
+    pub dropped_events: u64,
 }
