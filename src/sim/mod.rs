@@ -12,6 +12,7 @@ pub mod gpu_pool;
 pub mod recorder;
 pub mod rng;
 mod run;
+pub mod step_times;
 pub mod summary;
 pub mod workload;
 

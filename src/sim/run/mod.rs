@@ -24,6 +24,7 @@ use super::SimOptions;
 use super::faults::{FaultPlan, StallFate};
 use super::gpu_pool::GpuPool;
 use super::recorder::{Recorder, jobs_value, req_name, req_set};
+use super::step_times::StepTimeHistogram;
 use super::summary::SimSummary;
 use super::workload::{Conversation, Workload};
 
@@ -123,7 +124,7 @@ pub struct Sim {
     open_stalls: std::collections::HashSet<JobId>,
     due: Vec<(u64, JobId, StallFate)>,
     step: u64,
-    step_ns: Vec<u64>,
+    step_ns: StepTimeHistogram,
     cur_ns: u64,
     summary: SimSummary,
 }
@@ -186,7 +187,7 @@ impl Sim {
             open_stalls: Default::default(),
             due: Vec::new(),
             step: 0,
-            step_ns: Vec::new(),
+            step_ns: StepTimeHistogram::default(),
             cur_ns: 0,
             summary,
             opts,
@@ -361,7 +362,11 @@ impl Sim {
         let merged = merge_reports(&out.reports);
         self.deliver(merged, draining)?;
         self.advance_tokens(&input)?;
-        self.step_ns.push(self.cur_ns);
+        // A serving backend publishes the host tier's KV events every step;
+        // the sim drains them (they are outputs, not control-plane decisions,
+        // so the trace does not record them).
+        drop(self.sched.take_events());
+        self.step_ns.record(self.cur_ns);
         Ok(())
     }
 }

@@ -5,7 +5,7 @@ use serde_json::json;
 
 use crate::ids::JobId;
 
-use super::super::summary::{Leaks, StepTimes, percentile};
+use super::super::summary::{Leaks, StepTimes};
 use super::{Sim, SimError, SimOutput};
 
 impl Sim {
@@ -72,13 +72,12 @@ impl Sim {
         };
         t.store_gbps = rate(t.bytes_stored, self.metrics.store.seconds);
         t.load_gbps = rate(t.bytes_loaded, self.metrics.load.seconds);
-        let mut ns = std::mem::take(&mut self.step_ns);
-        ns.sort_unstable();
+        let ns = &self.step_ns;
         s.step_time = StepTimes {
-            steps: ns.len() as u64,
-            p50_us: percentile(&ns, 50.0) as f64 / 1e3,
-            p99_us: percentile(&ns, 99.0) as f64 / 1e3,
-            max_us: ns.last().copied().unwrap_or(0) as f64 / 1e3,
+            steps: ns.count(),
+            p50_us: ns.percentile(50.0) as f64 / 1e3,
+            p99_us: ns.percentile(99.0) as f64 / 1e3,
+            max_us: ns.max() as f64 / 1e3,
         };
         let decisions = self.rec.finish()?;
         Ok(SimOutput {
