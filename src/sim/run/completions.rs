@@ -45,6 +45,9 @@ impl Sim {
         self.rec
             .call(json!({"op": "confirm_cancelled", "job": job.0}));
         self.summary.faults.cancelled += 1;
+        // A cancelled job never reports again: forget it.
+        self.kinds.remove(&job);
+        self.stall_faulted.remove(&job);
         Ok(())
     }
 

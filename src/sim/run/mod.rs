@@ -293,7 +293,8 @@ impl Sim {
             self.due.swap_remove(i);
             match fate {
                 StallFate::ReleaseAfter(_) => {
-                    if let Some(&(w, _)) = self.stall_faulted.get(&job) {
+                    // Released once; the entry is not needed any more.
+                    if let Some((w, _)) = self.stall_faulted.remove(&job) {
                         release[w as usize].push(job);
                     }
                 }
