@@ -103,7 +103,7 @@ pub struct OffloadManager {
     policy: Box<dyn EvictionPolicy>,
     events: EventLog,
     filter: Option<ReuseFilter>,
-    requests: HashMap<RequestId, RequestAccess>,
+    requests: HashMap<RequestId, RequestAccess, KeyBuildHasher>,
     counters: Counters,
     stores_skipped: u64,
     allocation_failures: u64,
@@ -112,6 +112,7 @@ pub struct OffloadManager {
     /// Reused buffers (no allocation on the hot path).
     scratch_slots: Vec<u32>,
     scratch_resolved: Vec<(ChunkKey, u32)>,
+    scratch_victims: Vec<u32>,
 }
 
 impl OffloadManager {
@@ -133,7 +134,7 @@ impl OffloadManager {
             policy: new_policy(policy, capacity),
             events: EventLog::default(),
             filter: None,
-            requests: HashMap::new(),
+            requests: HashMap::default(),
             counters: Counters::default(),
             stores_skipped: 0,
             allocation_failures: 0,
@@ -141,6 +142,7 @@ impl OffloadManager {
             generation: 0,
             scratch_slots: Vec::new(),
             scratch_resolved: Vec::new(),
+            scratch_victims: Vec::new(),
         })
     }
 
@@ -260,6 +262,25 @@ impl OffloadManager {
         keys: &[ChunkKey],
         req: Option<RequestId>,
     ) -> Option<PrepareStoreOutput> {
+        self.prepare_store_inner(keys, req, true)
+    }
+
+    /// [`Self::prepare_store`] for the scheduler's hot path: the evicted keys go
+    /// to the event log only (`evicted` is left empty), which saves a copy.
+    pub(crate) fn prepare_store_for_job(
+        &mut self,
+        keys: &[ChunkKey],
+        req: Option<RequestId>,
+    ) -> Option<PrepareStoreOutput> {
+        self.prepare_store_inner(keys, req, false)
+    }
+
+    fn prepare_store_inner(
+        &mut self,
+        keys: &[ChunkKey],
+        req: Option<RequestId>,
+        report_evicted: bool,
+    ) -> Option<PrepareStoreOutput> {
         // Offered keys, deduplicated in order; present ones are protected from eviction.
         let mut to_store: Vec<ChunkKey> = Vec::with_capacity(keys.len());
         let mut protected = std::mem::take(&mut self.scratch_slots);
@@ -301,7 +322,7 @@ impl OffloadManager {
         if let Some(filter) = self.filter.as_mut() {
             self.stores_skipped += filter.admit(&mut to_store);
         }
-        let result = self.allocate(to_store);
+        let result = self.allocate(to_store, report_evicted);
         for &s in &protected {
             self.slots[s as usize].protected = false;
         }
@@ -312,7 +333,11 @@ impl OffloadManager {
         result
     }
 
-    fn allocate(&mut self, to_store: Vec<ChunkKey>) -> Option<PrepareStoreOutput> {
+    fn allocate(
+        &mut self,
+        to_store: Vec<ChunkKey>,
+        report_evicted: bool,
+    ) -> Option<PrepareStoreOutput> {
         let free = self.pool.available();
         let need = to_store.len().saturating_sub(free);
         let evictable = (self.counters.ready - self.counters.pinned) as usize;
@@ -321,25 +346,23 @@ impl OffloadManager {
             return None;
         }
         self.policy.on_store_miss(&to_store);
-        let victims = if need > 0 {
+        let mut victims = std::mem::take(&mut self.scratch_victims);
+        victims.clear();
+        if need > 0 {
             let slots = &self.slots;
             let mut can_evict =
                 |s: u32| -> bool { slots[s as usize].ref_cnt == 0 && !slots[s as usize].protected };
-            match self.policy.evict(need, &mut can_evict) {
-                Some(v) => v,
-                None => {
-                    self.record_alloc_size(to_store.len());
-                    return None;
-                }
+            if !self.policy.evict(need, &mut can_evict, &mut victims) {
+                self.scratch_victims = victims;
+                self.record_alloc_size(to_store.len());
+                return None;
             }
-        } else {
-            Vec::new()
-        };
+        }
         for &s in &victims {
             self.index.prefetch(self.slots[s as usize].key);
         }
         let mut evicted = Vec::with_capacity(victims.len());
-        for s in victims {
+        for &s in &victims {
             let slot = &mut self.slots[s as usize];
             evicted.push(slot.key);
             self.index.remove(slot.key);
@@ -347,7 +370,14 @@ impl OffloadManager {
             self.counters.ready -= 1;
             self.pool.release(s);
         }
-        self.events.evicted(evicted.clone());
+        self.scratch_victims = victims;
+        let evicted = if report_evicted {
+            self.events.evicted(evicted.clone());
+            evicted
+        } else {
+            self.events.evicted(evicted);
+            Vec::new()
+        };
         let mut chunk_ids = Vec::with_capacity(to_store.len());
         for &k in &to_store {
             // The capacity check above guarantees a slot.

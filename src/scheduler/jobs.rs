@@ -4,6 +4,7 @@
 //! reads them (shard read locks) and stalls the [`JobLatch`] of the jobs it hands over.
 
 use dashmap::DashMap;
+use smallvec::SmallVec;
 
 use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
 use crate::key::{ChunkKey, KeyBuildHasher};
@@ -17,6 +18,14 @@ const SHARDS: usize = 64;
 
 /// Initial capacity of the job table (all shards together).
 const INITIAL_CAPACITY: usize = 8192;
+
+/// A job's chunk keys: inline up to two (the common store of one or two
+/// chunks needs no allocation).
+pub type JobKeys = SmallVec<[ChunkKey; 2]>;
+/// A job's host slots, inline up to four.
+pub type JobSlots = SmallVec<[ChunkId; 4]>;
+/// A store's GPU source blocks, inline up to four.
+pub type JobBlocks = SmallVec<[GpuBlockId; 4]>;
 
 /// One in-flight job.
 #[derive(Debug)]
@@ -37,11 +46,11 @@ pub struct JobEntry {
     /// Stalled when the clock passes this (nanoseconds).
     pub deadline_ns: u64,
     /// Chunk keys transferred.
-    pub keys: Box<[ChunkKey]>,
+    pub keys: JobKeys,
     /// Host slots, co-indexed with `keys`.
-    pub chunk_ids: Box<[ChunkId]>,
+    pub chunk_ids: JobSlots,
     /// GPU source blocks of a store (fenced once its request finishes); empty for loads.
-    pub blocks: Box<[GpuBlockId]>,
+    pub blocks: JobBlocks,
 }
 
 /// The concurrent job table.

@@ -7,7 +7,7 @@ use crate::key::ChunkKey;
 use crate::manager::{LookupResult, OffloadManager};
 
 use super::Scheduler;
-use super::jobs::JobEntry;
+use super::jobs::{JobBlocks, JobEntry, JobKeys, JobSlots};
 use super::types::{JobKind, LookupOutcome, SchedulerError, TransferJob};
 
 /// Result of a maximal-prefix scan over chunk keys.
@@ -190,9 +190,9 @@ impl Scheduler {
                 req,
                 created_ns: now,
                 deadline_ns: deadline,
-                keys: keys.clone().into_boxed_slice(),
-                chunk_ids: chunk_ids.clone().into_boxed_slice(),
-                blocks: Box::default(),
+                keys: JobKeys::from_slice(&keys),
+                chunk_ids: JobSlots::from_slice(&chunk_ids),
+                blocks: JobBlocks::new(),
             },
         );
         // After the insert: the watchdog drops deadline entries of absent jobs.
