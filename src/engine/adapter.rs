@@ -13,9 +13,9 @@ fn spec(job: &TransferJob, blocks_per_chunk: u32) -> TransferSpec {
     // A job starting inside its first chunk skips that chunk's leading blocks.
     let skip = (job.keys.len() * bpc).saturating_sub(job.block_ids.len());
     TransferSpec {
-        gpu_blocks: job.block_ids.clone(),
+        gpu_blocks: job.block_ids.to_vec(),
         first_block_index: skip as u32,
-        chunks: job.chunk_ids.clone(),
+        chunks: job.chunk_ids.to_vec(),
     }
 }
 

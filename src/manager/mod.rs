@@ -113,6 +113,9 @@ pub struct OffloadManager {
     scratch_slots: Vec<u32>,
     scratch_resolved: Vec<(ChunkKey, u32)>,
     scratch_victims: Vec<u32>,
+    scratch_store: Vec<ChunkKey>,
+    scratch_ids: Vec<ChunkId>,
+    scratch_evicted: Vec<ChunkKey>,
 }
 
 impl OffloadManager {
@@ -143,6 +146,9 @@ impl OffloadManager {
             scratch_slots: Vec::new(),
             scratch_resolved: Vec::new(),
             scratch_victims: Vec::new(),
+            scratch_store: Vec::new(),
+            scratch_ids: Vec::new(),
+            scratch_evicted: Vec::new(),
         })
     }
 
@@ -262,17 +268,28 @@ impl OffloadManager {
         keys: &[ChunkKey],
         req: Option<RequestId>,
     ) -> Option<PrepareStoreOutput> {
-        self.prepare_store_inner(keys, req, true)
+        if !self.prepare_store_inner(keys, req, true) {
+            return None;
+        }
+        Some(PrepareStoreOutput {
+            keys_to_store: self.scratch_store.clone(),
+            chunk_ids: self.scratch_ids.clone(),
+            evicted: std::mem::take(&mut self.scratch_evicted),
+        })
     }
 
-    /// [`Self::prepare_store`] for the scheduler's hot path: the evicted keys go
-    /// to the event log only (`evicted` is left empty), which saves a copy.
+    /// [`Self::prepare_store`] for the scheduler's hot path, without allocating:
+    /// the keys to store and their slots are borrowed from reused buffers, and
+    /// the evicted keys go to the event log only.
     pub(crate) fn prepare_store_for_job(
         &mut self,
         keys: &[ChunkKey],
         req: Option<RequestId>,
-    ) -> Option<PrepareStoreOutput> {
-        self.prepare_store_inner(keys, req, false)
+    ) -> Option<(&[ChunkKey], &[ChunkId])> {
+        if !self.prepare_store_inner(keys, req, false) {
+            return None;
+        }
+        Some((&self.scratch_store, &self.scratch_ids))
     }
 
     fn prepare_store_inner(
@@ -280,9 +297,10 @@ impl OffloadManager {
         keys: &[ChunkKey],
         req: Option<RequestId>,
         report_evicted: bool,
-    ) -> Option<PrepareStoreOutput> {
+    ) -> bool {
         // Offered keys, deduplicated in order; present ones are protected from eviction.
-        let mut to_store: Vec<ChunkKey> = Vec::with_capacity(keys.len());
+        let mut to_store = std::mem::take(&mut self.scratch_store);
+        to_store.clear();
         let mut protected = std::mem::take(&mut self.scratch_slots);
         protected.clear();
         for &k in keys {
@@ -327,23 +345,23 @@ impl OffloadManager {
             self.slots[s as usize].protected = false;
         }
         self.scratch_slots = protected;
-        if result.is_none() {
+        if !result {
             self.allocation_failures += 1;
         }
         result
     }
 
-    fn allocate(
-        &mut self,
-        to_store: Vec<ChunkKey>,
-        report_evicted: bool,
-    ) -> Option<PrepareStoreOutput> {
+    /// Allocates slots for `to_store` (evicting if needed). On success the keys
+    /// and their slots are left in `scratch_store` / `scratch_ids` (and the
+    /// evicted keys in `scratch_evicted` with `report_evicted`).
+    fn allocate(&mut self, to_store: Vec<ChunkKey>, report_evicted: bool) -> bool {
         let free = self.pool.available();
         let need = to_store.len().saturating_sub(free);
         let evictable = (self.counters.ready - self.counters.pinned) as usize;
         if need > evictable {
             self.record_alloc_size(to_store.len());
-            return None;
+            self.scratch_store = to_store;
+            return false;
         }
         self.policy.on_store_miss(&to_store);
         let mut victims = std::mem::take(&mut self.scratch_victims);
@@ -355,7 +373,8 @@ impl OffloadManager {
             if !self.policy.evict(need, &mut can_evict, &mut victims) {
                 self.scratch_victims = victims;
                 self.record_alloc_size(to_store.len());
-                return None;
+                self.scratch_store = to_store;
+                return false;
             }
         }
         for &s in &victims {
@@ -371,14 +390,13 @@ impl OffloadManager {
             self.pool.release(s);
         }
         self.scratch_victims = victims;
-        let evicted = if report_evicted {
-            self.events.evicted(evicted.clone());
-            evicted
-        } else {
-            self.events.evicted(evicted);
-            Vec::new()
-        };
-        let mut chunk_ids = Vec::with_capacity(to_store.len());
+        self.scratch_evicted.clear();
+        if report_evicted {
+            self.scratch_evicted.extend_from_slice(&evicted);
+        }
+        self.events.evicted(evicted);
+        let mut chunk_ids = std::mem::take(&mut self.scratch_ids);
+        chunk_ids.clear();
         for &k in &to_store {
             // The capacity check above guarantees a slot.
             let Some(s) = self.pool.alloc() else {
@@ -397,11 +415,9 @@ impl OffloadManager {
         }
         self.counters.pending += to_store.len() as u32;
         self.record_alloc_size(to_store.len());
-        Some(PrepareStoreOutput {
-            keys_to_store: to_store,
-            chunk_ids,
-            evicted,
-        })
+        self.scratch_store = to_store;
+        self.scratch_ids = chunk_ids;
+        true
     }
 
     fn record_alloc_size(&mut self, n: usize) {

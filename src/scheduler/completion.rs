@@ -6,7 +6,7 @@ use crate::manager::StoreOutcome;
 
 use super::Scheduler;
 use super::latch::ReportEffect;
-use super::jobs::{JobBlocks, JobSlots};
+use super::types::{JobBlocks, JobSlots};
 use super::stall::StalledJob;
 use super::types::{JobKind, SchedulerError, WorkerOutcome, WorkerReport};
 

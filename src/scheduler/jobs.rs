@@ -4,13 +4,12 @@
 //! reads them (shard read locks) and stalls the [`JobLatch`] of the jobs it hands over.
 
 use dashmap::DashMap;
-use smallvec::SmallVec;
 
-use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
-use crate::key::{ChunkKey, KeyBuildHasher};
+use crate::ids::{JobId, RequestId};
+use crate::key::KeyBuildHasher;
 
 use super::latch::JobLatch;
-use super::types::JobKind;
+use super::types::{JobBlocks, JobKeys, JobKind, JobSlots};
 
 /// Shards of the job table: enough that a full scan holds each lock briefly
 /// (about 16 K jobs per shard at 1 M jobs), few enough to stay cache-friendly.
@@ -18,14 +17,6 @@ const SHARDS: usize = 64;
 
 /// Initial capacity of the job table (all shards together).
 const INITIAL_CAPACITY: usize = 8192;
-
-/// A job's chunk keys: inline up to two (the common store of one or two
-/// chunks needs no allocation).
-pub type JobKeys = SmallVec<[ChunkKey; 2]>;
-/// A job's host slots, inline up to four.
-pub type JobSlots = SmallVec<[ChunkId; 4]>;
-/// A store's GPU source blocks, inline up to four.
-pub type JobBlocks = SmallVec<[GpuBlockId; 4]>;
 
 /// One in-flight job.
 #[derive(Debug)]

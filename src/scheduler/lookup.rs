@@ -7,7 +7,8 @@ use crate::key::ChunkKey;
 use crate::manager::{LookupResult, OffloadManager};
 
 use super::Scheduler;
-use super::jobs::{JobBlocks, JobEntry, JobKeys, JobSlots};
+use super::jobs::JobEntry;
+use super::types::{JobBlocks, JobKeys, JobSlots};
 use super::types::{JobKind, LookupOutcome, SchedulerError, TransferJob};
 
 /// Result of a maximal-prefix scan over chunk keys.
@@ -200,9 +201,9 @@ impl Scheduler {
         self.batch.loads.push(TransferJob {
             job,
             req,
-            block_ids: block_ids[sb..eb].to_vec(),
-            chunk_ids,
-            keys,
+            block_ids: JobBlocks::from_slice(&block_ids[sb..eb]),
+            chunk_ids: JobSlots::from_vec(chunk_ids),
+            keys: JobKeys::from_vec(keys),
         });
         if let Some(rs) = self.requests.get_mut(&req) {
             rs.jobs.push(job);

@@ -51,7 +51,7 @@ pub use watchdog::WatchdogHandle;
 
 pub use metrics::SchedulerMetrics;
 pub use types::{
-    JobKind, LookupOutcome, ScanOutcome, ScheduledRequest, SchedulerError, SchedulerState,
+    JobBlocks, JobKeys, JobKind, JobSlots, LookupOutcome, ScanOutcome, ScheduledRequest, SchedulerError, SchedulerState,
     StepInput, StepPlan, TransferJob, WorkerOutcome, WorkerReport,
 };
 

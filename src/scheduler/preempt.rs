@@ -2,7 +2,7 @@
 
 use crate::ids::{JobId, RequestId};
 
-use super::jobs::{JobBlocks, JobSlots};
+use super::types::{JobBlocks, JobSlots};
 use super::types::{JobKind, SchedulerError};
 use super::{FencedReset, Scheduler};
 

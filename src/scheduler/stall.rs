@@ -5,7 +5,7 @@ use crate::ids::{JobId, RequestId};
 
 use super::Scheduler;
 use super::completion::Ending;
-use super::jobs::{JobBlocks, JobKeys, JobSlots};
+use super::types::{JobBlocks, JobKeys, JobSlots};
 use super::types::{JobKind, ScanOutcome, SchedulerError};
 
 /// A stalled job whose late reports are still due.

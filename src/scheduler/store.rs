@@ -3,7 +3,8 @@
 use crate::ids::{GpuBlockId, RequestId};
 
 use super::Scheduler;
-use super::jobs::{JobBlocks, JobEntry, JobKeys, JobSlots};
+use super::jobs::JobEntry;
+use super::types::{JobBlocks, JobKeys, JobSlots};
 use super::types::{JobKind, TransferJob};
 
 /// How far a request's stores may reach in this step.
@@ -128,8 +129,11 @@ impl Scheduler {
             self.scratch_keys = cand;
             return;
         }
-        let ps = self.manager.prepare_store_for_job(&cand, Some(req));
-        let (Some(ps), Some(rs)) = (ps, self.requests.at_mut(slot)) else {
+        let ps = self
+            .manager
+            .prepare_store_for_job(&cand, Some(req))
+            .map(|(k, c)| (JobKeys::from_slice(k), JobSlots::from_slice(c)));
+        let (Some((keys, chunk_ids)), Some(rs)) = (ps, self.requests.at_mut(slot)) else {
             self.counters.allocation_failures += 1;
             tracing::warn!(%req, chunks = cand.len(), "host tier cannot allocate; store retried next step");
             self.scratch_idx = cand_idx;
@@ -137,15 +141,15 @@ impl Scheduler {
             return;
         };
         rs.next_stored_chunk = rs.next_stored_chunk.max(num_chunks);
-        if ps.keys_to_store.is_empty() {
+        if keys.is_empty() {
             self.scratch_idx = cand_idx;
             self.scratch_keys = cand;
             return;
         }
-        // keys_to_store is an ordered subset of the candidates: walk both.
-        let mut blocks: Vec<GpuBlockId> = Vec::with_capacity(ps.keys_to_store.len() * bpc);
+        // The keys to store are an ordered subset of the candidates: walk both.
+        let mut blocks = JobBlocks::new();
         let mut c = 0;
-        for k in &ps.keys_to_store {
+        for k in &keys {
             while c < cand.len() && cand[c] != *k {
                 c += 1;
             }
@@ -156,6 +160,7 @@ impl Scheduler {
             blocks.extend(
                 rs.block_ids[i * bpc..(i + 1) * bpc]
                     .iter()
+                    .copied()
                     .filter(|b| b.0 != 0),
             );
             c += 1;
@@ -186,18 +191,18 @@ impl Scheduler {
                 req,
                 created_ns: now,
                 deadline_ns: deadline,
-                keys: JobKeys::from_slice(&ps.keys_to_store),
+                keys: keys.clone(),
                 // A stalled store gets its held slots from the manager.
                 chunk_ids: JobSlots::new(),
-                blocks: JobBlocks::from_slice(&blocks),
+                blocks: blocks.clone(),
             },
         );
         out.push(TransferJob {
             job,
             req,
             block_ids: blocks,
-            chunk_ids: ps.chunk_ids,
-            keys: ps.keys_to_store,
+            chunk_ids,
+            keys,
         });
         // Published after the insert (at the end of the step): the watchdog
         // drops deadline entries of absent jobs.
