@@ -248,6 +248,7 @@ impl Sim {
     fn publish(&mut self) {
         if let Some(out) = &self.metrics_out {
             self.metrics.scheduler = self.sched.metrics();
+            self.metrics.lookup.clone_from(self.sched.lookup_delays());
             self.metrics.manager = self.sched.manager().stats();
             out.set(self.metrics.render());
         }
