@@ -55,8 +55,10 @@ fn scheduler_reports_lookup_sync_delay() {
     assert!(s.lookup(r(9), 0).is_err());
     assert_eq!(s.lookup_delays().sync.count(), 2);
 
-    let mut m = OffloadMetrics::default();
-    m.lookup = s.lookup_delays().clone();
+    let m = OffloadMetrics {
+        lookup: s.lookup_delays().clone(),
+        ..OffloadMetrics::default()
+    };
     let text = m.render();
     assert!(
         text.contains("vllm:kv_offload_lookup_sync_delay_seconds_count 2\n"),
@@ -123,8 +125,10 @@ fn scheduler_reports_lookup_async_delay_on_resolve() {
     let d = h.s.lookup_delays();
     assert_eq!(d.async_.count(), 2);
     assert_eq!(d.async_.sum(), 6.0);
-    let mut m = OffloadMetrics::default();
-    m.lookup = d.clone();
+    let m = OffloadMetrics {
+        lookup: d.clone(),
+        ..OffloadMetrics::default()
+    };
     let text = m.render();
     assert!(text.contains("vllm:kv_offload_lookup_async_delay_seconds_count 2\n"));
     assert!(text.contains("vllm:kv_offload_lookup_async_delay_seconds_bucket{le=\"1e0\"} 1\n"));
