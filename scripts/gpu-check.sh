@@ -83,6 +83,7 @@ run() {
     echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
     local status=0
+    export KVOFFLOAD_BIN="$carry/kvoffload"   # tests/cli.rs runs the carried binary
     for t in "$carry"/tests/*; do
         echo "=== $(basename "$t")"
         "$t" --nocapture --test-threads=1 || status=1

@@ -6,8 +6,14 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+/// The binary under test: `KVOFFLOAD_BIN` where set (a carried test binary on
+/// another machine, `scripts/gpu-check.sh run`), else the one cargo built.
 fn kvoffload(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvoffload"))
+    let bin = std::env::var_os("KVOFFLOAD_BIN").map_or_else(
+        || PathBuf::from(env!("CARGO_BIN_EXE_kvoffload")),
+        PathBuf::from,
+    );
+    Command::new(bin)
         .args(args)
         .output()
         .expect("run kvoffload")
