@@ -1,5 +1,6 @@
-//! A pool of worker threads, one [`OffloadWorker`] over a [`HostBackend`] each,
-//! driven in lock step: every step each worker runs its four hooks, waits for
+//! A pool of worker threads, one [`OffloadWorker`] each over a transfer backend
+//! with fault injection ([`FaultControl`]: a [`HostBackend`] here, a CUDA
+//! backend in [`super::cuda_workers`]), driven in lock step: every step each worker runs its four hooks, waits for
 //! the transfers it submitted (never for a stalled one), and reports.
 //!
 //! Waiting before the report makes what a step reports depend only on the plan
@@ -14,13 +15,15 @@ use std::time::Duration;
 use thiserror::Error;
 
 use crate::ids::JobId;
+use crate::worker::cuda::CudaError;
 use crate::worker::{
-    Fault, GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostBufferError, HostRowLayout,
-    LayoutError, OffloadWorker, StepPlan, TransferBackend, WorkerLayout, WorkerReport,
+    Fault, FaultControl, FaultInjector, GpuLayout, HostBackend, HostBackendOptions, HostBuffer,
+    HostBufferError, HostRowLayout, LayoutError, OffloadWorker, StepPlan, TransferBackend,
+    WorkerLayout, WorkerReport,
 };
 
 /// Bound on one wait for a step's transfers (a wedged copy thread, not a stall).
-const STEP_WAIT: Duration = Duration::from_secs(60);
+pub(crate) const STEP_WAIT: Duration = Duration::from_secs(60);
 
 /// Why the pool could not be built or a step failed.
 #[derive(Debug, Error)]
@@ -34,6 +37,18 @@ pub enum PoolError {
     /// A worker thread could not start.
     #[error("starting a worker thread: {0}")]
     Spawn(#[source] std::io::Error),
+    /// No CUDA driver or device: the CUDA backend cannot run here.
+    #[error("cuda backend unavailable: {0}")]
+    CudaUnavailable(#[source] CudaError),
+    /// A worker's CUDA backend could not be set up.
+    #[error("worker {worker}: cuda: {source}")]
+    Cuda {
+        /// The worker's rank.
+        worker: u32,
+        /// The error.
+        #[source]
+        source: CudaError,
+    },
     /// A worker hook failed, or a worker thread is gone.
     #[error("worker {worker}: {message}")]
     Worker {
@@ -72,9 +87,9 @@ struct Reply {
     released: Vec<JobId>,
 }
 
-/// Worker threads over host backends sharing one host pool.
+/// Worker threads (one per simulated GPU), each owning its backend.
 #[derive(Debug)]
-pub struct HostWorkerPool {
+pub struct WorkerPool {
     txs: Vec<Sender<WorkerCommand>>,
     rxs: Vec<Receiver<Reply>>,
     handles: Vec<JoinHandle<()>>,
@@ -86,7 +101,68 @@ impl std::fmt::Debug for Reply {
     }
 }
 
-impl HostWorkerPool {
+/// The pool's former name (it ran host backends only).
+pub type HostWorkerPool = WorkerPool;
+
+impl WorkerPool {
+    /// An empty pool; [`Self::spawn`] adds workers.
+    pub(crate) fn empty() -> Self {
+        Self {
+            txs: Vec::new(),
+            rxs: Vec::new(),
+            handles: Vec::new(),
+        }
+    }
+
+    /// Starts worker `rank`: `make` builds its worker on the new thread (so a
+    /// backend that must not change threads never does) and `keep` is dropped
+    /// after the worker (memory its backend addresses). Waits until the worker
+    /// is built and returns its error if it could not be.
+    pub(crate) fn spawn<B, K>(
+        &mut self,
+        rank: u32,
+        keep: K,
+        make: impl FnOnce() -> Result<OffloadWorker<B>, PoolError> + Send + 'static,
+    ) -> Result<(), PoolError>
+    where
+        B: TransferBackend + FaultControl,
+        K: Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel::<WorkerCommand>();
+        let (rtx, rrx) = mpsc::channel::<Reply>();
+        let (itx, irx) = mpsc::channel::<Result<(), PoolError>>();
+        let h = std::thread::Builder::new()
+            .name(format!("kvoffload-sim-worker-{rank}"))
+            .spawn(move || {
+                let _keep = keep;
+                match make() {
+                    Ok(worker) => {
+                        if itx.send(Ok(())).is_ok() {
+                            worker_loop(worker, rx, rtx);
+                        }
+                    }
+                    Err(e) => {
+                        let _ = itx.send(Err(e));
+                    }
+                }
+            })
+            .map_err(PoolError::Spawn)?;
+        let started = irx.recv().unwrap_or_else(|_| {
+            Err(PoolError::Worker {
+                worker: rank,
+                message: "worker thread ended while starting".into(),
+            })
+        });
+        if let Err(e) = started {
+            let _ = h.join();
+            return Err(e);
+        }
+        self.txs.push(tx);
+        self.rxs.push(rrx);
+        self.handles.push(h);
+        Ok(())
+    }
+
     /// `world_size` workers, each with `gpu_blocks` blocks of `block_bytes`
     /// (cross-layer pages), sharing a host pool of `num_chunks` rows of
     /// `blocks_per_chunk` blocks per worker.
@@ -97,17 +173,51 @@ impl HostWorkerPool {
         blocks_per_chunk: u32,
         num_chunks: u32,
     ) -> Result<Self, PoolError> {
+        Self::host(
+            world_size,
+            gpu_blocks,
+            block_bytes,
+            blocks_per_chunk,
+            num_chunks,
+            false,
+        )
+    }
+
+    /// As [`Self::new`], but each host backend's faults are injected by the
+    /// generic [`FaultInjector`] (the one the CUDA pool uses), not natively:
+    /// checks the wrapper's semantics on any machine.
+    pub fn host_with_fault_injector(
+        world_size: u32,
+        gpu_blocks: u32,
+        block_bytes: u64,
+        blocks_per_chunk: u32,
+        num_chunks: u32,
+    ) -> Result<Self, PoolError> {
+        Self::host(
+            world_size,
+            gpu_blocks,
+            block_bytes,
+            blocks_per_chunk,
+            num_chunks,
+            true,
+        )
+    }
+
+    fn host(
+        world_size: u32,
+        gpu_blocks: u32,
+        block_bytes: u64,
+        blocks_per_chunk: u32,
+        num_chunks: u32,
+        wrapped: bool,
+    ) -> Result<Self, PoolError> {
         let world = world_size.max(1);
         let row = HostRowLayout::uniform(blocks_per_chunk.max(1), world, &[block_bytes])?;
         let pool_bytes = row
             .pool_bytes(num_chunks)
             .ok_or(LayoutError::Overflow("host pool size"))?;
         let pool = Arc::new(HostBuffer::new(pool_bytes as usize)?);
-        let mut me = Self {
-            txs: Vec::new(),
-            rxs: Vec::new(),
-            handles: Vec::new(),
-        };
+        let mut me = Self::empty();
         for rank in 0..world {
             let gpu = Arc::new(HostBuffer::new(
                 (u64::from(gpu_blocks) * block_bytes) as usize,
@@ -124,16 +234,16 @@ impl HostWorkerPool {
                 vec![gpu, Arc::clone(&pool)],
                 HostBackendOptions::default(),
             )?;
-            let worker = OffloadWorker::new(backend, true).with_wait_timeout(Some(STEP_WAIT));
-            let (tx, rx) = mpsc::channel::<WorkerCommand>();
-            let (rtx, rrx) = mpsc::channel::<Reply>();
-            let h = std::thread::Builder::new()
-                .name(format!("kvoffload-sim-worker-{rank}"))
-                .spawn(move || worker_loop(worker, rx, rtx))
-                .map_err(PoolError::Spawn)?;
-            me.txs.push(tx);
-            me.rxs.push(rrx);
-            me.handles.push(h);
+            if wrapped {
+                me.spawn(rank, (), move || {
+                    Ok(OffloadWorker::new(FaultInjector::new(backend), true)
+                        .with_wait_timeout(Some(STEP_WAIT)))
+                })?;
+            } else {
+                me.spawn(rank, (), move || {
+                    Ok(OffloadWorker::new(backend, true).with_wait_timeout(Some(STEP_WAIT)))
+                })?;
+            }
         }
         Ok(me)
     }
@@ -169,7 +279,7 @@ impl HostWorkerPool {
     }
 }
 
-impl Drop for HostWorkerPool {
+impl Drop for WorkerPool {
     fn drop(&mut self) {
         self.txs.clear();
         for h in self.handles.drain(..) {
@@ -178,7 +288,11 @@ impl Drop for HostWorkerPool {
     }
 }
 
-fn worker_loop(mut w: OffloadWorker<HostBackend>, rx: Receiver<WorkerCommand>, tx: Sender<Reply>) {
+fn worker_loop<B: TransferBackend + FaultControl>(
+    mut w: OffloadWorker<B>,
+    rx: Receiver<WorkerCommand>,
+    tx: Sender<Reply>,
+) {
     let mut known: HashSet<JobId> = HashSet::new();
     let mut stall_set: HashSet<JobId> = HashSet::new();
     for cmd in rx {
@@ -234,8 +348,8 @@ fn worker_loop(mut w: OffloadWorker<HostBackend>, rx: Receiver<WorkerCommand>, t
     }
 }
 
-fn run_step(
-    w: &mut OffloadWorker<HostBackend>,
+fn run_step<B: TransferBackend + FaultControl>(
+    w: &mut OffloadWorker<B>,
     plan: &mut StepPlan,
     known: &HashSet<JobId>,
 ) -> Result<WorkerReport, String> {
