@@ -68,6 +68,9 @@ pub struct WorkerCommand {
     pub faults: Vec<(JobId, Fault)>,
     /// Stalled jobs to let run late now.
     pub release: Vec<JobId>,
+    /// Stalled jobs the backend cancels now: they never copy nor report, and
+    /// the worker forgets them (applied before `release` and the plan).
+    pub cancel: Vec<JobId>,
 }
 
 /// What the pool returns for one step.
@@ -79,12 +82,20 @@ pub struct PoolStep {
     pub released_by_flush: Vec<JobId>,
     /// Stalled jobs released as the command asked (they were still held).
     pub released: Vec<JobId>,
+    /// Stalled jobs cancelled as the command asked (they were still held).
+    pub cancelled: Vec<JobId>,
+    /// Per-job entries the workers hold after the step, all workers together:
+    /// jobs submitted and not reported (stalled ones included), pending loads,
+    /// injected faults not applied yet. Zero once everything has drained.
+    pub tracked_jobs: u64,
 }
 
 struct Reply {
     report: Result<WorkerReport, String>,
     released_by_flush: Vec<JobId>,
     released: Vec<JobId>,
+    cancelled: Vec<JobId>,
+    tracked_jobs: u64,
 }
 
 /// Worker threads (one per simulated GPU), each owning its backend.
@@ -267,6 +278,8 @@ impl WorkerPool {
             let reply = rx.recv().map_err(|_| gone(i))?;
             out.released_by_flush.extend(reply.released_by_flush);
             out.released.extend(reply.released);
+            out.cancelled.extend(reply.cancelled);
+            out.tracked_jobs += reply.tracked_jobs;
             let report = reply.report.map_err(|message| PoolError::Worker {
                 worker: i as u32,
                 message,
@@ -300,7 +313,18 @@ fn worker_loop<B: TransferBackend + FaultControl>(
             mut plan,
             faults,
             release,
+            cancel,
         } = cmd;
+        // A cancelled job never reports: everything kept for it goes now.
+        let mut cancelled = Vec::new();
+        for job in cancel {
+            if w.backend_mut().cancel_stalled(job) {
+                cancelled.push(job);
+            }
+            w.forget_job(job);
+            known.remove(&job);
+            stall_set.remove(&job);
+        }
         for (job, f) in faults {
             if f == Fault::Stall {
                 stall_set.insert(job);
@@ -335,11 +359,18 @@ fn worker_loop<B: TransferBackend + FaultControl>(
                 stall_set.remove(job);
             }
         }
+        let tracked_jobs = (known.len()
+            + stall_set.len()
+            + w.pending_loads()
+            + w.backend().in_flight()
+            + w.backend().pending_faults()) as u64;
         if tx
             .send(Reply {
                 report,
                 released_by_flush,
                 released,
+                cancelled,
+                tracked_jobs,
             })
             .is_err()
         {
@@ -363,4 +394,94 @@ fn run_step<B: TransferBackend + FaultControl>(
         .wait(&ids, Some(STEP_WAIT))
         .map_err(|e| e.to_string())?;
     Ok(w.get_finished())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::RequestId;
+    use crate::worker::{LoadJob, TransferSpec};
+
+    fn load_plan(job: JobId) -> StepPlan {
+        StepPlan {
+            loads: vec![LoadJob {
+                job,
+                request: Some(RequestId(job.0)),
+                spec: TransferSpec::new(&[1], 0, &[0]),
+            }],
+            ..StepPlan::default()
+        }
+    }
+
+    /// A stalled job that is cancelled leaves nothing behind on its worker:
+    /// many of them must not grow the workers' per-job state.
+    #[test]
+    fn cancelled_stalls_leave_nothing_on_the_workers() {
+        let mut pool = HostWorkerPool::new(2, 8, 256, 1, 4).unwrap();
+        for i in 1..=300 {
+            let job = JobId(i);
+            let out = pool
+                .step(vec![
+                    WorkerCommand {
+                        plan: load_plan(job),
+                        faults: vec![(job, Fault::Stall)],
+                        ..WorkerCommand::default()
+                    },
+                    WorkerCommand {
+                        plan: load_plan(job),
+                        ..WorkerCommand::default()
+                    },
+                ])
+                .unwrap();
+            assert!(out.reports[0].completed.is_empty(), "worker 0 stalls");
+            assert_eq!(out.reports[1].completed.get(&job), Some(&1));
+            assert!(out.tracked_jobs > 0);
+            let out = pool
+                .step(vec![
+                    WorkerCommand {
+                        cancel: vec![job],
+                        ..WorkerCommand::default()
+                    },
+                    WorkerCommand::default(),
+                ])
+                .unwrap();
+            assert_eq!(out.cancelled, vec![job]);
+            assert!(out.reports.iter().all(|r| r.completed.is_empty()));
+            assert_eq!(out.tracked_jobs, 0, "nothing kept for a cancelled job");
+        }
+    }
+
+    /// A stalled job released late, or forced by a flush, leaves nothing either.
+    #[test]
+    fn released_stalls_leave_nothing_on_the_workers() {
+        let mut pool = HostWorkerPool::new(1, 8, 256, 1, 4).unwrap();
+        for i in 1..=100 {
+            let job = JobId(i);
+            let out = pool
+                .step(vec![WorkerCommand {
+                    plan: load_plan(job),
+                    faults: vec![(job, Fault::Stall)],
+                    ..WorkerCommand::default()
+                }])
+                .unwrap();
+            assert!(out.reports[0].completed.is_empty());
+            let cmd = if i % 2 == 0 {
+                WorkerCommand {
+                    release: vec![job],
+                    ..WorkerCommand::default()
+                }
+            } else {
+                WorkerCommand {
+                    plan: StepPlan {
+                        flush: vec![job],
+                        ..StepPlan::default()
+                    },
+                    ..WorkerCommand::default()
+                }
+            };
+            let out = pool.step(vec![cmd]).unwrap();
+            assert_eq!(out.reports[0].completed.get(&job), Some(&1));
+            assert_eq!(out.tracked_jobs, 0);
+        }
+    }
 }

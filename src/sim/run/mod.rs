@@ -123,6 +123,10 @@ pub struct Sim {
     kinds: HashMap<JobId, JobKind>,
     open_stalls: std::collections::HashSet<JobId>,
     due: Vec<(u64, JobId, StallFate)>,
+    /// Cancelled stalled jobs, by worker, for the next step's commands.
+    cancels: Vec<Vec<JobId>>,
+    /// Per-job entries the workers held after the last step.
+    worker_jobs: u64,
     step: u64,
     step_ns: StepTimeHistogram,
     cur_ns: u64,
@@ -180,6 +184,7 @@ impl Sim {
             backend: opts.backend.name().into(),
             ..SimSummary::default()
         };
+        let world = pool.world_size() as usize;
         Ok(Self {
             gpu: GpuPool::new(opts.gpu_blocks),
             cfg,
@@ -203,6 +208,8 @@ impl Sim {
             kinds: HashMap::new(),
             open_stalls: Default::default(),
             due: Vec::new(),
+            cancels: vec![Vec::new(); world],
+            worker_jobs: 0,
             step: 0,
             step_ns: StepTimeHistogram::default(),
             cur_ns: 0,
@@ -357,18 +364,24 @@ impl Sim {
             }
         }
         let wplan = to_worker_plan(&plan, self.cfg.blocks_per_chunk);
+        let cancels = std::mem::replace(&mut self.cancels, vec![Vec::new(); world]);
         let cmds: Vec<WorkerCommand> = faults
             .into_iter()
             .zip(release)
-            .map(|(faults, release)| WorkerCommand {
+            .zip(cancels)
+            .map(|((faults, release), cancel)| WorkerCommand {
                 plan: wplan.clone(),
                 faults,
                 release,
+                cancel,
             })
             .collect();
         let out = self.pool.step(cmds)?;
+        self.worker_jobs = out.tracked_jobs;
         self.summary.faults.released += out.released.len() as u64;
         for job in &out.released_by_flush {
+            // It runs now: nothing is left to release or cancel on its worker.
+            self.stall_faulted.remove(job);
             if self.open_stalls.remove(job) {
                 self.summary.faults.stalls_forced_by_flush += 1;
             } else {
