@@ -2,7 +2,7 @@
 # GPU check of the data plane, in two phases:
 #
 #   scripts/gpu-check.sh build   # here (cargo, nvcc): builds the release test binaries
-#                                # and the sweep, copies them into gpu-carry/
+#                                # and the kvoffload binary, copies them into gpu-carry/
 #   scripts/gpu-check.sh run     # on the GPU machine (no cargo, no network), from the
 #                                # repo root, using only gpu-carry/
 #
@@ -13,9 +13,15 @@
 #   bash scripts/gpu-check.sh run --quick     # short sweep)
 #
 # `run` executes every carried test binary with `--nocapture --test-threads=1`
-# (GPU tests print SKIP without a driver), then the sweep (4 KiB..2 MiB per block,
-# 64..4096 blocks, both directions, each strategy; GB/s and % of a large pinned
-# memcpy measured in the same run). Pass `--quick` after `run` for a short sweep.
+# (GPU tests print SKIP without a driver), then
+#   kvoffload bench --backend cuda --json --calibrate $OUT/strategy-table.json
+# (4 KiB..2 MiB per block, 64..4096 blocks, both directions, each strategy; GB/s
+# and fraction of a large pinned memcpy measured in the same run; rows in
+# $OUT/bench-cuda.json, the calibrated table in $OUT/strategy-table.json), then
+#   kvoffload sim --backend cuda            (default strategy table)
+#   kvoffload sim --backend cuda --strategy-table $OUT/strategy-table.json
+# (summaries in $OUT/sim-cuda*.json; exit 1 on any leak). Pass `--quick` after
+# `run` for a short sweep and short sims.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -47,8 +53,8 @@ for line in sys.stdin:
         cp "$exe" "$carry/tests/$name"
         echo "carried test binary: $name"
     done
-    # The sweep.
-    cargo build --release --example gpu_sweep --message-format=json 2>/dev/null \
+    # The CLI (bench and sim on the CUDA backend).
+    cargo build --release --bin kvoffload --message-format=json 2>/dev/null \
         | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -56,10 +62,10 @@ for line in sys.stdin:
         m = json.loads(line)
     except ValueError:
         continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu_sweep":
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "kvoffload" and "bin" in m["target"]["kind"]:
         print(m["executable"])
-' | while read -r exe; do cp "$exe" "$carry/gpu_sweep"; echo "carried sweep: gpu_sweep"; done
-    [[ -x "$carry/gpu_sweep" ]] || { echo "gpu-check: the sweep was not built" >&2; exit 1; }
+' | while read -r exe; do cp "$exe" "$carry/kvoffload"; echo "carried binary: kvoffload"; done
+    [[ -x "$carry/kvoffload" ]] || { echo "gpu-check: the kvoffload binary was not built" >&2; exit 1; }
     du -sh "$carry"
     echo
     echo "Run on the GPU machine, from the repo root, carrying gpu-carry/ (device tool: carry=[\"gpu-carry\"]):"
@@ -77,13 +83,33 @@ run() {
     echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
     local status=0
+    export KVOFFLOAD_BIN="$carry/kvoffload"   # tests/cli.rs runs the carried binary
     for t in "$carry"/tests/*; do
         echo "=== $(basename "$t")"
         "$t" --nocapture --test-threads=1 || status=1
     done
-    local table="${OUT:-$carry}/strategy-table.json"
-    echo "=== gpu_sweep ${2:-} --write-table $table"
-    "$carry/gpu_sweep" ${2:-} --write-table "$table" || status=1
+    local out="${OUT:-$carry}"
+    local table="$out/strategy-table.json"
+    local quick="" requests=2000
+    if [[ "${2:-}" == "--quick" ]]; then quick="--quick"; requests=300; fi
+    "$carry/kvoffload" info || status=1
+    echo "=== kvoffload bench --backend cuda --json $quick --calibrate $table"
+    "$carry/kvoffload" bench --backend cuda --json $quick --calibrate "$table" \
+        --csv "$out/bench-cuda.csv" >"$out/bench-cuda.json" || status=1
+    python3 - "$out/bench-cuda.json" <<'PY' || true
+import json, sys
+rows = json.load(open(sys.argv[1]))
+print(f"{'dir':<6} {'block':>9} {'blocks':>6} {'strategy':<13} {'GB/s':>8} {'frac':>6} {'submit_us':>9}")
+for r in rows:
+    print(f"{r['direction']:<6} {r['block_bytes']:>9} {r['blocks']:>6} {r['strategy']:<13} {r['gbps']:>8.2f} {r['fraction_of_ceiling']:>6.2f} {r.get('submit_us', 0):>9.1f}")
+PY
+    echo "=== kvoffload sim --backend cuda --requests $requests"
+    "$carry/kvoffload" sim --backend cuda --requests "$requests" --report "$out/sim-cuda.json" || status=1
+    if [[ -f "$table" ]]; then
+        echo "=== kvoffload sim --backend cuda --requests $requests --strategy-table $table"
+        "$carry/kvoffload" sim --backend cuda --requests "$requests" --strategy-table "$table" \
+            --report "$out/sim-cuda-calibrated.json" || status=1
+    fi
     exit $status
 }
 

@@ -1,11 +1,19 @@
 //! The `kvoffload` binary: sim (summary, report, record), config validation
-//! errors (exit 2, key and allowed range named), bench (table, JSON, CSV, SVG), info.
+//! errors (exit 2, key and allowed range named), bench (table, JSON, CSV, SVG), info,
+//! and the CUDA backend of sim and bench (without a driver: exit 2 with
+//! `cuda backend unavailable: <reason>`; with a GPU: a short run).
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+/// The binary under test: `KVOFFLOAD_BIN` where set (a carried test binary on
+/// another machine, `scripts/gpu-check.sh run`), else the one cargo built.
 fn kvoffload(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvoffload"))
+    let bin = std::env::var_os("KVOFFLOAD_BIN").map_or_else(
+        || PathBuf::from(env!("CARGO_BIN_EXE_kvoffload")),
+        PathBuf::from,
+    );
+    Command::new(bin)
         .args(args)
         .output()
         .expect("run kvoffload")
@@ -165,8 +173,9 @@ fn bench_json_csv_and_plot() {
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(rows.len(), 4, "2 sizes x 1 count x 2 directions");
-    for r in &rows {
+    let host = rows.iter().filter(|r| r["backend"] == "host").count();
+    assert_eq!(host, 4, "2 sizes x 1 count x 2 directions");
+    for r in rows.iter().filter(|r| r["backend"] == "host") {
         for k in [
             "backend",
             "strategy",
@@ -185,15 +194,25 @@ fn bench_json_csv_and_plot() {
         let f = r["fraction_of_ceiling"].as_f64().unwrap();
         assert!((f - g / c).abs() < 1e-9);
     }
-    assert!(text(&out.stderr).contains("cuda: SKIP"));
+    // The default (all backends): host rows, and the CUDA sweep where a GPU is.
+    if let Some(reason) = cuda_unavailable() {
+        let skips: Vec<String> = text(&out.stderr)
+            .lines()
+            .filter(|l| l.contains("SKIP"))
+            .map(str::to_string)
+            .collect();
+        assert_eq!(skips, vec![format!("SKIP: cuda: {reason}")]);
+    }
     let csv = std::fs::read_to_string(&csv).unwrap();
-    assert_eq!(csv.lines().count(), 5);
+    assert_eq!(csv.lines().count(), rows.len() + 1);
     assert!(csv.starts_with("backend,strategy,direction,block_bytes,blocks,gbps"));
     let svg = std::fs::read_to_string(&svg).unwrap();
     assert!(svg.starts_with("<svg") && svg.contains("<polyline"));
     // The table form.
     let out = kvoffload(&[
         "bench",
+        "--backend",
+        "host",
         "--block-bytes",
         "4096",
         "--blocks",
@@ -217,4 +236,127 @@ fn info_and_help_still_work() {
     for c in ["sim", "bench", "replay", "info"] {
         assert!(text(&out.stdout).contains(c));
     }
+}
+
+/// Why the CUDA backend cannot run in this process, or `None` where it can.
+fn cuda_unavailable() -> Option<String> {
+    kvoffload::worker::cuda::open_context(0)
+        .err()
+        .map(|e| e.to_string())
+}
+
+#[test]
+fn sim_on_the_cuda_backend() {
+    let report = tmp("cuda-report.json");
+    let out = kvoffload(&[
+        "sim",
+        "--backend",
+        "cuda",
+        "--requests",
+        "60",
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    match cuda_unavailable() {
+        Some(reason) => {
+            assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+            assert_eq!(
+                text(&out.stderr),
+                format!("kvoffload sim: cuda backend unavailable: {reason}\n"),
+                "one line, no panic"
+            );
+            assert!(out.stdout.is_empty());
+            println!("SKIP: {reason} [sim --backend cuda ran only its no-driver path]");
+        }
+        None => {
+            assert!(out.status.success(), "{}", text(&out.stderr));
+            let r: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+            assert_eq!(r["backend"], "cuda");
+            assert_eq!(r["leaks"]["total"], 0, "{r}");
+            assert!(text(&out.stdout).contains("leaks after drain                0"));
+        }
+    }
+    // A bad strategy table is refused by name, whatever the machine.
+    let bad = tmp("bad-table.json");
+    std::fs::write(&bad, r#"{"rules":[],"fallback":"warp"}"#).unwrap();
+    let out = kvoffload(&[
+        "sim",
+        "--backend",
+        "cuda",
+        "--strategy-table",
+        bad.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("bad-table.json") && text(&out.stderr).contains("warp"));
+}
+
+#[test]
+fn bench_on_the_cuda_backend_and_calibrate() {
+    let table = tmp("calibrated.json");
+    let _ = std::fs::remove_file(&table);
+    let args = [
+        "bench",
+        "--backend",
+        "cuda",
+        "--json",
+        "--quick",
+        "--block-bytes",
+        "16384",
+        "--blocks",
+        "64",
+    ];
+    let out = kvoffload(&args);
+    let calibrate = kvoffload(&[
+        "bench",
+        "--quick",
+        "--block-bytes",
+        "16384,1048576",
+        "--blocks",
+        "64",
+        "--calibrate",
+        table.to_str().unwrap(),
+    ]);
+    match cuda_unavailable() {
+        Some(reason) => {
+            let line = format!("kvoffload bench: cuda backend unavailable: {reason}\n");
+            for o in [&out, &calibrate] {
+                assert_eq!(o.status.code(), Some(2));
+                assert_eq!(text(&o.stderr), line);
+                assert!(o.stdout.is_empty());
+            }
+            assert!(!table.exists(), "nothing written without a GPU");
+            println!(
+                "SKIP: {reason} [bench --backend cuda / --calibrate ran only their no-driver paths]"
+            );
+        }
+        None => {
+            assert!(out.status.success(), "{}", text(&out.stderr));
+            let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(rows.len(), 8, "4 strategies x 2 directions");
+            for r in &rows {
+                assert_eq!(r["backend"], "cuda");
+                let g = r["gbps"].as_f64().unwrap();
+                let c = r["ceiling_gbps"].as_f64().unwrap();
+                assert!(g > 0.0 && c > 0.0, "{r}");
+                let f = r["fraction_of_ceiling"].as_f64().unwrap();
+                assert!((f - g / c).abs() < 1e-9);
+            }
+            for s in ["dma", "batch_dma", "kernel", "kernel_graph"] {
+                for d in ["store", "load"] {
+                    assert!(
+                        rows.iter()
+                            .any(|r| r["strategy"] == s && r["direction"] == d)
+                    );
+                }
+            }
+            assert!(calibrate.status.success(), "{}", text(&calibrate.stderr));
+            let t = kvoffload::worker::cuda::StrategyTable::load(&table).unwrap();
+            assert!(!t.rules.is_empty());
+        }
+    }
+    // Calibration measures CUDA: with --backend host it is refused.
+    let out = kvoffload(&["bench", "--backend", "host", "--calibrate"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("--calibrate"));
 }

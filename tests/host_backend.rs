@@ -640,3 +640,54 @@ fn jobs_to_the_same_chunk_are_copied_in_submission_order() {
         );
     }
 }
+
+#[test]
+fn cancelled_stalls_are_forgotten_and_never_report_nor_move_bytes() {
+    let mut rng = Rng(17);
+    let mut f = Fixture::new(
+        Kind::Cross {
+            block: 2048,
+            stride: 2048,
+        },
+        32,
+        2,
+        1,
+        0,
+        32,
+    );
+    f.poison_and_randomise(&mut rng, &f.pool, &f.gpu);
+    // Many stalled jobs, all cancelled: the backend keeps nothing of them.
+    for i in 0..200u64 {
+        let job = JobId(i + 1);
+        let spec = f.random_spec(&mut rng, 3, false, 1);
+        f.backend.set_fault(job, Fault::Stall);
+        f.backend.submit_store(job, &spec).unwrap();
+        assert_eq!(f.backend.in_flight(), 1);
+        assert!(f.backend.cancel_stalled(job));
+        assert!(!f.backend.cancel_stalled(job), "cancelled once");
+        assert!(
+            !f.backend.release_stalled(job),
+            "a cancelled job never runs"
+        );
+    }
+    assert!(f.backend.stalled().is_empty());
+    assert_eq!(f.backend.in_flight(), 0);
+    assert_eq!(f.backend.pending_faults(), 0);
+    // Only a stalled job can be cancelled.
+    assert!(!f.backend.cancel_stalled(JobId(999)));
+    let other = TransferSpec::new(&[31], 0, &[31]);
+    let r = run(&mut f.backend, Direction::Store, JobId(1000), &other);
+    assert!(r.success);
+    assert!(!f.backend.cancel_stalled(JobId(1000)));
+    let mut out = Vec::new();
+    for _ in 0..10 {
+        f.backend.poll(&mut out);
+    }
+    assert!(out.is_empty(), "cancelled jobs never report: {out:?}");
+    // SAFETY: no job in flight.
+    let pool = unsafe { f.pool.read(0, f.row * 31) };
+    assert!(
+        pool.iter().all(|&x| x == POISON),
+        "a cancelled job must not move bytes"
+    );
+}

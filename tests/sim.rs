@@ -50,6 +50,11 @@ fn faulty_run_drains_clean(seed: u64) {
     assert_eq!(s.work.finished, 300, "every request finishes");
     assert_eq!(s.invariant_error, None);
     assert_eq!(s.leaks.total, 0, "leaks: {:?}", s.leaks);
+    // Stalled jobs that were cancelled, released or forced by a flush leave
+    // nothing behind on the worker threads nor in the simulated backend (a
+    // soak over a million steps would grow with them).
+    assert_eq!(s.leaks.worker_jobs, 0, "leaks: {:?}", s.leaks);
+    assert_eq!(s.leaks.sim_jobs, 0, "leaks: {:?}", s.leaks);
     let f = &s.faults;
     assert!(f.injected_stalls > 0 && f.injected_late > 0 && f.injected_failures > 0);
     // Every injected stall is detected by the watchdog, unless a flush forced
@@ -225,6 +230,48 @@ fn metrics_are_served_over_http_with_vllm_names() {
         out.summary.transfers.bytes_loaded
     );
     assert!(resp.contains(&loaded), "the served bytes match the summary");
+    // Lookup delays: every admission's lookup is counted, sync or async.
+    let count = |name: &str| -> u64 {
+        resp.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}_count ")))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("missing {name}_count"))
+    };
+    let sync = count("vllm:kv_offload_lookup_sync_delay_seconds");
+    let deferred = count("vllm:kv_offload_lookup_async_delay_seconds");
+    assert!(sync > 0, "{resp}");
+    println!("lookups resolved: {sync} sync, {deferred} after deferring");
     let resp = http_get(server.local_addr(), "/other");
     assert!(resp.starts_with("HTTP/1.1 404"));
+}
+
+/// The generic fault injector (what the CUDA sim uses) gives the host backend's
+/// fault semantics: same seed, same control-plane decisions and fault counts as
+/// the natively injected host backend, and a clean drain.
+#[test]
+fn fault_injector_wrapper_matches_native_host_faults() {
+    let run = |backend: kvoffload::sim::SimBackend| {
+        let mut sim = Sim::new(
+            default_config(),
+            SimOptions {
+                backend,
+                ..opts(11, 200, heavy_faults())
+            },
+        )
+        .unwrap();
+        sim.keep_decisions();
+        sim.run(&mut |_| {}).unwrap()
+    };
+    let native = run(kvoffload::sim::SimBackend::Host);
+    let wrapped = run(kvoffload::sim::SimBackend::HostInjected);
+    assert_eq!(wrapped.summary.backend, "host-injected");
+    assert_eq!(
+        wrapped.summary.leaks.total, 0,
+        "{:?}",
+        wrapped.summary.leaks
+    );
+    assert_eq!(wrapped.summary.invariant_error, None);
+    assert!(wrapped.summary.faults.injected_stalls > 0);
+    assert_eq!(native.summary.faults, wrapped.summary.faults);
+    assert_eq!(native.decisions, wrapped.decisions);
 }

@@ -262,3 +262,30 @@ fn failed_and_refused_jobs_are_reported_failed() {
     assert!(all.finished_loads.is_empty());
     assert_eq!(all.completed.len(), 3);
 }
+
+#[test]
+fn a_cancelled_stalled_load_is_forgotten_by_the_worker_and_its_backend() {
+    let mut r = rig(true);
+    for i in 0..100u64 {
+        let job = JobId(i + 1);
+        r.worker.backend_mut().set_fault(job, Fault::Stall);
+        let report = step(
+            &mut r.worker,
+            StepPlan {
+                loads: vec![load(i + 1, Some(i), 3, 0)],
+                ..Default::default()
+            },
+        );
+        assert!(
+            report.completed.is_empty(),
+            "a stalled load does not report"
+        );
+        assert_eq!(r.worker.pending_loads(), 1);
+        assert!(r.worker.backend_mut().cancel_stalled(job));
+        assert!(r.worker.forget_job(job));
+        assert!(!r.worker.forget_job(job));
+        assert_eq!(r.worker.pending_loads(), 0);
+        assert_eq!(r.worker.backend().in_flight(), 0);
+    }
+    assert!(r.worker.get_finished().completed.is_empty());
+}

@@ -1,7 +1,9 @@
 //! `kvoffload bench`: transfer throughput per backend, strategy, direction,
 //! block size and block count, against a ceiling measured in the same run
-//! (a plain memcpy of the same bytes on the host backend).
+//! (a plain memcpy of the same bytes on the host backend, one large pinned
+//! `cuMemcpyAsync` on the CUDA backend).
 
+pub mod cuda;
 pub mod host;
 pub mod plot;
 
@@ -9,6 +11,7 @@ use std::fmt::Write;
 
 use serde::Serialize;
 
+pub use cuda::{CudaBenchError, CudaPoint, CudaSweep, CudaSweepOutput, calibrated_table, run_cuda};
 pub use host::{HostSweep, run_host};
 pub use plot::svg;
 
@@ -17,9 +20,10 @@ pub use plot::svg;
 pub struct BenchRow {
     /// `host` or `cuda`.
     pub backend: String,
-    /// How the copy is done (`copy-thread` for the host backend).
+    /// How the copy is done (`copy-thread` for the host backend; the CUDA
+    /// strategy's name: `dma`, `batch_dma`, `kernel`, `kernel_graph`).
     pub strategy: String,
-    /// `store` (GPU → host) or `load`.
+    /// `store` (GPU → host, D2H) or `load` (host → GPU, H2D).
     pub direction: String,
     /// Bytes per block.
     pub block_bytes: u64,
@@ -31,6 +35,9 @@ pub struct BenchRow {
     pub ceiling_gbps: f64,
     /// `gbps / ceiling_gbps`.
     pub fraction_of_ceiling: f64,
+    /// Best host time to submit one job, microseconds (CUDA rows only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub submit_us: Option<f64>,
 }
 
 /// The rows as an aligned text table.
@@ -38,13 +45,13 @@ pub fn table(rows: &[BenchRow]) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "{:<7} {:<12} {:<6} {:>11} {:>7} {:>9} {:>9} {:>8}",
+        "{:<7} {:<13} {:<6} {:>11} {:>7} {:>9} {:>9} {:>8}",
         "backend", "strategy", "dir", "block_bytes", "blocks", "GB/s", "ceiling", "fraction"
     );
     for r in rows {
         let _ = writeln!(
             o,
-            "{:<7} {:<12} {:<6} {:>11} {:>7} {:>9.2} {:>9.2} {:>8.2}",
+            "{:<7} {:<13} {:<6} {:>11} {:>7} {:>9.2} {:>9.2} {:>8.2}",
             r.backend,
             r.strategy,
             r.direction,

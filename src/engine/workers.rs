@@ -1,5 +1,6 @@
-//! A pool of worker threads, one [`OffloadWorker`] over a [`HostBackend`] each,
-//! driven in lock step: every step each worker runs its four hooks, waits for
+//! A pool of worker threads, one [`OffloadWorker`] each over a transfer backend
+//! with fault injection ([`FaultControl`]: a [`HostBackend`] here, a CUDA
+//! backend in [`super::cuda_workers`]), driven in lock step: every step each worker runs its four hooks, waits for
 //! the transfers it submitted (never for a stalled one), and reports.
 //!
 //! Waiting before the report makes what a step reports depend only on the plan
@@ -14,13 +15,15 @@ use std::time::Duration;
 use thiserror::Error;
 
 use crate::ids::JobId;
+use crate::worker::cuda::CudaError;
 use crate::worker::{
-    Fault, GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostBufferError, HostRowLayout,
-    LayoutError, OffloadWorker, StepPlan, TransferBackend, WorkerLayout, WorkerReport,
+    Fault, FaultControl, FaultInjector, GpuLayout, HostBackend, HostBackendOptions, HostBuffer,
+    HostBufferError, HostRowLayout, LayoutError, OffloadWorker, StepPlan, TransferBackend,
+    WorkerLayout, WorkerReport,
 };
 
 /// Bound on one wait for a step's transfers (a wedged copy thread, not a stall).
-const STEP_WAIT: Duration = Duration::from_secs(60);
+pub(crate) const STEP_WAIT: Duration = Duration::from_secs(60);
 
 /// Why the pool could not be built or a step failed.
 #[derive(Debug, Error)]
@@ -34,6 +37,18 @@ pub enum PoolError {
     /// A worker thread could not start.
     #[error("starting a worker thread: {0}")]
     Spawn(#[source] std::io::Error),
+    /// No CUDA driver or device: the CUDA backend cannot run here.
+    #[error("cuda backend unavailable: {0}")]
+    CudaUnavailable(#[source] CudaError),
+    /// A worker's CUDA backend could not be set up.
+    #[error("worker {worker}: cuda: {source}")]
+    Cuda {
+        /// The worker's rank.
+        worker: u32,
+        /// The error.
+        #[source]
+        source: CudaError,
+    },
     /// A worker hook failed, or a worker thread is gone.
     #[error("worker {worker}: {message}")]
     Worker {
@@ -53,6 +68,9 @@ pub struct WorkerCommand {
     pub faults: Vec<(JobId, Fault)>,
     /// Stalled jobs to let run late now.
     pub release: Vec<JobId>,
+    /// Stalled jobs the backend cancels now: they never copy nor report, and
+    /// the worker forgets them (applied before `release` and the plan).
+    pub cancel: Vec<JobId>,
 }
 
 /// What the pool returns for one step.
@@ -64,17 +82,25 @@ pub struct PoolStep {
     pub released_by_flush: Vec<JobId>,
     /// Stalled jobs released as the command asked (they were still held).
     pub released: Vec<JobId>,
+    /// Stalled jobs cancelled as the command asked (they were still held).
+    pub cancelled: Vec<JobId>,
+    /// Per-job entries the workers hold after the step, all workers together:
+    /// jobs submitted and not reported (stalled ones included), pending loads,
+    /// injected faults not applied yet. Zero once everything has drained.
+    pub tracked_jobs: u64,
 }
 
 struct Reply {
     report: Result<WorkerReport, String>,
     released_by_flush: Vec<JobId>,
     released: Vec<JobId>,
+    cancelled: Vec<JobId>,
+    tracked_jobs: u64,
 }
 
-/// Worker threads over host backends sharing one host pool.
+/// Worker threads (one per simulated GPU), each owning its backend.
 #[derive(Debug)]
-pub struct HostWorkerPool {
+pub struct WorkerPool {
     txs: Vec<Sender<WorkerCommand>>,
     rxs: Vec<Receiver<Reply>>,
     handles: Vec<JoinHandle<()>>,
@@ -86,7 +112,68 @@ impl std::fmt::Debug for Reply {
     }
 }
 
-impl HostWorkerPool {
+/// The pool's former name (it ran host backends only).
+pub type HostWorkerPool = WorkerPool;
+
+impl WorkerPool {
+    /// An empty pool; [`Self::spawn`] adds workers.
+    pub(crate) fn empty() -> Self {
+        Self {
+            txs: Vec::new(),
+            rxs: Vec::new(),
+            handles: Vec::new(),
+        }
+    }
+
+    /// Starts worker `rank`: `make` builds its worker on the new thread (so a
+    /// backend that must not change threads never does) and `keep` is dropped
+    /// after the worker (memory its backend addresses). Waits until the worker
+    /// is built and returns its error if it could not be.
+    pub(crate) fn spawn<B, K>(
+        &mut self,
+        rank: u32,
+        keep: K,
+        make: impl FnOnce() -> Result<OffloadWorker<B>, PoolError> + Send + 'static,
+    ) -> Result<(), PoolError>
+    where
+        B: TransferBackend + FaultControl,
+        K: Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel::<WorkerCommand>();
+        let (rtx, rrx) = mpsc::channel::<Reply>();
+        let (itx, irx) = mpsc::channel::<Result<(), PoolError>>();
+        let h = std::thread::Builder::new()
+            .name(format!("kvoffload-sim-worker-{rank}"))
+            .spawn(move || {
+                let _keep = keep;
+                match make() {
+                    Ok(worker) => {
+                        if itx.send(Ok(())).is_ok() {
+                            worker_loop(worker, rx, rtx);
+                        }
+                    }
+                    Err(e) => {
+                        let _ = itx.send(Err(e));
+                    }
+                }
+            })
+            .map_err(PoolError::Spawn)?;
+        let started = irx.recv().unwrap_or_else(|_| {
+            Err(PoolError::Worker {
+                worker: rank,
+                message: "worker thread ended while starting".into(),
+            })
+        });
+        if let Err(e) = started {
+            let _ = h.join();
+            return Err(e);
+        }
+        self.txs.push(tx);
+        self.rxs.push(rrx);
+        self.handles.push(h);
+        Ok(())
+    }
+
     /// `world_size` workers, each with `gpu_blocks` blocks of `block_bytes`
     /// (cross-layer pages), sharing a host pool of `num_chunks` rows of
     /// `blocks_per_chunk` blocks per worker.
@@ -97,17 +184,51 @@ impl HostWorkerPool {
         blocks_per_chunk: u32,
         num_chunks: u32,
     ) -> Result<Self, PoolError> {
+        Self::host(
+            world_size,
+            gpu_blocks,
+            block_bytes,
+            blocks_per_chunk,
+            num_chunks,
+            false,
+        )
+    }
+
+    /// As [`Self::new`], but each host backend's faults are injected by the
+    /// generic [`FaultInjector`] (the one the CUDA pool uses), not natively:
+    /// checks the wrapper's semantics on any machine.
+    pub fn host_with_fault_injector(
+        world_size: u32,
+        gpu_blocks: u32,
+        block_bytes: u64,
+        blocks_per_chunk: u32,
+        num_chunks: u32,
+    ) -> Result<Self, PoolError> {
+        Self::host(
+            world_size,
+            gpu_blocks,
+            block_bytes,
+            blocks_per_chunk,
+            num_chunks,
+            true,
+        )
+    }
+
+    fn host(
+        world_size: u32,
+        gpu_blocks: u32,
+        block_bytes: u64,
+        blocks_per_chunk: u32,
+        num_chunks: u32,
+        wrapped: bool,
+    ) -> Result<Self, PoolError> {
         let world = world_size.max(1);
         let row = HostRowLayout::uniform(blocks_per_chunk.max(1), world, &[block_bytes])?;
         let pool_bytes = row
             .pool_bytes(num_chunks)
             .ok_or(LayoutError::Overflow("host pool size"))?;
         let pool = Arc::new(HostBuffer::new(pool_bytes as usize)?);
-        let mut me = Self {
-            txs: Vec::new(),
-            rxs: Vec::new(),
-            handles: Vec::new(),
-        };
+        let mut me = Self::empty();
         for rank in 0..world {
             let gpu = Arc::new(HostBuffer::new(
                 (u64::from(gpu_blocks) * block_bytes) as usize,
@@ -124,16 +245,16 @@ impl HostWorkerPool {
                 vec![gpu, Arc::clone(&pool)],
                 HostBackendOptions::default(),
             )?;
-            let worker = OffloadWorker::new(backend, true).with_wait_timeout(Some(STEP_WAIT));
-            let (tx, rx) = mpsc::channel::<WorkerCommand>();
-            let (rtx, rrx) = mpsc::channel::<Reply>();
-            let h = std::thread::Builder::new()
-                .name(format!("kvoffload-sim-worker-{rank}"))
-                .spawn(move || worker_loop(worker, rx, rtx))
-                .map_err(PoolError::Spawn)?;
-            me.txs.push(tx);
-            me.rxs.push(rrx);
-            me.handles.push(h);
+            if wrapped {
+                me.spawn(rank, (), move || {
+                    Ok(OffloadWorker::new(FaultInjector::new(backend), true)
+                        .with_wait_timeout(Some(STEP_WAIT)))
+                })?;
+            } else {
+                me.spawn(rank, (), move || {
+                    Ok(OffloadWorker::new(backend, true).with_wait_timeout(Some(STEP_WAIT)))
+                })?;
+            }
         }
         Ok(me)
     }
@@ -157,6 +278,8 @@ impl HostWorkerPool {
             let reply = rx.recv().map_err(|_| gone(i))?;
             out.released_by_flush.extend(reply.released_by_flush);
             out.released.extend(reply.released);
+            out.cancelled.extend(reply.cancelled);
+            out.tracked_jobs += reply.tracked_jobs;
             let report = reply.report.map_err(|message| PoolError::Worker {
                 worker: i as u32,
                 message,
@@ -169,7 +292,7 @@ impl HostWorkerPool {
     }
 }
 
-impl Drop for HostWorkerPool {
+impl Drop for WorkerPool {
     fn drop(&mut self) {
         self.txs.clear();
         for h in self.handles.drain(..) {
@@ -178,7 +301,11 @@ impl Drop for HostWorkerPool {
     }
 }
 
-fn worker_loop(mut w: OffloadWorker<HostBackend>, rx: Receiver<WorkerCommand>, tx: Sender<Reply>) {
+fn worker_loop<B: TransferBackend + FaultControl>(
+    mut w: OffloadWorker<B>,
+    rx: Receiver<WorkerCommand>,
+    tx: Sender<Reply>,
+) {
     let mut known: HashSet<JobId> = HashSet::new();
     let mut stall_set: HashSet<JobId> = HashSet::new();
     for cmd in rx {
@@ -186,7 +313,18 @@ fn worker_loop(mut w: OffloadWorker<HostBackend>, rx: Receiver<WorkerCommand>, t
             mut plan,
             faults,
             release,
+            cancel,
         } = cmd;
+        // A cancelled job never reports: everything kept for it goes now.
+        let mut cancelled = Vec::new();
+        for job in cancel {
+            if w.backend_mut().cancel_stalled(job) {
+                cancelled.push(job);
+            }
+            w.forget_job(job);
+            known.remove(&job);
+            stall_set.remove(&job);
+        }
         for (job, f) in faults {
             if f == Fault::Stall {
                 stall_set.insert(job);
@@ -221,11 +359,18 @@ fn worker_loop(mut w: OffloadWorker<HostBackend>, rx: Receiver<WorkerCommand>, t
                 stall_set.remove(job);
             }
         }
+        let tracked_jobs = (known.len()
+            + stall_set.len()
+            + w.pending_loads()
+            + w.backend().in_flight()
+            + w.backend().pending_faults()) as u64;
         if tx
             .send(Reply {
                 report,
                 released_by_flush,
                 released,
+                cancelled,
+                tracked_jobs,
             })
             .is_err()
         {
@@ -234,8 +379,8 @@ fn worker_loop(mut w: OffloadWorker<HostBackend>, rx: Receiver<WorkerCommand>, t
     }
 }
 
-fn run_step(
-    w: &mut OffloadWorker<HostBackend>,
+fn run_step<B: TransferBackend + FaultControl>(
+    w: &mut OffloadWorker<B>,
     plan: &mut StepPlan,
     known: &HashSet<JobId>,
 ) -> Result<WorkerReport, String> {
@@ -249,4 +394,94 @@ fn run_step(
         .wait(&ids, Some(STEP_WAIT))
         .map_err(|e| e.to_string())?;
     Ok(w.get_finished())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::RequestId;
+    use crate::worker::{LoadJob, TransferSpec};
+
+    fn load_plan(job: JobId) -> StepPlan {
+        StepPlan {
+            loads: vec![LoadJob {
+                job,
+                request: Some(RequestId(job.0)),
+                spec: TransferSpec::new(&[1], 0, &[0]),
+            }],
+            ..StepPlan::default()
+        }
+    }
+
+    /// A stalled job that is cancelled leaves nothing behind on its worker:
+    /// many of them must not grow the workers' per-job state.
+    #[test]
+    fn cancelled_stalls_leave_nothing_on_the_workers() {
+        let mut pool = HostWorkerPool::new(2, 8, 256, 1, 4).unwrap();
+        for i in 1..=300 {
+            let job = JobId(i);
+            let out = pool
+                .step(vec![
+                    WorkerCommand {
+                        plan: load_plan(job),
+                        faults: vec![(job, Fault::Stall)],
+                        ..WorkerCommand::default()
+                    },
+                    WorkerCommand {
+                        plan: load_plan(job),
+                        ..WorkerCommand::default()
+                    },
+                ])
+                .unwrap();
+            assert!(out.reports[0].completed.is_empty(), "worker 0 stalls");
+            assert_eq!(out.reports[1].completed.get(&job), Some(&1));
+            assert!(out.tracked_jobs > 0);
+            let out = pool
+                .step(vec![
+                    WorkerCommand {
+                        cancel: vec![job],
+                        ..WorkerCommand::default()
+                    },
+                    WorkerCommand::default(),
+                ])
+                .unwrap();
+            assert_eq!(out.cancelled, vec![job]);
+            assert!(out.reports.iter().all(|r| r.completed.is_empty()));
+            assert_eq!(out.tracked_jobs, 0, "nothing kept for a cancelled job");
+        }
+    }
+
+    /// A stalled job released late, or forced by a flush, leaves nothing either.
+    #[test]
+    fn released_stalls_leave_nothing_on_the_workers() {
+        let mut pool = HostWorkerPool::new(1, 8, 256, 1, 4).unwrap();
+        for i in 1..=100 {
+            let job = JobId(i);
+            let out = pool
+                .step(vec![WorkerCommand {
+                    plan: load_plan(job),
+                    faults: vec![(job, Fault::Stall)],
+                    ..WorkerCommand::default()
+                }])
+                .unwrap();
+            assert!(out.reports[0].completed.is_empty());
+            let cmd = if i % 2 == 0 {
+                WorkerCommand {
+                    release: vec![job],
+                    ..WorkerCommand::default()
+                }
+            } else {
+                WorkerCommand {
+                    plan: StepPlan {
+                        flush: vec![job],
+                        ..StepPlan::default()
+                    },
+                    ..WorkerCommand::default()
+                }
+            };
+            let out = pool.step(vec![cmd]).unwrap();
+            assert_eq!(out.reports[0].completed.get(&job), Some(&1));
+            assert_eq!(out.tracked_jobs, 0);
+        }
+    }
 }

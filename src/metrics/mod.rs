@@ -8,7 +8,7 @@ pub mod server;
 use std::fmt::Write;
 
 use crate::manager::ManagerStats;
-use crate::scheduler::SchedulerMetrics;
+use crate::scheduler::{LookupDelays, SchedulerMetrics};
 use crate::worker::TransferStats;
 
 pub use histogram::Histogram;
@@ -50,6 +50,8 @@ pub struct OffloadMetrics {
     pub store: DirectionMetrics,
     /// The scheduler's counters and gauges.
     pub scheduler: SchedulerMetrics,
+    /// The scheduler's lookup delay histograms.
+    pub lookup: LookupDelays,
     /// The host tier's occupancy.
     pub manager: ManagerStats,
 }
@@ -93,6 +95,16 @@ impl OffloadMetrics {
                 "Transfer sizes in bytes",
             );
         }
+        self.lookup.sync.render(
+            &mut o,
+            "vllm:kv_offload_lookup_sync_delay_seconds",
+            "Duration of lookups resolved without deferring, in seconds",
+        );
+        self.lookup.async_.render(
+            &mut o,
+            "vllm:kv_offload_lookup_async_delay_seconds",
+            "Time from a lookup's first deferral to its resolution, in seconds",
+        );
         counter(
             &mut o,
             "vllm:kv_offload_allocation_failure",
@@ -226,5 +238,24 @@ mod tests {
         assert!(t.contains("vllm:kv_offload_stalled_transfers{transfer_type=\"CPU_to_GPU\"} 2\n"));
         assert!(t.contains("# TYPE vllm:kv_offload_store_size histogram"));
         assert!(t.contains("vllm:kv_offload_store_size_bucket{le=\"+Inf\"} 0\n"));
+        assert!(t.contains("# TYPE vllm:kv_offload_lookup_sync_delay_seconds histogram\n"));
+        assert!(t.contains("# TYPE vllm:kv_offload_lookup_async_delay_seconds histogram\n"));
+    }
+
+    #[test]
+    fn render_exports_lookup_delays() {
+        let mut m = OffloadMetrics::default();
+        m.lookup.sync.observe(2e-6);
+        m.lookup.async_.observe(0.25);
+        m.lookup.async_.observe(2.0);
+        let t = m.render();
+        assert!(
+            t.contains("vllm:kv_offload_lookup_sync_delay_seconds_count 1\n"),
+            "{t}"
+        );
+        assert!(t.contains("vllm:kv_offload_lookup_sync_delay_seconds_bucket{le=\"1e-5\"} 1\n"));
+        assert!(t.contains("vllm:kv_offload_lookup_async_delay_seconds_count 2\n"));
+        assert!(t.contains("vllm:kv_offload_lookup_async_delay_seconds_sum 2.25\n"));
+        assert!(t.contains("vllm:kv_offload_lookup_async_delay_seconds_bucket{le=\"5e-1\"} 1\n"));
     }
 }

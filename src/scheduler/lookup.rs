@@ -52,7 +52,41 @@ impl Scheduler {
     /// Defers while the request has a job in flight, while a hit chunk is still
     /// being written, and while a hit chunk is being loaded for another request.
     /// Hits below one chunk count as zero.
+    ///
+    /// Records the lookup delays with the scheduler's clock: a call that
+    /// resolves a lookup never deferred before adds its own duration to the
+    /// sync histogram; a call that resolves a deferred lookup adds the time since
+    /// the first deferral to the async histogram (once per resolution).
     pub fn lookup(
+        &mut self,
+        req: RequestId,
+        computed_tokens: u64,
+    ) -> Result<LookupOutcome, SchedulerError> {
+        let start = self.now_ns();
+        let outcome = self.lookup_inner(req, computed_tokens)?;
+        let now = self.now_ns();
+        if let Some(rs) = self.requests.get_mut(&req) {
+            let secs = |ns: u64| ns as f64 / 1e9;
+            match (outcome, rs.lookup_deferred_since_ns) {
+                (LookupOutcome::Defer, None) => rs.lookup_deferred_since_ns = Some(start),
+                (LookupOutcome::Defer, Some(_)) => {}
+                (LookupOutcome::Hit(_), Some(since)) => {
+                    rs.lookup_deferred_since_ns = None;
+                    self.lookup_delays
+                        .async_
+                        .observe(secs(now.saturating_sub(since)));
+                }
+                (LookupOutcome::Hit(_), None) => {
+                    self.lookup_delays
+                        .sync
+                        .observe(secs(now.saturating_sub(start)));
+                }
+            }
+        }
+        Ok(outcome)
+    }
+
+    fn lookup_inner(
         &mut self,
         req: RequestId,
         computed_tokens: u64,

@@ -1,4 +1,33 @@
-//! Scheduler counters and gauges (plain values; exported by the metrics layer).
+//! Scheduler counters and gauges (plain values; exported by the metrics layer),
+//! and the lookup delay histograms.
+
+use crate::metrics::Histogram;
+
+/// Bucket bounds (seconds) of the lookup delay histograms: a synchronous
+/// lookup takes microseconds, a deferred one up to a stall timeout.
+pub const LOOKUP_DELAY_BUCKETS: [f64; 12] = [
+    1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0, 300.0,
+];
+
+/// How long lookups took to resolve, measured with the scheduler's clock
+/// (vLLM `kv_offload_lookup_{sync,async}_delay_seconds`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LookupDelays {
+    /// Duration of each lookup call that resolved without ever deferring (seconds).
+    pub sync: Histogram,
+    /// From the first deferral of a request's lookup to the call that resolved
+    /// it (seconds), recorded once per resolution.
+    pub async_: Histogram,
+}
+
+impl Default for LookupDelays {
+    fn default() -> Self {
+        Self {
+            sync: Histogram::new(&LOOKUP_DELAY_BUCKETS),
+            async_: Histogram::new(&LOOKUP_DELAY_BUCKETS),
+        }
+    }
+}
 
 /// A snapshot of the scheduler's counters and gauges.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -49,7 +49,7 @@ use watchdog::{Watchdog, WatchdogShared, nanos};
 pub use latch::{JobLatch, ReportEffect};
 pub use watchdog::WatchdogHandle;
 
-pub use metrics::SchedulerMetrics;
+pub use metrics::{LOOKUP_DELAY_BUCKETS, LookupDelays, SchedulerMetrics};
 pub use types::{
     JobBlocks, JobKeys, JobKind, JobSlots, LookupOutcome, ScanOutcome, ScheduledRequest, SchedulerError, SchedulerState,
     StepInput, StepPlan, TransferJob, WorkerOutcome, WorkerReport,
@@ -111,6 +111,7 @@ pub struct Scheduler {
     stalled: HashMap<JobId, StalledJob, KeyBuildHasher>,
     failed_loads: Vec<RequestId>,
     counters: Counters,
+    lookup_delays: LookupDelays,
     scratch_idx: Vec<usize>,
     scratch_keys: Vec<ChunkKey>,
 }
@@ -157,6 +158,7 @@ impl Scheduler {
             stalled: HashMap::default(),
             failed_loads: Vec::new(),
             counters: Counters::default(),
+            lookup_delays: LookupDelays::default(),
             scratch_idx: Vec::new(),
             scratch_keys: Vec::new(),
         }
@@ -327,6 +329,11 @@ impl Scheduler {
             stalled_jobs: self.stalled.len() as u64,
             quarantined_chunks: self.quarantined_chunks() as u64,
         }
+    }
+
+    /// The lookup delay histograms (sync and async), since the scheduler was built.
+    pub fn lookup_delays(&self) -> &LookupDelays {
+        &self.lookup_delays
     }
 
     /// Whether `req` is tracked.

@@ -37,6 +37,9 @@ pub(crate) struct RequestState {
     pub lookup_computed: Option<u64>,
     /// Per-request limits (vLLM `kv_transfer_params`).
     pub caps: RequestCaps,
+    /// Clock time (ns) of the first deferral of a lookup that has not resolved
+    /// yet (vLLM `deferred_lookup_start_time`); taken when it resolves.
+    pub lookup_deferred_since_ns: Option<u64>,
 }
 
 /// Per-request limits on what is loaded and stored (vLLM's `max_load_tokens`

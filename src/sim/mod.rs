@@ -1,7 +1,8 @@
 //! The serving simulation behind `kvoffload sim`: a synthetic workload (shared
 //! system prompts, multi-turn conversations), a small model of the serving
 //! backend's scheduler (admission, GPU block allocation with a prefix cache,
-//! preemption), the real control plane, worker threads on host backends,
+//! preemption), the real control plane, worker threads on host backends (or
+//! CUDA backends, [`SimBackend::Cuda`]),
 //! injected faults, and a summary whose leak counts come from the engine's
 //! state after a full drain. Everything runs on a manual clock, so a seed gives
 //! the same control-plane decisions every time.
@@ -23,6 +24,35 @@ pub use rng::SimRng;
 pub use run::{Progress, Sim, SimError, SimOutput};
 pub use summary::SimSummary;
 pub use workload::{Workload, WorkloadShape};
+
+/// The transfer backend the simulation's worker threads run.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum SimBackend {
+    /// Host memory stands in for the GPU (memcpy on copy threads): any machine.
+    #[default]
+    Host,
+    /// Host backends whose faults are injected by the generic
+    /// [`crate::worker::FaultInjector`] (as on CUDA) instead of natively: runs
+    /// the CUDA sim's fault path on any machine.
+    HostInjected,
+    /// The CUDA backend: device buffers hold the GPU pool's blocks, the host
+    /// pool is pinned; needs an NVIDIA driver and a device.
+    Cuda {
+        /// The copy strategy table (the default, or a calibrated one).
+        strategies: crate::worker::cuda::StrategyTable,
+    },
+}
+
+impl SimBackend {
+    /// `host` or `cuda`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            SimBackend::Host => "host",
+            SimBackend::HostInjected => "host-injected",
+            SimBackend::Cuda { .. } => "cuda",
+        }
+    }
+}
 
 /// Knobs of a simulation (the engine's own knobs are in [`crate::OffloadConfig`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -51,6 +81,8 @@ pub struct SimOptions {
     pub shape: WorkloadShape,
     /// Give up after this many steps (a bug, not a workload property).
     pub max_steps: u64,
+    /// The workers' transfer backend.
+    pub backend: SimBackend,
 }
 
 impl Default for SimOptions {
@@ -68,6 +100,7 @@ impl Default for SimOptions {
             faults: FaultRates::default(),
             shape: WorkloadShape::default(),
             max_steps: 200_000,
+            backend: SimBackend::Host,
         }
     }
 }

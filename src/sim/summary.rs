@@ -101,6 +101,13 @@ pub struct Leaks {
     pub gpu_blocks_in_use: u64,
     /// Reset-fence entries still owed.
     pub reset_fence: u64,
+    /// Per-job entries the worker threads still hold (jobs submitted and not
+    /// reported, stalled jobs neither released nor cancelled, pending loads,
+    /// faults not applied).
+    pub worker_jobs: u64,
+    /// Per-job entries the simulated serving backend still holds (job kinds,
+    /// injected stalls, stall fates due).
+    pub sim_jobs: u64,
     /// Invariant violations found by `check_invariants` (0 or 1).
     pub invariant_violations: u64,
     /// The sum of the above.

@@ -236,6 +236,24 @@ impl HostBackend {
         true
     }
 
+    /// Cancels a stalled job: it never copies and is never reported by `poll`,
+    /// and the backend forgets it (its descriptors and its id). False if it is
+    /// not stalled (not submitted, already released or already cancelled).
+    pub fn cancel_stalled(&mut self, job: JobId) -> bool {
+        if self.stalled.remove(&job).is_none() {
+            return false;
+        }
+        self.ids.remove(&job);
+        tracing::debug!(%job, "stalled job cancelled");
+        true
+    }
+
+    /// Faults injected with [`HostBackend::set_fault`] whose job was not
+    /// submitted yet.
+    pub fn pending_faults(&self) -> usize {
+        self.faults.len()
+    }
+
     /// Jobs held by a [`Fault::Stall`].
     pub fn stalled(&self) -> Vec<JobId> {
         let mut v: Vec<JobId> = self.stalled.keys().copied().collect();

@@ -13,6 +13,7 @@ pub mod cuda;
 pub mod descriptors;
 pub mod error;
 pub mod fault;
+pub mod fault_injector;
 pub mod host_backend;
 pub mod host_buffer;
 pub mod layout;
@@ -23,6 +24,7 @@ pub use backend::{Direction, TransferBackend, TransferResult};
 pub use descriptors::{CopyDesc, DescriptorTable, plan as plan_descriptors};
 pub use error::{BackendError, LayoutError, SpecError};
 pub use fault::Fault;
+pub use fault_injector::{FaultControl, FaultInjector};
 pub use host_backend::{HostBackend, HostBackendOptions};
 pub use host_buffer::{HostBuffer, HostBufferError};
 pub use layout::{

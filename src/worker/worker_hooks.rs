@@ -69,6 +69,17 @@ impl<B: TransferBackend> OffloadWorker<B> {
         self.store_writer
     }
 
+    /// Loads submitted and not reported yet.
+    pub fn pending_loads(&self) -> usize {
+        self.load_jobs.len()
+    }
+
+    /// The backend cancelled `job`, which will never be reported: forgets it
+    /// (a load's request). Returns whether the worker was tracking it.
+    pub fn forget_job(&mut self, job: JobId) -> bool {
+        self.load_jobs.remove(&job).is_some()
+    }
+
     /// Stores queued for the next step.
     pub fn queued_stores(&self) -> usize {
         self.unsubmitted.len()

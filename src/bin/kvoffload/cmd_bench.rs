@@ -1,14 +1,29 @@
-//! `kvoffload bench`: the transfer sweep, as a table, JSON, CSV or SVG.
+//! `kvoffload bench`: the transfer sweep per backend, as a table, JSON, CSV or
+//! SVG; `--calibrate` writes the CUDA strategy table.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::Args;
-use kvoffload::bench::{self, HostSweep};
+use clap::{Args, ValueEnum};
+use kvoffload::bench::{self, BenchRow, CudaSweep, HostSweep, calibrated_table, cuda};
+
+/// Which backends `bench` measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BenchBackend {
+    /// The host backend (memcpy threads), against a plain memcpy.
+    Host,
+    /// The CUDA backend, every strategy, against one large pinned memcpy.
+    Cuda,
+    /// Host, then CUDA where a driver and a device are present.
+    All,
+}
 
 /// Arguments of `kvoffload bench`.
 #[derive(Debug, Args)]
 pub struct BenchArgs {
+    /// Backends to measure [default: all; cuda with --calibrate].
+    #[arg(long, value_enum)]
+    backend: Option<BenchBackend>,
     /// Print a JSON array of rows instead of the table.
     #[arg(long)]
     json: bool,
@@ -24,72 +39,136 @@ pub struct BenchArgs {
     /// Blocks per job (comma separated).
     #[arg(long, value_delimiter = ',')]
     blocks: Option<Vec<u32>>,
-    /// Bytes moved per measured point.
+    /// Bytes moved per measured point (host backend).
     #[arg(long)]
     bytes_per_point: Option<u64>,
-    /// Write the CUDA strategy table (needs a GPU).
+    /// A short sweep (fewer sizes and repetitions).
     #[arg(long)]
+    quick: bool,
+    /// Measure every CUDA strategy and write the fastest per block size,
+    /// block count and direction as the strategy table the CUDA backend reads
+    /// (`kvoffload sim --strategy-table FILE`). Needs a GPU.
+    #[arg(long, value_name = "FILE", num_args = 0..=1, default_missing_value = "strategy-table.json")]
     calibrate: Option<PathBuf>,
+}
+
+fn fail(msg: impl std::fmt::Display, code: u8) -> ExitCode {
+    eprintln!("kvoffload bench: {msg}");
+    ExitCode::from(code)
 }
 
 /// Runs the subcommand.
 pub fn run(a: BenchArgs) -> ExitCode {
-    let mut sweep = HostSweep::default();
-    if let Some(b) = a.block_bytes {
-        if b.contains(&0) {
-            eprintln!("kvoffload bench: block_bytes = 0 is out of range: allowed 1..");
-            return ExitCode::from(2);
-        }
-        sweep.block_bytes = b;
+    let backend = a.backend.unwrap_or(if a.calibrate.is_some() {
+        BenchBackend::Cuda
+    } else {
+        BenchBackend::All
+    });
+    if a.calibrate.is_some() && backend == BenchBackend::Host {
+        return fail(
+            "--calibrate measures the CUDA backend: not allowed with --backend host",
+            2,
+        );
     }
-    if let Some(n) = a.blocks {
-        if n.contains(&0) {
-            eprintln!("kvoffload bench: blocks = 0 is out of range: allowed 1..");
-            return ExitCode::from(2);
-        }
-        sweep.blocks = n;
+    if a.block_bytes.as_ref().is_some_and(|b| b.contains(&0)) {
+        return fail("block_bytes = 0 is out of range: allowed 1..", 2);
     }
-    if let Some(p) = a.bytes_per_point {
-        sweep.bytes_per_point = p;
+    if a.blocks.as_ref().is_some_and(|b| b.contains(&0)) {
+        return fail("blocks = 0 is out of range: allowed 1..", 2);
     }
-    let rows = match bench::run_host(&sweep) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("kvoffload bench: {e}");
-            return ExitCode::from(1);
+    // Open the device first: `--backend cuda` without one stops before any work.
+    let ctx = if backend == BenchBackend::Host {
+        None
+    } else {
+        match cuda::open_device(0) {
+            Ok(c) => Some(c),
+            Err(e) if backend == BenchBackend::Cuda => return fail(e, 2),
+            Err(e) => {
+                let reason = match &e {
+                    bench::CudaBenchError::Unavailable(r) => r.to_string(),
+                    other => other.to_string(),
+                };
+                eprintln!("SKIP: cuda: {reason}");
+                None
+            }
         }
     };
-    let cuda_note = "cuda: SKIP the CUDA sweep is `cargo run --release --example gpu_sweep` in this version (needs an NVIDIA driver)";
+    let mut rows: Vec<BenchRow> = Vec::new();
+    if backend != BenchBackend::Cuda {
+        let mut sweep = HostSweep::default();
+        if a.quick {
+            sweep.bytes_per_point = 16 << 20;
+        }
+        if let Some(b) = &a.block_bytes {
+            sweep.block_bytes.clone_from(b);
+        }
+        if let Some(n) = &a.blocks {
+            sweep.blocks.clone_from(n);
+        }
+        if let Some(p) = a.bytes_per_point {
+            sweep.bytes_per_point = p;
+        }
+        match bench::run_host(&sweep) {
+            Ok(r) => rows.extend(r),
+            Err(e) => return fail(e, 1),
+        }
+    }
+    if let Some(ctx) = &ctx {
+        let mut sweep = if a.quick {
+            CudaSweep::quick()
+        } else {
+            CudaSweep::default()
+        };
+        if let Some(b) = &a.block_bytes {
+            sweep.block_bytes.clone_from(b);
+        }
+        if let Some(n) = &a.blocks {
+            sweep.blocks.clone_from(n);
+        }
+        let out = match bench::run_cuda(ctx, &sweep) {
+            Ok(o) => o,
+            Err(e) => return fail(e, 1),
+        };
+        eprintln!(
+            "cuda: {}: ceiling (one {} MiB pinned memcpy) store/D2H {:.1} GB/s, load/H2D {:.1} GB/s",
+            out.device,
+            sweep.max_job_bytes >> 20,
+            out.ceiling_gbps[0],
+            out.ceiling_gbps[1]
+        );
+        for (block, count, stats) in &out.stats {
+            eprintln!("cuda: stats {block} B x {count}: {stats:?}");
+        }
+        rows.extend(out.rows());
+        if let Some(path) = &a.calibrate {
+            let table = calibrated_table(&out.points);
+            if let Err(e) = table.save(path) {
+                return fail(e, 1);
+            }
+            eprintln!(
+                "cuda: wrote the calibrated strategy table ({} rules) to {}",
+                table.rules.len(),
+                path.display()
+            );
+        }
+    }
     if a.json {
         match serde_json::to_string_pretty(&rows) {
             Ok(j) => println!("{j}"),
-            Err(e) => {
-                eprintln!("kvoffload bench: {e}");
-                return ExitCode::from(1);
-            }
+            Err(e) => return fail(e, 1),
         }
-        eprintln!("{cuda_note}");
     } else {
         print!("{}", bench::table(&rows));
-        println!("{cuda_note}");
     }
     if let Some(p) = &a.csv
         && let Err(e) = std::fs::write(p, bench::csv(&rows))
     {
-        eprintln!("kvoffload bench: {}: {e}", p.display());
-        return ExitCode::from(1);
+        return fail(format!("{}: {e}", p.display()), 1);
     }
     if let Some(p) = &a.plot
         && let Err(e) = std::fs::write(p, bench::svg(&rows))
     {
-        eprintln!("kvoffload bench: {}: {e}", p.display());
-        return ExitCode::from(1);
-    }
-    if a.calibrate.is_some() {
-        eprintln!(
-            "kvoffload bench: --calibrate needs a GPU: SKIP (use `cargo run --release --example gpu_sweep -- --write-table FILE` on a GPU machine)"
-        );
-        return ExitCode::from(2);
+        return fail(format!("{}: {e}", p.display()), 1);
     }
     ExitCode::SUCCESS
 }

@@ -6,8 +6,12 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvoffload::OffloadConfig;
+use kvoffload::engine::PoolError;
 use kvoffload::metrics::{MetricsServer, SharedMetricsText};
-use kvoffload::sim::{Progress, Sim, SimOptions, config_from_path, default_config};
+use kvoffload::sim::{
+    Progress, Sim, SimBackend, SimError, SimOptions, config_from_path, default_config,
+};
+use kvoffload::worker::cuda::StrategyTable;
 
 /// Arguments of `kvoffload sim`.
 #[derive(Debug, Args)]
@@ -30,9 +34,14 @@ pub struct SimArgs {
     /// GPU blocks per worker in the simulated serving backend.
     #[arg(long)]
     gpu_blocks: Option<u32>,
-    /// Transfer backend: host (default) or cuda.
+    /// Transfer backend: host (default; host memory stands in for the GPU) or
+    /// cuda (device buffers and a pinned pool; needs an NVIDIA driver).
     #[arg(long, default_value = "host")]
     backend: String,
+    /// CUDA copy strategy table (JSON, as written by `kvoffload bench --calibrate`);
+    /// the built-in defaults without it. Used by `--backend cuda`.
+    #[arg(long)]
+    strategy_table: Option<PathBuf>,
     /// Turn fault injection off.
     #[arg(long)]
     no_faults: bool,
@@ -75,23 +84,26 @@ pub fn run(a: SimArgs) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(e, 2),
     };
-    match a.backend.as_str() {
-        "host" => {}
-        "cuda" => {
-            return fail(
-                "backend cuda: the simulation drives host backends only in this version (use `kvoffload bench` for CUDA transfers)",
-                2,
-            );
-        }
+    let strategies = match &a.strategy_table {
+        Some(p) => match StrategyTable::load(p) {
+            Ok(t) => t,
+            Err(e) => return fail(e, 2),
+        },
+        None => StrategyTable::default(),
+    };
+    let backend = match a.backend.as_str() {
+        "host" => SimBackend::Host,
+        "cuda" => SimBackend::Cuda { strategies },
         other => {
             return fail(
                 format!("backend = {other:?} is not allowed: allowed host, cuda"),
                 2,
             );
         }
-    }
+    };
     let mut opts = SimOptions {
         seed: a.seed,
+        backend,
         ..SimOptions::default()
     };
     if let Some(r) = a.requests {
@@ -108,8 +120,10 @@ pub fn run(a: SimArgs) -> ExitCode {
     }
     let mut sim = match Sim::new(cfg, opts) {
         Ok(s) => s,
-        Err(kvoffload::sim::SimError::Config(e)) => return fail(e, 2),
-        Err(e @ kvoffload::sim::SimError::Options(_)) => return fail(e, 2),
+        Err(SimError::Config(e)) => return fail(e, 2),
+        Err(e @ SimError::Options(_)) => return fail(e, 2),
+        // One line: `cuda backend unavailable: <reason>`.
+        Err(SimError::Pool(e @ PoolError::CudaUnavailable(_))) => return fail(e, 2),
         Err(e) => return fail(e, 1),
     };
     if let Some(p) = &a.record {

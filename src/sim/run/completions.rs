@@ -37,7 +37,16 @@ impl Sim {
         }
     }
 
+    /// The simulated backend cancels a stalled job: its worker drops it in the
+    /// next step's command (it never copies nor reports, and the worker forgets
+    /// it), and the scheduler gets the confirmation if it still waits for one.
     pub(super) fn cancel(&mut self, job: JobId) -> Result<(), SimError> {
+        // Still held on its worker (unless a flush made it run): cancel it there.
+        if let Some((w, _)) = self.stall_faulted.remove(&job)
+            && let Some(list) = self.cancels.get_mut(w as usize)
+        {
+            list.push(job);
+        }
         if !self.sched.is_job_stalled(job) {
             return Ok(());
         }
@@ -47,7 +56,6 @@ impl Sim {
         self.summary.faults.cancelled += 1;
         // A cancelled job never reports again: forget it.
         self.kinds.remove(&job);
-        self.stall_faulted.remove(&job);
         Ok(())
     }
 

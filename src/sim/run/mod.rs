@@ -13,20 +13,20 @@ use thiserror::Error;
 
 use crate::clock::ManualClock;
 use crate::config::{ConfigError, OffloadConfig};
-use crate::engine::{HostWorkerPool, PoolError, WorkerCommand, merge_reports, to_worker_plan};
+use crate::engine::{PoolError, WorkerCommand, WorkerPool, merge_reports, to_worker_plan};
 use crate::ids::{GpuBlockId, JobId, RequestId};
 use crate::key::BlockHash;
 use crate::metrics::{OffloadMetrics, SharedMetricsText};
 use crate::scheduler::{JobKind, Scheduler, SchedulerError, StepInput};
 use crate::worker::Fault;
 
-use super::SimOptions;
 use super::faults::{FaultPlan, StallFate};
 use super::gpu_pool::GpuPool;
 use super::recorder::{Recorder, jobs_value, req_name, req_set};
 use super::step_times::StepTimeHistogram;
 use super::summary::SimSummary;
 use super::workload::{Conversation, Workload};
+use super::{SimBackend, SimOptions};
 
 /// Why a simulation could not run to the end.
 #[derive(Debug, Error)]
@@ -105,7 +105,7 @@ pub struct Sim {
     tpb: u64,
     clock: ManualClock,
     sched: Scheduler,
-    pool: HostWorkerPool,
+    pool: WorkerPool,
     gpu: GpuPool,
     workload: Workload,
     faults: FaultPlan,
@@ -123,6 +123,10 @@ pub struct Sim {
     kinds: HashMap<JobId, JobKind>,
     open_stalls: std::collections::HashSet<JobId>,
     due: Vec<(u64, JobId, StallFate)>,
+    /// Cancelled stalled jobs, by worker, for the next step's commands.
+    cancels: Vec<Vec<JobId>>,
+    /// Per-job entries the workers held after the last step.
+    worker_jobs: u64,
     step: u64,
     step_ns: StepTimeHistogram,
     cur_ns: u64,
@@ -147,22 +151,40 @@ impl Sim {
         let num_chunks = cfg.num_chunks()?;
         let clock = ManualClock::new();
         let sched = Scheduler::new(&cfg, clock.shared())?;
-        let pool = HostWorkerPool::new(
-            cfg.world_size,
-            opts.gpu_blocks,
-            opts.block_bytes,
-            cfg.blocks_per_chunk,
-            num_chunks,
-        )?;
+        let pool = match &opts.backend {
+            SimBackend::Host => WorkerPool::new(
+                cfg.world_size,
+                opts.gpu_blocks,
+                opts.block_bytes,
+                cfg.blocks_per_chunk,
+                num_chunks,
+            )?,
+            SimBackend::HostInjected => WorkerPool::host_with_fault_injector(
+                cfg.world_size,
+                opts.gpu_blocks,
+                opts.block_bytes,
+                cfg.blocks_per_chunk,
+                num_chunks,
+            )?,
+            SimBackend::Cuda { strategies } => WorkerPool::cuda(
+                cfg.world_size,
+                opts.gpu_blocks,
+                opts.block_bytes,
+                cfg.blocks_per_chunk,
+                num_chunks,
+                strategies.clone(),
+            )?,
+        };
         let tpb = u64::from(cfg.tokens_per_block.max(1));
         let workload = Workload::new(opts.shape, tpb, opts.seed);
         let faults = FaultPlan::new(opts.faults, cfg.world_size, opts.seed ^ 0xFA17);
         let summary = SimSummary {
             seed: opts.seed,
             world_size: cfg.world_size,
-            backend: "host".into(),
+            backend: opts.backend.name().into(),
             ..SimSummary::default()
         };
+        let world = pool.world_size() as usize;
         Ok(Self {
             gpu: GpuPool::new(opts.gpu_blocks),
             cfg,
@@ -186,6 +208,8 @@ impl Sim {
             kinds: HashMap::new(),
             open_stalls: Default::default(),
             due: Vec::new(),
+            cancels: vec![Vec::new(); world],
+            worker_jobs: 0,
             step: 0,
             step_ns: StepTimeHistogram::default(),
             cur_ns: 0,
@@ -248,6 +272,7 @@ impl Sim {
     fn publish(&mut self) {
         if let Some(out) = &self.metrics_out {
             self.metrics.scheduler = self.sched.metrics();
+            self.metrics.lookup.clone_from(self.sched.lookup_delays());
             self.metrics.manager = self.sched.manager().stats();
             out.set(self.metrics.render());
         }
@@ -339,18 +364,24 @@ impl Sim {
             }
         }
         let wplan = to_worker_plan(&plan, self.cfg.blocks_per_chunk);
+        let cancels = std::mem::replace(&mut self.cancels, vec![Vec::new(); world]);
         let cmds: Vec<WorkerCommand> = faults
             .into_iter()
             .zip(release)
-            .map(|(faults, release)| WorkerCommand {
+            .zip(cancels)
+            .map(|((faults, release), cancel)| WorkerCommand {
                 plan: wplan.clone(),
                 faults,
                 release,
+                cancel,
             })
             .collect();
         let out = self.pool.step(cmds)?;
+        self.worker_jobs = out.tracked_jobs;
         self.summary.faults.released += out.released.len() as u64;
         for job in &out.released_by_flush {
+            // It runs now: nothing is left to release or cancel on its worker.
+            self.stall_faulted.remove(job);
             if self.open_stalls.remove(job) {
                 self.summary.faults.stalls_forced_by_flush += 1;
             } else {

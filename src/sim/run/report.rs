@@ -3,6 +3,7 @@
 
 use serde_json::json;
 
+use crate::engine::WorkerCommand;
 use crate::ids::JobId;
 
 use super::super::summary::{Leaks, StepTimes};
@@ -14,6 +15,17 @@ impl Sim {
         let due: Vec<JobId> = self.due.drain(..).map(|(_, j, _)| j).collect();
         for job in due {
             self.cancel(job)?;
+        }
+        // Their workers drop them: one more worker step, with nothing planned.
+        if self.cancels.iter().any(|c| !c.is_empty()) {
+            let cmds = std::mem::take(&mut self.cancels)
+                .into_iter()
+                .map(|cancel| WorkerCommand {
+                    cancel,
+                    ..WorkerCommand::default()
+                })
+                .collect();
+            self.worker_jobs = self.pool.step(cmds)?.tracked_jobs;
         }
         self.rec.call(json!({"op": "state"}));
         let st = self.sched.state();
@@ -30,6 +42,11 @@ impl Sim {
             pending_chunks: u64::from(st.manager.pending),
             gpu_blocks_in_use: (self.gpu.capacity() - self.gpu.num_free()) as u64,
             reset_fence: self.sched.reset_fence_len() as u64,
+            worker_jobs: self.worker_jobs,
+            sim_jobs: (self.kinds.len()
+                + self.stall_faulted.len()
+                + self.open_stalls.len()
+                + self.due.len()) as u64,
             invariant_violations: u64::from(invariant.is_some()),
             total: 0,
         };
@@ -43,6 +60,8 @@ impl Sim {
             + l.pending_chunks
             + l.gpu_blocks_in_use
             + l.reset_fence
+            + l.worker_jobs
+            + l.sim_jobs
             + l.invariant_violations;
         let s = &mut self.summary;
         s.leaks = l;

@@ -17,4 +17,4 @@ pub use context::{driver_present, open_context};
 pub use error::CudaError;
 pub use kernel::LaunchShape;
 pub use memory::{DeviceBuffer, PinnedBuffer, PinnedKind};
-pub use strategy::{Strategy, StrategyRule, StrategyTable};
+pub use strategy::{Strategy, StrategyFileError, StrategyRule, StrategyTable, StrategyTableError};

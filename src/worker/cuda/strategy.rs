@@ -1,6 +1,7 @@
 //! Which copy strategy a CUDA transfer uses, chosen per (direction, bytes per
 //! descriptor, block count) from a table with defaults that a calibration run
-//! can overwrite (JSON file).
+//! can overwrite (a JSON file: `kvoffload bench --calibrate FILE` writes it,
+//! [`StrategyTable::load`] reads it; format in docs/dataplane.md).
 
 use std::path::Path;
 
@@ -100,7 +101,7 @@ pub enum StrategyFileError {
         #[source]
         source: std::io::Error,
     },
-    /// JSON.
+    /// JSON (syntax, unknown key, unknown strategy or direction name).
     #[error("strategy file {path}: {source}")]
     Json {
         /// The file.
@@ -108,6 +109,40 @@ pub enum StrategyFileError {
         /// The error.
         #[source]
         source: serde_json::Error,
+    },
+    /// The file parses but a rule can never match.
+    #[error("strategy file {path}: {source}")]
+    Invalid {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        #[source]
+        source: StrategyTableError,
+    },
+}
+
+/// A strategy table whose rules are inconsistent.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum StrategyTableError {
+    /// `min_bytes_per_block > max_bytes_per_block`.
+    #[error("rule {rule}: min_bytes_per_block = {min} is above max_bytes_per_block = {max}")]
+    BytesRange {
+        /// Index of the rule (0-based).
+        rule: usize,
+        /// The minimum.
+        min: u64,
+        /// The maximum.
+        max: u64,
+    },
+    /// `min_blocks > max_blocks`.
+    #[error("rule {rule}: min_blocks = {min} is above max_blocks = {max}")]
+    BlocksRange {
+        /// Index of the rule (0-based).
+        rule: usize,
+        /// The minimum.
+        min: usize,
+        /// The maximum.
+        max: usize,
     },
 }
 
@@ -166,25 +201,70 @@ impl StrategyTable {
             .map_or(self.fallback, |r| r.strategy)
     }
 
-    /// Reads a table written by a calibration run.
+    /// Checks that every rule can match (each minimum at most its maximum).
+    pub fn validate(&self) -> Result<(), StrategyTableError> {
+        for (rule, r) in self.rules.iter().enumerate() {
+            if let Some(max) = r.max_bytes_per_block
+                && r.min_bytes_per_block > max
+            {
+                return Err(StrategyTableError::BytesRange {
+                    rule,
+                    min: r.min_bytes_per_block,
+                    max,
+                });
+            }
+            if let Some(max) = r.max_blocks
+                && r.min_blocks > max
+            {
+                return Err(StrategyTableError::BlocksRange {
+                    rule,
+                    min: r.min_blocks,
+                    max,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Parses and validates a table from JSON text (`path` names it in errors).
+    pub fn from_json_str(text: &str, path: &str) -> Result<Self, StrategyFileError> {
+        let t: Self = serde_json::from_str(text).map_err(|source| StrategyFileError::Json {
+            path: path.to_string(),
+            source,
+        })?;
+        t.validate().map_err(|source| StrategyFileError::Invalid {
+            path: path.to_string(),
+            source,
+        })?;
+        Ok(t)
+    }
+
+    /// Reads and validates a table written by a calibration run.
     pub fn load(path: &Path) -> Result<Self, StrategyFileError> {
         let name = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| StrategyFileError::Io {
             path: name.clone(),
             source,
         })?;
-        serde_json::from_str(&text).map_err(|source| StrategyFileError::Json { path: name, source })
+        Self::from_json_str(&text, &name)
     }
 
-    /// Writes the table as JSON.
+    /// Writes the table as JSON (validated first: a table `load` would refuse
+    /// is not written).
     pub fn save(&self, path: &Path) -> Result<(), StrategyFileError> {
         let name = path.display().to_string();
+        self.validate()
+            .map_err(|source| StrategyFileError::Invalid {
+                path: name.clone(),
+                source,
+            })?;
         let text =
             serde_json::to_string_pretty(self).map_err(|source| StrategyFileError::Json {
                 path: name.clone(),
                 source,
             })?;
-        std::fs::write(path, text).map_err(|source| StrategyFileError::Io { path: name, source })
+        std::fs::write(path, text + "\n")
+            .map_err(|source| StrategyFileError::Io { path: name, source })
     }
 }
 
@@ -228,5 +308,119 @@ mod tests {
         .unwrap();
         assert_eq!(partial.choose(Direction::Store, 10, 2), Strategy::Dma);
         assert_eq!(partial.choose(Direction::Store, 10, 9), Strategy::Kernel);
+    }
+
+    fn tmp(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("kvoffload-strategy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.join(name)
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn file_round_trip() {
+        let mut t = StrategyTable::default();
+        t.rules.insert(
+            0,
+            StrategyRule {
+                direction: Some(Direction::Store),
+                min_bytes_per_block: 4096,
+                max_bytes_per_block: Some(16383),
+                min_blocks: 64,
+                max_blocks: Some(255),
+                strategy: Strategy::Kernel,
+            },
+        );
+        let path = tmp("round-trip.json");
+        t.save(&path).unwrap();
+        assert_eq!(StrategyTable::load(&path).unwrap(), t);
+        assert!(std::fs::read_to_string(&path).unwrap().ends_with("}\n"));
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn bad_files_are_typed_errors() {
+        let missing = tmp("missing.json");
+        assert!(matches!(
+            StrategyTable::load(&missing),
+            Err(StrategyFileError::Io { .. })
+        ));
+        for (name, text, needle) in [
+            ("syntax.json", "{\"rules\": [", "EOF"),
+            (
+                "unknown-key.json",
+                r#"{"rules":[],"fallback":"dma","extra":1}"#,
+                "extra",
+            ),
+            (
+                "bad-strategy.json",
+                r#"{"rules":[],"fallback":"warp"}"#,
+                "warp",
+            ),
+            (
+                "bad-direction.json",
+                r#"{"rules":[{"direction":"sideways","strategy":"dma"}],"fallback":"dma"}"#,
+                "sideways",
+            ),
+            ("no-fallback.json", r#"{"rules":[]}"#, "fallback"),
+            (
+                "negative.json",
+                r#"{"rules":[{"min_blocks":-1,"strategy":"dma"}],"fallback":"dma"}"#,
+                "-1",
+            ),
+        ] {
+            let path = tmp(name);
+            std::fs::write(&path, text).unwrap();
+            let e = StrategyTable::load(&path).unwrap_err();
+            assert!(matches!(e, StrategyFileError::Json { .. }), "{name}: {e}");
+            let msg = e.to_string();
+            assert!(msg.contains(name) && msg.contains(needle), "{name}: {msg}");
+        }
+        let path = tmp("inverted.json");
+        std::fs::write(
+            &path,
+            r#"{"rules":[{"strategy":"dma"},{"min_blocks":9,"max_blocks":3,"strategy":"kernel"}],"fallback":"dma"}"#,
+        )
+        .unwrap();
+        let e = StrategyTable::load(&path).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                StrategyFileError::Invalid {
+                    source: StrategyTableError::BlocksRange {
+                        rule: 1,
+                        min: 9,
+                        max: 3
+                    },
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(
+            e.to_string()
+                .contains("min_blocks = 9 is above max_blocks = 3")
+        );
+        let bad = StrategyTable {
+            rules: vec![StrategyRule {
+                direction: None,
+                min_bytes_per_block: 10,
+                max_bytes_per_block: Some(1),
+                min_blocks: 0,
+                max_blocks: None,
+                strategy: Strategy::Dma,
+            }],
+            fallback: Strategy::Dma,
+        };
+        let out = tmp("not-written.json");
+        assert!(matches!(
+            bad.save(&out),
+            Err(StrategyFileError::Invalid {
+                source: StrategyTableError::BytesRange { rule: 0, .. },
+                ..
+            })
+        ));
+        assert!(!out.exists());
     }
 }

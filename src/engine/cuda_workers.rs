@@ -1,0 +1,122 @@
+//! The worker pool on CUDA backends: one [`CudaBackend`] per worker (device
+//! `rank % device_count`) over a device buffer of the simulated GPU pool's
+//! blocks, all sharing one pinned, mapped host pool; faults injected by a
+//! [`FaultInjector`] with the host backend's semantics.
+//!
+//! Compiled everywhere, runs only with an NVIDIA driver and a device: without
+//! them [`WorkerPool::cuda`] returns [`PoolError::CudaUnavailable`].
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+
+use crate::worker::cuda::{
+    CudaBackend, CudaBackendOptions, CudaError, DeviceBuffer, PinnedBuffer, StrategyTable,
+    context::guarded, error::driver, open_context,
+};
+use crate::worker::{
+    FaultInjector, GpuLayout, HostRowLayout, LayoutError, OffloadWorker, WorkerLayout,
+};
+
+use super::workers::{PoolError, STEP_WAIT, WorkerPool};
+
+/// Number of CUDA devices (at least 1 once a context opened).
+fn device_count() -> usize {
+    guarded("cuDeviceGetCount", || {
+        CudaContext::device_count().map_err(driver("cuDeviceGetCount"))
+    })
+    .ok()
+    .and_then(|n| usize::try_from(n).ok())
+    .unwrap_or(1)
+    .max(1)
+}
+
+impl WorkerPool {
+    /// `world_size` workers on CUDA backends, each with `gpu_blocks` device
+    /// blocks of `block_bytes` (cross-layer pages), sharing a pinned host pool
+    /// of `num_chunks` rows of `blocks_per_chunk` blocks per worker; jobs choose
+    /// their copy strategy from `strategies`.
+    pub fn cuda(
+        world_size: u32,
+        gpu_blocks: u32,
+        block_bytes: u64,
+        blocks_per_chunk: u32,
+        num_chunks: u32,
+        strategies: StrategyTable,
+    ) -> Result<Self, PoolError> {
+        let world = world_size.max(1);
+        let first = open_context(0).map_err(PoolError::CudaUnavailable)?;
+        let devices = device_count();
+        let cuda = |worker: u32| move |source: CudaError| PoolError::Cuda { worker, source };
+        let row = HostRowLayout::uniform(blocks_per_chunk.max(1), world, &[block_bytes])?;
+        let pool_bytes = row
+            .pool_bytes(num_chunks)
+            .ok_or(LayoutError::Overflow("host pool size"))?;
+        let pool_len =
+            usize::try_from(pool_bytes).map_err(|_| LayoutError::Overflow("host pool size"))?;
+        let gpu_len = usize::try_from(u64::from(gpu_blocks).saturating_mul(block_bytes))
+            .map_err(|_| LayoutError::Overflow("GPU buffer size"))?;
+        let pool = Arc::new(PinnedBuffer::host_alloc(&first, pool_len).map_err(cuda(0))?);
+        let mut contexts: Vec<Arc<CudaContext>> = vec![first];
+        let mut me = Self::empty();
+        for rank in 0..world {
+            let ordinal = rank as usize % devices;
+            let ctx = match contexts.get(ordinal) {
+                Some(c) => Arc::clone(c),
+                None => {
+                    let c = open_context(ordinal).map_err(cuda(rank))?;
+                    contexts.push(Arc::clone(&c));
+                    c
+                }
+            };
+            let dev = DeviceBuffer::new(&ctx, gpu_len).map_err(cuda(rank))?;
+            let layout = WorkerLayout::new(
+                GpuLayout::cross_layer(dev.addr(), gpu_blocks, block_bytes, block_bytes)?,
+                row.clone(),
+                rank,
+                pool.addr(),
+                num_chunks,
+            )?;
+            let options = CudaBackendOptions {
+                strategies: strategies.clone(),
+                ..CudaBackendOptions::default()
+            };
+            me.spawn(rank, (dev, Arc::clone(&pool)), move || {
+                let compute = ctx
+                    .new_stream()
+                    .map_err(|e| cuda(rank)(driver("cuStreamCreate")(e)))?;
+                // SAFETY: the layout addresses `dev` (gpu_blocks × block_bytes) and
+                // the pinned, mapped `pool` (row layout × num_chunks), both kept by
+                // this worker's thread until after the worker (and its backend,
+                // which synchronises its streams on drop) is dropped; nothing else
+                // writes them but this pool's jobs.
+                let backend = unsafe { CudaBackend::new(ctx, layout, compute, options) }
+                    .map_err(cuda(rank))?;
+                Ok(OffloadWorker::new(FaultInjector::new(backend), true)
+                    .with_wait_timeout(Some(STEP_WAIT)))
+            })?;
+        }
+        Ok(me)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg_attr(miri, ignore)]
+    fn without_a_driver_the_pool_is_unavailable_not_a_panic() {
+        match WorkerPool::cuda(2, 16, 4096, 1, 8, StrategyTable::default()) {
+            Ok(p) => {
+                assert_eq!(p.world_size(), 2);
+                println!("SKIP: a CUDA device is present");
+            }
+            Err(PoolError::CudaUnavailable(e)) => {
+                let msg = PoolError::CudaUnavailable(e).to_string();
+                assert!(msg.starts_with("cuda backend unavailable: "), "{msg}");
+            }
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+    }
+}
