@@ -30,6 +30,11 @@ pub trait FaultControl {
     fn release_stalled(&mut self, job: JobId) -> bool;
     /// Jobs held by a [`Fault::Stall`], sorted.
     fn stalled(&self) -> Vec<JobId>;
+    /// Drops a stalled job for good: it never runs nor reports (the control
+    /// plane confirmed it cancelled). False if it is not stalled.
+    fn cancel_stalled(&mut self, job: JobId) -> bool;
+    /// Faults injected whose job was not submitted yet.
+    fn pending_faults(&self) -> usize;
 }
 
 impl FaultControl for HostBackend {
@@ -43,6 +48,14 @@ impl FaultControl for HostBackend {
 
     fn stalled(&self) -> Vec<JobId> {
         HostBackend::stalled(self)
+    }
+
+    fn cancel_stalled(&mut self, job: JobId) -> bool {
+        HostBackend::cancel_stalled(self, job)
+    }
+
+    fn pending_faults(&self) -> usize {
+        HostBackend::pending_faults(self)
     }
 }
 
@@ -173,6 +186,20 @@ impl<B: TransferBackend> FaultControl for FaultInjector<B> {
         let mut v: Vec<JobId> = self.held.keys().copied().collect();
         v.sort_unstable();
         v
+    }
+
+    fn cancel_stalled(&mut self, job: JobId) -> bool {
+        // A held job was never submitted to the wrapped backend: dropping its
+        // copy of the spec is all there is to cancel.
+        let cancelled = self.held.remove(&job).is_some();
+        if cancelled {
+            tracing::debug!(%job, "stalled job cancelled");
+        }
+        cancelled
+    }
+
+    fn pending_faults(&self) -> usize {
+        self.faults.len()
     }
 }
 
@@ -355,5 +382,25 @@ mod tests {
         r.b.wait(&[JobId(4)], LONG).unwrap();
         assert_eq!(poll(&mut r.b), vec![(4, true)]);
         assert_eq!(r.b.in_flight(), 0);
+    }
+
+    #[test]
+    fn cancelled_stall_never_runs_and_leaves_nothing() {
+        let mut r = rig();
+        // SAFETY: no job is in flight on these bytes.
+        unsafe { r.gpu.write(64, &[5u8; 64]) };
+        r.b.set_fault(JobId(1), Fault::Stall);
+        r.b.set_fault(JobId(9), Fault::Fail);
+        assert_eq!(r.b.pending_faults(), 2);
+        r.b.submit_store(JobId(1), &spec(1, 0)).unwrap();
+        assert_eq!(r.b.pending_faults(), 1, "job 9 not submitted yet");
+        assert!(r.b.cancel_stalled(JobId(1)));
+        assert!(!r.b.cancel_stalled(JobId(1)), "cancelled once");
+        assert!(!r.b.release_stalled(JobId(1)), "a cancelled job cannot run");
+        assert!(r.b.stalled().is_empty());
+        assert_eq!(r.b.in_flight(), 0);
+        assert_eq!(poll(&mut r.b), vec![], "never reports");
+        // SAFETY: nothing was submitted on this row.
+        assert_eq!(unsafe { r.pool.read(0, 64) }, vec![0u8; 64], "never copied");
     }
 }
