@@ -75,9 +75,9 @@ mod tests {
         let j = TransferJob {
             job: JobId(3),
             req: RequestId(1),
-            block_ids: vec![GpuBlockId(7)],
-            chunk_ids: vec![ChunkId(2)],
-            keys: vec![ChunkKey(9)],
+            block_ids: smallvec::smallvec![GpuBlockId(7)],
+            chunk_ids: smallvec::smallvec![ChunkId(2)],
+            keys: smallvec::smallvec![ChunkKey(9)],
         };
         let plan = scheduler::StepPlan {
             loads: vec![j],
