@@ -17,8 +17,11 @@ use super::request::RequestState;
 /// Tracked requests by id, stored in reusable dense slots.
 #[derive(Debug, Default)]
 pub(crate) struct RequestTable {
-    /// Slot -> the request it holds (`None`: free).
-    slots: Vec<Option<(RequestId, RequestState)>>,
+    /// Slot -> the request it holds (`None`: free). Dense, apart from the
+    /// states, so that resolving a step's list reads few cache lines.
+    ids: Vec<Option<RequestId>>,
+    /// Slot -> the request's state (a default state when free).
+    states: Vec<RequestState>,
     /// Free slots, reused last-in first-out.
     free: Vec<u32>,
     /// Request id -> slot.
@@ -59,35 +62,37 @@ impl RequestTable {
     /// The state in slot `slot`, if it holds a request.
     #[inline]
     pub fn at(&self, slot: u32) -> Option<&RequestState> {
-        self.slots
-            .get(slot as usize)
-            .and_then(|e| e.as_ref())
-            .map(|(_, rs)| rs)
+        match self.ids.get(slot as usize) {
+            Some(Some(_)) => self.states.get(slot as usize),
+            _ => None,
+        }
     }
 
     /// The state in slot `slot`, mutable.
     #[inline]
     pub fn at_mut(&mut self, slot: u32) -> Option<&mut RequestState> {
-        self.slots
-            .get_mut(slot as usize)
-            .and_then(|e| e.as_mut())
-            .map(|(_, rs)| rs)
+        match self.ids.get(slot as usize) {
+            Some(Some(_)) => self.states.get_mut(slot as usize),
+            _ => None,
+        }
     }
 
     /// Tracks `req` (replacing any state it had).
     pub fn insert(&mut self, req: RequestId, state: RequestState) {
         if let Some(s) = self.slot_of(&req) {
-            self.slots[s as usize] = Some((req, state));
+            self.states[s as usize] = state;
             return;
         }
         let s = match self.free.pop() {
             Some(s) => {
-                self.slots[s as usize] = Some((req, state));
+                self.ids[s as usize] = Some(req);
+                self.states[s as usize] = state;
                 s
             }
             None => {
-                self.slots.push(Some((req, state)));
-                (self.slots.len() - 1) as u32
+                self.ids.push(Some(req));
+                self.states.push(state);
+                (self.ids.len() - 1) as u32
             }
         };
         self.index.insert(req, s);
@@ -96,23 +101,25 @@ impl RequestTable {
     /// Stops tracking `req`; returns its state.
     pub fn remove(&mut self, req: &RequestId) -> Option<RequestState> {
         let s = self.index.remove(req)?;
-        let (_, rs) = self.slots[s as usize].take()?;
+        self.ids[s as usize] = None;
         self.free.push(s);
-        Some(rs)
+        Some(std::mem::take(&mut self.states[s as usize]))
     }
 
     /// Every tracked request (slot order).
     pub fn iter(&self) -> impl Iterator<Item = (&RequestId, &RequestState)> {
-        self.slots
+        self.ids
             .iter()
-            .filter_map(|e| e.as_ref().map(|(id, rs)| (id, rs)))
+            .zip(&self.states)
+            .filter_map(|(id, rs)| id.as_ref().map(|id| (id, rs)))
     }
 
     /// Every tracked request's state, mutable (slot order).
     pub fn values_mut(&mut self) -> impl Iterator<Item = &mut RequestState> {
-        self.slots
-            .iter_mut()
-            .filter_map(|e| e.as_mut().map(|(_, rs)| rs))
+        self.ids
+            .iter()
+            .zip(self.states.iter_mut())
+            .filter_map(|(id, rs)| id.map(|_| rs))
     }
 
     /// Resolves the step's scheduled requests to slots, written to `out`
@@ -129,7 +136,7 @@ impl RequestTable {
         let n = reqs.len();
         for (i, req) in reqs.enumerate() {
             let cached = self.positions.get(i).and_then(|&(r, s)| {
-                let live = matches!(self.slots.get(s as usize), Some(Some((id, _))) if *id == req);
+                let live = self.ids.get(s as usize) == Some(&Some(req));
                 (r == req && live).then_some(s)
             });
             let s = match cached {
