@@ -50,7 +50,10 @@ fn offloading_connector_basic_flow() {
     let plan = h.run(&[], &[], &[]);
     assert_eq!(jobs_of(&plan.loads), vec![load]);
     assert_eq!(plan.loads[0].block_ids.to_vec(), b(23..=28));
-    assert_eq!(plan.loads[0].keys.to_vec(), vec![key(1, 1, 3), key(1, 2, 3)]);
+    assert_eq!(
+        plan.loads[0].keys.to_vec(),
+        vec![key(1, 1, 3), key(1, 2, 3)]
+    );
     assert!(h.s.is_being_loaded(key(1, 1, 3)));
     let out = h.complete(&[load], 1);
     assert_eq!(out.finished_loads, vec![r(2)]);
@@ -703,6 +706,9 @@ fn a_restarted_request_re_offers_every_chunk() {
     assert_eq!(h.s.next_stored_chunk(r(1)), Some(0));
     h.alloc(1, &b(5..=6), 0);
     let plan = h.run(&[(1, b(5..=6), 0, 8)], &[], &[]);
-    assert_eq!(plan.stores[0].keys.to_vec(), vec![key(1, 0, 1), key(1, 1, 1)]);
+    assert_eq!(
+        plan.stores[0].keys.to_vec(),
+        vec![key(1, 0, 1), key(1, 1, 1)]
+    );
     assert_eq!(plan.stores[0].block_ids.to_vec(), b(5..=6));
 }

@@ -6,8 +6,8 @@ use crate::manager::StoreOutcome;
 
 use super::Scheduler;
 use super::latch::ReportEffect;
-use super::types::{JobBlocks, JobSlots};
 use super::stall::StalledJob;
+use super::types::{JobBlocks, JobSlots};
 use super::types::{JobKind, SchedulerError, WorkerOutcome, WorkerReport};
 
 /// How a job ended.

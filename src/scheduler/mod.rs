@@ -51,8 +51,8 @@ pub use watchdog::WatchdogHandle;
 
 pub use metrics::{LOOKUP_DELAY_BUCKETS, LookupDelays, SchedulerMetrics};
 pub use types::{
-    JobBlocks, JobKeys, JobKind, JobSlots, LookupOutcome, ScanOutcome, ScheduledRequest, SchedulerError, SchedulerState,
-    StepInput, StepPlan, TransferJob, WorkerOutcome, WorkerReport,
+    JobBlocks, JobKeys, JobKind, JobSlots, LookupOutcome, ScanOutcome, ScheduledRequest,
+    SchedulerError, SchedulerState, StepInput, StepPlan, TransferJob, WorkerOutcome, WorkerReport,
 };
 
 /// Geometry and timing the scheduler needs from the configuration.

@@ -216,7 +216,10 @@ mod tests {
         let ids = |v: &[u64]| v.iter().map(|&r| RequestId(r)).collect::<Vec<_>>();
         let check = |t: &mut RequestTable, out: &mut Vec<u32>, v: &[u64]| {
             t.resolve_scheduled(ids(v).into_iter(), out).unwrap();
-            let got: Vec<u64> = out.iter().map(|&s| t.at(s).unwrap().prompt_tokens).collect();
+            let got: Vec<u64> = out
+                .iter()
+                .map(|&s| t.at(s).unwrap().prompt_tokens)
+                .collect();
             assert_eq!(got, v, "slots resolve to the listed requests");
         };
         check(&mut t, &mut out, &[0, 1, 2, 3]);

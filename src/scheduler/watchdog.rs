@@ -16,8 +16,8 @@
 //! scheduler is dropped) and reads time only from the injected clock. Tests and
 //! replay never start the thread: they call the scan synchronously.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
