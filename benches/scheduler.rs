@@ -95,9 +95,12 @@ impl Sim {
             failed: vec![],
         };
         self.s.on_worker_output(&report);
+        // The backend drains the host tier's events every step (as the sim does).
+        black_box(self.s.take_events());
     }
 
-    /// Timed steps (only `build_step` is timed); stores complete untimed, and a
+    /// Timed steps (only `build_step` is timed); stores complete and events are
+    /// drained untimed, and a
     /// watchdog scan runs untimed every 100 steps (as the thread would every
     /// scan interval), which keeps the deadline queue short.
     fn timed_steps(&mut self, iters: u64) -> Duration {

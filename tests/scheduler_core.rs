@@ -30,8 +30,8 @@ fn offloading_connector_basic_flow() {
     m.complete_store(&k, StoreOutcome::Success, None).unwrap();
     let plan = h.run(&[(1, b(1..=9), 0, 36)], &[], &[]);
     assert_eq!(plan.stores.len(), 1);
-    assert_eq!(plan.stores[0].keys, vec![key(1, 1, 3)]);
-    assert_eq!(plan.stores[0].block_ids, b(4..=6));
+    assert_eq!(plan.stores[0].keys.to_vec(), vec![key(1, 1, 3)]);
+    assert_eq!(plan.stores[0].block_ids.to_vec(), b(4..=6));
     assert!(plan.loads.is_empty() && plan.flush.is_empty());
     assert_eq!(h.lookup_key(key(1, 1, 3)), LookupResult::HitPending);
     h.complete(&jobs_of(&plan.stores), 1);
@@ -40,7 +40,7 @@ fn offloading_connector_basic_flow() {
     h.grow(1, 1, 36, 48);
     let plan = h.run(&[(1, b(10..=12), 36, 12)], &[], &[]);
     assert_eq!(plan.stores.len(), 1);
-    assert_eq!(plan.stores[0].block_ids, b(10..=12));
+    assert_eq!(plan.stores[0].block_ids.to_vec(), b(10..=12));
     h.complete(&jobs_of(&plan.stores), 1);
 
     // A middle-chunk hit for another request of the same prefix loads chunks 1..3.
@@ -49,8 +49,11 @@ fn offloading_connector_basic_flow() {
     let load = h.alloc(2, &b(20..=28), 24).expect("a load");
     let plan = h.run(&[], &[], &[]);
     assert_eq!(jobs_of(&plan.loads), vec![load]);
-    assert_eq!(plan.loads[0].block_ids, b(23..=28));
-    assert_eq!(plan.loads[0].keys, vec![key(1, 1, 3), key(1, 2, 3)]);
+    assert_eq!(plan.loads[0].block_ids.to_vec(), b(23..=28));
+    assert_eq!(
+        plan.loads[0].keys.to_vec(),
+        vec![key(1, 1, 3), key(1, 2, 3)]
+    );
     assert!(h.s.is_being_loaded(key(1, 1, 3)));
     let out = h.complete(&[load], 1);
     assert_eq!(out.finished_loads, vec![r(2)]);
@@ -126,7 +129,7 @@ fn preemption(cpu_hit: bool, asynchronous: bool) {
     h.alloc(1, &b(1..=9), 0);
     let plan = h.run(&[(1, b(1..=9), 0, 36)], &[], &[]);
     let stores = jobs_of(&plan.stores);
-    assert_eq!(plan.stores[0].block_ids, b(1..=9));
+    assert_eq!(plan.stores[0].block_ids.to_vec(), b(1..=9));
     h.grow(1, 1, 36, 37);
     // Preempted with the stores in flight: they are flushed.
     let plan = h.run(&[], &[1], &[]);
@@ -148,7 +151,7 @@ fn preemption(cpu_hit: bool, asynchronous: bool) {
         assert_eq!(h.lookup(1, 0), LookupOutcome::Hit(36));
         let load = h.alloc(1, &b(11..=20), 36).expect("reload");
         let plan = h.run(&[], &[], &[]);
-        assert_eq!(plan.loads[0].block_ids, b(11..=19));
+        assert_eq!(plan.loads[0].block_ids.to_vec(), b(11..=19));
         assert_eq!(jobs_of(&plan.loads), vec![load]);
         assert_eq!(h.complete(&[load], 1).finished_loads, vec![r(1)]);
         let plan = h.run(&[(1, b(11..=20), 36, 1)], &[], &[]);
@@ -161,7 +164,7 @@ fn preemption(cpu_hit: bool, asynchronous: bool) {
         h.alloc(1, &b(11..=20), 0);
         let plan = h.run(&[(1, b(11..=20), 0, 37)], &[], &[]);
         assert_eq!(plan.stores.len(), 1);
-        assert_eq!(plan.stores[0].block_ids, b(11..=19), "re-stored");
+        assert_eq!(plan.stores[0].block_ids.to_vec(), b(11..=19), "re-stored");
         h.complete(&jobs_of(&plan.stores), 1);
     }
     // EOS at 49 tokens: chunk 3 (blocks 20..22) is stored at finish.
@@ -303,7 +306,7 @@ fn fence_at_store_planning() {
         .iter()
         .find(|s| s.req == r(1))
         .expect("last store");
-    assert_eq!(last.block_ids, b([2]));
+    assert_eq!(last.block_ids.to_vec(), b([2]));
     assert!(plan.flush.contains(&last.job));
     let all = jobs_of(&plan.stores);
     h.complete(&all, 1);
@@ -420,7 +423,7 @@ fn allocation_failure_retries_the_same_chunks() {
     h.complete(&[s1], 1);
     let plan = h.run(&[(2, vec![], 4, 4)], &[], &[]);
     assert_eq!(
-        plan.stores[0].keys,
+        plan.stores[0].keys.to_vec(),
         vec![key(2, 0, 1), key(2, 1, 1)],
         "same chunks retried"
     );
@@ -681,7 +684,7 @@ fn store_waits_for_a_missing_chunk_key() {
     assert!(plan.stores.is_empty(), "no key, no store");
     h.grow(1, 1, 8, 12);
     let plan = h.run(&[(1, vec![], 12, 0)], &[], &[]);
-    assert_eq!(plan.stores[0].keys, vec![key(1, 2, 1)]);
+    assert_eq!(plan.stores[0].keys.to_vec(), vec![key(1, 2, 1)]);
 }
 
 #[test]
@@ -703,6 +706,9 @@ fn a_restarted_request_re_offers_every_chunk() {
     assert_eq!(h.s.next_stored_chunk(r(1)), Some(0));
     h.alloc(1, &b(5..=6), 0);
     let plan = h.run(&[(1, b(5..=6), 0, 8)], &[], &[]);
-    assert_eq!(plan.stores[0].keys, vec![key(1, 0, 1), key(1, 1, 1)]);
-    assert_eq!(plan.stores[0].block_ids, b(5..=6));
+    assert_eq!(
+        plan.stores[0].keys.to_vec(),
+        vec![key(1, 0, 1), key(1, 1, 1)]
+    );
+    assert_eq!(plan.stores[0].block_ids.to_vec(), b(5..=6));
 }

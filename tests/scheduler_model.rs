@@ -488,10 +488,10 @@ impl World {
                 .get_mut(&l.job.0)
                 .expect("a load the model saw created");
             assert_eq!(j.st, JSt::Live, "load {} planned but not live", l.job);
-            j.keys = l.keys.clone();
+            j.keys = l.keys.to_vec();
         }
         for s in &plan.stores {
-            self.new_job(s.job, JobKind::Store, s.req, s.keys.clone());
+            self.new_job(s.job, JobKind::Store, s.req, s.keys.to_vec());
         }
         for &f in &plan.flush {
             assert!(self.jobs.contains_key(&f.0), "flush of unknown job {f}");

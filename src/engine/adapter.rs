@@ -13,9 +13,9 @@ fn spec(job: &TransferJob, blocks_per_chunk: u32) -> TransferSpec {
     // A job starting inside its first chunk skips that chunk's leading blocks.
     let skip = (job.keys.len() * bpc).saturating_sub(job.block_ids.len());
     TransferSpec {
-        gpu_blocks: job.block_ids.clone(),
+        gpu_blocks: job.block_ids.to_vec(),
         first_block_index: skip as u32,
-        chunks: job.chunk_ids.clone(),
+        chunks: job.chunk_ids.to_vec(),
     }
 }
 
@@ -75,9 +75,9 @@ mod tests {
         let j = TransferJob {
             job: JobId(3),
             req: RequestId(1),
-            block_ids: vec![GpuBlockId(7)],
-            chunk_ids: vec![ChunkId(2)],
-            keys: vec![ChunkKey(9)],
+            block_ids: smallvec::smallvec![GpuBlockId(7)],
+            chunk_ids: smallvec::smallvec![ChunkId(2)],
+            keys: smallvec::smallvec![ChunkKey(9)],
         };
         let plan = scheduler::StepPlan {
             loads: vec![j],

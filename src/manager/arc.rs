@@ -133,6 +133,8 @@ pub(crate) struct ArcPolicy {
     keys: HugeBuffer<ChunkKey>,
     /// Keys of the current store found in B1 or B2 (set by `on_store_miss`).
     ghost_hits: Vec<ChunkKey>,
+    /// Scratch of `evict`: whether each victim came from T1.
+    from_t1: Vec<bool>,
 }
 
 impl ArcPolicy {
@@ -147,6 +149,7 @@ impl ArcPolicy {
             resident: HugeBuffer::new(capacity as usize, Resident::None),
             keys: HugeBuffer::new(capacity as usize, ChunkKey(0)),
             ghost_hits: Vec::new(),
+            from_t1: Vec::new(),
         }
     }
 
@@ -246,9 +249,15 @@ impl EvictionPolicy for ArcPolicy {
         }
     }
 
-    fn evict(&mut self, n: usize, can_evict: &mut dyn FnMut(u32) -> bool) -> Option<Vec<u32>> {
+    fn evict(
+        &mut self,
+        n: usize,
+        can_evict: &mut dyn FnMut(u32) -> bool,
+        victims: &mut Vec<u32>,
+    ) -> bool {
+        victims.clear();
         if n == 0 {
-            return Some(Vec::new());
+            return true;
         }
         // Choose every victim first (no mutation), so a failure changes nothing.
         // Each list is scanned once from its least recent end.
@@ -256,8 +265,8 @@ impl EvictionPolicy for ArcPolicy {
         let mut t1_left = self.t1.len();
         let mut t1_cur = self.t1.front();
         let mut t2_cur = self.t2.front();
-        let mut victims = Vec::with_capacity(n);
-        let mut from_t1 = Vec::with_capacity(n);
+        let mut from_t1 = std::mem::take(&mut self.from_t1);
+        from_t1.clear();
         while victims.len() < n {
             let order = if t1_left >= target {
                 [true, false]
@@ -276,7 +285,11 @@ impl EvictionPolicy for ArcPolicy {
                     break;
                 }
             }
-            let (slot, is_t1) = picked?;
+            let Some((slot, is_t1)) = picked else {
+                victims.clear();
+                self.from_t1 = from_t1;
+                return false;
+            };
             if is_t1 {
                 t1_left -= 1;
             }
@@ -292,7 +305,8 @@ impl EvictionPolicy for ArcPolicy {
                 self.b2.push(key);
             }
         }
-        Some(victims)
+        self.from_t1 = from_t1;
+        true
     }
 
     fn clear(&mut self) {

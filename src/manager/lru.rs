@@ -47,23 +47,25 @@ impl EvictionPolicy for LruPolicy {
         }
     }
 
-    fn evict(&mut self, n: usize, can_evict: &mut dyn FnMut(u32) -> bool) -> Option<Vec<u32>> {
+    fn evict(
+        &mut self,
+        n: usize,
+        can_evict: &mut dyn FnMut(u32) -> bool,
+        victims: &mut Vec<u32>,
+    ) -> bool {
+        victims.clear();
         if n == 0 {
-            return Some(Vec::new());
+            return true;
         }
-        let victims: Vec<u32> = self
-            .order
-            .iter()
-            .filter(|&s| can_evict(s))
-            .take(n)
-            .collect();
+        victims.extend(self.order.iter().filter(|&s| can_evict(s)).take(n));
         if victims.len() < n {
-            return None;
+            victims.clear();
+            return false;
         }
-        for &v in &victims {
+        for &v in victims.iter() {
             self.order.remove(v);
         }
-        Some(victims)
+        true
     }
 
     fn clear(&mut self) {

@@ -103,7 +103,7 @@ pub struct OffloadManager {
     policy: Box<dyn EvictionPolicy>,
     events: EventLog,
     filter: Option<ReuseFilter>,
-    requests: HashMap<RequestId, RequestAccess>,
+    requests: HashMap<RequestId, RequestAccess, KeyBuildHasher>,
     counters: Counters,
     stores_skipped: u64,
     allocation_failures: u64,
@@ -112,6 +112,10 @@ pub struct OffloadManager {
     /// Reused buffers (no allocation on the hot path).
     scratch_slots: Vec<u32>,
     scratch_resolved: Vec<(ChunkKey, u32)>,
+    scratch_victims: Vec<u32>,
+    scratch_store: Vec<ChunkKey>,
+    scratch_ids: Vec<ChunkId>,
+    scratch_evicted: Vec<ChunkKey>,
 }
 
 impl OffloadManager {
@@ -133,7 +137,7 @@ impl OffloadManager {
             policy: new_policy(policy, capacity),
             events: EventLog::default(),
             filter: None,
-            requests: HashMap::new(),
+            requests: HashMap::default(),
             counters: Counters::default(),
             stores_skipped: 0,
             allocation_failures: 0,
@@ -141,6 +145,10 @@ impl OffloadManager {
             generation: 0,
             scratch_slots: Vec::new(),
             scratch_resolved: Vec::new(),
+            scratch_victims: Vec::new(),
+            scratch_store: Vec::new(),
+            scratch_ids: Vec::new(),
+            scratch_evicted: Vec::new(),
         })
     }
 
@@ -260,8 +268,39 @@ impl OffloadManager {
         keys: &[ChunkKey],
         req: Option<RequestId>,
     ) -> Option<PrepareStoreOutput> {
+        if !self.prepare_store_inner(keys, req, true) {
+            return None;
+        }
+        Some(PrepareStoreOutput {
+            keys_to_store: self.scratch_store.clone(),
+            chunk_ids: self.scratch_ids.clone(),
+            evicted: std::mem::take(&mut self.scratch_evicted),
+        })
+    }
+
+    /// [`Self::prepare_store`] for the scheduler's hot path, without allocating:
+    /// the keys to store and their slots are borrowed from reused buffers, and
+    /// the evicted keys go to the event log only.
+    pub(crate) fn prepare_store_for_job(
+        &mut self,
+        keys: &[ChunkKey],
+        req: Option<RequestId>,
+    ) -> Option<(&[ChunkKey], &[ChunkId])> {
+        if !self.prepare_store_inner(keys, req, false) {
+            return None;
+        }
+        Some((&self.scratch_store, &self.scratch_ids))
+    }
+
+    fn prepare_store_inner(
+        &mut self,
+        keys: &[ChunkKey],
+        req: Option<RequestId>,
+        report_evicted: bool,
+    ) -> bool {
         // Offered keys, deduplicated in order; present ones are protected from eviction.
-        let mut to_store: Vec<ChunkKey> = Vec::with_capacity(keys.len());
+        let mut to_store = std::mem::take(&mut self.scratch_store);
+        to_store.clear();
         let mut protected = std::mem::take(&mut self.scratch_slots);
         protected.clear();
         for &k in keys {
@@ -301,45 +340,48 @@ impl OffloadManager {
         if let Some(filter) = self.filter.as_mut() {
             self.stores_skipped += filter.admit(&mut to_store);
         }
-        let result = self.allocate(to_store);
+        let result = self.allocate(to_store, report_evicted);
         for &s in &protected {
             self.slots[s as usize].protected = false;
         }
         self.scratch_slots = protected;
-        if result.is_none() {
+        if !result {
             self.allocation_failures += 1;
         }
         result
     }
 
-    fn allocate(&mut self, to_store: Vec<ChunkKey>) -> Option<PrepareStoreOutput> {
+    /// Allocates slots for `to_store` (evicting if needed). On success the keys
+    /// and their slots are left in `scratch_store` / `scratch_ids` (and the
+    /// evicted keys in `scratch_evicted` with `report_evicted`).
+    fn allocate(&mut self, to_store: Vec<ChunkKey>, report_evicted: bool) -> bool {
         let free = self.pool.available();
         let need = to_store.len().saturating_sub(free);
         let evictable = (self.counters.ready - self.counters.pinned) as usize;
         if need > evictable {
             self.record_alloc_size(to_store.len());
-            return None;
+            self.scratch_store = to_store;
+            return false;
         }
         self.policy.on_store_miss(&to_store);
-        let victims = if need > 0 {
+        let mut victims = std::mem::take(&mut self.scratch_victims);
+        victims.clear();
+        if need > 0 {
             let slots = &self.slots;
             let mut can_evict =
                 |s: u32| -> bool { slots[s as usize].ref_cnt == 0 && !slots[s as usize].protected };
-            match self.policy.evict(need, &mut can_evict) {
-                Some(v) => v,
-                None => {
-                    self.record_alloc_size(to_store.len());
-                    return None;
-                }
+            if !self.policy.evict(need, &mut can_evict, &mut victims) {
+                self.scratch_victims = victims;
+                self.record_alloc_size(to_store.len());
+                self.scratch_store = to_store;
+                return false;
             }
-        } else {
-            Vec::new()
-        };
+        }
         for &s in &victims {
             self.index.prefetch(self.slots[s as usize].key);
         }
         let mut evicted = Vec::with_capacity(victims.len());
-        for s in victims {
+        for &s in &victims {
             let slot = &mut self.slots[s as usize];
             evicted.push(slot.key);
             self.index.remove(slot.key);
@@ -347,8 +389,14 @@ impl OffloadManager {
             self.counters.ready -= 1;
             self.pool.release(s);
         }
-        self.events.evicted(evicted.clone());
-        let mut chunk_ids = Vec::with_capacity(to_store.len());
+        self.scratch_victims = victims;
+        self.scratch_evicted.clear();
+        if report_evicted {
+            self.scratch_evicted.extend_from_slice(&evicted);
+        }
+        self.events.evicted(evicted);
+        let mut chunk_ids = std::mem::take(&mut self.scratch_ids);
+        chunk_ids.clear();
         for &k in &to_store {
             // The capacity check above guarantees a slot.
             let Some(s) = self.pool.alloc() else {
@@ -367,11 +415,9 @@ impl OffloadManager {
         }
         self.counters.pending += to_store.len() as u32;
         self.record_alloc_size(to_store.len());
-        Some(PrepareStoreOutput {
-            keys_to_store: to_store,
-            chunk_ids,
-            evicted,
-        })
+        self.scratch_store = to_store;
+        self.scratch_ids = chunk_ids;
+        true
     }
 
     fn record_alloc_size(&mut self, n: usize) {

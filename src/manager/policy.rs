@@ -34,8 +34,14 @@ pub(crate) trait EvictionPolicy: Send + std::fmt::Debug {
     /// A request finished; `accesses` are in reverse prefix order (tail first, head last).
     fn on_request_finished(&mut self, accesses: &[FinishedAccess]);
     /// Chooses `n` victims among the slots for which `can_evict` is true, atomically:
-    /// either all `n` are removed from the policy and returned, or nothing changes.
-    fn evict(&mut self, n: usize, can_evict: &mut dyn FnMut(u32) -> bool) -> Option<Vec<u32>>;
+    /// either all `n` are removed from the policy and written to `victims` (cleared
+    /// first) and it returns true, or nothing changes and it returns false.
+    fn evict(
+        &mut self,
+        n: usize,
+        can_evict: &mut dyn FnMut(u32) -> bool,
+        victims: &mut Vec<u32>,
+    ) -> bool;
     /// Forgets everything (cache reset).
     fn clear(&mut self);
     /// Heap bytes of the policy's bookkeeping.

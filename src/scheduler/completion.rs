@@ -7,6 +7,7 @@ use crate::manager::StoreOutcome;
 use super::Scheduler;
 use super::latch::ReportEffect;
 use super::stall::StalledJob;
+use super::types::{JobBlocks, JobSlots};
 use super::types::{JobKind, SchedulerError, WorkerOutcome, WorkerReport};
 
 /// How a job ended.
@@ -227,7 +228,7 @@ impl Scheduler {
                         kind: JobKind::Store,
                         req,
                         keys: e.keys,
-                        chunk_ids: held.into_boxed_slice(),
+                        chunk_ids: JobSlots::from_vec(held),
                         blocks: e.blocks,
                         fenced: true,
                         load_quarantined: false,
@@ -253,7 +254,7 @@ impl Scheduler {
                         req,
                         keys: e.keys,
                         chunk_ids: e.chunk_ids,
-                        blocks: Box::default(),
+                        blocks: JobBlocks::new(),
                         fenced: false,
                         load_quarantined: false,
                         remaining: e.latch.pending(),

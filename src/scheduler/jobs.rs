@@ -5,11 +5,11 @@
 
 use dashmap::DashMap;
 
-use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
-use crate::key::{ChunkKey, KeyBuildHasher};
+use crate::ids::{JobId, RequestId};
+use crate::key::KeyBuildHasher;
 
 use super::latch::JobLatch;
-use super::types::JobKind;
+use super::types::{JobBlocks, JobKeys, JobKind, JobSlots};
 
 /// Shards of the job table: enough that a full scan holds each lock briefly
 /// (about 16 K jobs per shard at 1 M jobs), few enough to stay cache-friendly.
@@ -37,11 +37,11 @@ pub struct JobEntry {
     /// Stalled when the clock passes this (nanoseconds).
     pub deadline_ns: u64,
     /// Chunk keys transferred.
-    pub keys: Box<[ChunkKey]>,
+    pub keys: JobKeys,
     /// Host slots, co-indexed with `keys`.
-    pub chunk_ids: Box<[ChunkId]>,
+    pub chunk_ids: JobSlots,
     /// GPU source blocks of a store (fenced once its request finishes); empty for loads.
-    pub blocks: Box<[GpuBlockId]>,
+    pub blocks: JobBlocks,
 }
 
 /// The concurrent job table.

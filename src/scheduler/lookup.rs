@@ -8,6 +8,7 @@ use crate::manager::{LookupResult, OffloadManager};
 
 use super::Scheduler;
 use super::jobs::JobEntry;
+use super::types::{JobBlocks, JobKeys, JobSlots};
 use super::types::{JobKind, LookupOutcome, SchedulerError, TransferJob};
 
 /// Result of a maximal-prefix scan over chunk keys.
@@ -224,9 +225,9 @@ impl Scheduler {
                 req,
                 created_ns: now,
                 deadline_ns: deadline,
-                keys: keys.clone().into_boxed_slice(),
-                chunk_ids: chunk_ids.clone().into_boxed_slice(),
-                blocks: Box::default(),
+                keys: JobKeys::from_slice(&keys),
+                chunk_ids: JobSlots::from_slice(&chunk_ids),
+                blocks: JobBlocks::new(),
             },
         );
         // After the insert: the watchdog drops deadline entries of absent jobs.
@@ -234,9 +235,9 @@ impl Scheduler {
         self.batch.loads.push(TransferJob {
             job,
             req,
-            block_ids: block_ids[sb..eb].to_vec(),
-            chunk_ids,
-            keys,
+            block_ids: JobBlocks::from_slice(&block_ids[sb..eb]),
+            chunk_ids: JobSlots::from_vec(chunk_ids),
+            keys: JobKeys::from_vec(keys),
         });
         if let Some(rs) = self.requests.get_mut(&req) {
             rs.jobs.push(job);

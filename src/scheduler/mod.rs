@@ -19,6 +19,7 @@ mod lookup;
 mod metrics;
 mod preempt;
 mod request;
+mod request_table;
 mod stall;
 mod step;
 mod store;
@@ -39,6 +40,7 @@ use fences::FenceIndex;
 use jobs::JobTable;
 use metrics::Counters;
 use request::{FinishInfo, RequestState};
+use request_table::RequestTable;
 
 pub use request::RequestCaps;
 use stall::StalledJob;
@@ -49,8 +51,8 @@ pub use watchdog::WatchdogHandle;
 
 pub use metrics::{LOOKUP_DELAY_BUCKETS, LookupDelays, SchedulerMetrics};
 pub use types::{
-    JobKind, LookupOutcome, ScanOutcome, ScheduledRequest, SchedulerError, SchedulerState,
-    StepInput, StepPlan, TransferJob, WorkerOutcome, WorkerReport,
+    JobBlocks, JobKeys, JobKind, JobSlots, LookupOutcome, ScanOutcome, ScheduledRequest,
+    SchedulerError, SchedulerState, StepInput, StepPlan, TransferJob, WorkerOutcome, WorkerReport,
 };
 
 /// Geometry and timing the scheduler needs from the configuration.
@@ -81,6 +83,13 @@ pub(crate) struct Batch {
     loads: Vec<TransferJob>,
     flush: Vec<JobId>,
     allocated: HashSet<GpuBlockId, KeyBuildHasher>,
+    /// Deadlines of the jobs created in this step, published to the watchdog
+    /// at the end of the step.
+    deadlines: Vec<(JobId, u64)>,
+    /// Slots of the step's scheduled requests (co-indexed with its list).
+    slots: Vec<u32>,
+    /// Stores planned by the last step (the next plan's initial capacity).
+    last_stores: usize,
 }
 
 /// The offload scheduler (control plane) for one KV group.
@@ -89,7 +98,7 @@ pub struct Scheduler {
     geo: Geometry,
     manager: OffloadManager,
     clock: SharedClock,
-    requests: HashMap<RequestId, RequestState, KeyBuildHasher>,
+    requests: RequestTable,
     jobs: Arc<JobTable>,
     watch: Arc<WatchdogShared>,
     watchdog: Option<Watchdog>,
@@ -136,7 +145,7 @@ impl Scheduler {
             },
             manager,
             clock,
-            requests: HashMap::default(),
+            requests: RequestTable::default(),
             jobs,
             watch,
             watchdog: None,

@@ -2,6 +2,7 @@
 
 use crate::ids::{JobId, RequestId};
 
+use super::types::{JobBlocks, JobSlots};
 use super::types::{JobKind, SchedulerError};
 use super::{FencedReset, Scheduler};
 
@@ -121,10 +122,10 @@ impl Scheduler {
                 .filter(|&k| self.manager.slot_of(k).is_some())
                 .collect();
             match self.manager.quarantine_pinned(&keys) {
-                Ok(held) => s.chunk_ids = held.into_boxed_slice(),
+                Ok(held) => s.chunk_ids = JobSlots::from_vec(held),
                 Err(err) => {
                     tracing::error!(%job, error = %err, "stalled load: cannot quarantine its chunks");
-                    s.chunk_ids = Box::default();
+                    s.chunk_ids = JobSlots::new();
                 }
             }
             s.load_quarantined = true;
@@ -142,7 +143,7 @@ impl Scheduler {
         self.stalled.retain(|_, s| !s.chunk_ids.is_empty());
         for s in self.stalled.values_mut() {
             s.fenced = false;
-            s.blocks = Box::default();
+            s.blocks = JobBlocks::new();
         }
         self.watch.reset_schedule();
         if self.reset_fence.is_empty() {

@@ -13,30 +13,37 @@ pub(crate) struct FinishInfo {
 }
 
 /// Everything the scheduler tracks for one request.
+///
+/// The field order is the memory order (`repr(C)`), chosen for the step's
+/// loop over every scheduled request: the first 64-byte line holds what the
+/// check "does a chunk complete?" reads (tokens, store index, block and hash
+/// lists), the second the limits and the finish state; the rest is cold. The
+/// 128-byte alignment keeps the two hot lines in one adjacent-line pair.
 #[derive(Debug, Clone, Default)]
+#[repr(C, align(128))]
 pub(crate) struct RequestState {
-    /// Prompt length in tokens.
-    pub prompt_tokens: u64,
     /// Prompt plus accepted output tokens.
     pub num_tokens: u64,
-    /// Hashes of the full GPU blocks so far (chained).
-    pub hashes: Vec<BlockHash>,
-    /// The request's block table (group 0).
-    pub block_ids: Vec<GpuBlockId>,
     /// First chunk not yet offered for storing.
     pub next_stored_chunk: usize,
-    /// Jobs in flight: exactly one load, or only stores.
-    pub jobs: Vec<JobId>,
+    /// The request's block table (group 0).
+    pub block_ids: Vec<GpuBlockId>,
+    /// Hashes of the full GPU blocks so far (chained).
+    pub hashes: Vec<BlockHash>,
+    /// Per-request limits (vLLM `kv_transfer_params`).
+    pub caps: RequestCaps,
     /// Set by `request_finished`.
     pub finish: Option<FinishInfo>,
+    /// Prompt length in tokens.
+    pub prompt_tokens: u64,
     /// A step listed it as finished: its last stores are planned.
     pub finished_signaled: bool,
     /// The manager heard `request_finished` for it.
     pub manager_finished: bool,
+    /// Jobs in flight: exactly one load, or only stores.
+    pub jobs: Vec<JobId>,
     /// Computed tokens of the latest lookup since the last restart.
     pub lookup_computed: Option<u64>,
-    /// Per-request limits (vLLM `kv_transfer_params`).
-    pub caps: RequestCaps,
     /// Clock time (ns) of the first deferral of a lookup that has not resolved
     /// yet (vLLM `deferred_lookup_start_time`); taken when it resolves.
     pub lookup_deferred_since_ns: Option<u64>,

@@ -1,11 +1,11 @@
 //! Stalled jobs: cleanup of what the watchdog handed over, quarantine while
 //! late reports are due, and release on late reports or confirmed cancellation.
 
-use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
-use crate::key::ChunkKey;
+use crate::ids::{JobId, RequestId};
 
 use super::Scheduler;
 use super::completion::Ending;
+use super::types::{JobBlocks, JobKeys, JobSlots};
 use super::types::{JobKind, ScanOutcome, SchedulerError};
 
 /// A stalled job whose late reports are still due.
@@ -16,11 +16,11 @@ pub(crate) struct StalledJob {
     /// Its request.
     pub req: RequestId,
     /// Its keys (a load's keys stay pinned in the manager).
-    pub keys: Box<[ChunkKey]>,
+    pub keys: JobKeys,
     /// Host slots held back: a store's quarantined slots, a load's pinned slots.
-    pub chunk_ids: Box<[ChunkId]>,
+    pub chunk_ids: JobSlots,
     /// A store's GPU source blocks.
-    pub blocks: Box<[GpuBlockId]>,
+    pub blocks: JobBlocks,
     /// `blocks` are registered in the fence index.
     pub fenced: bool,
     /// A load whose pinned chunks were turned into quarantined slots (at a reset).

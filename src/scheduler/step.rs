@@ -17,34 +17,42 @@ impl Scheduler {
         // A scheduled request that is already finished (abnormal) needs the
         // two-pass order; otherwise each request is updated and planned in one
         // map lookup, which gives the same result.
-        let mut one_pass = true;
-        for s in &input.scheduled {
-            match self.requests.get(&s.req) {
-                None => return Err(SchedulerError::UnknownRequest(s.req)),
-                Some(rs) => one_pass &= rs.finish.is_none(),
-            }
+        let mut slots = std::mem::take(&mut self.batch.slots);
+        if let Err(req) = self
+            .requests
+            .resolve_scheduled(input.scheduled.iter().map(|s| s.req), &mut slots)
+        {
+            self.batch.slots = slots;
+            return Err(SchedulerError::UnknownRequest(req));
         }
-        self.check_preemption_flush(&input.preempted)?;
+        let one_pass = slots
+            .iter()
+            .all(|&slot| self.requests.at(slot).is_some_and(|rs| rs.finish.is_none()));
+        if let Err(e) = self.check_preemption_flush(&input.preempted) {
+            self.batch.slots = slots;
+            return Err(e);
+        }
 
         // 1. Preemption flush (loads of this step excluded). Block updates do not
         //    change job sets, so it may come first.
         self.preemption_flush(&input.preempted);
-        let mut stores = Vec::new();
+        // Sized like the last step's plan: no regrowth in steady state.
+        let mut stores = Vec::with_capacity(self.batch.last_stores);
         if one_pass {
             // 2 and 4. Request updates and their store planning, in list order.
-            for s in &input.scheduled {
+            for (s, &slot) in input.scheduled.iter().zip(&slots) {
                 let reach = StoreReach::Running {
                     computed: s.computed_tokens,
                     scheduled: s.scheduled_tokens,
                 };
                 let update = Some((s.new_block_ids.as_slice(), s.full_table));
-                self.plan_store(s.req, reach, update, &mut stores);
+                self.plan_store_at(slot, s.req, reach, update, &mut stores);
             }
             // 3. Fence flush (stores of running requests are never fenced).
             self.fence_flush();
         } else {
-            for s in &input.scheduled {
-                if let Some(rs) = self.requests.get_mut(&s.req) {
+            for (s, &slot) in input.scheduled.iter().zip(&slots) {
+                if let Some(rs) = self.requests.at_mut(slot) {
                     if s.full_table {
                         rs.block_ids.clear();
                     }
@@ -55,14 +63,15 @@ impl Scheduler {
                     .extend(s.new_block_ids.iter().copied().filter(|b| b.0 != 0));
             }
             self.fence_flush();
-            for s in &input.scheduled {
+            for (s, &slot) in input.scheduled.iter().zip(&slots) {
                 let reach = StoreReach::Running {
                     computed: s.computed_tokens,
                     scheduled: s.scheduled_tokens,
                 };
-                self.plan_store(s.req, reach, None, &mut stores);
+                self.plan_store_at(slot, s.req, reach, None, &mut stores);
             }
         }
+        self.batch.slots = slots;
         // 4. Store planning for finished requests, in list order.
         for &req in &input.finished {
             if self
@@ -80,6 +89,7 @@ impl Scheduler {
         let mut failed_loads = std::mem::take(&mut self.failed_loads);
         failed_loads.sort_unstable();
         failed_loads.dedup();
+        self.batch.last_stores = stores.len();
         let plan = StepPlan {
             loads: std::mem::take(&mut self.batch.loads),
             stores,
@@ -90,8 +100,9 @@ impl Scheduler {
         for &req in &input.finished {
             self.finalize_finished(req);
         }
-        // 7. Per-step state.
+        // 7. Per-step state; the new jobs' deadlines go to the watchdog.
         self.batch.allocated.clear();
+        self.watch.track_all(&mut self.batch.deadlines);
         Ok(plan)
     }
 

@@ -1,10 +1,10 @@
 //! Store planning (vLLM `_build_store_jobs`, one full-attention group).
 
 use crate::ids::{GpuBlockId, RequestId};
-use crate::key::ChunkKey;
 
 use super::Scheduler;
 use super::jobs::JobEntry;
+use super::types::{JobBlocks, JobKeys, JobSlots};
 use super::types::{JobKind, TransferJob};
 
 /// How far a request's stores may reach in this step.
@@ -27,18 +27,37 @@ impl Scheduler {
         update: Option<(&[GpuBlockId], bool)>,
         out: &mut Vec<TransferJob>,
     ) {
+        if let Some(slot) = self.requests.slot_of(&req) {
+            self.plan_store_at(slot, req, reach, update, out);
+        }
+    }
+
+    /// [`Self::plan_store`] for the request in table slot `slot` (which holds
+    /// `req`): the block update and the cheap test whether a chunk completes,
+    /// inlined into the step's loop; the planning itself is out of line.
+    #[inline(always)]
+    pub(crate) fn plan_store_at(
+        &mut self,
+        slot: u32,
+        req: RequestId,
+        reach: StoreReach,
+        update: Option<(&[GpuBlockId], bool)>,
+        out: &mut Vec<TransferJob>,
+    ) {
         let g = self.geo;
-        let Some(rs) = self.requests.get_mut(&req) else {
+        let Some(rs) = self.requests.at_mut(slot) else {
             return;
         };
         if let Some((new_blocks, full_table)) = update {
             if full_table {
                 rs.block_ids.clear();
             }
-            rs.block_ids.extend_from_slice(new_blocks);
-            self.batch
-                .allocated
-                .extend(new_blocks.iter().copied().filter(|b| b.0 != 0));
+            if !new_blocks.is_empty() {
+                rs.block_ids.extend_from_slice(new_blocks);
+                self.batch
+                    .allocated
+                    .extend(new_blocks.iter().copied().filter(|b| b.0 != 0));
+            }
         }
         let tokens_after = match reach {
             StoreReach::Running {
@@ -69,6 +88,25 @@ impl Scheduler {
         {
             return;
         }
+        self.plan_chunks(slot, req, offloadable, out);
+    }
+
+    /// Plans the store of the request in `slot` whose chunks up to
+    /// `offloadable` tokens are complete (at least one is).
+    #[inline(never)]
+    fn plan_chunks(
+        &mut self,
+        slot: u32,
+        req: RequestId,
+        offloadable: u64,
+        out: &mut Vec<TransferJob>,
+    ) {
+        let g = self.geo;
+        let Some(rs) = self.requests.at_mut(slot) else {
+            return;
+        };
+        let bpc = g.blocks_per_chunk;
+        let start = rs.next_stored_chunk;
         let num_chunks = ((offloadable / g.tokens_per_chunk) as usize)
             .min(rs.block_ids.len() / bpc)
             .min(rs.num_keys(bpc));
@@ -91,8 +129,11 @@ impl Scheduler {
             self.scratch_keys = cand;
             return;
         }
-        let ps = self.manager.prepare_store(&cand, Some(req));
-        let (Some(ps), Some(rs)) = (ps, self.requests.get_mut(&req)) else {
+        let ps = self
+            .manager
+            .prepare_store_for_job(&cand, Some(req))
+            .map(|(k, c)| (JobKeys::from_slice(k), JobSlots::from_slice(c)));
+        let (Some((keys, chunk_ids)), Some(rs)) = (ps, self.requests.at_mut(slot)) else {
             self.counters.allocation_failures += 1;
             tracing::warn!(%req, chunks = cand.len(), "host tier cannot allocate; store retried next step");
             self.scratch_idx = cand_idx;
@@ -100,15 +141,15 @@ impl Scheduler {
             return;
         };
         rs.next_stored_chunk = rs.next_stored_chunk.max(num_chunks);
-        if ps.keys_to_store.is_empty() {
+        if keys.is_empty() {
             self.scratch_idx = cand_idx;
             self.scratch_keys = cand;
             return;
         }
-        // keys_to_store is an ordered subset of the candidates: walk both.
-        let mut blocks: Vec<GpuBlockId> = Vec::with_capacity(ps.keys_to_store.len() * bpc);
+        // The keys to store are an ordered subset of the candidates: walk both.
+        let mut blocks = JobBlocks::new();
         let mut c = 0;
-        for k in &ps.keys_to_store {
+        for k in &keys {
             while c < cand.len() && cand[c] != *k {
                 c += 1;
             }
@@ -119,11 +160,14 @@ impl Scheduler {
             blocks.extend(
                 rs.block_ids[i * bpc..(i + 1) * bpc]
                     .iter()
+                    .copied()
                     .filter(|b| b.0 != 0),
             );
             c += 1;
         }
         let finished = rs.finish.is_some();
+        self.scratch_idx = cand_idx;
+        self.scratch_keys = cand;
         let job = self.new_job_id();
         let now = self.now_ns();
         let flush = finished && blocks.iter().any(|b| self.batch.allocated.contains(b));
@@ -133,18 +177,9 @@ impl Scheduler {
         if flush {
             self.batch.flush.push(job);
         }
-        if let Some(rs) = self.requests.get_mut(&req) {
+        if let Some(rs) = self.requests.at_mut(slot) {
             rs.jobs.push(job);
         }
-        let keys: Vec<ChunkKey> = ps.keys_to_store;
-        let chunk_ids = ps.chunk_ids;
-        out.push(TransferJob {
-            job,
-            req,
-            block_ids: blocks.clone(),
-            chunk_ids,
-            keys: keys.clone(),
-        });
         let deadline = now.saturating_add(g.stall_timeout_ns);
         self.jobs.insert(
             job,
@@ -156,13 +191,21 @@ impl Scheduler {
                 req,
                 created_ns: now,
                 deadline_ns: deadline,
-                keys: keys.into_boxed_slice(),
+                keys: keys.clone(),
                 // A stalled store gets its held slots from the manager.
-                chunk_ids: Box::default(),
-                blocks: blocks.into_boxed_slice(),
+                chunk_ids: JobSlots::new(),
+                blocks: blocks.clone(),
             },
         );
-        // After the insert: the watchdog drops deadline entries of absent jobs.
-        self.watch.track(job, deadline);
+        out.push(TransferJob {
+            job,
+            req,
+            block_ids: blocks,
+            chunk_ids,
+            keys,
+        });
+        // Published after the insert (at the end of the step): the watchdog
+        // drops deadline entries of absent jobs.
+        self.batch.deadlines.push((job, deadline));
     }
 }

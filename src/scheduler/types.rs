@@ -1,6 +1,7 @@
 //! Plain value types exchanged with the serving backend and the workers:
 //! step inputs, step plans, worker reports and their outcomes, errors.
 
+use smallvec::SmallVec;
 use thiserror::Error;
 
 use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
@@ -62,6 +63,14 @@ impl JobKind {
     }
 }
 
+/// A job's chunk keys: inline up to two (a store of one or two chunks needs
+/// no allocation); derefs to a slice.
+pub type JobKeys = SmallVec<[ChunkKey; 2]>;
+/// A job's host slots, inline up to four; derefs to a slice.
+pub type JobSlots = SmallVec<[ChunkId; 4]>;
+/// A job's GPU blocks, inline up to four; derefs to a slice.
+pub type JobBlocks = SmallVec<[GpuBlockId; 4]>;
+
 /// One transfer handed to every worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferJob {
@@ -71,11 +80,11 @@ pub struct TransferJob {
     pub req: RequestId,
     /// GPU blocks transferred. For a load starting inside its first chunk, that
     /// chunk's leading `keys.len()*blocks_per_chunk - block_ids.len()` blocks are skipped.
-    pub block_ids: Vec<GpuBlockId>,
+    pub block_ids: JobBlocks,
     /// Host slots, co-indexed with `keys`.
-    pub chunk_ids: Vec<ChunkId>,
+    pub chunk_ids: JobSlots,
     /// Chunk keys transferred.
-    pub keys: Vec<ChunkKey>,
+    pub keys: JobKeys,
 }
 
 /// The step's instructions to the workers (vLLM's connector metadata), plus failed loads.

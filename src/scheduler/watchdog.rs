@@ -3,8 +3,9 @@
 //!
 //! Jobs get their deadline at creation (creation time + stall timeout) from one
 //! monotonic clock, in job id order, so deadlines never decrease along job ids.
-//! The scheduler therefore also appends `(job, deadline)` to a lock-free
-//! deadline queue, and a scan walks that queue from its oldest entry: entries of
+//! The scheduler therefore also appends `(job, deadline)` to a deadline queue
+//! (a step's new jobs at once, under one short lock: the inbox), and a scan
+//! moves the inbox into its own queue and walks it from its oldest entry: entries of
 //! jobs that are gone are dropped, expired jobs are handed over, and the scan
 //! stops at the first live job that is not expired. Its cost is the number of
 //! jobs that ended or expired since the last scan, not the number in flight. A
@@ -15,8 +16,9 @@
 //! scheduler is dropped) and reads time only from the injected clock. Tests and
 //! replay never start the thread: they call the scan synchronously.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -34,10 +36,12 @@ pub(crate) struct WatchdogShared {
     pub jobs: Arc<JobTable>,
     /// Stalled job ids, from the watchdog to the scheduler.
     pub queue: SegQueue<JobId>,
-    /// `(job, deadline)` in job id order (so in deadline order), from the scheduler.
-    deadlines: SegQueue<(JobId, u64)>,
-    /// The oldest deadline entry not yet expired, held by the scan (one scan at a time).
-    front: Mutex<Option<(JobId, u64)>>,
+    /// `(job, deadline)` in job id order (so in deadline order), from the
+    /// scheduler, not yet taken by a scan.
+    inbox: Mutex<Vec<(JobId, u64)>>,
+    /// The deadline entries a scan has taken and not dropped yet, oldest first
+    /// (held by the scan: one scan at a time).
+    front: Mutex<VecDeque<(JobId, u64)>>,
     clock: SharedClock,
     interval: Duration,
     /// Clock time of the last scan (nanoseconds); `u64::MAX` before the first.
@@ -53,8 +57,8 @@ impl WatchdogShared {
         Self {
             jobs,
             queue: SegQueue::new(),
-            deadlines: SegQueue::new(),
-            front: Mutex::new(None),
+            inbox: Mutex::new(Vec::new()),
+            front: Mutex::new(VecDeque::new()),
             clock,
             interval,
             last_scan_ns: AtomicU64::new(u64::MAX),
@@ -64,24 +68,38 @@ impl WatchdogShared {
         }
     }
 
-    /// Registers a new job's deadline (call in job id order).
+    /// Registers a new job's deadline (call in job id order, after the job
+    /// is in the table).
     pub fn track(&self, job: JobId, deadline_ns: u64) {
-        self.deadlines.push((job, deadline_ns));
+        lock(&self.inbox).push((job, deadline_ns));
+    }
+
+    /// Registers the deadlines of several new jobs at once and empties `batch`
+    /// (in job id order, after the jobs are in the table).
+    pub fn track_all(&self, batch: &mut Vec<(JobId, u64)>) {
+        if batch.is_empty() {
+            return;
+        }
+        let mut inbox = lock(&self.inbox);
+        if inbox.is_empty() {
+            // Hand the buffer over, keep the (empty) old one for the next batch.
+            std::mem::swap(&mut *inbox, batch);
+        } else {
+            inbox.append(batch);
+        }
     }
 
     /// Scans now: every job past its deadline that was not handed over yet is queued.
     /// Returns how many were queued.
     pub fn scan(&self) -> usize {
         let now = nanos(self.clock.now());
-        let mut front = match self.front.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
+        let mut front = lock(&self.front);
+        front.extend(lock(&self.inbox).drain(..));
         let mut n = 0;
-        while let Some((id, deadline)) = front.take().or_else(|| self.deadlines.pop()) {
+        while let Some((id, deadline)) = front.pop_front() {
             if now <= deadline {
                 if self.jobs.contains(id) {
-                    *front = Some((id, deadline));
+                    front.push_front((id, deadline));
                     break;
                 }
                 continue;
@@ -157,6 +175,15 @@ impl WatchdogHandle {
     /// Scans if a scan interval of clock time has passed since the last scan.
     pub fn scan_if_due(&self) -> bool {
         self.0.scan_if_due()
+    }
+}
+
+/// Locks `m`, also when a panicking thread poisoned it (the data stay valid:
+/// every critical section here only moves whole entries).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
     }
 }
 
@@ -244,9 +271,9 @@ mod tests {
             req: RequestId(0),
             created_ns: 0,
             deadline_ns,
-            keys: Box::default(),
-            chunk_ids: Box::default(),
-            blocks: Box::default(),
+            keys: Default::default(),
+            chunk_ids: Default::default(),
+            blocks: Default::default(),
         }
     }
 

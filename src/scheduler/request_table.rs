@@ -1,0 +1,240 @@
+//! The table of tracked requests: dense slots plus an id index, with a
+//! positional cache for the step's scheduled list.
+//!
+//! A step names its scheduled requests by id, usually in the same order as in
+//! the previous step (the serving backend's running queue changes at its
+//! ends). [`RequestTable::resolve_scheduled`] remembers, for each position of
+//! the list, the slot it resolved to last time; a position whose request is
+//! unchanged costs one comparison instead of a hash lookup.
+
+use std::collections::HashMap;
+
+use crate::ids::RequestId;
+use crate::key::KeyBuildHasher;
+
+use super::request::RequestState;
+
+/// Tracked requests by id, stored in reusable dense slots.
+#[derive(Debug, Default)]
+pub(crate) struct RequestTable {
+    /// Slot -> the request it holds (`None`: free). Dense, apart from the
+    /// states, so that resolving a step's list reads few cache lines.
+    ids: Vec<Option<RequestId>>,
+    /// Slot -> the request's state (a default state when free).
+    states: Vec<RequestState>,
+    /// Free slots, reused last-in first-out.
+    free: Vec<u32>,
+    /// Request id -> slot.
+    index: HashMap<RequestId, u32, KeyBuildHasher>,
+    /// Position in the last resolved scheduled list -> (request, slot).
+    positions: Vec<(RequestId, u32)>,
+}
+
+impl RequestTable {
+    /// Tracked requests.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether `req` is tracked.
+    pub fn contains_key(&self, req: &RequestId) -> bool {
+        self.index.contains_key(req)
+    }
+
+    /// The slot of `req`.
+    #[inline]
+    pub fn slot_of(&self, req: &RequestId) -> Option<u32> {
+        self.index.get(req).copied()
+    }
+
+    /// The state of `req`.
+    pub fn get(&self, req: &RequestId) -> Option<&RequestState> {
+        let s = self.slot_of(req)?;
+        self.at(s)
+    }
+
+    /// The state of `req`, mutable.
+    pub fn get_mut(&mut self, req: &RequestId) -> Option<&mut RequestState> {
+        let s = self.slot_of(req)?;
+        self.at_mut(s)
+    }
+
+    /// The state in slot `slot`, if it holds a request.
+    #[inline]
+    pub fn at(&self, slot: u32) -> Option<&RequestState> {
+        match self.ids.get(slot as usize) {
+            Some(Some(_)) => self.states.get(slot as usize),
+            _ => None,
+        }
+    }
+
+    /// The state in slot `slot`, mutable.
+    #[inline]
+    pub fn at_mut(&mut self, slot: u32) -> Option<&mut RequestState> {
+        match self.ids.get(slot as usize) {
+            Some(Some(_)) => self.states.get_mut(slot as usize),
+            _ => None,
+        }
+    }
+
+    /// Tracks `req` (replacing any state it had).
+    pub fn insert(&mut self, req: RequestId, state: RequestState) {
+        if let Some(s) = self.slot_of(&req) {
+            self.states[s as usize] = state;
+            return;
+        }
+        let s = match self.free.pop() {
+            Some(s) => {
+                self.ids[s as usize] = Some(req);
+                self.states[s as usize] = state;
+                s
+            }
+            None => {
+                self.ids.push(Some(req));
+                self.states.push(state);
+                (self.ids.len() - 1) as u32
+            }
+        };
+        self.index.insert(req, s);
+    }
+
+    /// Stops tracking `req`; returns its state.
+    pub fn remove(&mut self, req: &RequestId) -> Option<RequestState> {
+        let s = self.index.remove(req)?;
+        self.ids[s as usize] = None;
+        self.free.push(s);
+        Some(std::mem::take(&mut self.states[s as usize]))
+    }
+
+    /// Every tracked request (slot order).
+    pub fn iter(&self) -> impl Iterator<Item = (&RequestId, &RequestState)> {
+        self.ids
+            .iter()
+            .zip(&self.states)
+            .filter_map(|(id, rs)| id.as_ref().map(|id| (id, rs)))
+    }
+
+    /// Every tracked request's state, mutable (slot order).
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut RequestState> {
+        self.ids
+            .iter()
+            .zip(self.states.iter_mut())
+            .filter_map(|(id, rs)| id.map(|_| rs))
+    }
+
+    /// Resolves the step's scheduled requests to slots, written to `out`
+    /// (co-indexed with `reqs`). Returns the first untracked request, if any
+    /// (then `out` is incomplete). Positions whose request is the same as in the
+    /// last call are resolved without a hash lookup.
+    pub fn resolve_scheduled(
+        &mut self,
+        reqs: impl ExactSizeIterator<Item = RequestId>,
+        out: &mut Vec<u32>,
+    ) -> Result<(), RequestId> {
+        out.clear();
+        out.reserve(reqs.len());
+        let n = reqs.len();
+        for (i, req) in reqs.enumerate() {
+            let cached = self.positions.get(i).and_then(|&(r, s)| {
+                let live = self.ids.get(s as usize) == Some(&Some(req));
+                (r == req && live).then_some(s)
+            });
+            let s = match cached {
+                Some(s) => s,
+                None => {
+                    let s = self.slot_of(&req).ok_or(req)?;
+                    if i < self.positions.len() {
+                        self.positions[i] = (req, s);
+                    } else {
+                        self.positions.push((req, s));
+                    }
+                    s
+                }
+            };
+            out.push(s);
+        }
+        self.positions.truncate(n);
+        Ok(())
+    }
+}
+
+impl<'a> IntoIterator for &'a RequestTable {
+    type Item = (&'a RequestId, &'a RequestState);
+    type IntoIter = Box<dyn Iterator<Item = Self::Item> + 'a>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.iter())
+    }
+}
+
+impl std::ops::Index<&RequestId> for RequestTable {
+    type Output = RequestState;
+
+    /// Panics if `req` is not tracked (callers check first).
+    fn index(&self, req: &RequestId) -> &RequestState {
+        match self.get(req) {
+            Some(rs) => rs,
+            None => panic!("request {req} is not tracked"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rs(prompt: u64) -> RequestState {
+        RequestState::new(prompt, &[])
+    }
+
+    #[test]
+    fn insert_get_remove_reuses_slots() {
+        let mut t = RequestTable::default();
+        t.insert(RequestId(1), rs(10));
+        t.insert(RequestId(2), rs(20));
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.get(&RequestId(2)).map(|r| r.prompt_tokens), Some(20));
+        let s1 = t.slot_of(&RequestId(1)).unwrap();
+        assert_eq!(t.remove(&RequestId(1)).map(|r| r.prompt_tokens), Some(10));
+        assert!(t.get(&RequestId(1)).is_none());
+        assert!(t.remove(&RequestId(1)).is_none());
+        t.insert(RequestId(3), rs(30));
+        assert_eq!(t.slot_of(&RequestId(3)), Some(s1), "freed slot reused");
+        assert_eq!(t.len(), 2);
+        let mut ids: Vec<u64> = t.iter().map(|(id, _)| id.0).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, vec![2, 3]);
+    }
+
+    #[test]
+    fn resolve_scheduled_tracks_changes_in_the_list() {
+        let mut t = RequestTable::default();
+        for r in 0..4 {
+            t.insert(RequestId(r), rs(r));
+        }
+        let mut out = Vec::new();
+        let ids = |v: &[u64]| v.iter().map(|&r| RequestId(r)).collect::<Vec<_>>();
+        let check = |t: &mut RequestTable, out: &mut Vec<u32>, v: &[u64]| {
+            t.resolve_scheduled(ids(v).into_iter(), out).unwrap();
+            let got: Vec<u64> = out
+                .iter()
+                .map(|&s| t.at(s).unwrap().prompt_tokens)
+                .collect();
+            assert_eq!(got, v, "slots resolve to the listed requests");
+        };
+        check(&mut t, &mut out, &[0, 1, 2, 3]);
+        check(&mut t, &mut out, &[0, 1, 2, 3]);
+        check(&mut t, &mut out, &[1, 2, 3]);
+        // A request removed and its slot reused by another: the cache must not
+        // resolve the old id to the new request.
+        t.remove(&RequestId(2));
+        t.insert(RequestId(9), rs(9));
+        check(&mut t, &mut out, &[1, 9, 3]);
+        assert_eq!(
+            t.resolve_scheduled(ids(&[1, 2, 3]).into_iter(), &mut out),
+            Err(RequestId(2))
+        );
+        check(&mut t, &mut out, &[3]);
+        check(&mut t, &mut out, &[]);
+    }
+}
