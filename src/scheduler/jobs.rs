@@ -15,8 +15,10 @@ use super::types::{JobBlocks, JobKeys, JobKind, JobSlots};
 /// (about 16 K jobs per shard at 1 M jobs), few enough to stay cache-friendly.
 const SHARDS: usize = 64;
 
-/// Initial capacity of the job table (all shards together).
-const INITIAL_CAPACITY: usize = 8192;
+/// Initial capacity of the job table (all shards together): small, so that
+/// the table of a steady step (tens to hundreds of jobs in flight) stays in
+/// cache; it grows with the jobs in flight (and never shrinks).
+const INITIAL_CAPACITY: usize = 1024;
 
 /// One in-flight job.
 #[derive(Debug)]

@@ -88,6 +88,8 @@ pub(crate) struct Batch {
     deadlines: Vec<(JobId, u64)>,
     /// Slots of the step's scheduled requests (co-indexed with its list).
     slots: Vec<u32>,
+    /// Clock time of the step being built, read once for all its new jobs.
+    now_ns: Option<u64>,
     /// Stores planned by the last step (the next plan's initial capacity).
     last_stores: usize,
 }
@@ -401,6 +403,13 @@ impl Scheduler {
 
     fn now_ns(&self) -> u64 {
         nanos(self.clock.now())
+    }
+
+    /// The clock time of the step being built (read at its first use in the
+    /// step; [`Self::build_step`] forgets it at its end).
+    fn step_now_ns(&mut self) -> u64 {
+        let clock = &self.clock;
+        *self.batch.now_ns.get_or_insert_with(|| nanos(clock.now()))
     }
 
     fn new_job_id(&mut self) -> JobId {

@@ -102,6 +102,7 @@ impl Scheduler {
         }
         // 7. Per-step state; the new jobs' deadlines go to the watchdog.
         self.batch.allocated.clear();
+        self.batch.now_ns = None;
         self.watch.track_all(&mut self.batch.deadlines);
         Ok(plan)
     }

@@ -169,7 +169,7 @@ impl Scheduler {
         self.scratch_idx = cand_idx;
         self.scratch_keys = cand;
         let job = self.new_job_id();
-        let now = self.now_ns();
+        let now = self.step_now_ns();
         let flush = finished && blocks.iter().any(|b| self.batch.allocated.contains(b));
         if finished {
             self.fences.add(job, &blocks);
