@@ -163,6 +163,38 @@ mod tests {
     use super::*;
 
     #[test]
+    fn events_keep_their_own_keys_across_drops_and_drains() {
+        let mut log = EventLog::default();
+        let n = MAX_PENDING_EVENTS as u64 + 3;
+        // Events of 1, 2 or 3 keys each: event i holds keys i*10 .. i*10 + len.
+        let keys_of =
+            |i: u64| -> Vec<ChunkKey> { (0..1 + i % 3).map(|j| ChunkKey(i * 10 + j)).collect() };
+        for i in 0..n {
+            if i % 2 == 0 {
+                log.evicted(&keys_of(i));
+            } else {
+                log.stored(&keys_of(i));
+            }
+        }
+        let kept = log.len() as u64;
+        assert_eq!(log.dropped() + kept, n);
+        let drained = log.drain();
+        let first = n - kept;
+        for (e, i) in drained.iter().zip(first..) {
+            assert_eq!(e.keys, keys_of(i), "event {i}");
+            assert_eq!(e.removed, i % 2 == 0, "event {i}");
+            assert!(!e.metadata_only);
+        }
+        assert!(log.drain().is_empty(), "drained once");
+        log.evicted(&[ChunkKey(7)]);
+        assert_eq!(
+            log.drain()[0].keys,
+            vec![ChunkKey(7)],
+            "buffer reused from the start"
+        );
+    }
+
+    #[test]
     fn an_undrained_log_stays_bounded_and_counts_what_it_drops() {
         let mut log = EventLog::default();
         for i in 0..(MAX_PENDING_EVENTS as u64 + 10) {
