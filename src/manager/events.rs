@@ -9,9 +9,13 @@ use crate::key::{ChunkKey, KeyBuildHasher};
 
 use super::types::OffloadEvent;
 
-#[derive(Debug)]
+/// One undrained event: its keys are `keys[start..start + len]` of the log.
+#[derive(Debug, Clone, Copy)]
 struct Logged {
-    event: OffloadEvent,
+    start: usize,
+    len: usize,
+    removed: bool,
+    metadata_only: bool,
     seq: u64,
 }
 
@@ -19,10 +23,14 @@ struct Logged {
 /// oldest (counted) instead of growing without bound.
 pub(crate) const MAX_PENDING_EVENTS: usize = 1 << 16;
 
-/// Events not yet drained, in emission order.
+/// Events not yet drained, in emission order. The keys of all pending events
+/// share one buffer, so logging an event allocates nothing in steady state;
+/// the per-event key lists are built when the events are drained.
 #[derive(Debug, Default)]
 pub(crate) struct EventLog {
     pending: Vec<Logged>,
+    /// Keys of the pending events, in order.
+    keys: Vec<ChunkKey>,
     /// Events dropped because nobody drained the log.
     dropped: u64,
     /// Key -> sequence number of the failed-store event that still owns its removal.
@@ -31,60 +39,75 @@ pub(crate) struct EventLog {
 }
 
 impl EventLog {
-    fn push(&mut self, keys: Vec<ChunkKey>, removed: bool, metadata_only: bool) -> u64 {
+    fn push(&mut self, keys: &[ChunkKey], removed: bool, metadata_only: bool) -> u64 {
         if self.pending.len() >= MAX_PENDING_EVENTS {
-            // Drop the older half at once (amortised O(1) per event).
-            let n = self.pending.len() / 2;
-            if self.dropped == 0 {
-                tracing::warn!(
-                    kept = MAX_PENDING_EVENTS,
-                    "host-tier events are not being drained (take_events); dropping the oldest"
-                );
-            }
-            for old in self.pending.drain(..n) {
-                if old.event.metadata_only {
-                    for k in &old.event.keys {
-                        if self.failed_owner.get(k) == Some(&old.seq) {
-                            self.failed_owner.remove(k);
-                        }
-                    }
-                }
-            }
-            self.dropped += n as u64;
+            self.drop_oldest_half();
         }
         self.seq += 1;
         self.pending.push(Logged {
-            event: OffloadEvent {
-                keys,
-                removed,
-                metadata_only,
-            },
+            start: self.keys.len(),
+            len: keys.len(),
+            removed,
+            metadata_only,
             seq: self.seq,
         });
+        self.keys.extend_from_slice(keys);
         self.seq
     }
 
+    /// Drops the older half of the pending events at once (amortised O(1) per event).
+    fn drop_oldest_half(&mut self) {
+        let n = self.pending.len() / 2;
+        if self.dropped == 0 {
+            tracing::warn!(
+                kept = MAX_PENDING_EVENTS,
+                "host-tier events are not being drained (take_events); dropping the oldest"
+            );
+        }
+        let cut = self.pending.get(n).map_or(self.keys.len(), |e| e.start);
+        let Self {
+            pending,
+            keys,
+            failed_owner,
+            ..
+        } = self;
+        for old in pending.drain(..n) {
+            if old.metadata_only {
+                for k in &keys[old.start..old.start + old.len] {
+                    if failed_owner.get(k) == Some(&old.seq) {
+                        failed_owner.remove(k);
+                    }
+                }
+            }
+        }
+        keys.drain(..cut);
+        for e in pending.iter_mut() {
+            e.start -= cut;
+        }
+        self.dropped += n as u64;
+    }
+
     /// Keys evicted (removed from the tier).
-    pub(crate) fn evicted(&mut self, keys: Vec<ChunkKey>) {
+    pub(crate) fn evicted(&mut self, keys: &[ChunkKey]) {
         if !keys.is_empty() {
             self.push(keys, true, false);
         }
     }
 
     /// Keys whose store completed.
-    pub(crate) fn stored(&mut self, keys: Vec<ChunkKey>) {
+    pub(crate) fn stored(&mut self, keys: &[ChunkKey]) {
         if !keys.is_empty() {
             self.push(keys, false, false);
         }
     }
 
     /// Keys removed because their store failed (metadata-only removal).
-    pub(crate) fn store_failed(&mut self, keys: Vec<ChunkKey>) {
+    pub(crate) fn store_failed(&mut self, keys: &[ChunkKey]) {
         if keys.is_empty() {
             return;
         }
-        let seq = self.push(keys.clone(), true, true);
-        for k in keys {
+        let seq = self.push(keys, true, true);
+        for &k in keys {
             self.failed_owner.insert(k, seq);
         }
     }
@@ -99,22 +122,28 @@ impl EventLog {
     /// Drains every pending event once, pruning failed-store removals of re-owned keys.
     pub(crate) fn drain(&mut self) -> Vec<OffloadEvent> {
         let mut out = Vec::with_capacity(self.pending.len());
-        for Logged { mut event, seq } in self.pending.drain(..) {
-            if event.metadata_only {
+        for e in self.pending.drain(..) {
+            let mut keys = self.keys[e.start..e.start + e.len].to_vec();
+            if e.metadata_only {
                 let owners = &mut self.failed_owner;
-                event.keys.retain(|k| match owners.get(k) {
-                    Some(&s) if s == seq => {
+                keys.retain(|k| match owners.get(k) {
+                    Some(&s) if s == e.seq => {
                         owners.remove(k);
                         true
                     }
                     _ => false,
                 });
-                if event.keys.is_empty() {
+                if keys.is_empty() {
                     continue;
                 }
             }
-            out.push(event);
+            out.push(OffloadEvent {
+                keys,
+                removed: e.removed,
+                metadata_only: e.metadata_only,
+            });
         }
+        self.keys.clear();
         out
     }
 
@@ -134,10 +163,42 @@ mod tests {
     use super::*;
 
     #[test]
+    fn events_keep_their_own_keys_across_drops_and_drains() {
+        let mut log = EventLog::default();
+        let n = MAX_PENDING_EVENTS as u64 + 3;
+        // Events of 1, 2 or 3 keys each: event i holds keys i*10 .. i*10 + len.
+        let keys_of =
+            |i: u64| -> Vec<ChunkKey> { (0..1 + i % 3).map(|j| ChunkKey(i * 10 + j)).collect() };
+        for i in 0..n {
+            if i % 2 == 0 {
+                log.evicted(&keys_of(i));
+            } else {
+                log.stored(&keys_of(i));
+            }
+        }
+        let kept = log.len() as u64;
+        assert_eq!(log.dropped() + kept, n);
+        let drained = log.drain();
+        let first = n - kept;
+        for (e, i) in drained.iter().zip(first..) {
+            assert_eq!(e.keys, keys_of(i), "event {i}");
+            assert_eq!(e.removed, i % 2 == 0, "event {i}");
+            assert!(!e.metadata_only);
+        }
+        assert!(log.drain().is_empty(), "drained once");
+        log.evicted(&[ChunkKey(7)]);
+        assert_eq!(
+            log.drain()[0].keys,
+            vec![ChunkKey(7)],
+            "buffer reused from the start"
+        );
+    }
+
+    #[test]
     fn an_undrained_log_stays_bounded_and_counts_what_it_drops() {
         let mut log = EventLog::default();
         for i in 0..(MAX_PENDING_EVENTS as u64 + 10) {
-            log.store_failed(vec![ChunkKey(i)]);
+            log.store_failed(&[ChunkKey(i)]);
         }
         assert!(log.len() <= MAX_PENDING_EVENTS);
         assert_eq!(

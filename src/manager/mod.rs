@@ -268,7 +268,7 @@ impl OffloadManager {
         keys: &[ChunkKey],
         req: Option<RequestId>,
     ) -> Option<PrepareStoreOutput> {
-        if !self.prepare_store_inner(keys, req, true) {
+        if !self.prepare_store_inner(keys, req) {
             return None;
         }
         Some(PrepareStoreOutput {
@@ -286,18 +286,13 @@ impl OffloadManager {
         keys: &[ChunkKey],
         req: Option<RequestId>,
     ) -> Option<(&[ChunkKey], &[ChunkId])> {
-        if !self.prepare_store_inner(keys, req, false) {
+        if !self.prepare_store_inner(keys, req) {
             return None;
         }
         Some((&self.scratch_store, &self.scratch_ids))
     }
 
-    fn prepare_store_inner(
-        &mut self,
-        keys: &[ChunkKey],
-        req: Option<RequestId>,
-        report_evicted: bool,
-    ) -> bool {
+    fn prepare_store_inner(&mut self, keys: &[ChunkKey], req: Option<RequestId>) -> bool {
         // Offered keys, deduplicated in order; present ones are protected from eviction.
         let mut to_store = std::mem::take(&mut self.scratch_store);
         to_store.clear();
@@ -340,7 +335,7 @@ impl OffloadManager {
         if let Some(filter) = self.filter.as_mut() {
             self.stores_skipped += filter.admit(&mut to_store);
         }
-        let result = self.allocate(to_store, report_evicted);
+        let result = self.allocate(to_store);
         for &s in &protected {
             self.slots[s as usize].protected = false;
         }
@@ -352,9 +347,9 @@ impl OffloadManager {
     }
 
     /// Allocates slots for `to_store` (evicting if needed). On success the keys
-    /// and their slots are left in `scratch_store` / `scratch_ids` (and the
-    /// evicted keys in `scratch_evicted` with `report_evicted`).
-    fn allocate(&mut self, to_store: Vec<ChunkKey>, report_evicted: bool) -> bool {
+    /// and their slots are left in `scratch_store` / `scratch_ids`, and the
+    /// evicted keys in `scratch_evicted` (also logged as an event).
+    fn allocate(&mut self, to_store: Vec<ChunkKey>) -> bool {
         let free = self.pool.available();
         let need = to_store.len().saturating_sub(free);
         let evictable = (self.counters.ready - self.counters.pinned) as usize;
@@ -380,7 +375,8 @@ impl OffloadManager {
         for &s in &victims {
             self.index.prefetch(self.slots[s as usize].key);
         }
-        let mut evicted = Vec::with_capacity(victims.len());
+        let mut evicted = std::mem::take(&mut self.scratch_evicted);
+        evicted.clear();
         for &s in &victims {
             let slot = &mut self.slots[s as usize];
             evicted.push(slot.key);
@@ -390,11 +386,8 @@ impl OffloadManager {
             self.pool.release(s);
         }
         self.scratch_victims = victims;
-        self.scratch_evicted.clear();
-        if report_evicted {
-            self.scratch_evicted.extend_from_slice(&evicted);
-        }
-        self.events.evicted(evicted);
+        self.events.evicted(&evicted);
+        self.scratch_evicted = evicted;
         let mut chunk_ids = std::mem::take(&mut self.scratch_ids);
         chunk_ids.clear();
         for &k in &to_store {
@@ -485,8 +478,8 @@ impl OffloadManager {
         }
         self.scratch_resolved = resolved;
         match outcome {
-            StoreOutcome::Success => self.events.stored(done),
-            StoreOutcome::Failure | StoreOutcome::Quarantined => self.events.store_failed(done),
+            StoreOutcome::Success => self.events.stored(&done),
+            StoreOutcome::Failure | StoreOutcome::Quarantined => self.events.store_failed(&done),
         }
         Ok(held)
     }
@@ -539,7 +532,7 @@ impl OffloadManager {
             held.push(ChunkId(s));
             removed.push(k);
         }
-        self.events.evicted(removed);
+        self.events.evicted(&removed);
         Ok(held)
     }
 
