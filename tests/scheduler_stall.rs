@@ -481,3 +481,64 @@ fn stalled_store_of_a_running_request_fences_its_blocks_too() {
     h.check();
     assert!(h.s.fenced_jobs(GpuBlockId(1)).is_empty());
 }
+
+/// A chunk loaded by two stalled loads (the second started after the first
+/// stalled, when the chunk had left the being-loaded set), then a reset: both
+/// loads stay tracked, and the chunk's slot stays quarantined until the late
+/// reports of *both* have arrived (either late DMA may still read it).
+#[test]
+fn a_chunk_of_two_stalled_loads_stays_quarantined_until_both_end() {
+    let (mut h, l1) = with_load(1);
+    h.advance_s(301);
+    assert_eq!(h.s.scan_now().stalled, vec![l1]);
+    h.run(&[], &[], &[]);
+    h.add(3, 1, 9);
+    assert_eq!(h.lookup(3, 0), LookupOutcome::Hit(8));
+    let l2 = h.alloc(3, &b(11..=13), 8).unwrap();
+    h.run(&[], &[], &[]);
+    h.advance_s(301);
+    assert_eq!(h.s.scan_now().stalled, vec![l2]);
+    assert_eq!(
+        h.s.state().quarantined_chunks,
+        2,
+        "two chunks, each pinned by both loads"
+    );
+    let slots = [
+        h.s.manager().slot_of(key(1, 0, 1)).unwrap(),
+        h.s.manager().slot_of(key(1, 1, 1)).unwrap(),
+    ];
+    h.s.reset().unwrap();
+    h.check();
+    assert_eq!(
+        h.s.state().stalled_jobs,
+        2,
+        "both loads await their late reports"
+    );
+    assert!(h.s.is_job_stalled(l1) && h.s.is_job_stalled(l2));
+    assert_eq!(h.s.manager().stats().quarantined, 2);
+    assert_eq!(h.s.state().quarantined_chunks, 2);
+    late(&mut h, l1, 1);
+    assert_eq!(
+        h.s.manager().stats().quarantined,
+        2,
+        "the second load's late DMA may still read the slots"
+    );
+    // Fill the tier with other chunks: the held slots are never handed out.
+    for f in 10..80u64 {
+        let k = [key(f, 0, 1)];
+        if let Some(out) = h.s.manager_mut().prepare_store(&k, None) {
+            for c in &out.chunk_ids {
+                assert!(!slots.contains(c), "{c} is held by a stalled load");
+            }
+            h.s.manager_mut()
+                .complete_store(&out.keys_to_store, StoreOutcome::Success, None)
+                .unwrap();
+        }
+    }
+    h.check();
+    late(&mut h, l2, 1);
+    assert_eq!(h.s.state().stalled_jobs, 0);
+    assert_eq!(h.s.manager().stats().quarantined, 0);
+    assert_eq!(h.s.state().quarantined_chunks, 0);
+    assert_eq!(h.s.metrics().unknown_reports, 0, "no report went unmatched");
+}

@@ -3,7 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::ids::JobId;
+use crate::ids::{ChunkId, JobId};
 use crate::key::ChunkKey;
 
 use super::Scheduler;
@@ -154,6 +154,8 @@ impl Scheduler {
         }
         let quarantined: HashSet<_> = self.manager.quarantined_chunks().into_iter().collect();
         let mut held = 0usize;
+        // Slot -> stalled loads holding it (a slot may be shared by several).
+        let mut load_holders: HashMap<ChunkId, u32> = HashMap::new();
         for (j, s) in &self.stalled {
             if s.remaining == 0 {
                 return Err(format!("stalled {j} owes no report"));
@@ -172,8 +174,8 @@ impl Scheduler {
                         if !quarantined.contains(c) {
                             return Err(format!("stalled load {j}: {c} not quarantined"));
                         }
+                        *load_holders.entry(*c).or_default() += 1;
                     }
-                    held += s.chunk_ids.len();
                 }
                 JobKind::Load => {
                     for k in s.keys.iter() {
@@ -181,6 +183,21 @@ impl Scheduler {
                     }
                 }
             }
+        }
+        let recorded: HashMap<ChunkId, u32> =
+            self.load_holds.iter().map(|(c, n)| (*c, *n)).collect();
+        if load_holders != recorded {
+            return Err(format!(
+                "stalled loads hold {load_holders:?}, the hold counts say {recorded:?}"
+            ));
+        }
+        held += load_holders.len();
+        if load_holders.keys().any(|c| {
+            self.stalled
+                .values()
+                .any(|s| s.kind == JobKind::Store && s.chunk_ids.contains(c))
+        }) {
+            return Err("a slot is held by both a stalled store and a stalled load".into());
         }
         if held != quarantined.len() {
             return Err(format!(

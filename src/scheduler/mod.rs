@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use crate::clock::SharedClock;
 use crate::config::OffloadConfig;
-use crate::ids::{GpuBlockId, JobId, RequestId};
+use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
 use crate::key::{BlockHash, ChunkKey, KeyBuildHasher};
 use crate::manager::{OffloadEvent, OffloadManager};
 
@@ -111,6 +111,9 @@ pub struct Scheduler {
     being_loaded: HashMap<ChunkKey, u32, KeyBuildHasher>,
     batch: Batch,
     stalled: HashMap<JobId, StalledJob, KeyBuildHasher>,
+    /// Quarantined slots of stalled loads (since a reset) -> how many stalled
+    /// loads hold them; freed when the count reaches zero.
+    load_holds: HashMap<ChunkId, u32, KeyBuildHasher>,
     failed_loads: Vec<RequestId>,
     counters: Counters,
     lookup_delays: LookupDelays,
@@ -158,6 +161,7 @@ impl Scheduler {
             being_loaded: HashMap::default(),
             batch: Batch::default(),
             stalled: HashMap::default(),
+            load_holds: HashMap::default(),
             failed_loads: Vec::new(),
             counters: Counters::default(),
             lookup_delays: LookupDelays::default(),

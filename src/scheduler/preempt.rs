@@ -1,6 +1,9 @@
 //! Preemption flush and cache reset (vLLM `reset_cache`).
 
-use crate::ids::{JobId, RequestId};
+use std::collections::HashMap;
+
+use crate::ids::{ChunkId, JobId, RequestId};
+use crate::key::{ChunkKey, KeyBuildHasher};
 
 use super::types::{JobBlocks, JobSlots};
 use super::types::{JobKind, SchedulerError};
@@ -110,24 +113,40 @@ impl Scheduler {
             .map(|(j, _)| *j)
             .collect();
         stalled_loads.sort_unstable();
+        // A chunk pinned by several stalled loads is quarantined once, by the
+        // first, and held by each of them: its slot is freed when the last
+        // one's late reports arrive (`load_holds` counts the holders).
+        let mut quarantined_here: HashMap<ChunkKey, ChunkId, KeyBuildHasher> = HashMap::default();
         for job in stalled_loads {
             let Some(s) = self.stalled.get_mut(&job) else {
                 continue;
             };
-            // A chunk pinned by two stalled loads is quarantined once, for the first.
-            let keys: Vec<_> = s
-                .keys
-                .iter()
-                .copied()
-                .filter(|&k| self.manager.slot_of(k).is_some())
-                .collect();
-            match self.manager.quarantine_pinned(&keys) {
-                Ok(held) => s.chunk_ids = JobSlots::from_vec(held),
-                Err(err) => {
-                    tracing::error!(%job, error = %err, "stalled load: cannot quarantine its chunks");
-                    s.chunk_ids = JobSlots::new();
+            let mut fresh: Vec<ChunkKey> = Vec::new();
+            let mut held = JobSlots::new();
+            for &k in s.keys.iter() {
+                if let Some(&c) = quarantined_here.get(&k) {
+                    if !held.contains(&c) {
+                        held.push(c);
+                    }
+                } else if self.manager.slot_of(k).is_some() && !fresh.contains(&k) {
+                    fresh.push(k);
                 }
             }
+            match self.manager.quarantine_pinned(&fresh) {
+                Ok(slots) => {
+                    for (&k, &c) in fresh.iter().zip(&slots) {
+                        quarantined_here.insert(k, c);
+                        held.push(c);
+                    }
+                }
+                Err(err) => {
+                    tracing::error!(%job, error = %err, "stalled load: cannot quarantine its chunks");
+                }
+            }
+            for &c in &held {
+                *self.load_holds.entry(c).or_insert(0) += 1;
+            }
+            s.chunk_ids = held;
             s.load_quarantined = true;
         }
         self.manager.reset();

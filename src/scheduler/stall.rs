@@ -126,7 +126,20 @@ impl Scheduler {
         }
         let r = match s.kind {
             JobKind::Store => self.manager.release_quarantined(&s.chunk_ids),
-            JobKind::Load if s.load_quarantined => self.manager.release_quarantined(&s.chunk_ids),
+            JobKind::Load if s.load_quarantined => {
+                // Slots shared with other stalled loads stay held until the last one ends.
+                let mut free = JobSlots::new();
+                for &c in &s.chunk_ids {
+                    match self.load_holds.get_mut(&c) {
+                        Some(n) if *n > 1 => *n -= 1,
+                        _ => {
+                            self.load_holds.remove(&c);
+                            free.push(c);
+                        }
+                    }
+                }
+                self.manager.release_quarantined(&free)
+            }
             JobKind::Load => self.manager.complete_load(&s.keys, Some(s.req)),
         };
         if let Err(err) = r {
@@ -134,8 +147,20 @@ impl Scheduler {
         }
     }
 
-    /// Host chunks held by stalled jobs.
+    /// Host chunks held by stalled jobs: quarantined store slots, chunks kept
+    /// pinned by stalled loads, and (after a reset) stalled loads' quarantined
+    /// slots, each counted once however many loads hold it.
     pub(crate) fn quarantined_chunks(&self) -> usize {
-        self.stalled.values().map(|s| s.chunk_ids.len()).sum()
+        let mut stores = 0;
+        let mut pinned: std::collections::HashSet<crate::ids::ChunkId> =
+            std::collections::HashSet::new();
+        for s in self.stalled.values() {
+            match s.kind {
+                JobKind::Store => stores += s.chunk_ids.len(),
+                JobKind::Load if !s.load_quarantined => pinned.extend(s.chunk_ids.iter().copied()),
+                JobKind::Load => {}
+            }
+        }
+        stores + pinned.len() + self.load_holds.len()
     }
 }
