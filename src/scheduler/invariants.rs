@@ -103,7 +103,7 @@ impl Scheduler {
                 }
             }
         }
-        for (req, rs) in &self.requests {
+        for (req, rs) in self.requests.iter() {
             let mut seen = HashSet::new();
             let mut loads = 0;
             for j in &rs.jobs {

@@ -115,7 +115,9 @@ impl Scheduler {
         if start >= end {
             return Ok(LookupOutcome::Hit(0));
         }
-        let rs = &self.requests[&req];
+        let Some(rs) = self.requests.get(&req) else {
+            return Err(SchedulerError::UnknownRequest(req));
+        };
         let scan = maximal_prefix(
             &self.manager,
             (start..end).map(|i| rs.key(i, g.blocks_per_chunk)),

@@ -26,8 +26,8 @@ pub(crate) struct RequestTable {
     free: Vec<u32>,
     /// Request id -> slot.
     index: HashMap<RequestId, u32, KeyBuildHasher>,
-    /// Position in the last resolved scheduled list -> (request, slot).
-    positions: Vec<(RequestId, u32)>,
+    /// Position in the last resolved scheduled list -> the slot it resolved to.
+    positions: Vec<u32>,
 }
 
 impl RequestTable {
@@ -135,18 +135,20 @@ impl RequestTable {
         out.reserve(reqs.len());
         let n = reqs.len();
         for (i, req) in reqs.enumerate() {
-            let cached = self.positions.get(i).and_then(|&(r, s)| {
-                let live = self.ids.get(s as usize) == Some(&Some(req));
-                (r == req && live).then_some(s)
-            });
+            // The cached slot is right if it still holds this request.
+            let cached = self
+                .positions
+                .get(i)
+                .copied()
+                .filter(|&s| self.ids.get(s as usize) == Some(&Some(req)));
             let s = match cached {
                 Some(s) => s,
                 None => {
                     let s = self.slot_of(&req).ok_or(req)?;
                     if i < self.positions.len() {
-                        self.positions[i] = (req, s);
+                        self.positions[i] = s;
                     } else {
-                        self.positions.push((req, s));
+                        self.positions.push(s);
                     }
                     s
                 }
@@ -155,27 +157,6 @@ impl RequestTable {
         }
         self.positions.truncate(n);
         Ok(())
-    }
-}
-
-impl<'a> IntoIterator for &'a RequestTable {
-    type Item = (&'a RequestId, &'a RequestState);
-    type IntoIter = Box<dyn Iterator<Item = Self::Item> + 'a>;
-
-    fn into_iter(self) -> Self::IntoIter {
-        Box::new(self.iter())
-    }
-}
-
-impl std::ops::Index<&RequestId> for RequestTable {
-    type Output = RequestState;
-
-    /// Panics if `req` is not tracked (callers check first).
-    fn index(&self, req: &RequestId) -> &RequestState {
-        match self.get(req) {
-            Some(rs) => rs,
-            None => panic!("request {req} is not tracked"),
-        }
     }
 }
 
