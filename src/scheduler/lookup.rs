@@ -205,9 +205,7 @@ impl Scheduler {
                 Some((keys, chunk_ids, sb, eb, end_chunk))
             }
         };
-        self.batch
-            .allocated
-            .extend(block_ids.iter().copied().filter(|b| b.0 != 0));
+        self.batch.allocated.extend_non_null(block_ids);
         let Some((keys, chunk_ids, sb, eb, end_chunk)) = plan else {
             return Ok(None);
         };

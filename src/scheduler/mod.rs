@@ -10,6 +10,7 @@
 //! the stall watchdog scans; stalled jobs are cleaned at the next hook through
 //! the same completion path as normal completions.
 
+mod allocated;
 mod completion;
 mod fences;
 mod invariants;
@@ -26,7 +27,7 @@ mod store;
 mod types;
 mod watchdog;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -82,7 +83,7 @@ pub(crate) struct FencedReset {
 pub(crate) struct Batch {
     loads: Vec<TransferJob>,
     flush: Vec<JobId>,
-    allocated: HashSet<GpuBlockId, KeyBuildHasher>,
+    allocated: allocated::AllocatedBlocks,
     /// Deadlines of the jobs created in this step, published to the watchdog
     /// at the end of the step.
     deadlines: Vec<(JobId, u64)>,

@@ -58,9 +58,7 @@ impl Scheduler {
                     }
                     rs.block_ids.extend_from_slice(&s.new_block_ids);
                 }
-                self.batch
-                    .allocated
-                    .extend(s.new_block_ids.iter().copied().filter(|b| b.0 != 0));
+                self.batch.allocated.extend_non_null(&s.new_block_ids);
             }
             self.fence_flush();
             for (s, &slot) in input.scheduled.iter().zip(&slots) {
@@ -110,7 +108,7 @@ impl Scheduler {
     /// Every pending store reading a block allocated in this step is flushed.
     fn fence_flush(&mut self) {
         if !self.fences.is_empty() {
-            for b in &self.batch.allocated {
+            for b in self.batch.allocated.as_slice() {
                 self.batch.flush.extend_from_slice(self.fences.jobs(*b));
             }
         }

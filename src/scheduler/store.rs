@@ -4,6 +4,8 @@ use crate::ids::{GpuBlockId, RequestId};
 
 use super::Scheduler;
 use super::jobs::JobEntry;
+use smallvec::SmallVec;
+
 use super::types::{JobBlocks, JobKeys, JobSlots};
 use super::types::{JobKind, TransferJob};
 
@@ -54,9 +56,7 @@ impl Scheduler {
             }
             if !new_blocks.is_empty() {
                 rs.block_ids.extend_from_slice(new_blocks);
-                self.batch
-                    .allocated
-                    .extend(new_blocks.iter().copied().filter(|b| b.0 != 0));
+                self.batch.allocated.extend_non_null(new_blocks);
             }
         }
         let tokens_after = match reach {
@@ -132,7 +132,7 @@ impl Scheduler {
         let ps = self
             .manager
             .prepare_store_for_job(&cand, Some(req))
-            .map(|(k, c)| (JobKeys::from_slice(k), JobSlots::from_slice(c)));
+            .map(|(k, c)| -> (JobKeys, JobSlots) { (copy_small(k), copy_small(c)) });
         let (Some((keys, chunk_ids)), Some(rs)) = (ps, self.requests.at_mut(slot)) else {
             self.counters.allocation_failures += 1;
             tracing::warn!(%req, chunks = cand.len(), "host tier cannot allocate; store retried next step");
@@ -157,12 +157,11 @@ impl Scheduler {
                 break;
             }
             let i = cand_idx[c];
-            blocks.extend(
-                rs.block_ids[i * bpc..(i + 1) * bpc]
-                    .iter()
-                    .copied()
-                    .filter(|b| b.0 != 0),
-            );
+            for &b in &rs.block_ids[i * bpc..(i + 1) * bpc] {
+                if b.0 != 0 {
+                    blocks.push(b);
+                }
+            }
             c += 1;
         }
         let finished = rs.finish.is_some();
@@ -170,7 +169,7 @@ impl Scheduler {
         self.scratch_keys = cand;
         let job = self.new_job_id();
         let now = self.step_now_ns();
-        let flush = finished && blocks.iter().any(|b| self.batch.allocated.contains(b));
+        let flush = finished && blocks.iter().any(|&b| self.batch.allocated.contains(b));
         if finished {
             self.fences.add(job, &blocks);
         }
@@ -191,10 +190,10 @@ impl Scheduler {
                 req,
                 created_ns: now,
                 deadline_ns: deadline,
-                keys: keys.clone(),
+                keys: copy_small(&keys),
                 // A stalled store gets its held slots from the manager.
                 chunk_ids: JobSlots::new(),
-                blocks: blocks.clone(),
+                blocks: copy_small(&blocks),
             },
         );
         out.push(TransferJob {
@@ -207,5 +206,25 @@ impl Scheduler {
         // Published after the insert (at the end of the step): the watchdog
         // drops deadline entries of absent jobs.
         self.batch.deadlines.push((job, deadline));
+    }
+}
+
+/// A copy of `items` as an inline-first vector. A store has one or two
+/// chunks: those are copied into the inline array directly (the loop has a
+/// constant bound and unrolls), which is cheaper than `from_slice`'s `memcpy`
+/// call or `clone`'s generic iterator.
+#[inline(always)]
+fn copy_small<T: Copy, const N: usize>(items: &[T]) -> SmallVec<[T; N]> {
+    match items.first() {
+        Some(&first) if items.len() <= N => {
+            let mut buf = [first; N];
+            for (i, b) in buf.iter_mut().enumerate().skip(1) {
+                if let Some(&x) = items.get(i) {
+                    *b = x;
+                }
+            }
+            SmallVec::from_buf_and_len(buf, items.len())
+        }
+        _ => SmallVec::from_slice(items),
     }
 }
