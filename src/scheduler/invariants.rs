@@ -28,6 +28,11 @@ impl Scheduler {
         self.manager
             .check_invariants()
             .map_err(|e| format!("manager: {e}"))?;
+        if let Some(req) = self.requests.finish_tag_mismatch() {
+            return Err(format!(
+                "{req}: the request table's finished tag disagrees with its state"
+            ));
+        }
         let ws = self.geo.world_size;
         struct Live {
             id: JobId,

@@ -263,15 +263,19 @@ impl Scheduler {
         computed_tokens: u64,
     ) -> Result<(), SchedulerError> {
         self.apply_stalls();
-        let Some(rs) = self.requests.get_mut(&req) else {
+        let info = FinishInfo {
+            aborted,
+            computed_tokens,
+        };
+        let Some(rs) = self
+            .requests
+            .slot_of(&req)
+            .and_then(|slot| self.requests.set_finish(slot, info))
+        else {
             self.manager.request_finished(req);
             self.counters.manager_request_finished += 1;
             return Ok(());
         };
-        rs.finish = Some(FinishInfo {
-            aborted,
-            computed_tokens,
-        });
         if !block_ids.is_empty() {
             rs.block_ids.clear();
             rs.block_ids.extend_from_slice(block_ids);

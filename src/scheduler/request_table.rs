@@ -12,14 +12,24 @@ use std::collections::HashMap;
 use crate::ids::RequestId;
 use crate::key::KeyBuildHasher;
 
-use super::request::RequestState;
+use super::request::{FinishInfo, RequestState};
+
+/// What the dense slot array says of one slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct SlotTag {
+    /// The request it holds (`None`: free).
+    req: Option<RequestId>,
+    /// The request's state has its finish set ([`RequestTable::set_finish`]),
+    /// so that resolving a step's list also tells whether any is finished.
+    finished: bool,
+}
 
 /// Tracked requests by id, stored in reusable dense slots.
 #[derive(Debug, Default)]
 pub(crate) struct RequestTable {
-    /// Slot -> the request it holds (`None`: free). Dense, apart from the
-    /// states, so that resolving a step's list reads few cache lines.
-    ids: Vec<Option<RequestId>>,
+    /// Slot -> the request it holds and whether it is finished. Dense, apart
+    /// from the states, so that resolving a step's list reads few cache lines.
+    ids: Vec<SlotTag>,
     /// Slot -> the request's state (a default state when free).
     states: Vec<RequestState>,
     /// Free slots, reused last-in first-out.
@@ -63,7 +73,7 @@ impl RequestTable {
     #[inline]
     pub fn at(&self, slot: u32) -> Option<&RequestState> {
         match self.ids.get(slot as usize) {
-            Some(Some(_)) => self.states.get(slot as usize),
+            Some(SlotTag { req: Some(_), .. }) => self.states.get(slot as usize),
             _ => None,
         }
     }
@@ -72,25 +82,51 @@ impl RequestTable {
     #[inline]
     pub fn at_mut(&mut self, slot: u32) -> Option<&mut RequestState> {
         match self.ids.get(slot as usize) {
-            Some(Some(_)) => self.states.get_mut(slot as usize),
+            Some(SlotTag { req: Some(_), .. }) => self.states.get_mut(slot as usize),
             _ => None,
         }
     }
 
+    /// Sets the finish of the request in slot `slot` (the only way to set it,
+    /// so that the slot's tag agrees); returns its state.
+    pub fn set_finish(&mut self, slot: u32, info: FinishInfo) -> Option<&mut RequestState> {
+        let tag = self.ids.get_mut(slot as usize)?;
+        tag.req?;
+        tag.finished = true;
+        let rs = self.states.get_mut(slot as usize)?;
+        rs.finish = Some(info);
+        Some(rs)
+    }
+
+    /// The first tracked request whose slot tag disagrees with its finish
+    /// (for the invariant checks).
+    pub fn finish_tag_mismatch(&self) -> Option<RequestId> {
+        self.ids
+            .iter()
+            .zip(&self.states)
+            .find(|(t, rs)| t.req.is_some() && t.finished != rs.finish.is_some())
+            .and_then(|(t, _)| t.req)
+    }
+
     /// Tracks `req` (replacing any state it had).
     pub fn insert(&mut self, req: RequestId, state: RequestState) {
+        let tag = SlotTag {
+            req: Some(req),
+            finished: state.finish.is_some(),
+        };
         if let Some(s) = self.slot_of(&req) {
+            self.ids[s as usize] = tag;
             self.states[s as usize] = state;
             return;
         }
         let s = match self.free.pop() {
             Some(s) => {
-                self.ids[s as usize] = Some(req);
+                self.ids[s as usize] = tag;
                 self.states[s as usize] = state;
                 s
             }
             None => {
-                self.ids.push(Some(req));
+                self.ids.push(tag);
                 self.states.push(state);
                 (self.ids.len() - 1) as u32
             }
@@ -101,7 +137,7 @@ impl RequestTable {
     /// Stops tracking `req`; returns its state.
     pub fn remove(&mut self, req: &RequestId) -> Option<RequestState> {
         let s = self.index.remove(req)?;
-        self.ids[s as usize] = None;
+        self.ids[s as usize] = SlotTag::default();
         self.free.push(s);
         Some(std::mem::take(&mut self.states[s as usize]))
     }
@@ -111,7 +147,7 @@ impl RequestTable {
         self.ids
             .iter()
             .zip(&self.states)
-            .filter_map(|(id, rs)| id.as_ref().map(|id| (id, rs)))
+            .filter_map(|(t, rs)| t.req.as_ref().map(|id| (id, rs)))
     }
 
     /// Every tracked request's state, mutable (slot order).
@@ -119,28 +155,30 @@ impl RequestTable {
         self.ids
             .iter()
             .zip(self.states.iter_mut())
-            .filter_map(|(id, rs)| id.map(|_| rs))
+            .filter_map(|(t, rs)| t.req.map(|_| rs))
     }
 
     /// Resolves the step's scheduled requests to slots, written to `out`
-    /// (co-indexed with `reqs`). Returns the first untracked request, if any
-    /// (then `out` is incomplete). Positions whose request is the same as in the
-    /// last call are resolved without a hash lookup.
+    /// (co-indexed with `reqs`), and tells whether any of them is finished.
+    /// Returns the first untracked request, if any (then `out` is incomplete).
+    /// Positions whose request is the same as in the last call are resolved
+    /// without a hash lookup.
     pub fn resolve_scheduled(
         &mut self,
         reqs: impl ExactSizeIterator<Item = RequestId>,
         out: &mut Vec<u32>,
-    ) -> Result<(), RequestId> {
+    ) -> Result<bool, RequestId> {
         out.clear();
         out.reserve(reqs.len());
         let n = reqs.len();
+        let mut any_finished = false;
         for (i, req) in reqs.enumerate() {
             // The cached slot is right if it still holds this request.
             let cached = self
                 .positions
                 .get(i)
                 .copied()
-                .filter(|&s| self.ids.get(s as usize) == Some(&Some(req)));
+                .filter(|&s| self.ids.get(s as usize).is_some_and(|t| t.req == Some(req)));
             let s = match cached {
                 Some(s) => s,
                 None => {
@@ -153,10 +191,11 @@ impl RequestTable {
                     s
                 }
             };
+            any_finished |= self.ids.get(s as usize).is_some_and(|t| t.finished);
             out.push(s);
         }
         self.positions.truncate(n);
-        Ok(())
+        Ok(any_finished)
     }
 }
 
@@ -217,5 +256,43 @@ mod tests {
         );
         check(&mut t, &mut out, &[3]);
         check(&mut t, &mut out, &[]);
+    }
+
+    #[test]
+    fn resolving_tells_whether_a_scheduled_request_is_finished() {
+        let mut t = RequestTable::default();
+        for r in 0..3 {
+            t.insert(RequestId(r), rs(r));
+        }
+        let mut out = Vec::new();
+        let list = || [0, 1, 2].map(RequestId).into_iter();
+        assert_eq!(t.resolve_scheduled(list(), &mut out), Ok(false));
+        let s1 = t.slot_of(&RequestId(1)).unwrap();
+        let info = FinishInfo {
+            aborted: false,
+            computed_tokens: 0,
+        };
+        assert!(t.set_finish(s1, info).is_some());
+        assert_eq!(t.finish_tag_mismatch(), None);
+        assert_eq!(t.resolve_scheduled(list(), &mut out), Ok(true));
+        assert_eq!(
+            t.resolve_scheduled([0, 2].map(RequestId).into_iter(), &mut out),
+            Ok(false)
+        );
+        // The slot is reused by a new, unfinished request: the tag follows.
+        t.remove(&RequestId(1));
+        assert!(
+            t.set_finish(s1, info).is_none(),
+            "a free slot has no finish"
+        );
+        t.insert(RequestId(7), rs(7));
+        assert_eq!(t.slot_of(&RequestId(7)), Some(s1));
+        assert_eq!(
+            t.resolve_scheduled([0, 7].map(RequestId).into_iter(), &mut out),
+            Ok(false)
+        );
+        // A finish set behind the table's back is an invariant violation.
+        t.get_mut(&RequestId(7)).unwrap().finish = Some(info);
+        assert_eq!(t.finish_tag_mismatch(), Some(RequestId(7)));
     }
 }

@@ -18,16 +18,17 @@ impl Scheduler {
         // two-pass order; otherwise each request is updated and planned in one
         // map lookup, which gives the same result.
         let mut slots = std::mem::take(&mut self.batch.slots);
-        if let Err(req) = self
+        let any_finished = match self
             .requests
             .resolve_scheduled(input.scheduled.iter().map(|s| s.req), &mut slots)
         {
-            self.batch.slots = slots;
-            return Err(SchedulerError::UnknownRequest(req));
-        }
-        let one_pass = slots
-            .iter()
-            .all(|&slot| self.requests.at(slot).is_some_and(|rs| rs.finish.is_none()));
+            Ok(any_finished) => any_finished,
+            Err(req) => {
+                self.batch.slots = slots;
+                return Err(SchedulerError::UnknownRequest(req));
+            }
+        };
+        let one_pass = !any_finished;
         if let Err(e) = self.check_preemption_flush(&input.preempted) {
             self.batch.slots = slots;
             return Err(e);
@@ -115,16 +116,20 @@ impl Scheduler {
     }
 
     fn finalize_finished(&mut self, req: RequestId) {
-        let Some(rs) = self.requests.get_mut(&req) else {
+        let Some(slot) = self.requests.slot_of(&req) else {
             return;
         };
-        if rs.finish.is_none() {
+        if self.requests.at(slot).is_some_and(|rs| rs.finish.is_none()) {
             tracing::debug!(%req, "listed as finished without request_finished");
-            rs.finish = Some(super::request::FinishInfo {
+            let info = super::request::FinishInfo {
                 aborted: false,
                 computed_tokens: 0,
-            });
+            };
+            self.requests.set_finish(slot, info);
         }
+        let Some(rs) = self.requests.at_mut(slot) else {
+            return;
+        };
         rs.finished_signaled = true;
         if !rs.manager_finished {
             rs.manager_finished = true;

@@ -3,6 +3,7 @@
 use crate::ids::{GpuBlockId, RequestId};
 
 use super::Scheduler;
+use super::allocated::AllocatedBlocks;
 use super::jobs::JobEntry;
 use smallvec::SmallVec;
 
@@ -55,8 +56,7 @@ impl Scheduler {
                 rs.block_ids.clear();
             }
             if !new_blocks.is_empty() {
-                rs.block_ids.extend_from_slice(new_blocks);
-                self.batch.allocated.extend_non_null(new_blocks);
+                append_blocks(&mut rs.block_ids, &mut self.batch.allocated, new_blocks);
             }
         }
         let tokens_after = match reach {
@@ -227,4 +227,13 @@ fn copy_small<T: Copy, const N: usize>(items: &[T]) -> SmallVec<[T; N]> {
         }
         _ => SmallVec::from_slice(items),
     }
+}
+
+/// Appends a step's new blocks to a request's table and to the step's
+/// allocated blocks. Out of line: a decoding request gets a new block only
+/// once per block of tokens, so the step's loop stays small.
+#[inline(never)]
+fn append_blocks(table: &mut Vec<GpuBlockId>, allocated: &mut AllocatedBlocks, new: &[GpuBlockId]) {
+    table.extend_from_slice(new);
+    allocated.extend_non_null(new);
 }
