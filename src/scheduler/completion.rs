@@ -201,7 +201,7 @@ impl Scheduler {
                     tracing::error!(%job, error = %err, "complete_store refused");
                 }
                 if e.fenced {
-                    self.fences.remove(job, &e.blocks);
+                    self.fences.remove(job, e.blocks());
                 }
             }
             (JobKind::Store, Ending::Stalled) => {
@@ -219,9 +219,10 @@ impl Scheduler {
                 // Source blocks are fenced (whatever the request's state) while the
                 // late DMA may still read them: a reuse flushes the job.
                 if !e.fenced {
-                    self.fences.add(job, &e.blocks);
+                    self.fences.add(job, e.blocks());
                 }
                 self.counters.stalled_stores += 1;
+                let blocks = JobBlocks::from_slice(e.blocks());
                 self.stalled.insert(
                     job,
                     StalledJob {
@@ -229,7 +230,7 @@ impl Scheduler {
                         req,
                         keys: e.keys,
                         chunk_ids: JobSlots::from_vec(held),
-                        blocks: e.blocks,
+                        blocks,
                         fenced: true,
                         load_quarantined: false,
                         remaining: e.latch.pending(),
@@ -247,13 +248,14 @@ impl Scheduler {
                 self.unmark_loading(&e.keys);
                 self.counters.stalled_loads += 1;
                 self.failed_loads.push(req);
+                let chunk_ids = JobSlots::from_slice(e.chunk_ids());
                 self.stalled.insert(
                     job,
                     StalledJob {
                         kind: JobKind::Load,
                         req,
                         keys: e.keys,
-                        chunk_ids: e.chunk_ids,
+                        chunk_ids,
                         blocks: JobBlocks::new(),
                         fenced: false,
                         load_quarantined: false,

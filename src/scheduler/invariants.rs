@@ -50,7 +50,7 @@ impl Scheduler {
                 kind: e.kind,
                 req: e.req,
                 fenced: e.fenced,
-                blocks: e.blocks.to_vec(),
+                blocks: e.blocks().to_vec(),
                 keys: e.keys.to_vec(),
                 pending: e.latch.pending(),
             });
@@ -143,7 +143,7 @@ impl Scheduler {
             }
             for j in fjobs {
                 let ok = if let Some(e) = self.jobs.get(*j) {
-                    e.kind == JobKind::Store && e.fenced && e.blocks.contains(&b)
+                    e.kind == JobKind::Store && e.fenced && e.blocks().contains(&b)
                 } else if let Some(s) = self.stalled.get(j) {
                     s.kind == JobKind::Store && s.fenced && s.blocks.contains(&b)
                 } else {

@@ -4,12 +4,13 @@
 //! reads them (shard read locks) and stalls the [`JobLatch`] of the jobs it hands over.
 
 use dashmap::DashMap;
+use smallvec::SmallVec;
 
-use crate::ids::{JobId, RequestId};
+use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
 use crate::key::KeyBuildHasher;
 
 use super::latch::JobLatch;
-use super::types::{JobBlocks, JobKeys, JobKind, JobSlots};
+use super::types::{JobKeys, JobKind};
 
 /// Shards of the job table: enough that a full scan holds each lock briefly
 /// (about 16 K jobs per shard at 1 M jobs), few enough to stay cache-friendly.
@@ -20,7 +21,9 @@ const SHARDS: usize = 64;
 /// cache; it grows with the jobs in flight (and never shrinks).
 const INITIAL_CAPACITY: usize = 1024;
 
-/// One in-flight job.
+/// One in-flight job: 80 bytes, so that the table's buckets (88 bytes with
+/// the id) keep an in-flight job under 256 bytes even right after a shard's
+/// table doubles (`tests/job_metadata.rs`).
 #[derive(Debug)]
 pub struct JobEntry {
     /// Load or store.
@@ -34,26 +37,102 @@ pub struct JobEntry {
     pub latch: JobLatch,
     /// The request it serves.
     pub req: RequestId,
-    /// Creation time (clock nanoseconds).
+    /// Creation time (clock nanoseconds); stalled when the clock passes it
+    /// plus the table's stall timeout.
     pub created_ns: u64,
-    /// Stalled when the clock passes this (nanoseconds).
-    pub deadline_ns: u64,
     /// Chunk keys transferred.
     pub keys: JobKeys,
-    /// Host slots, co-indexed with `keys`.
-    pub chunk_ids: JobSlots,
-    /// GPU source blocks of a store (fenced once its request finishes); empty for loads.
-    pub blocks: JobBlocks,
+    /// By `kind`: a load's host slots (co-indexed with `keys`), or a store's
+    /// GPU source blocks (fenced once its request finishes). One list, as a
+    /// job never has both (a stalled store gets its held slots from the manager).
+    ids: SmallVec<[u32; 4]>,
+}
+
+impl JobEntry {
+    /// A store of `keys` from the GPU blocks `blocks`, created at `created_ns`.
+    #[inline]
+    pub fn store(
+        req: RequestId,
+        created_ns: u64,
+        latch: JobLatch,
+        keys: JobKeys,
+        blocks: &[GpuBlockId],
+        fenced: bool,
+    ) -> Self {
+        Self {
+            kind: JobKind::Store,
+            failed: false,
+            fenced,
+            latch,
+            req,
+            created_ns,
+            keys,
+            ids: copy_ids(bytemuck::cast_slice(blocks)),
+        }
+    }
+
+    /// A load of `keys` from the host slots `chunk_ids`, created at `created_ns`.
+    pub fn load(
+        req: RequestId,
+        created_ns: u64,
+        latch: JobLatch,
+        keys: JobKeys,
+        chunk_ids: &[ChunkId],
+    ) -> Self {
+        Self {
+            kind: JobKind::Load,
+            failed: false,
+            fenced: false,
+            latch,
+            req,
+            created_ns,
+            keys,
+            ids: copy_ids(bytemuck::cast_slice(chunk_ids)),
+        }
+    }
+
+    /// A store's GPU source blocks (empty for a load).
+    pub fn blocks(&self) -> &[GpuBlockId] {
+        match self.kind {
+            JobKind::Store => bytemuck::cast_slice(&self.ids),
+            JobKind::Load => &[],
+        }
+    }
+
+    /// A load's host slots, co-indexed with `keys` (empty for a store).
+    pub fn chunk_ids(&self) -> &[ChunkId] {
+        match self.kind {
+            JobKind::Load => bytemuck::cast_slice(&self.ids),
+            JobKind::Store => &[],
+        }
+    }
+}
+
+/// The ids of a job (one or a few): copied into the inline array directly.
+#[inline(always)]
+fn copy_ids(ids: &[u32]) -> SmallVec<[u32; 4]> {
+    if ids.len() <= 4 {
+        let mut buf = [0u32; 4];
+        for (b, &x) in buf.iter_mut().zip(ids) {
+            *b = x;
+        }
+        SmallVec::from_buf_and_len(buf, ids.len())
+    } else {
+        SmallVec::from_slice(ids)
+    }
 }
 
 /// The concurrent job table.
 #[derive(Debug)]
 pub struct JobTable {
     map: DashMap<JobId, JobEntry, KeyBuildHasher>,
+    /// A job is stalled once the clock passes its creation time plus this.
+    stall_timeout_ns: u64,
 }
 
-impl Default for JobTable {
-    fn default() -> Self {
+impl JobTable {
+    /// An empty table whose jobs stall `stall_timeout_ns` after their creation.
+    pub fn new(stall_timeout_ns: u64) -> Self {
         Self {
             // Pre-sized so that steady insert/remove churn does not keep
             // rehashing tiny shard tables.
@@ -62,12 +141,17 @@ impl Default for JobTable {
                 KeyBuildHasher::default(),
                 SHARDS,
             ),
+            stall_timeout_ns,
         }
     }
-}
 
-impl JobTable {
+    /// When `entry` stalls (clock nanoseconds).
+    pub fn deadline_ns(&self, entry: &JobEntry) -> u64 {
+        entry.created_ns.saturating_add(self.stall_timeout_ns)
+    }
+
     /// Inserts a new job.
+    #[inline]
     pub fn insert(&self, id: JobId, entry: JobEntry) {
         self.map.insert(id, entry);
     }
@@ -120,7 +204,7 @@ impl JobTable {
         let mut n = 0;
         for r in self.map.iter() {
             let e = r.value();
-            if now_ns > e.deadline_ns && !e.latch.is_stalled() && e.latch.try_stall() {
+            if now_ns > self.deadline_ns(e) && !e.latch.is_stalled() && e.latch.try_stall() {
                 out(*r.key());
                 n += 1;
             }

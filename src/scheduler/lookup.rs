@@ -9,7 +9,7 @@ use crate::manager::{LookupResult, OffloadManager};
 use super::Scheduler;
 use super::jobs::JobEntry;
 use super::types::{JobBlocks, JobKeys, JobSlots};
-use super::types::{JobKind, LookupOutcome, SchedulerError, TransferJob};
+use super::types::{LookupOutcome, SchedulerError, TransferJob};
 
 /// Result of a maximal-prefix scan over chunk keys.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -215,21 +215,9 @@ impl Scheduler {
             *self.being_loaded.entry(k).or_insert(0) += 1;
         }
         let deadline = now.saturating_add(g.stall_timeout_ns);
-        self.jobs.insert(
-            job,
-            JobEntry {
-                kind: JobKind::Load,
-                failed: false,
-                fenced: false,
-                latch: super::latch::JobLatch::new(g.world_size),
-                req,
-                created_ns: now,
-                deadline_ns: deadline,
-                keys: JobKeys::from_slice(&keys),
-                chunk_ids: JobSlots::from_slice(&chunk_ids),
-                blocks: JobBlocks::new(),
-            },
-        );
+        let latch = super::latch::JobLatch::new(g.world_size);
+        let entry = JobEntry::load(req, now, latch, JobKeys::from_slice(&keys), &chunk_ids);
+        self.jobs.insert(job, entry);
         // After the insert: the watchdog drops deadline entries of absent jobs.
         self.watch.track(job, deadline);
         self.batch.loads.push(TransferJob {

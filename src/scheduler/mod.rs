@@ -132,7 +132,7 @@ impl Scheduler {
 
     /// A scheduler over an existing manager.
     pub fn with_manager(cfg: &OffloadConfig, manager: OffloadManager, clock: SharedClock) -> Self {
-        let jobs = Arc::new(JobTable::default());
+        let jobs = Arc::new(JobTable::new(nanos(cfg.stall_timeout())));
         let watch = Arc::new(WatchdogShared::new(
             Arc::clone(&jobs),
             Arc::clone(&clock),
@@ -286,7 +286,7 @@ impl Scheduler {
                 && !e.fenced
             {
                 e.fenced = true;
-                self.fences.add(job, &e.blocks);
+                self.fences.add(job, e.blocks());
             }
         }
         for (&job, s) in self.stalled.iter_mut() {

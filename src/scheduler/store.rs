@@ -7,8 +7,8 @@ use super::allocated::AllocatedBlocks;
 use super::jobs::JobEntry;
 use smallvec::SmallVec;
 
+use super::types::TransferJob;
 use super::types::{JobBlocks, JobKeys, JobSlots};
-use super::types::{JobKind, TransferJob};
 
 /// How far a request's stores may reach in this step.
 #[derive(Debug, Clone, Copy)]
@@ -180,22 +180,9 @@ impl Scheduler {
             rs.jobs.push(job);
         }
         let deadline = now.saturating_add(g.stall_timeout_ns);
-        self.jobs.insert(
-            job,
-            JobEntry {
-                kind: JobKind::Store,
-                failed: false,
-                fenced: finished,
-                latch: super::latch::JobLatch::new(g.world_size),
-                req,
-                created_ns: now,
-                deadline_ns: deadline,
-                keys: copy_small(&keys),
-                // A stalled store gets its held slots from the manager.
-                chunk_ids: JobSlots::new(),
-                blocks: copy_small(&blocks),
-            },
-        );
+        let latch = super::latch::JobLatch::new(g.world_size);
+        let entry = JobEntry::store(req, now, latch, copy_small(&keys), &blocks, finished);
+        self.jobs.insert(job, entry);
         out.push(TransferJob {
             job,
             req,

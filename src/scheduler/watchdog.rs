@@ -260,27 +260,24 @@ mod tests {
     use crate::clock::ManualClock;
     use crate::ids::RequestId;
     use crate::scheduler::jobs::JobEntry;
-    use crate::scheduler::types::JobKind;
+    use crate::scheduler::latch::JobLatch;
 
+    /// The tests' table has a zero stall timeout: a job's deadline is its creation time.
     fn entry(deadline_ns: u64) -> JobEntry {
-        JobEntry {
-            kind: JobKind::Store,
-            failed: false,
-            fenced: false,
-            latch: crate::scheduler::latch::JobLatch::new(1),
-            req: RequestId(0),
-            created_ns: 0,
+        JobEntry::store(
+            RequestId(0),
             deadline_ns,
-            keys: Default::default(),
-            chunk_ids: Default::default(),
-            blocks: Default::default(),
-        }
+            JobLatch::new(1),
+            Default::default(),
+            &[],
+            false,
+        )
     }
 
     #[test]
     fn deadline_scan_hands_each_expired_job_over_once_and_skips_gone_jobs() {
         let clock = ManualClock::new();
-        let jobs = Arc::new(JobTable::default());
+        let jobs = Arc::new(JobTable::new(0));
         let w = WatchdogShared::new(Arc::clone(&jobs), clock.shared(), Duration::from_secs(10));
         for (id, dl) in [(0u64, 10u64), (1, 20), (2, 30), (3, 40)] {
             jobs.insert(JobId(id), entry(dl));
@@ -305,7 +302,7 @@ mod tests {
     fn scan_if_due_follows_the_interval() {
         let clock = ManualClock::new();
         let w = WatchdogShared::new(
-            Arc::new(JobTable::default()),
+            Arc::new(JobTable::new(0)),
             clock.shared(),
             Duration::from_secs(10),
         );
@@ -319,7 +316,7 @@ mod tests {
     #[test]
     fn the_thread_stops_and_joins_on_drop() {
         let w = Arc::new(WatchdogShared::new(
-            Arc::new(JobTable::default()),
+            Arc::new(JobTable::new(0)),
             ManualClock::new().shared(),
             Duration::from_secs(3600),
         ));
