@@ -35,11 +35,13 @@ impl IndexList {
         self.len
     }
 
+    #[inline]
     pub(crate) fn contains(&self, i: u32) -> bool {
         self.prev[i as usize] != UNLINKED
     }
 
     /// Appends `i` at the back (most recent). `i` must not be linked.
+    #[inline]
     pub(crate) fn push_back(&mut self, i: u32) {
         debug_assert!(!self.contains(i));
         self.prev[i as usize] = self.tail;
@@ -54,6 +56,7 @@ impl IndexList {
     }
 
     /// Unlinks `i`; returns false if it was not in the list.
+    #[inline]
     pub(crate) fn remove(&mut self, i: u32) -> bool {
         if !self.contains(i) {
             return false;
@@ -76,6 +79,7 @@ impl IndexList {
     }
 
     /// Moves `i` to the back, linking it if it was not in the list.
+    #[inline]
     pub(crate) fn move_to_back(&mut self, i: u32) {
         if self.tail == i {
             return;

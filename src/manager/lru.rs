@@ -25,6 +25,7 @@ impl LruPolicy {
 }
 
 impl EvictionPolicy for LruPolicy {
+    #[inline]
     fn on_insert(&mut self, slot: u32, _key: ChunkKey) {
         self.order.move_to_back(slot);
     }
@@ -33,6 +34,7 @@ impl EvictionPolicy for LruPolicy {
         self.order.remove(slot);
     }
 
+    #[inline]
     fn on_store_miss(&mut self, _keys: &[ChunkKey]) {}
 
     fn on_touch(&mut self, _key: ChunkKey, slot: Option<u32>, _ready: bool) {

@@ -29,7 +29,7 @@ use crate::key::{ChunkKey, KeyBuildHasher};
 use events::EventLog;
 use huge_buffer::HugeBuffer;
 use key_index::KeyIndex;
-use policy::{EvictionPolicy, FinishedAccess, new_policy};
+use policy::{EvictionPolicy, FinishedAccess, Policy, new_policy};
 use request_access::RequestAccess;
 use reuse_filter::ReuseFilter;
 use slot_pool::SlotPool;
@@ -100,7 +100,7 @@ pub struct OffloadManager {
     index: KeyIndex,
     slots: HugeBuffer<Slot>,
     pool: SlotPool,
-    policy: Box<dyn EvictionPolicy>,
+    policy: Policy,
     events: EventLog,
     filter: Option<ReuseFilter>,
     requests: HashMap<RequestId, RequestAccess, KeyBuildHasher>,

@@ -66,10 +66,71 @@ pub(crate) struct ArcView {
     pub b2: Vec<ChunkKey>,
 }
 
+/// The configured policy, dispatched statically so that the store path can
+/// inline it (a `match` instead of a virtual call per chunk).
+#[derive(Debug)]
+pub(crate) enum Policy {
+    /// Least recently used.
+    Lru(LruPolicy),
+    /// Adaptive replacement (boxed: its lists make it several times LRU's size).
+    Arc(Box<ArcPolicy>),
+}
+
 /// Builds the configured policy for `capacity` slots.
-pub(crate) fn new_policy(kind: EvictionPolicyKind, capacity: u32) -> Box<dyn EvictionPolicy> {
+pub(crate) fn new_policy(kind: EvictionPolicyKind, capacity: u32) -> Policy {
     match kind {
-        EvictionPolicyKind::Lru => Box::new(LruPolicy::new(capacity)),
-        EvictionPolicyKind::Arc => Box::new(ArcPolicy::new(capacity)),
+        EvictionPolicyKind::Lru => Policy::Lru(LruPolicy::new(capacity)),
+        EvictionPolicyKind::Arc => Policy::Arc(Box::new(ArcPolicy::new(capacity))),
+    }
+}
+
+/// Forwards a call to the policy in use.
+macro_rules! dispatch {
+    ($self:ident, $p:ident => $call:expr) => {
+        match $self {
+            Policy::Lru($p) => $call,
+            Policy::Arc($p) => $call,
+        }
+    };
+}
+
+impl EvictionPolicy for Policy {
+    #[inline]
+    fn on_insert(&mut self, slot: u32, key: ChunkKey) {
+        dispatch!(self, p => p.on_insert(slot, key))
+    }
+    fn on_remove(&mut self, slot: u32) {
+        dispatch!(self, p => p.on_remove(slot))
+    }
+    #[inline]
+    fn on_store_miss(&mut self, keys: &[ChunkKey]) {
+        dispatch!(self, p => p.on_store_miss(keys))
+    }
+    fn on_touch(&mut self, key: ChunkKey, slot: Option<u32>, ready: bool) {
+        dispatch!(self, p => p.on_touch(key, slot, ready))
+    }
+    fn on_request_finished(&mut self, accesses: &[FinishedAccess]) {
+        dispatch!(self, p => p.on_request_finished(accesses))
+    }
+    #[inline]
+    fn evict(
+        &mut self,
+        n: usize,
+        can_evict: &mut dyn FnMut(u32) -> bool,
+        victims: &mut Vec<u32>,
+    ) -> bool {
+        dispatch!(self, p => p.evict(n, can_evict, victims))
+    }
+    fn clear(&mut self) {
+        dispatch!(self, p => p.clear())
+    }
+    fn heap_bytes(&self) -> usize {
+        dispatch!(self, p => p.heap_bytes())
+    }
+    fn lru_view(&self) -> Option<Vec<u32>> {
+        dispatch!(self, p => p.lru_view())
+    }
+    fn arc_view(&self) -> Option<ArcView> {
+        dispatch!(self, p => p.arc_view())
     }
 }
