@@ -89,7 +89,7 @@ impl Sim {
         self.s.build_step(&self.input).unwrap()
     }
 
-    fn complete(&mut self, plan: &StepPlan) {
+    fn complete(&mut self, plan: StepPlan) {
         let report = WorkerReport {
             completed: plan.stores.iter().map(|j| (j.job, 1)).collect(),
             failed: vec![],
@@ -97,6 +97,8 @@ impl Sim {
         self.s.on_worker_output(&report);
         // The backend drains the host tier's events every step (as the sim does).
         black_box(self.s.take_events());
+        // ... and hands the plan back for reuse (as the sim does).
+        self.s.recycle_plan(plan);
     }
 
     /// Timed steps (only `build_step` is timed); stores complete and events are
@@ -114,7 +116,7 @@ impl Sim {
             let t0 = Instant::now();
             let plan = black_box(self.step());
             total += t0.elapsed();
-            self.complete(&plan);
+            self.complete(plan);
         }
         total
     }

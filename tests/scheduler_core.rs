@@ -712,3 +712,30 @@ fn a_restarted_request_re_offers_every_chunk() {
     );
     assert_eq!(plan.stores[0].block_ids.to_vec(), b(5..=6));
 }
+
+#[test]
+fn a_recycled_plan_lends_its_buffers_and_nothing_else() {
+    let mut h = H::new(geo3());
+    h.add(1, 1, 36);
+    assert_eq!(h.lookup(1, 0), LookupOutcome::Hit(0));
+    assert_eq!(h.alloc(1, &b(1..=9), 0), None);
+    let plan = h.run(&[(1, b(1..=9), 0, 36)], &[], &[]);
+    assert_eq!(plan.stores.len(), 1, "one store of the three chunks");
+    let stores = jobs_of(&plan.stores);
+    h.s.recycle_plan(plan);
+    // A load created after the recycle (between steps) is kept, and the next
+    // plan holds only what the next step planned.
+    h.add(2, 1, 36);
+    h.complete(&stores, 1);
+    assert_eq!(h.lookup(2, 0), LookupOutcome::Hit(36));
+    let load = h.alloc(2, &b(20..=28), 36).expect("a load");
+    let plan = h.run(&[], &[], &[]);
+    assert_eq!(jobs_of(&plan.loads), vec![load]);
+    assert!(
+        plan.stores.is_empty(),
+        "no store leaks from the recycled plan"
+    );
+    h.s.recycle_plan(plan);
+    let plan = h.run(&[], &[], &[]);
+    assert!(plan.loads.is_empty() && plan.stores.is_empty() && plan.flush.is_empty());
+}

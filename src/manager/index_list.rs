@@ -89,11 +89,13 @@ impl IndexList {
     }
 
     /// The front (least recent) element.
+    #[inline]
     pub(crate) fn front(&self) -> Option<u32> {
         (self.head != NIL).then_some(self.head)
     }
 
     /// The element after `i` (towards the back), if any.
+    #[inline]
     pub(crate) fn next_of(&self, i: u32) -> Option<u32> {
         let n = self.next[i as usize];
         (n != NIL).then_some(n)

@@ -59,7 +59,17 @@ impl EvictionPolicy for LruPolicy {
         if n == 0 {
             return true;
         }
-        victims.extend(self.order.iter().filter(|&s| can_evict(s)).take(n));
+        // From the least recent end; usually the first slots are evictable.
+        let mut cur = self.order.front();
+        while let Some(s) = cur {
+            if can_evict(s) {
+                victims.push(s);
+                if victims.len() == n {
+                    break;
+                }
+            }
+            cur = self.order.next_of(s);
+        }
         if victims.len() < n {
             victims.clear();
             return false;

@@ -93,6 +93,9 @@ pub(crate) struct Batch {
     now_ns: Option<u64>,
     /// Stores planned by the last step (the next plan's initial capacity).
     last_stores: usize,
+    /// Store-list buffer handed back by [`Scheduler::recycle_plan`], reused
+    /// by the next plan (empty, with its capacity).
+    spare_stores: Vec<TransferJob>,
 }
 
 /// The offload scheduler (control plane) for one KV group.

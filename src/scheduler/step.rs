@@ -37,8 +37,10 @@ impl Scheduler {
         // 1. Preemption flush (loads of this step excluded). Block updates do not
         //    change job sets, so it may come first.
         self.preemption_flush(&input.preempted);
-        // Sized like the last step's plan: no regrowth in steady state.
-        let mut stores = Vec::with_capacity(self.batch.last_stores);
+        // A recycled buffer, or one sized like the last step's plan: no
+        // allocation or regrowth in steady state.
+        let mut stores = std::mem::take(&mut self.batch.spare_stores);
+        stores.reserve(self.batch.last_stores);
         if one_pass {
             // 2 and 4. Request updates and their store planning, in list order.
             for (s, &slot) in input.scheduled.iter().zip(&slots) {
@@ -104,6 +106,36 @@ impl Scheduler {
         self.batch.now_ns = None;
         self.watch.track_all(&mut self.batch.deadlines);
         Ok(plan)
+    }
+
+    /// Hands a finished step's plan back so that the next plans reuse its
+    /// buffers instead of allocating them (optional: a plan that is simply
+    /// dropped costs one allocation in the next step).
+    pub fn recycle_plan(&mut self, plan: StepPlan) {
+        let StepPlan {
+            mut loads,
+            mut stores,
+            mut flush,
+            mut failed_loads,
+        } = plan;
+        if stores.capacity() > self.batch.spare_stores.capacity() {
+            stores.clear();
+            self.batch.spare_stores = stores;
+        }
+        // The other lists are built between steps (loads at allocation, flush
+        // and failed loads by the hooks): reuse their buffers when still empty.
+        if self.batch.loads.is_empty() && loads.capacity() > self.batch.loads.capacity() {
+            loads.clear();
+            self.batch.loads = loads;
+        }
+        if self.batch.flush.is_empty() && flush.capacity() > self.batch.flush.capacity() {
+            flush.clear();
+            self.batch.flush = flush;
+        }
+        if self.failed_loads.is_empty() && failed_loads.capacity() > self.failed_loads.capacity() {
+            failed_loads.clear();
+            self.failed_loads = failed_loads;
+        }
     }
 
     /// Every pending store reading a block allocated in this step is flushed.

@@ -398,6 +398,8 @@ impl Sim {
         // the sim drains them (they are outputs, not control-plane decisions,
         // so the trace does not record them).
         drop(self.sched.take_events());
+        // The plan's buffers serve the next step.
+        self.sched.recycle_plan(plan);
         self.step_ns.record(self.cur_ns);
         Ok(())
     }
