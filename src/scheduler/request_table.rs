@@ -174,13 +174,12 @@ impl RequestTable {
         let mut any_finished = false;
         for (i, req) in reqs.enumerate() {
             // The cached slot is right if it still holds this request.
-            let cached = self
-                .positions
-                .get(i)
-                .copied()
-                .filter(|&s| self.ids.get(s as usize).is_some_and(|t| t.req == Some(req)));
-            let s = match cached {
-                Some(s) => s,
+            let cached = self.positions.get(i).and_then(|&s| {
+                let tag = self.ids.get(s as usize)?;
+                (tag.req == Some(req)).then_some((s, tag.finished))
+            });
+            let (s, finished) = match cached {
+                Some(hit) => hit,
                 None => {
                     let s = self.slot_of(&req).ok_or(req)?;
                     if i < self.positions.len() {
@@ -188,10 +187,10 @@ impl RequestTable {
                     } else {
                         self.positions.push(s);
                     }
-                    s
+                    (s, self.ids.get(s as usize).is_some_and(|t| t.finished))
                 }
             };
-            any_finished |= self.ids.get(s as usize).is_some_and(|t| t.finished);
+            any_finished |= finished;
             out.push(s);
         }
         self.positions.truncate(n);
