@@ -81,10 +81,12 @@ impl WatchdogShared {
             return;
         }
         let mut inbox = lock(&self.inbox);
-        if inbox.is_empty() {
+        if inbox.is_empty() && inbox.capacity() < batch.len() {
             // Hand the buffer over, keep the (empty) old one for the next batch.
             std::mem::swap(&mut *inbox, batch);
         } else {
+            // The inbox keeps the capacity that scans left it (a swap here
+            // would make it regrow from one step's size after every scan).
             inbox.append(batch);
         }
     }
