@@ -1,9 +1,11 @@
-//! The key -> slot index of the host tier: an open-addressing hash table with
-//! linear probing and backward-shift deletion (no tombstones), sized once for
-//! the tier's capacity at a load factor of at most 1/2, in huge-page memory.
+//! A key -> position index holding the keys themselves (ARC's ghost lists,
+//! whose keys have no slot record): open addressing with linear probing and
+//! backward-shift deletion (no tombstones), sized once for its capacity at a
+//! load factor of at most 1/2, in huge-page memory. The tier's own index is
+//! [`super::slot_index::SlotIndex`], which keeps only fingerprints.
 //!
-//! The tier never holds more keys than slots, so the table never grows, and a
-//! lookup touches one cache line in the common case.
+//! The index never holds more keys than its capacity, so the table never
+//! grows, and a lookup touches one cache line in the common case.
 
 use crate::key::ChunkKey;
 
@@ -86,6 +88,7 @@ impl KeyIndex {
     }
 
     /// Number of keys.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.len
     }

@@ -17,6 +17,7 @@ mod lru;
 mod policy;
 mod request_access;
 mod reuse_filter;
+mod slot_index;
 mod slot_pool;
 mod types;
 
@@ -28,10 +29,10 @@ use crate::key::{ChunkKey, KeyBuildHasher};
 
 use events::EventLog;
 use huge_buffer::HugeBuffer;
-use key_index::KeyIndex;
 use policy::{EvictionPolicy, FinishedAccess, Policy, new_policy};
 use request_access::RequestAccess;
 use reuse_filter::ReuseFilter;
+use slot_index::SlotIndex;
 use slot_pool::SlotPool;
 
 pub use types::{
@@ -97,7 +98,7 @@ pub const ALLOC_SIZE_BUCKETS: usize = 16;
 pub struct OffloadManager {
     capacity: u32,
     policy_kind: EvictionPolicyKind,
-    index: KeyIndex,
+    index: SlotIndex,
     slots: HugeBuffer<Slot>,
     pool: SlotPool,
     policy: Policy,
@@ -131,7 +132,7 @@ impl OffloadManager {
         Ok(Self {
             capacity,
             policy_kind: policy,
-            index: KeyIndex::with_capacity(capacity as usize),
+            index: SlotIndex::with_capacity(capacity as usize),
             slots: HugeBuffer::new(capacity as usize, EMPTY_SLOT),
             pool: SlotPool::new(capacity),
             policy: new_policy(policy, capacity),
@@ -186,7 +187,7 @@ impl OffloadManager {
     /// Whether `key` is stored (hit), being stored (hit pending) or absent (miss).
     #[inline]
     pub fn lookup(&self, key: ChunkKey) -> LookupResult {
-        match self.index.get(key) {
+        match self.index.get(key, |x| self.slots[x as usize].key) {
             None => LookupResult::Miss,
             Some(s) if self.slots[s as usize].ref_cnt == PENDING => LookupResult::HitPending,
             Some(_) => LookupResult::Hit,
@@ -195,7 +196,9 @@ impl OffloadManager {
 
     /// The host slot of `key`, if present (pending or ready).
     pub fn slot_of(&self, key: ChunkKey) -> Option<ChunkId> {
-        self.index.get(key).map(ChunkId)
+        self.index
+            .get(key, |x| self.slots[x as usize].key)
+            .map(ChunkId)
     }
 
     /// Pins ready chunks for a load; returns their slots co-indexed with `keys`.
@@ -208,7 +211,10 @@ impl OffloadManager {
     ) -> Result<Vec<ChunkId>, ManagerError> {
         let mut out = Vec::with_capacity(keys.len());
         for &k in keys {
-            let s = self.index.get(k).ok_or(ManagerError::UnknownKey(k))?;
+            let s = self
+                .index
+                .get(k, |x| self.slots[x as usize].key)
+                .ok_or(ManagerError::UnknownKey(k))?;
             if self.slots[s as usize].ref_cnt == PENDING {
                 return Err(ManagerError::NotReady(k));
             }
@@ -239,7 +245,10 @@ impl OffloadManager {
         // Validate with multiplicity: a key listed twice must be pinned twice.
         let mut need: HashMap<u32, i32, KeyBuildHasher> = HashMap::default();
         for &k in keys {
-            let s = self.index.get(k).ok_or(ManagerError::UnknownKey(k))?;
+            let s = self
+                .index
+                .get(k, |x| self.slots[x as usize].key)
+                .ok_or(ManagerError::UnknownKey(k))?;
             let n = need.entry(s).or_insert(0);
             *n += 1;
             if self.slots[s as usize].ref_cnt < *n {
@@ -306,7 +315,7 @@ impl OffloadManager {
             if keys.len() <= 64 && keys[..i].contains(&k) {
                 continue;
             }
-            match self.index.get(k) {
+            match self.index.get(k, |x| self.slots[x as usize].key) {
                 Some(s) => {
                     let slot = &mut self.slots[s as usize];
                     if let Some(acc) = access.as_mut() {
@@ -378,10 +387,11 @@ impl OffloadManager {
         let mut evicted = std::mem::take(&mut self.scratch_evicted);
         evicted.clear();
         for &s in &victims {
-            let slot = &mut self.slots[s as usize];
-            evicted.push(slot.key);
-            self.index.remove(slot.key);
-            *slot = EMPTY_SLOT;
+            let key = self.slots[s as usize].key;
+            evicted.push(key);
+            let slots = &self.slots;
+            self.index.remove(key, |x| slots[x as usize].key);
+            self.slots[s as usize] = EMPTY_SLOT;
             self.counters.ready -= 1;
             self.pool.release(s);
         }
@@ -401,7 +411,8 @@ impl OffloadManager {
                 state: SlotState::Occupied,
                 protected: false,
             };
-            self.index.insert(k, s);
+            let slots = &self.slots;
+            self.index.insert(k, s, |x| slots[x as usize].key);
             self.policy.on_insert(s, k);
             self.events.reowned(k);
             chunk_ids.push(ChunkId(s));
@@ -435,7 +446,7 @@ impl OffloadManager {
         let mut resolved = std::mem::take(&mut self.scratch_resolved);
         resolved.clear();
         for &k in keys {
-            match self.index.get(k) {
+            match self.index.get(k, |x| self.slots[x as usize].key) {
                 Some(s) => resolved.push((k, s)),
                 None => {
                     self.scratch_resolved = resolved;
@@ -458,13 +469,15 @@ impl OffloadManager {
                     self.counters.ready += 1;
                 }
                 StoreOutcome::Failure => {
-                    self.index.remove(k);
+                    let slots = &self.slots;
+                    self.index.remove(k, |x| slots[x as usize].key);
                     self.slots[s as usize] = EMPTY_SLOT;
                     self.policy.on_remove(s);
                     self.pool.release(s);
                 }
                 StoreOutcome::Quarantined => {
-                    self.index.remove(k);
+                    let slots = &self.slots;
+                    self.index.remove(k, |x| slots[x as usize].key);
                     self.slots[s as usize] = Slot {
                         state: SlotState::Quarantined,
                         ..EMPTY_SLOT
@@ -510,7 +523,10 @@ impl OffloadManager {
     /// pinned; a key listed twice is quarantined once. Returns the slots.
     pub fn quarantine_pinned(&mut self, keys: &[ChunkKey]) -> Result<Vec<ChunkId>, ManagerError> {
         for &k in keys {
-            let s = self.index.get(k).ok_or(ManagerError::UnknownKey(k))?;
+            let s = self
+                .index
+                .get(k, |x| self.slots[x as usize].key)
+                .ok_or(ManagerError::UnknownKey(k))?;
             if self.slots[s as usize].ref_cnt < 1 {
                 return Err(ManagerError::NotPinned(k));
             }
@@ -518,7 +534,8 @@ impl OffloadManager {
         let mut held = Vec::with_capacity(keys.len());
         let mut removed = Vec::with_capacity(keys.len());
         for &k in keys {
-            let Some(s) = self.index.remove(k) else {
+            let slots = &self.slots;
+            let Some(s) = self.index.remove(k, |x| slots[x as usize].key) else {
                 continue; // listed twice
             };
             self.policy.on_remove(s);
@@ -540,7 +557,7 @@ impl OffloadManager {
     /// are ignored (ARC adapts its target when they are in a ghost list).
     pub fn touch(&mut self, keys: &[ChunkKey], _req: Option<RequestId>) {
         for &k in keys.iter().rev() {
-            let slot = self.index.get(k);
+            let slot = self.index.get(k, |x| self.slots[x as usize].key);
             let ready = slot.is_some_and(|s| self.slots[s as usize].ref_cnt >= 0);
             self.policy.on_touch(k, slot, ready);
         }
@@ -557,11 +574,13 @@ impl OffloadManager {
             .tail_first()
             .into_iter()
             .filter_map(|(k, reused)| {
-                self.index.get(k).map(|s| FinishedAccess {
-                    slot: s,
-                    reused,
-                    ready: self.slots[s as usize].ref_cnt >= 0,
-                })
+                self.index
+                    .get(k, |x| self.slots[x as usize].key)
+                    .map(|s| FinishedAccess {
+                        slot: s,
+                        reused,
+                        ready: self.slots[s as usize].ref_cnt >= 0,
+                    })
             })
             .collect();
         self.policy.on_request_finished(&accesses);
@@ -698,7 +717,7 @@ impl OffloadManager {
                 SlotState::Quarantined => c.quarantined += 1,
                 SlotState::Occupied => {
                     occupied += 1;
-                    if self.index.get(slot.key) != Some(s as u32) {
+                    if self.index.get(slot.key, |x| self.slots[x as usize].key) != Some(s as u32) {
                         return Err(format!(
                             "slot {s} holds key {} but the index disagrees",
                             slot.key

@@ -602,7 +602,9 @@ fn metadata_stays_small_per_chunk() {
         store_ok(&mut m, c);
     }
     let per_chunk = m.metadata_bytes() as f64 / n as f64;
-    assert!(per_chunk <= 64.0, "{per_chunk} bytes of metadata per chunk");
+    // Target 64; the design gives 40 (8-byte index entries at load 1/2, a
+    // 16-byte slot record, 8 bytes of LRU links) plus the free list's room.
+    assert!(per_chunk <= 48.0, "{per_chunk} bytes of metadata per chunk");
 }
 
 #[test]
