@@ -265,7 +265,7 @@ impl Scheduler {
             }
         }
         if let Some(rs) = self.requests.get_mut(&req) {
-            rs.jobs.retain(|&j| j != job);
+            rs.jobs.retain(|j| *j != job);
             if rs.finished_signaled && rs.jobs.is_empty() {
                 self.requests.remove(&req);
             }

@@ -358,7 +358,7 @@ impl Scheduler {
     /// The jobs in flight for `req` (sorted), or `None` if it is not tracked.
     pub fn request_jobs(&self, req: RequestId) -> Option<Vec<JobId>> {
         self.requests.get(&req).map(|r| {
-            let mut v = r.jobs.clone();
+            let mut v = r.jobs.to_vec();
             v.sort_unstable();
             v
         })

@@ -17,8 +17,10 @@ pub(crate) struct FinishInfo {
 /// The field order is the memory order (`repr(C)`), chosen for the step's
 /// loop over every scheduled request: the first 64-byte line holds what the
 /// check "does a chunk complete?" reads (tokens, store index, block and hash
-/// lists), the second the limits and the finish state; the rest is cold. The
-/// 128-byte alignment keeps the two hot lines in one adjacent-line pair.
+/// lists), so a request that completes no chunk costs that one line; the
+/// second holds the limits and the finish state, read when a chunk may
+/// complete; the rest is cold. The 128-byte alignment keeps the two hot lines
+/// in one adjacent-line pair.
 #[derive(Debug, Clone, Default)]
 #[repr(C, align(128))]
 pub(crate) struct RequestState {
@@ -40,8 +42,9 @@ pub(crate) struct RequestState {
     pub finished_signaled: bool,
     /// The manager heard `request_finished` for it.
     pub manager_finished: bool,
-    /// Jobs in flight: exactly one load, or only stores.
-    pub jobs: Vec<JobId>,
+    /// Jobs in flight: exactly one load, or only stores (inline up to two,
+    /// so a decoding request's store needs no heap line of its own).
+    pub jobs: smallvec::SmallVec<[JobId; 2]>,
     /// Computed tokens of the latest lookup since the last restart.
     pub lookup_computed: Option<u64>,
     /// Clock time (ns) of the first deferral of a lookup that has not resolved

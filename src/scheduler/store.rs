@@ -70,22 +70,28 @@ impl Scheduler {
             },
         };
         let mut offloadable = tokens_after.min(rs.num_tokens);
+        let bpc = g.blocks_per_chunk;
+        let start = rs.next_stored_chunk;
+        // Fast exit without divisions (most requests complete no chunk in a
+        // step): chunk `start` is complete only if the tokens, the blocks and
+        // the hashes all reach its end. These are all in the state's first
+        // cache line; the limits below (second line) can only lower
+        // `offloadable`, so they are read only when the chunk may complete.
+        let end_blocks = (start + 1) * bpc;
+        let chunk_end = (start as u64 + 1) * g.tokens_per_chunk;
+        if offloadable < chunk_end
+            || rs.block_ids.len() < end_blocks
+            || rs.num_hashes() < end_blocks
+        {
+            return;
+        }
         if let Some(cap) = rs.caps.max_offload_tokens {
             offloadable = offloadable.min(cap);
         }
         if g.offload_prompt_only {
             offloadable = offloadable.min(rs.prompt_tokens);
         }
-        let bpc = g.blocks_per_chunk;
-        let start = rs.next_stored_chunk;
-        // Fast exit without divisions (most requests complete no chunk in a step):
-        // chunk `start` is complete only if the tokens, the blocks and the
-        // hashes all reach its end.
-        let end_blocks = (start + 1) * bpc;
-        if offloadable < (start as u64 + 1) * g.tokens_per_chunk
-            || rs.block_ids.len() < end_blocks
-            || rs.num_hashes() < end_blocks
-        {
+        if offloadable < chunk_end {
             return;
         }
         self.plan_chunks(slot, req, offloadable, out);
