@@ -10,6 +10,13 @@
 use crate::key::ChunkKey;
 
 use super::huge_buffer::HugeBuffer;
+use super::probing::remove_at;
+
+/// Fibonacci hashing: the top bits of key * 2^64/phi (`shift` = 64 - log2 size).
+#[inline]
+fn home_of(key: u64, shift: u32) -> usize {
+    (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift) as usize
+}
 
 const EMPTY: u32 = u32::MAX;
 
@@ -53,8 +60,7 @@ impl KeyIndex {
 
     #[inline]
     fn home(&self, key: u64) -> usize {
-        // Fibonacci hashing: the top bits of key * 2^64/phi.
-        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+        home_of(key, self.shift)
     }
 
     #[inline]
@@ -124,23 +130,12 @@ impl KeyIndex {
 
     /// Removes `key`, returning its slot.
     pub(crate) fn remove(&mut self, key: ChunkKey) -> Option<u32> {
-        let mut hole = self.find(key.0).ok()?;
+        let hole = self.find(key.0).ok()?;
         let slot = self.entries[hole].slot;
-        let mut j = hole;
-        loop {
-            j = (j + 1) & self.mask;
-            let e = self.entries[j];
-            if e.slot == EMPTY {
-                break;
-            }
-            let home = self.home(e.key);
-            // e may move back into the hole if the hole lies between its home and j.
-            if (j.wrapping_sub(home) & self.mask) >= (j.wrapping_sub(hole) & self.mask) {
-                self.entries[hole] = e;
-                hole = j;
-            }
-        }
-        self.entries[hole] = VACANT;
+        let (shift, mask) = (self.shift, self.mask);
+        remove_at(&mut self.entries, mask, hole, VACANT, |e| {
+            (e.slot != EMPTY).then(|| home_of(e.key, shift))
+        });
         self.len -= 1;
         Some(slot)
     }

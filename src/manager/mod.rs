@@ -15,6 +15,7 @@ mod index_list;
 mod key_index;
 mod lru;
 mod policy;
+mod probing;
 mod request_access;
 mod reuse_filter;
 mod slot_index;

@@ -14,6 +14,7 @@
 use crate::key::ChunkKey;
 
 use super::huge_buffer::HugeBuffer;
+use super::probing::remove_at;
 
 const EMPTY: u32 = u32::MAX;
 
@@ -41,6 +42,12 @@ pub(crate) struct SlotIndex {
     max_len: usize,
 }
 
+/// The home position of fingerprint `fp` in a table of 2^`bits` entries.
+#[inline]
+fn home_of(fp: u32, bits: u32) -> usize {
+    (u64::from(fp) >> (32 - bits)) as usize
+}
+
 #[inline]
 fn fingerprint(key: ChunkKey) -> u32 {
     (key.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as u32
@@ -61,7 +68,7 @@ impl SlotIndex {
 
     #[inline]
     fn home(&self, fp: u32) -> usize {
-        (u64::from(fp) >> (32 - self.bits)) as usize
+        home_of(fp, self.bits)
     }
 
     #[inline]
@@ -131,23 +138,12 @@ impl SlotIndex {
         key: ChunkKey,
         key_of: impl Fn(u32) -> ChunkKey,
     ) -> Option<u32> {
-        let mut hole = self.find(key, key_of).ok()?;
+        let hole = self.find(key, key_of).ok()?;
         let slot = self.entries[hole].slot;
-        let mut j = hole;
-        loop {
-            j = (j + 1) & self.mask;
-            let e = self.entries[j];
-            if e.slot == EMPTY {
-                break;
-            }
-            let home = self.home(e.fp);
-            // e may move back into the hole if the hole lies between its home and j.
-            if (j.wrapping_sub(home) & self.mask) >= (j.wrapping_sub(hole) & self.mask) {
-                self.entries[hole] = e;
-                hole = j;
-            }
-        }
-        self.entries[hole] = VACANT;
+        let (bits, mask) = (self.bits, self.mask);
+        remove_at(&mut self.entries, mask, hole, VACANT, |e| {
+            (e.slot != EMPTY).then(|| home_of(e.fp, bits))
+        });
         self.len -= 1;
         Some(slot)
     }
