@@ -19,7 +19,7 @@ const SHARDS: usize = 64;
 /// Initial capacity of the job table (all shards together): small, so that
 /// the table of a steady step (tens to hundreds of jobs in flight) stays in
 /// cache; it grows with the jobs in flight (and never shrinks).
-const INITIAL_CAPACITY: usize = 1024;
+const INITIAL_CAPACITY: usize = 256;
 
 /// One in-flight job: 80 bytes, so that the table's buckets (88 bytes with
 /// the id) keep an in-flight job under 256 bytes even right after a shard's
