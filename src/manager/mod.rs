@@ -31,7 +31,7 @@ use crate::key::{ChunkKey, KeyBuildHasher};
 use events::EventLog;
 use huge_buffer::HugeBuffer;
 use policy::{EvictionPolicy, FinishedAccess, Policy, new_policy};
-use request_access::RequestAccess;
+pub(crate) use request_access::RequestAccess;
 use reuse_filter::ReuseFilter;
 use slot_index::SlotIndex;
 use slot_pool::SlotPool;
@@ -210,6 +210,27 @@ impl OffloadManager {
         keys: &[ChunkKey],
         req: Option<RequestId>,
     ) -> Result<Vec<ChunkId>, ManagerError> {
+        let out = self.pin_for_load(keys)?;
+        if let Some(req) = req {
+            self.requests.entry(req).or_default().record_reads(keys);
+        }
+        Ok(out)
+    }
+
+    /// [`Self::prepare_load`] for a request whose accesses its caller keeps
+    /// (the scheduler keeps them in the request's state: no map probe).
+    pub(crate) fn prepare_load_recorded(
+        &mut self,
+        keys: &[ChunkKey],
+        access: &mut RequestAccess,
+    ) -> Result<Vec<ChunkId>, ManagerError> {
+        let out = self.pin_for_load(keys)?;
+        access.record_reads(keys);
+        Ok(out)
+    }
+
+    /// Validates and pins `keys` for a load (nothing changes on error).
+    fn pin_for_load(&mut self, keys: &[ChunkKey]) -> Result<Vec<ChunkId>, ManagerError> {
         let mut out = Vec::with_capacity(keys.len());
         for &k in keys {
             let s = self
@@ -227,12 +248,6 @@ impl OffloadManager {
                 self.counters.pinned += 1;
             }
             slot.ref_cnt += 1;
-        }
-        if let Some(req) = req {
-            let acc = self.requests.entry(req).or_default();
-            for &k in keys {
-                acc.record(k, true);
-            }
         }
         Ok(out)
     }
@@ -278,7 +293,14 @@ impl OffloadManager {
         keys: &[ChunkKey],
         req: Option<RequestId>,
     ) -> Option<PrepareStoreOutput> {
-        if !self.prepare_store_inner(keys, req) {
+        // The request's record leaves the map for the call (the store path
+        // takes a record, wherever its owner keeps it).
+        let mut access = req.map(|r| self.requests.remove(&r).unwrap_or_default());
+        let ok = self.prepare_store_inner(keys, access.as_mut());
+        if let (Some(r), Some(a)) = (req, access) {
+            self.requests.insert(r, a);
+        }
+        if !ok {
             return None;
         }
         Some(PrepareStoreOutput {
@@ -289,20 +311,25 @@ impl OffloadManager {
     }
 
     /// [`Self::prepare_store`] for the scheduler's hot path, without allocating:
-    /// the keys to store and their slots are borrowed from reused buffers, and
-    /// the evicted keys go to the event log only.
+    /// the keys to store and their slots are borrowed from reused buffers, the
+    /// evicted keys go to the event log only, and the accesses are recorded in
+    /// `access`, which the caller keeps (the request's state: no map probe).
     pub(crate) fn prepare_store_for_job(
         &mut self,
         keys: &[ChunkKey],
-        req: Option<RequestId>,
+        access: Option<&mut RequestAccess>,
     ) -> Option<(&[ChunkKey], &[ChunkId])> {
-        if !self.prepare_store_inner(keys, req) {
+        if !self.prepare_store_inner(keys, access) {
             return None;
         }
         Some((&self.scratch_store, &self.scratch_ids))
     }
 
-    fn prepare_store_inner(&mut self, keys: &[ChunkKey], req: Option<RequestId>) -> bool {
+    fn prepare_store_inner(
+        &mut self,
+        keys: &[ChunkKey],
+        mut access: Option<&mut RequestAccess>,
+    ) -> bool {
         // Offered keys, deduplicated in order; present ones are protected from eviction.
         let mut to_store = std::mem::take(&mut self.scratch_store);
         to_store.clear();
@@ -311,7 +338,6 @@ impl OffloadManager {
         for &k in keys {
             self.index.prefetch(k);
         }
-        let mut access = req.map(|r| self.requests.entry(r).or_default());
         for (i, &k) in keys.iter().enumerate() {
             if keys.len() <= 64 && keys[..i].contains(&k) {
                 continue;
@@ -571,6 +597,24 @@ impl OffloadManager {
         let Some(acc) = self.requests.remove(&req) else {
             return;
         };
+        self.apply_finished(&acc);
+    }
+
+    /// [`Self::request_finished`] for a request whose accesses its caller kept
+    /// (see [`Self::prepare_store_for_job`]); accesses recorded in the map
+    /// under `req` (through the public calls) come first.
+    pub(crate) fn request_finished_with(&mut self, req: RequestId, kept: RequestAccess) {
+        let acc = match self.requests.remove(&req) {
+            Some(mut acc) => {
+                acc.append(kept);
+                acc
+            }
+            None => kept,
+        };
+        self.apply_finished(&acc);
+    }
+
+    fn apply_finished(&mut self, acc: &RequestAccess) {
         let accesses: Vec<FinishedAccess> = acc
             .tail_first()
             .into_iter()

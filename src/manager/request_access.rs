@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use crate::key::{ChunkKey, KeyBuildHasher};
 
 /// The chunks one request touched, in offer (prefix) order, possibly repeated.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct RequestAccess {
     order: Vec<(ChunkKey, bool)>,
 }
@@ -19,6 +19,16 @@ impl RequestAccess {
     #[inline]
     pub(crate) fn record(&mut self, key: ChunkKey, reused: bool) {
         self.order.push((key, reused));
+    }
+
+    /// Records reads of `keys` (a load).
+    pub(crate) fn record_reads(&mut self, keys: &[ChunkKey]) {
+        self.order.extend(keys.iter().map(|&k| (k, true)));
+    }
+
+    /// Appends the accesses of `later` after this record's.
+    pub(crate) fn append(&mut self, mut later: RequestAccess) {
+        self.order.append(&mut later.order);
     }
 
     /// The distinct keys, tail first (reverse order of first access), each with

@@ -201,7 +201,10 @@ impl Scheduler {
         let plan = match plan {
             None => None,
             Some((keys, sb, eb, end_chunk)) => {
-                let chunk_ids = self.manager.prepare_load(&keys, Some(req))?;
+                let chunk_ids = match self.requests.get_mut(&req) {
+                    Some(rs) => self.manager.prepare_load_recorded(&keys, &mut rs.access)?,
+                    None => self.manager.prepare_load(&keys, Some(req))?,
+                };
                 Some((keys, chunk_ids, sb, eb, end_chunk))
             }
         };

@@ -100,7 +100,7 @@ impl Scheduler {
             if let Some(rs) = self.requests.remove(&req)
                 && !rs.manager_finished
             {
-                self.manager.request_finished(req);
+                self.manager.request_finished_with(req, rs.access);
                 self.counters.manager_request_finished += 1;
             }
         }
@@ -153,6 +153,8 @@ impl Scheduler {
         for rs in self.requests.values_mut() {
             rs.next_stored_chunk = 0;
             rs.jobs.clear();
+            // The tier forgot every access (as its own map is cleared).
+            rs.access = Default::default();
         }
         self.stale_threshold = self.next_job;
         self.reset_fence.extend(live);

@@ -50,6 +50,10 @@ pub(crate) struct RequestState {
     /// Clock time (ns) of the first deferral of a lookup that has not resolved
     /// yet (vLLM `deferred_lookup_start_time`); taken when it resolves.
     pub lookup_deferred_since_ns: Option<u64>,
+    /// What it stored or read on the host tier, kept here rather than in the
+    /// manager's map (no hash probe per store); handed to the manager when it
+    /// finishes, dropped at a reset.
+    pub access: crate::manager::RequestAccess,
 }
 
 /// Per-request limits on what is loaded and stored (vLLM's `max_load_tokens`

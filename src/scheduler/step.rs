@@ -165,7 +165,8 @@ impl Scheduler {
         rs.finished_signaled = true;
         if !rs.manager_finished {
             rs.manager_finished = true;
-            self.manager.request_finished(req);
+            let access = std::mem::take(&mut rs.access);
+            self.manager.request_finished_with(req, access);
             self.counters.manager_request_finished += 1;
         }
         if rs.jobs.is_empty() {

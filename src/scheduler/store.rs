@@ -137,7 +137,7 @@ impl Scheduler {
         }
         let ps = self
             .manager
-            .prepare_store_for_job(&cand, Some(req))
+            .prepare_store_for_job(&cand, Some(&mut rs.access))
             .map(|(k, c)| -> (JobKeys, JobSlots) { (copy_small(k), copy_small(c)) });
         let (Some((keys, chunk_ids)), Some(rs)) = (ps, self.requests.at_mut(slot)) else {
             self.counters.allocation_failures += 1;
