@@ -91,6 +91,12 @@ pub struct ArcState {
     pub b2: Vec<ChunkKey>,
 }
 
+/// The key each indexed slot's record holds, for the index's key checks.
+#[inline]
+fn key_of(slots: &[Slot]) -> impl Fn(u32) -> ChunkKey + '_ {
+    move |s| slots[s as usize].key
+}
+
 /// Power-of-two buckets of `prepare_store` allocation sizes (chunks per call).
 pub const ALLOC_SIZE_BUCKETS: usize = 16;
 
@@ -185,10 +191,16 @@ impl OffloadManager {
         self.generation
     }
 
+    /// The slot `key` is indexed at (pending or ready).
+    #[inline]
+    fn indexed(&self, key: ChunkKey) -> Option<u32> {
+        self.index.get(key, key_of(&self.slots))
+    }
+
     /// Whether `key` is stored (hit), being stored (hit pending) or absent (miss).
     #[inline]
     pub fn lookup(&self, key: ChunkKey) -> LookupResult {
-        match self.index.get(key, |x| self.slots[x as usize].key) {
+        match self.indexed(key) {
             None => LookupResult::Miss,
             Some(s) if self.slots[s as usize].ref_cnt == PENDING => LookupResult::HitPending,
             Some(_) => LookupResult::Hit,
@@ -197,9 +209,7 @@ impl OffloadManager {
 
     /// The host slot of `key`, if present (pending or ready).
     pub fn slot_of(&self, key: ChunkKey) -> Option<ChunkId> {
-        self.index
-            .get(key, |x| self.slots[x as usize].key)
-            .map(ChunkId)
+        self.indexed(key).map(ChunkId)
     }
 
     /// Pins ready chunks for a load; returns their slots co-indexed with `keys`.
@@ -233,10 +243,7 @@ impl OffloadManager {
     fn pin_for_load(&mut self, keys: &[ChunkKey]) -> Result<Vec<ChunkId>, ManagerError> {
         let mut out = Vec::with_capacity(keys.len());
         for &k in keys {
-            let s = self
-                .index
-                .get(k, |x| self.slots[x as usize].key)
-                .ok_or(ManagerError::UnknownKey(k))?;
+            let s = self.indexed(k).ok_or(ManagerError::UnknownKey(k))?;
             if self.slots[s as usize].ref_cnt == PENDING {
                 return Err(ManagerError::NotReady(k));
             }
@@ -261,10 +268,7 @@ impl OffloadManager {
         // Validate with multiplicity: a key listed twice must be pinned twice.
         let mut need: HashMap<u32, i32, KeyBuildHasher> = HashMap::default();
         for &k in keys {
-            let s = self
-                .index
-                .get(k, |x| self.slots[x as usize].key)
-                .ok_or(ManagerError::UnknownKey(k))?;
+            let s = self.indexed(k).ok_or(ManagerError::UnknownKey(k))?;
             let n = need.entry(s).or_insert(0);
             *n += 1;
             if self.slots[s as usize].ref_cnt < *n {
@@ -342,7 +346,7 @@ impl OffloadManager {
             if keys.len() <= 64 && keys[..i].contains(&k) {
                 continue;
             }
-            match self.index.get(k, |x| self.slots[x as usize].key) {
+            match self.indexed(k) {
                 Some(s) => {
                     let slot = &mut self.slots[s as usize];
                     if let Some(acc) = access.as_mut() {
@@ -416,8 +420,7 @@ impl OffloadManager {
         for &s in &victims {
             let key = self.slots[s as usize].key;
             evicted.push(key);
-            let slots = &self.slots;
-            self.index.remove(key, |x| slots[x as usize].key);
+            self.index.remove(key, key_of(&self.slots));
             self.slots[s as usize] = EMPTY_SLOT;
             self.counters.ready -= 1;
             self.pool.release(s);
@@ -438,8 +441,7 @@ impl OffloadManager {
                 state: SlotState::Occupied,
                 protected: false,
             };
-            let slots = &self.slots;
-            self.index.insert(k, s, |x| slots[x as usize].key);
+            self.index.insert(k, s, key_of(&self.slots));
             self.policy.on_insert(s, k);
             self.events.reowned(k);
             chunk_ids.push(ChunkId(s));
@@ -473,7 +475,7 @@ impl OffloadManager {
         let mut resolved = std::mem::take(&mut self.scratch_resolved);
         resolved.clear();
         for &k in keys {
-            match self.index.get(k, |x| self.slots[x as usize].key) {
+            match self.indexed(k) {
                 Some(s) => resolved.push((k, s)),
                 None => {
                     self.scratch_resolved = resolved;
@@ -496,15 +498,13 @@ impl OffloadManager {
                     self.counters.ready += 1;
                 }
                 StoreOutcome::Failure => {
-                    let slots = &self.slots;
-                    self.index.remove(k, |x| slots[x as usize].key);
+                    self.index.remove(k, key_of(&self.slots));
                     self.slots[s as usize] = EMPTY_SLOT;
                     self.policy.on_remove(s);
                     self.pool.release(s);
                 }
                 StoreOutcome::Quarantined => {
-                    let slots = &self.slots;
-                    self.index.remove(k, |x| slots[x as usize].key);
+                    self.index.remove(k, key_of(&self.slots));
                     self.slots[s as usize] = Slot {
                         state: SlotState::Quarantined,
                         ..EMPTY_SLOT
@@ -550,10 +550,7 @@ impl OffloadManager {
     /// pinned; a key listed twice is quarantined once. Returns the slots.
     pub fn quarantine_pinned(&mut self, keys: &[ChunkKey]) -> Result<Vec<ChunkId>, ManagerError> {
         for &k in keys {
-            let s = self
-                .index
-                .get(k, |x| self.slots[x as usize].key)
-                .ok_or(ManagerError::UnknownKey(k))?;
+            let s = self.indexed(k).ok_or(ManagerError::UnknownKey(k))?;
             if self.slots[s as usize].ref_cnt < 1 {
                 return Err(ManagerError::NotPinned(k));
             }
@@ -561,8 +558,7 @@ impl OffloadManager {
         let mut held = Vec::with_capacity(keys.len());
         let mut removed = Vec::with_capacity(keys.len());
         for &k in keys {
-            let slots = &self.slots;
-            let Some(s) = self.index.remove(k, |x| slots[x as usize].key) else {
+            let Some(s) = self.index.remove(k, key_of(&self.slots)) else {
                 continue; // listed twice
             };
             self.policy.on_remove(s);
@@ -584,7 +580,7 @@ impl OffloadManager {
     /// are ignored (ARC adapts its target when they are in a ghost list).
     pub fn touch(&mut self, keys: &[ChunkKey], _req: Option<RequestId>) {
         for &k in keys.iter().rev() {
-            let slot = self.index.get(k, |x| self.slots[x as usize].key);
+            let slot = self.indexed(k);
             let ready = slot.is_some_and(|s| self.slots[s as usize].ref_cnt >= 0);
             self.policy.on_touch(k, slot, ready);
         }
@@ -619,13 +615,11 @@ impl OffloadManager {
             .tail_first()
             .into_iter()
             .filter_map(|(k, reused)| {
-                self.index
-                    .get(k, |x| self.slots[x as usize].key)
-                    .map(|s| FinishedAccess {
-                        slot: s,
-                        reused,
-                        ready: self.slots[s as usize].ref_cnt >= 0,
-                    })
+                self.indexed(k).map(|s| FinishedAccess {
+                    slot: s,
+                    reused,
+                    ready: self.slots[s as usize].ref_cnt >= 0,
+                })
             })
             .collect();
         self.policy.on_request_finished(&accesses);
@@ -762,7 +756,7 @@ impl OffloadManager {
                 SlotState::Quarantined => c.quarantined += 1,
                 SlotState::Occupied => {
                     occupied += 1;
-                    if self.index.get(slot.key, |x| self.slots[x as usize].key) != Some(s as u32) {
+                    if self.indexed(slot.key) != Some(s as u32) {
                         return Err(format!(
                             "slot {s} holds key {} but the index disagrees",
                             slot.key
