@@ -10,7 +10,7 @@ use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
 use crate::key::KeyBuildHasher;
 
 use super::latch::JobLatch;
-use super::types::{JobKeys, JobKind};
+use super::types::{JobKeys, JobKind, copy_small};
 
 /// Shards of the job table: enough that a full scan holds each lock briefly
 /// (about 16 K jobs per shard at 1 M jobs), few enough to stay cache-friendly.
@@ -21,9 +21,9 @@ const SHARDS: usize = 64;
 /// cache; it grows with the jobs in flight (and never shrinks).
 const INITIAL_CAPACITY: usize = 256;
 
-/// One in-flight job: 80 bytes, so that the table's buckets (88 bytes with
-/// the id) keep an in-flight job under 256 bytes even right after a shard's
-/// table doubles (`tests/job_metadata.rs`).
+/// One in-flight job: 80 bytes (88 with its id in the table's buckets), so
+/// that the heap per in-flight job stays near the 256-byte target even when
+/// the shard tables have just doubled (`tests/job_metadata.rs` measures it).
 #[derive(Debug)]
 pub struct JobEntry {
     /// Load or store.
@@ -67,7 +67,7 @@ impl JobEntry {
             req,
             created_ns,
             keys,
-            ids: copy_ids(bytemuck::cast_slice(blocks)),
+            ids: copy_small(bytemuck::cast_slice(blocks)),
         }
     }
 
@@ -87,7 +87,7 @@ impl JobEntry {
             req,
             created_ns,
             keys,
-            ids: copy_ids(bytemuck::cast_slice(chunk_ids)),
+            ids: copy_small(bytemuck::cast_slice(chunk_ids)),
         }
     }
 
@@ -105,20 +105,6 @@ impl JobEntry {
             JobKind::Load => bytemuck::cast_slice(&self.ids),
             JobKind::Store => &[],
         }
-    }
-}
-
-/// The ids of a job (one or a few): copied into the inline array directly.
-#[inline(always)]
-fn copy_ids(ids: &[u32]) -> SmallVec<[u32; 4]> {
-    if ids.len() <= 4 {
-        let mut buf = [0u32; 4];
-        for (b, &x) in buf.iter_mut().zip(ids) {
-            *b = x;
-        }
-        SmallVec::from_buf_and_len(buf, ids.len())
-    } else {
-        SmallVec::from_slice(ids)
     }
 }
 
@@ -145,9 +131,14 @@ impl JobTable {
         }
     }
 
-    /// When `entry` stalls (clock nanoseconds).
-    pub fn deadline_ns(&self, entry: &JobEntry) -> u64 {
-        entry.created_ns.saturating_add(self.stall_timeout_ns)
+    /// When a job created at `created_ns` stalls (clock nanoseconds).
+    pub fn deadline_for(&self, created_ns: u64) -> u64 {
+        created_ns.saturating_add(self.stall_timeout_ns)
+    }
+
+    /// The stall timeout (nanoseconds).
+    pub fn stall_timeout_ns(&self) -> u64 {
+        self.stall_timeout_ns
     }
 
     /// Inserts a new job.
@@ -204,7 +195,10 @@ impl JobTable {
         let mut n = 0;
         for r in self.map.iter() {
             let e = r.value();
-            if now_ns > self.deadline_ns(e) && !e.latch.is_stalled() && e.latch.try_stall() {
+            if now_ns > self.deadline_for(e.created_ns)
+                && !e.latch.is_stalled()
+                && e.latch.try_stall()
+            {
                 out(*r.key());
                 n += 1;
             }

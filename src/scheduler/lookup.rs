@@ -217,7 +217,7 @@ impl Scheduler {
         for &k in &keys {
             *self.being_loaded.entry(k).or_insert(0) += 1;
         }
-        let deadline = now.saturating_add(g.stall_timeout_ns);
+        let deadline = self.jobs.deadline_for(now);
         let latch = super::latch::JobLatch::new(g.world_size);
         let entry = JobEntry::load(req, now, latch, JobKeys::from_slice(&keys), &chunk_ids);
         self.jobs.insert(job, entry);

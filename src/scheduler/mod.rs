@@ -64,7 +64,6 @@ pub(crate) struct Geometry {
     tokens_per_chunk: u64,
     world_size: u32,
     offload_prompt_only: bool,
-    stall_timeout_ns: u64,
 }
 
 /// A job of a reset that is still owed worker reports.
@@ -150,7 +149,6 @@ impl Scheduler {
                 tokens_per_chunk: tpb * bpc as u64,
                 world_size: cfg.world_size.max(1),
                 offload_prompt_only: cfg.offload_prompt_only,
-                stall_timeout_ns: nanos(cfg.stall_timeout()),
             },
             manager,
             clock,
@@ -433,6 +431,6 @@ impl Scheduler {
 
     /// The stall timeout.
     pub fn stall_timeout(&self) -> Duration {
-        Duration::from_nanos(self.geo.stall_timeout_ns)
+        Duration::from_nanos(self.jobs.stall_timeout_ns())
     }
 }

@@ -5,10 +5,7 @@ use crate::ids::{GpuBlockId, RequestId};
 use super::Scheduler;
 use super::allocated::AllocatedBlocks;
 use super::jobs::JobEntry;
-use smallvec::SmallVec;
-
-use super::types::TransferJob;
-use super::types::{JobBlocks, JobKeys, JobSlots};
+use super::types::{JobBlocks, JobKeys, JobSlots, TransferJob, copy_small};
 
 /// How far a request's stores may reach in this step.
 #[derive(Debug, Clone, Copy)]
@@ -185,7 +182,7 @@ impl Scheduler {
         if let Some(rs) = self.requests.at_mut(slot) {
             rs.jobs.push(job);
         }
-        let deadline = now.saturating_add(g.stall_timeout_ns);
+        let deadline = self.jobs.deadline_for(now);
         let latch = super::latch::JobLatch::new(g.world_size);
         let entry = JobEntry::store(req, now, latch, copy_small(&keys), &blocks, finished);
         self.jobs.insert(job, entry);
@@ -199,26 +196,6 @@ impl Scheduler {
         // Published after the insert (at the end of the step): the watchdog
         // drops deadline entries of absent jobs.
         self.batch.deadlines.push((job, deadline));
-    }
-}
-
-/// A copy of `items` as an inline-first vector. A store has one or two
-/// chunks: those are copied into the inline array directly (the loop has a
-/// constant bound and unrolls), which is cheaper than `from_slice`'s `memcpy`
-/// call or `clone`'s generic iterator.
-#[inline(always)]
-fn copy_small<T: Copy, const N: usize>(items: &[T]) -> SmallVec<[T; N]> {
-    match items.first() {
-        Some(&first) if items.len() <= N => {
-            let mut buf = [first; N];
-            for (i, b) in buf.iter_mut().enumerate().skip(1) {
-                if let Some(&x) = items.get(i) {
-                    *b = x;
-                }
-            }
-            SmallVec::from_buf_and_len(buf, items.len())
-        }
-        _ => SmallVec::from_slice(items),
     }
 }
 

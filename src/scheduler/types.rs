@@ -210,3 +210,23 @@ pub enum SchedulerError {
     #[error("host tier: {0}")]
     Manager(#[from] ManagerError),
 }
+
+/// A copy of `items` as an inline-first vector. A store has one or two
+/// chunks: those are copied into the inline array directly (the loop has a
+/// constant bound and unrolls), which is cheaper than `from_slice`'s `memcpy`
+/// call or `clone`'s generic iterator.
+#[inline(always)]
+pub(crate) fn copy_small<T: Copy, const N: usize>(items: &[T]) -> SmallVec<[T; N]> {
+    match items.first() {
+        Some(&first) if items.len() <= N => {
+            let mut buf = [first; N];
+            for (i, b) in buf.iter_mut().enumerate().skip(1) {
+                if let Some(&x) = items.get(i) {
+                    *b = x;
+                }
+            }
+            SmallVec::from_buf_and_len(buf, items.len())
+        }
+        _ => SmallVec::from_slice(items),
+    }
+}
