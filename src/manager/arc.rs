@@ -86,6 +86,13 @@ impl GhostList {
         self.order.push_back(i);
     }
 
+    /// Makes the ghost `key` the most recent ghost (a ghost hit).
+    fn touch(&mut self, key: ChunkKey) {
+        if let Some(i) = self.index.get(key) {
+            self.order.move_to_back(i);
+        }
+    }
+
     fn keys_oldest_first(&self) -> Vec<ChunkKey> {
         self.order.iter().map(|i| self.keys[i as usize]).collect()
     }
@@ -131,8 +138,6 @@ pub(crate) struct ArcPolicy {
     b2: GhostList,
     resident: HugeBuffer<Resident>,
     keys: HugeBuffer<ChunkKey>,
-    /// Keys of the current store found in B1 or B2 (set by `on_store_miss`).
-    ghost_hits: Vec<ChunkKey>,
     /// Scratch of `evict`: whether each victim came from T1.
     from_t1: Vec<bool>,
 }
@@ -148,20 +153,22 @@ impl ArcPolicy {
             b2: GhostList::new(capacity),
             resident: HugeBuffer::new(capacity as usize, Resident::None),
             keys: HugeBuffer::new(capacity as usize, ChunkKey(0)),
-            ghost_hits: Vec::new(),
             from_t1: Vec::new(),
         }
     }
 
-    /// Adapts the target if `key` is a ghost; returns whether it was.
+    /// Adapts the target if `key` is a ghost, and makes it the most recent
+    /// ghost of its list; returns whether it was a ghost.
     fn adapt_on_ghost(&mut self, key: ChunkKey) -> bool {
         let (b1, b2) = (self.b1.len() as f64, self.b2.len() as f64);
         if self.b1.contains(key) {
             let delta = if b1 > 0.0 { (b2 / b1).max(1.0) } else { 1.0 };
             self.target_t1 = (self.target_t1 + delta).min(f64::from(self.capacity));
+            self.b1.touch(key);
         } else if self.b2.contains(key) {
             let delta = if b2 > 0.0 { (b1 / b2).max(1.0) } else { 1.0 };
             self.target_t1 = (self.target_t1 - delta).max(0.0);
+            self.b2.touch(key);
         } else {
             return false;
         }
@@ -197,10 +204,9 @@ impl ArcPolicy {
 
 impl EvictionPolicy for ArcPolicy {
     fn on_insert(&mut self, slot: u32, key: ChunkKey) {
-        // Only keys the preceding `on_store_miss` found in a ghost list can be there.
-        if let Some(i) = self.ghost_hits.iter().position(|&k| k == key) {
-            self.ghost_hits.swap_remove(i);
-            self.b1.remove(key);
+        // An inserted key is no longer a ghost (whether or not this store
+        // adapted on it: a request adapts once per key).
+        if self.b1.len() + self.b2.len() > 0 && !self.b1.remove(key) {
             self.b2.remove(key);
         }
         self.unlink(slot);
@@ -218,11 +224,9 @@ impl EvictionPolicy for ArcPolicy {
             self.b1.index.prefetch(k);
             self.b2.index.prefetch(k);
         }
-        self.ghost_hits.clear();
-        for &k in keys {
-            if self.adapt_on_ghost(k) {
-                self.ghost_hits.push(k);
-            }
+        // vLLM adapts tail first (each hit also refreshes its ghost).
+        for &k in keys.iter().rev() {
+            self.adapt_on_ghost(k);
         }
     }
 
@@ -237,14 +241,16 @@ impl EvictionPolicy for ArcPolicy {
 
     fn on_request_finished(&mut self, accesses: &[FinishedAccess]) {
         for a in accesses {
-            if a.reused {
-                self.promote(a.slot, a.ready);
-            } else {
+            if a.insertion_only {
+                // A store is no frequency hit: keep the list, restore recency.
                 match self.resident[a.slot as usize] {
                     Resident::T1 => self.t1.move_to_back(a.slot),
                     Resident::T2 => self.t2.move_to_back(a.slot),
                     Resident::None => {}
                 }
+            } else if a.reused {
+                // One access per request, whatever the chunk's state now.
+                self.promote(a.slot, true);
             }
         }
     }

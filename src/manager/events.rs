@@ -1,11 +1,10 @@
 //! The manager's event log: evictions, stores, and failed-store cleanups.
 //!
 //! A failed store's removal is `metadata_only` (the keys were never announced
-//! as stored) and is dropped at drain time for keys stored again since.
+//! as stored); at drain time it keeps only the keys that are absent from the
+//! tier then (vLLM prunes keys a retry re-allocated since).
 
-use std::collections::HashMap;
-
-use crate::key::{ChunkKey, KeyBuildHasher};
+use crate::key::ChunkKey;
 
 use super::types::OffloadEvent;
 
@@ -16,7 +15,6 @@ struct Logged {
     len: usize,
     removed: bool,
     metadata_only: bool,
-    seq: u64,
 }
 
 /// Undrained events kept at most: a backend that never drains them loses the
@@ -33,26 +31,20 @@ pub(crate) struct EventLog {
     keys: Vec<ChunkKey>,
     /// Events dropped because nobody drained the log.
     dropped: u64,
-    /// Key -> sequence number of the failed-store event that still owns its removal.
-    failed_owner: HashMap<ChunkKey, u64, KeyBuildHasher>,
-    seq: u64,
 }
 
 impl EventLog {
-    fn push(&mut self, keys: &[ChunkKey], removed: bool, metadata_only: bool) -> u64 {
+    fn push(&mut self, keys: &[ChunkKey], removed: bool, metadata_only: bool) {
         if self.pending.len() >= MAX_PENDING_EVENTS {
             self.drop_oldest_half();
         }
-        self.seq += 1;
         self.pending.push(Logged {
             start: self.keys.len(),
             len: keys.len(),
             removed,
             metadata_only,
-            seq: self.seq,
         });
         self.keys.extend_from_slice(keys);
-        self.seq
     }
 
     /// Drops the older half of the pending events at once (amortised O(1) per event).
@@ -65,23 +57,9 @@ impl EventLog {
             );
         }
         let cut = self.pending.get(n).map_or(self.keys.len(), |e| e.start);
-        let Self {
-            pending,
-            keys,
-            failed_owner,
-            ..
-        } = self;
-        for old in pending.drain(..n) {
-            if old.metadata_only {
-                for k in &keys[old.start..old.start + old.len] {
-                    if failed_owner.get(k) == Some(&old.seq) {
-                        failed_owner.remove(k);
-                    }
-                }
-            }
-        }
-        keys.drain(..cut);
-        for e in pending.iter_mut() {
+        self.pending.drain(..n);
+        self.keys.drain(..cut);
+        for e in self.pending.iter_mut() {
             e.start -= cut;
         }
         self.dropped += n as u64;
@@ -103,36 +81,19 @@ impl EventLog {
 
     /// Keys removed because their store failed (metadata-only removal).
     pub(crate) fn store_failed(&mut self, keys: &[ChunkKey]) {
-        if keys.is_empty() {
-            return;
-        }
-        let seq = self.push(keys, true, true);
-        for &k in keys {
-            self.failed_owner.insert(k, seq);
+        if !keys.is_empty() {
+            self.push(keys, true, true);
         }
     }
 
-    /// A key was allocated again: an earlier failed-store removal no longer applies.
-    pub(crate) fn reowned(&mut self, key: ChunkKey) {
-        if !self.failed_owner.is_empty() {
-            self.failed_owner.remove(&key);
-        }
-    }
-
-    /// Drains every pending event once, pruning failed-store removals of re-owned keys.
-    pub(crate) fn drain(&mut self) -> Vec<OffloadEvent> {
+    /// Drains every pending event once; a failed-store removal keeps only the
+    /// keys for which `present` is false now (not re-allocated since).
+    pub(crate) fn drain(&mut self, present: impl Fn(ChunkKey) -> bool) -> Vec<OffloadEvent> {
         let mut out = Vec::with_capacity(self.pending.len());
         for e in self.pending.drain(..) {
             let mut keys = self.keys[e.start..e.start + e.len].to_vec();
             if e.metadata_only {
-                let owners = &mut self.failed_owner;
-                keys.retain(|k| match owners.get(k) {
-                    Some(&s) if s == e.seq => {
-                        owners.remove(k);
-                        true
-                    }
-                    _ => false,
-                });
+                keys.retain(|&k| !present(k));
                 if keys.is_empty() {
                     continue;
                 }
@@ -178,17 +139,17 @@ mod tests {
         }
         let kept = log.len() as u64;
         assert_eq!(log.dropped() + kept, n);
-        let drained = log.drain();
+        let drained = log.drain(|_| false);
         let first = n - kept;
         for (e, i) in drained.iter().zip(first..) {
             assert_eq!(e.keys, keys_of(i), "event {i}");
             assert_eq!(e.removed, i % 2 == 0, "event {i}");
             assert!(!e.metadata_only);
         }
-        assert!(log.drain().is_empty(), "drained once");
+        assert!(log.drain(|_| false).is_empty(), "drained once");
         log.evicted(&[ChunkKey(7)]);
         assert_eq!(
-            log.drain()[0].keys,
+            log.drain(|_| false)[0].keys,
             vec![ChunkKey(7)],
             "buffer reused from the start"
         );
@@ -205,12 +166,8 @@ mod tests {
             log.dropped() + log.len() as u64,
             MAX_PENDING_EVENTS as u64 + 10
         );
-        assert!(
-            log.failed_owner.len() <= MAX_PENDING_EVENTS,
-            "owners of dropped events are forgotten"
-        );
         let kept = log.len();
-        let drained = log.drain();
+        let drained = log.drain(|_| false);
         assert_eq!(drained.len(), kept, "every kept event is delivered");
         assert_eq!(log.len(), 0);
         assert_eq!(

@@ -32,6 +32,7 @@ use events::EventLog;
 use huge_buffer::HugeBuffer;
 use policy::{EvictionPolicy, FinishedAccess, Policy, new_policy};
 pub(crate) use request_access::RequestAccess;
+use request_access::RequestRank;
 use reuse_filter::ReuseFilter;
 use slot_index::SlotIndex;
 use slot_pool::SlotPool;
@@ -91,6 +92,15 @@ pub struct ArcState {
     pub b2: Vec<ChunkKey>,
 }
 
+/// One distinct key of a store offer that the request records.
+#[derive(Debug, Clone, Copy)]
+struct Offered {
+    key: ChunkKey,
+    pos: u64,
+    /// Found ready in the tier (a reuse); otherwise a candidate to store.
+    ready: bool,
+}
+
 /// The key each indexed slot's record holds, for the index's key checks.
 #[inline]
 fn key_of(slots: &[Slot]) -> impl Fn(u32) -> ChunkKey + '_ {
@@ -115,10 +125,14 @@ pub struct OffloadManager {
     counters: Counters,
     stores_skipped: u64,
     allocation_failures: u64,
+    ignored_complete_keys: u64,
     alloc_sizes: [u64; ALLOC_SIZE_BUCKETS],
     generation: u64,
     /// Reused buffers (no allocation on the hot path).
     scratch_slots: Vec<u32>,
+    scratch_pos: Vec<u64>,
+    scratch_offer: Vec<Offered>,
+    scratch_observed: Vec<(ChunkKey, u64)>,
     scratch_resolved: Vec<(ChunkKey, u32)>,
     scratch_victims: Vec<u32>,
     scratch_store: Vec<ChunkKey>,
@@ -149,9 +163,13 @@ impl OffloadManager {
             counters: Counters::default(),
             stores_skipped: 0,
             allocation_failures: 0,
+            ignored_complete_keys: 0,
             alloc_sizes: [0; ALLOC_SIZE_BUCKETS],
             generation: 0,
             scratch_slots: Vec::new(),
+            scratch_pos: Vec::new(),
+            scratch_offer: Vec::new(),
+            scratch_observed: Vec::new(),
             scratch_resolved: Vec::new(),
             scratch_victims: Vec::new(),
             scratch_store: Vec::new(),
@@ -215,6 +233,7 @@ impl OffloadManager {
     /// Pins ready chunks for a load; returns their slots co-indexed with `keys`.
     ///
     /// A key may appear more than once (it is then pinned once per occurrence).
+    /// With `req`, the load counts as the request's reuse of the chunks.
     pub fn prepare_load(
         &mut self,
         keys: &[ChunkKey],
@@ -222,21 +241,67 @@ impl OffloadManager {
     ) -> Result<Vec<ChunkId>, ManagerError> {
         let out = self.pin_for_load(keys)?;
         if let Some(req) = req {
-            self.requests.entry(req).or_default().record_reads(keys);
+            let mut acc = self.requests.remove(&req).unwrap_or_default();
+            self.record_load(keys, None, &mut acc);
+            self.requests.insert(req, acc);
         }
         Ok(out)
     }
 
-    /// [`Self::prepare_load`] for a request whose accesses its caller keeps
-    /// (the scheduler keeps them in the request's state: no map probe).
+    /// [`Self::prepare_load`] for a request whose record its caller keeps (the
+    /// scheduler keeps it in the request's state: no map probe); `first_position`
+    /// is the position of `keys[0]`, the others following one apart.
     pub(crate) fn prepare_load_recorded(
         &mut self,
         keys: &[ChunkKey],
+        first_position: u64,
         access: &mut RequestAccess,
     ) -> Result<Vec<ChunkId>, ManagerError> {
         let out = self.pin_for_load(keys)?;
-        access.record_reads(keys);
+        self.record_load(keys, Some(first_position), access);
         Ok(out)
+    }
+
+    /// Records a load's keys as the request's observations and reuses.
+    fn record_load(&mut self, keys: &[ChunkKey], first: Option<u64>, acc: &mut RequestAccess) {
+        acc.refresh(self.generation);
+        let mut observed = std::mem::take(&mut self.scratch_observed);
+        observed.clear();
+        for (i, &k) in keys.iter().enumerate() {
+            let pos = first.map(|p| p + i as u64);
+            if acc.observe(k, pos)
+                && let Some(p) = pos
+            {
+                observed.push((k, p));
+            }
+            acc.mark_reused(k, pos);
+        }
+        self.observe_ranked(&observed, acc);
+        self.scratch_observed = observed;
+    }
+
+    /// The LRU side of a request's first observations (vLLM's
+    /// `on_request_access`): the request takes its rank if it has none, and
+    /// each resident key joins the request's group unless it ranks higher.
+    fn observe_ranked(&mut self, observed: &[(ChunkKey, u64)], acc: &mut RequestAccess) {
+        if observed.is_empty() || self.policy_kind != EvictionPolicyKind::Lru {
+            return;
+        }
+        let rank = match acc.rank {
+            Some(r) => r,
+            None => {
+                let Some(r) = self.policy.new_request_rank() else {
+                    return;
+                };
+                acc.rank = Some(r);
+                r
+            }
+        };
+        for &(k, p) in observed {
+            if let Some(s) = self.indexed(k) {
+                self.policy.observe_at(s, &rank, p);
+            }
+        }
     }
 
     /// Validates and pins `keys` for a load (nothing changes on error).
@@ -290,8 +355,9 @@ impl OffloadManager {
     /// Keys already present (pending or ready) are skipped, and so are keys the
     /// reuse filter holds back. Evicts the least valuable ready chunks if needed,
     /// never a pinned or pending one and never one of the offered keys. Returns
-    /// `None` when it cannot allocate; then nothing changed (apart from access
-    /// recording and the reuse filter's offer counts).
+    /// `None` when it cannot allocate; then nothing changed apart from what
+    /// vLLM also records before allocating (the request's observations, ARC's
+    /// adaptation to ghost hits, the reuse filter's offer counts).
     pub fn prepare_store(
         &mut self,
         keys: &[ChunkKey],
@@ -300,7 +366,7 @@ impl OffloadManager {
         // The request's record leaves the map for the call (the store path
         // takes a record, wherever its owner keeps it).
         let mut access = req.map(|r| self.requests.remove(&r).unwrap_or_default());
-        let ok = self.prepare_store_inner(keys, access.as_mut());
+        let ok = self.prepare_store_inner(keys, None, access.as_mut());
         if let (Some(r), Some(a)) = (req, access) {
             self.requests.insert(r, a);
         }
@@ -316,14 +382,18 @@ impl OffloadManager {
 
     /// [`Self::prepare_store`] for the scheduler's hot path, without allocating:
     /// the keys to store and their slots are borrowed from reused buffers, the
-    /// evicted keys go to the event log only, and the accesses are recorded in
-    /// `access`, which the caller keeps (the request's state: no map probe).
+    /// evicted keys go to the event log only, and the observations are
+    /// recorded in `access`, which the caller keeps (the request's state: no
+    /// map probe). `positions` are co-indexed with `keys` (the chunks' end
+    /// positions in the request; LRU ranks a request's chunks by them).
     pub(crate) fn prepare_store_for_job(
         &mut self,
         keys: &[ChunkKey],
+        positions: &[u64],
         access: Option<&mut RequestAccess>,
     ) -> Option<(&[ChunkKey], &[ChunkId])> {
-        if !self.prepare_store_inner(keys, access) {
+        debug_assert_eq!(keys.len(), positions.len());
+        if !self.prepare_store_inner(keys, Some(positions), access) {
             return None;
         }
         Some((&self.scratch_store, &self.scratch_ids))
@@ -332,25 +402,50 @@ impl OffloadManager {
     fn prepare_store_inner(
         &mut self,
         keys: &[ChunkKey],
+        positions: Option<&[u64]>,
         mut access: Option<&mut RequestAccess>,
     ) -> bool {
-        // Offered keys, deduplicated in order; present ones are protected from eviction.
+        if let Some(filter) = self.filter.as_mut() {
+            filter.record(keys);
+        }
+        // Offered keys, deduplicated in order: absent ones are the candidates
+        // to store; present ones are protected from eviction, and the ready
+        // ones among them are the request's reuses.
         let mut to_store = std::mem::take(&mut self.scratch_store);
         to_store.clear();
+        let mut to_store_pos = std::mem::take(&mut self.scratch_pos);
+        to_store_pos.clear();
         let mut protected = std::mem::take(&mut self.scratch_slots);
         protected.clear();
+        let mut offer = std::mem::take(&mut self.scratch_offer);
+        offer.clear();
         for &k in keys {
             self.index.prefetch(k);
         }
+        let mut distinct = (keys.len() > 64).then(|| {
+            std::collections::HashSet::with_capacity_and_hasher(
+                keys.len(),
+                KeyBuildHasher::default(),
+            )
+        });
         for (i, &k) in keys.iter().enumerate() {
-            if keys.len() <= 64 && keys[..i].contains(&k) {
+            let repeated = match distinct.as_mut() {
+                Some(set) => !set.insert(k),
+                None => keys[..i].contains(&k),
+            };
+            if repeated {
                 continue;
             }
+            let pos = positions.map_or(0, |p| p[i]);
             match self.indexed(k) {
                 Some(s) => {
                     let slot = &mut self.slots[s as usize];
-                    if let Some(acc) = access.as_mut() {
-                        acc.record(k, slot.ref_cnt >= 0);
+                    if slot.ref_cnt >= 0 {
+                        offer.push(Offered {
+                            key: k,
+                            pos,
+                            ready: true,
+                        });
                     }
                     if !slot.protected {
                         slot.protected = true;
@@ -358,38 +453,104 @@ impl OffloadManager {
                     }
                 }
                 None => {
-                    if let Some(acc) = access.as_mut() {
-                        acc.record(k, false);
-                    }
                     to_store.push(k);
+                    to_store_pos.push(pos);
+                    offer.push(Offered {
+                        key: k,
+                        pos,
+                        ready: false,
+                    });
                 }
             }
         }
-        if keys.len() > 64 {
-            let mut seen = std::collections::HashSet::with_capacity_and_hasher(
-                to_store.len(),
-                KeyBuildHasher::default(),
-            );
-            to_store.retain(|k| seen.insert(*k));
+        if let Some(filter) = self.filter.as_ref() {
+            let skipped = filter.admit(&mut to_store, &mut to_store_pos);
+            if skipped > 0 {
+                self.stores_skipped += skipped;
+                let admitted: std::collections::HashSet<ChunkKey, KeyBuildHasher> =
+                    to_store.iter().copied().collect();
+                offer.retain(|o| o.ready || admitted.contains(&o.key));
+            }
         }
-        if let Some(filter) = self.filter.as_mut() {
-            self.stores_skipped += filter.admit(&mut to_store);
+        // ARC learns from ghost hits before the inserts remove the ghosts,
+        // once per request and key; then the request records what it saw.
+        match access.as_deref_mut() {
+            None => self.policy.on_store_miss(&to_store),
+            Some(acc) => {
+                acc.refresh(self.generation);
+                let mut misses = std::mem::take(&mut self.scratch_evicted);
+                misses.clear();
+                misses.extend(
+                    to_store
+                        .iter()
+                        .zip(&to_store_pos)
+                        .filter(|&(&k, &p)| acc.is_new_store_miss(k, positions.map(|_| p)))
+                        .map(|(&k, _)| k),
+                );
+                if !misses.is_empty() {
+                    self.policy.on_store_miss(&misses);
+                }
+                self.scratch_evicted = misses;
+                self.record_store_offer(&offer, positions.is_some(), acc);
+            }
         }
-        let result = self.allocate(to_store);
+        let result = if to_store.is_empty() {
+            self.scratch_ids.clear();
+            self.scratch_evicted.clear();
+            self.scratch_store = to_store;
+            true
+        } else {
+            let rank = access.as_deref().and_then(|a| a.rank);
+            let ranked = if positions.is_some() { rank } else { None };
+            self.allocate(to_store, &to_store_pos, ranked)
+        };
+        if result && let Some(acc) = access.as_deref_mut() {
+            for (&k, &p) in self.scratch_store.iter().zip(&to_store_pos) {
+                acc.mark_inserted(k, positions.map(|_| p));
+            }
+        }
         for &s in &protected {
             self.slots[s as usize].protected = false;
         }
         self.scratch_slots = protected;
+        self.scratch_pos = to_store_pos;
+        self.scratch_offer = offer;
         if !result {
             self.allocation_failures += 1;
         }
         result
     }
 
+    /// Records a store offer as the request's observations: vLLM records the
+    /// candidates to store and the ready keys it found, in offer order, before
+    /// allocating; the ready ones are reuses.
+    fn record_store_offer(&mut self, offer: &[Offered], positioned: bool, acc: &mut RequestAccess) {
+        let mut observed = std::mem::take(&mut self.scratch_observed);
+        observed.clear();
+        for o in offer {
+            let pos = positioned.then_some(o.pos);
+            if acc.observe(o.key, pos) && positioned {
+                observed.push((o.key, o.pos));
+            }
+            if o.ready {
+                acc.mark_reused(o.key, pos);
+            } else {
+                acc.mark_store_miss(o.key, pos);
+            }
+        }
+        self.observe_ranked(&observed, acc);
+        self.scratch_observed = observed;
+    }
+
     /// Allocates slots for `to_store` (evicting if needed). On success the keys
     /// and their slots are left in `scratch_store` / `scratch_ids`, and the
     /// evicted keys in `scratch_evicted` (also logged as an event).
-    fn allocate(&mut self, to_store: Vec<ChunkKey>) -> bool {
+    fn allocate(
+        &mut self,
+        to_store: Vec<ChunkKey>,
+        positions: &[u64],
+        rank: Option<RequestRank>,
+    ) -> bool {
         let free = self.pool.available();
         let need = to_store.len().saturating_sub(free);
         let evictable = (self.counters.ready - self.counters.pinned) as usize;
@@ -398,7 +559,6 @@ impl OffloadManager {
             self.scratch_store = to_store;
             return false;
         }
-        self.policy.on_store_miss(&to_store);
         let mut victims = std::mem::take(&mut self.scratch_victims);
         victims.clear();
         if need > 0 {
@@ -430,7 +590,7 @@ impl OffloadManager {
         self.scratch_evicted = evicted;
         let mut chunk_ids = std::mem::take(&mut self.scratch_ids);
         chunk_ids.clear();
-        for &k in &to_store {
+        for (i, &k) in to_store.iter().enumerate() {
             // The capacity check above guarantees a slot.
             let Some(s) = self.pool.alloc() else {
                 unreachable!("slot pool exhausted after a successful capacity check")
@@ -442,8 +602,8 @@ impl OffloadManager {
                 protected: false,
             };
             self.index.insert(k, s, key_of(&self.slots));
-            self.policy.on_insert(s, k);
-            self.events.reowned(k);
+            self.policy
+                .insert_at(s, k, rank.as_ref().map(|r| (r, positions[i])));
             chunk_ids.push(ChunkId(s));
         }
         self.counters.pending += to_store.len() as u32;
@@ -464,7 +624,9 @@ impl OffloadManager {
     /// Ends a store job. Pending keys become ready ([`StoreOutcome::Success`]),
     /// are removed with their slots freed ([`StoreOutcome::Failure`]), or are
     /// removed with their slots held back ([`StoreOutcome::Quarantined`], whose
-    /// slots are returned). Keys already ready are ignored; an unknown key is an error.
+    /// slots are returned). Keys already ready and keys not in the tier (never
+    /// prepared, evicted, failed, or dropped by a reset) are ignored, as vLLM
+    /// ignores them, and counted in [`ManagerStats::ignored_complete_keys`].
     pub fn complete_store(
         &mut self,
         keys: &[ChunkKey],
@@ -477,10 +639,7 @@ impl OffloadManager {
         for &k in keys {
             match self.indexed(k) {
                 Some(s) => resolved.push((k, s)),
-                None => {
-                    self.scratch_resolved = resolved;
-                    return Err(ManagerError::UnknownKey(k));
-                }
+                None => self.ignored_complete_keys += 1,
             }
         }
         let mut done = Vec::with_capacity(resolved.len());
@@ -489,6 +648,7 @@ impl OffloadManager {
             // Skip keys already ready, and keys listed twice (removed earlier in this call).
             let slot = &self.slots[s as usize];
             if slot.ref_cnt != PENDING || slot.state != SlotState::Occupied || slot.key != k {
+                self.ignored_complete_keys += 1;
                 continue;
             }
             self.counters.pending -= 1;
@@ -586,50 +746,63 @@ impl OffloadManager {
         }
     }
 
-    /// The request will make no more `prepare_*` calls: its chunks are ordered
-    /// head-most-recent (LRU) or promoted once if it reused them (ARC).
-    /// `complete_*` calls for its jobs may still follow. Unknown requests are a no-op.
+    /// The request will make no more `prepare_*` calls: its observed chunks
+    /// are re-ranked tail first so the prefix head ends most recent (LRU), or
+    /// the chunks it reused are promoted once and its own insertions keep
+    /// their list (ARC). `complete_*` calls for its jobs may still follow.
+    /// Unknown or already finished requests are a no-op.
     pub fn request_finished(&mut self, req: RequestId) {
-        let Some(acc) = self.requests.remove(&req) else {
+        if let Some(mut acc) = self.requests.remove(&req) {
+            self.apply_finished(&mut acc);
+        }
+    }
+
+    /// [`Self::request_finished`] for a request whose record its caller kept
+    /// (see [`Self::prepare_store_for_job`]); a record kept in the map under
+    /// `req` (through the public calls) is finished first.
+    pub(crate) fn request_finished_with(&mut self, req: RequestId, kept: &mut RequestAccess) {
+        self.request_finished(req);
+        self.apply_finished(kept);
+    }
+
+    fn apply_finished(&mut self, acc: &mut RequestAccess) {
+        if acc.finished {
             return;
-        };
-        self.apply_finished(&acc);
-    }
-
-    /// [`Self::request_finished`] for a request whose accesses its caller kept
-    /// (see [`Self::prepare_store_for_job`]); accesses recorded in the map
-    /// under `req` (through the public calls) come first.
-    pub(crate) fn request_finished_with(&mut self, req: RequestId, kept: RequestAccess) {
-        let acc = match self.requests.remove(&req) {
-            Some(mut acc) => {
-                acc.append(kept);
-                acc
-            }
-            None => kept,
-        };
-        self.apply_finished(&acc);
-    }
-
-    fn apply_finished(&mut self, acc: &RequestAccess) {
+        }
+        acc.finished = true;
+        if !acc.is_of(self.generation) {
+            // Recorded before a reset: the reset forgot it (and its rank).
+            return;
+        }
         let accesses: Vec<FinishedAccess> = acc
-            .tail_first()
+            .head_to_tail()
             .into_iter()
-            .filter_map(|(k, reused)| {
-                self.indexed(k).map(|s| FinishedAccess {
-                    slot: s,
-                    reused,
-                    ready: self.slots[s as usize].ref_cnt >= 0,
+            .rev()
+            .filter_map(|s| {
+                self.indexed(s.key).map(|slot| FinishedAccess {
+                    slot,
+                    insertion_only: s.inserted() && !s.reused(),
+                    reused: s.reused(),
                 })
             })
             .collect();
         self.policy.on_request_finished(&accesses);
+        if let Some(r) = acc.rank.as_mut() {
+            self.policy.release_rank(r);
+        }
     }
 
     /// Drains pending events (evictions before the stores that reuse their space).
     /// Call it every step: at most 65,536 undrained events are kept, the oldest
     /// beyond that are dropped (counted in [`ManagerStats::dropped_events`]).
     pub fn take_events(&mut self) -> Vec<OffloadEvent> {
-        self.events.drain()
+        let Self {
+            events,
+            index,
+            slots,
+            ..
+        } = self;
+        events.drain(|k| index.get(k, key_of(slots)).is_some())
     }
 
     /// Events waiting to be drained.
@@ -655,10 +828,8 @@ impl OffloadManager {
         self.pool
             .reset(|s| slots[s as usize].state == SlotState::Quarantined);
         self.policy.clear();
+        // vLLM keeps the reuse filter's offer counts across a reset.
         self.requests.clear();
-        if let Some(f) = self.filter.as_mut() {
-            f.clear();
-        }
         self.counters = Counters {
             quarantined: self.counters.quarantined,
             ..Counters::default()
@@ -690,6 +861,7 @@ impl OffloadManager {
             read_usage: usage - write_usage,
             stores_skipped: self.stores_skipped,
             allocation_failures: self.allocation_failures,
+            ignored_complete_keys: self.ignored_complete_keys,
             dropped_events: self.events.dropped(),
         }
     }

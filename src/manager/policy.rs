@@ -8,16 +8,18 @@ use crate::key::ChunkKey;
 
 use super::arc::ArcPolicy;
 use super::lru::LruPolicy;
+use super::request_access::RequestRank;
 
-/// One chunk a finished request accessed, for [`EvictionPolicy::on_request_finished`].
+/// One resident chunk a finished request observed, for [`EvictionPolicy::on_request_finished`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct FinishedAccess {
     /// The chunk's host slot.
     pub slot: u32,
-    /// The request read it (loaded it, or found it already stored) rather than only inserting it.
+    /// The request inserted it and never reused it (vLLM's insertion-only keys).
+    pub insertion_only: bool,
+    /// The request read it while it was ready (loaded it, or found it stored),
+    /// and it was not the request's own insertion at the time.
     pub reused: bool,
-    /// The chunk is readable (its store completed).
-    pub ready: bool,
 }
 
 /// Recency/frequency ordering of the resident chunks.
@@ -31,7 +33,8 @@ pub(crate) trait EvictionPolicy: Send + std::fmt::Debug {
     fn on_store_miss(&mut self, keys: &[ChunkKey]);
     /// An access to one key: `slot` is its slot if resident.
     fn on_touch(&mut self, key: ChunkKey, slot: Option<u32>, ready: bool);
-    /// A request finished; `accesses` are in reverse prefix order (tail first, head last).
+    /// A request finished; `accesses` are its resident chunks in reverse prefix
+    /// order (tail first, head last).
     fn on_request_finished(&mut self, accesses: &[FinishedAccess]);
     /// Chooses `n` victims among the slots for which `can_evict` is true, atomically:
     /// either all `n` are removed from the policy and written to `victims` (cleared
@@ -81,6 +84,47 @@ pub(crate) fn new_policy(kind: EvictionPolicyKind, capacity: u32) -> Policy {
     match kind {
         EvictionPolicyKind::Lru => Policy::Lru(LruPolicy::new(capacity)),
         EvictionPolicyKind::Arc => Policy::Arc(Box::new(ArcPolicy::new(capacity))),
+    }
+}
+
+impl Policy {
+    /// LRU only: takes a request rank for a request that observes keys with
+    /// positions (`None` under ARC, which has no request ranks).
+    pub(crate) fn new_request_rank(&mut self) -> Option<RequestRank> {
+        match self {
+            Policy::Lru(p) => Some(p.new_request_rank()),
+            Policy::Arc(_) => None,
+        }
+    }
+
+    /// LRU only: inserts `slot` at the request rank `r` and `position`
+    /// (without a rank: as a plain insert).
+    #[inline]
+    pub(crate) fn insert_at(
+        &mut self,
+        slot: u32,
+        key: ChunkKey,
+        ranked: Option<(&RequestRank, u64)>,
+    ) {
+        match (self, ranked) {
+            (Policy::Lru(p), Some((r, pos))) => p.insert_ranked(slot, r, pos),
+            (p, _) => p.on_insert(slot, key),
+        }
+    }
+
+    /// LRU only: a request holding `r` first observed the resident `slot` at `position`.
+    #[inline]
+    pub(crate) fn observe_at(&mut self, slot: u32, r: &RequestRank, position: u64) {
+        if let Policy::Lru(p) = self {
+            p.observe_ranked(slot, r, position);
+        }
+    }
+
+    /// LRU only: the request holding `r` finished; frees its anchor.
+    pub(crate) fn release_rank(&mut self, r: &mut RequestRank) {
+        if let Policy::Lru(p) = self {
+            p.release_anchor(r);
+        }
     }
 }
 

@@ -1,52 +1,193 @@
-//! What each live request stored or read on the host tier, in prefix order,
-//! so that finishing the request orders its chunks head-most-recent.
+//! One request's view of the host tier (vLLM 0.33's `_RequestCacheAccess`
+//! plus the LRU policy's request rank): the keys it observed, in first-seen
+//! order, with their positions, and whether it inserted or reused each.
 //!
-//! Recording is one push per offered key (the hot path); duplicates from
-//! re-offers are folded once, when the request finishes.
+//! vLLM keeps this on the request's context; finishing the request replays it
+//! into the eviction policy (tail first, so the prefix head ends most recent).
+//! A record belongs to one cache generation: after a reset the manager treats
+//! an older record as empty, exactly as vLLM's generation checks do.
 
 use std::collections::HashMap;
 
 use crate::key::{ChunkKey, KeyBuildHasher};
 
-/// The chunks one request touched, in offer (prefix) order, possibly repeated.
+/// One key a request observed (16 bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SeenKey {
+    /// The chunk key.
+    pub key: ChunkKey,
+    /// Its end position in the request in chunks (>= 1), or 0 if unknown.
+    position: u32,
+    flags: u8,
+}
+
+const INSERTED: u8 = 1;
+const REUSED: u8 = 2;
+const STORE_MISS: u8 = 4;
+
+impl SeenKey {
+    /// The request allocated it (a successful `prepare_store`).
+    pub fn inserted(&self) -> bool {
+        self.flags & INSERTED != 0
+    }
+    /// The request read it while it was ready, and not as its own insertion.
+    pub fn reused(&self) -> bool {
+        self.flags & REUSED != 0
+    }
+    /// A store of it was already shown to the policy as a miss (ARC adapts
+    /// once per request and key).
+    pub fn store_miss(&self) -> bool {
+        self.flags & STORE_MISS != 0
+    }
+}
+
+/// The LRU rank a request holds while it is active, and the anchor of its
+/// group in the LRU order (see `lru.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RequestRank {
+    /// The rank's major component (a global counter value).
+    pub rank: u64,
+    /// The LRU node that anchors the request's keys in the order.
+    pub anchor: u32,
+}
+
+/// What one request observed on the host tier.
+///
+/// Keys with a position (the scheduler's: chunk `i` ends at position `i + 1`)
+/// are found through a dense array indexed by position; keys without one (the
+/// manager's public calls) through a hash map.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct RequestAccess {
-    order: Vec<(ChunkKey, bool)>,
+    /// Cache generation this record belongs to.
+    generation: u64,
+    seen: Vec<SeenKey>,
+    /// `by_position[p - 1]`: 1 + index in `seen` of the key at position `p` (0: none).
+    by_position: Vec<u32>,
+    by_key: HashMap<ChunkKey, u32, KeyBuildHasher>,
+    /// The LRU request rank, once assigned in this generation.
+    pub(crate) rank: Option<RequestRank>,
+    /// `request_finished` was applied (later finishes are no-ops).
+    pub(crate) finished: bool,
+}
+
+/// A position as stored: chunk units, saturated, 0 for none.
+#[inline]
+fn stored_position(position: Option<u64>) -> u32 {
+    position.map_or(0, |p| u32::try_from(p).unwrap_or(u32::MAX).max(1))
 }
 
 impl RequestAccess {
-    /// Records an access; `reused` is true for a read of an existing chunk.
+    /// Makes the record current: a record of an older generation is emptied
+    /// (its LRU anchor went with the reset that changed the generation).
     #[inline]
-    pub(crate) fn record(&mut self, key: ChunkKey, reused: bool) {
-        self.order.push((key, reused));
-    }
-
-    /// Records reads of `keys` (a load).
-    pub(crate) fn record_reads(&mut self, keys: &[ChunkKey]) {
-        self.order.extend(keys.iter().map(|&k| (k, true)));
-    }
-
-    /// Appends the accesses of `later` after this record's.
-    pub(crate) fn append(&mut self, mut later: RequestAccess) {
-        self.order.append(&mut later.order);
-    }
-
-    /// The distinct keys, tail first (reverse order of first access), each with
-    /// `reused` true if any of its accesses was a read.
-    pub(crate) fn tail_first(&self) -> Vec<(ChunkKey, bool)> {
-        let mut first: HashMap<ChunkKey, usize, KeyBuildHasher> = HashMap::default();
-        let mut distinct: Vec<(ChunkKey, bool)> = Vec::with_capacity(self.order.len());
-        for &(k, reused) in &self.order {
-            match first.get(&k) {
-                Some(&i) => distinct[i].1 |= reused,
-                None => {
-                    first.insert(k, distinct.len());
-                    distinct.push((k, reused));
-                }
-            }
+    pub(crate) fn refresh(&mut self, generation: u64) {
+        if self.generation != generation {
+            *self = Self {
+                generation,
+                ..Self::default()
+            };
         }
-        distinct.reverse();
-        distinct
+    }
+
+    /// Whether the record belongs to `generation`.
+    #[inline]
+    pub(crate) fn is_of(&self, generation: u64) -> bool {
+        self.generation == generation
+    }
+
+    #[inline]
+    fn find(&self, key: ChunkKey, position: Option<u64>) -> Option<usize> {
+        match stored_position(position) {
+            0 => self.by_key.get(&key).map(|&i| i as usize),
+            p => match self.by_position.get(p as usize - 1) {
+                Some(&i) if i != 0 && self.seen[i as usize - 1].key == key => Some(i as usize - 1),
+                _ => None,
+            },
+        }
+    }
+
+    /// The record of `key` (at `position`, if it has one), if seen.
+    #[inline]
+    pub(crate) fn get(&self, key: ChunkKey, position: Option<u64>) -> Option<&SeenKey> {
+        self.find(key, position).map(|i| &self.seen[i])
+    }
+
+    /// Observes `key` at `position`; true if it was not seen before (the
+    /// policy hears of first observations only).
+    #[inline]
+    pub(crate) fn observe(&mut self, key: ChunkKey, position: Option<u64>) -> bool {
+        if self.find(key, position).is_some() {
+            return false;
+        }
+        let i = self.seen.len() as u32;
+        let p = stored_position(position);
+        self.seen.push(SeenKey {
+            key,
+            position: p,
+            flags: 0,
+        });
+        if p == 0 {
+            self.by_key.insert(key, i);
+        } else {
+            let at = p as usize - 1;
+            if self.by_position.len() <= at {
+                self.by_position.resize(at + 1, 0);
+            }
+            self.by_position[at] = i + 1;
+        }
+        true
+    }
+
+    #[inline]
+    fn set(&mut self, key: ChunkKey, position: Option<u64>, flag: u8) {
+        if let Some(i) = self.find(key, position) {
+            self.seen[i].flags |= flag;
+        }
+    }
+
+    /// Whether a store of `key` has not yet been shown to the policy as a miss.
+    #[inline]
+    pub(crate) fn is_new_store_miss(&self, key: ChunkKey, position: Option<u64>) -> bool {
+        self.get(key, position).is_none_or(|s| !s.store_miss())
+    }
+
+    /// Marks an observed key as shown to the policy as a store miss.
+    #[inline]
+    pub(crate) fn mark_store_miss(&mut self, key: ChunkKey, position: Option<u64>) {
+        self.set(key, position, STORE_MISS);
+    }
+
+    /// Marks an observed key as inserted by this request.
+    #[inline]
+    pub(crate) fn mark_inserted(&mut self, key: ChunkKey, position: Option<u64>) {
+        self.set(key, position, INSERTED);
+    }
+
+    /// Marks an observed key as reused, unless this request inserted it (a
+    /// re-read of its own insertion is not a second access).
+    #[inline]
+    pub(crate) fn mark_reused(&mut self, key: ChunkKey, position: Option<u64>) {
+        if let Some(i) = self.find(key, position)
+            && !self.seen[i].inserted()
+        {
+            self.seen[i].flags |= REUSED;
+        }
+    }
+
+    /// The observed keys head to tail: by position when every key has one,
+    /// else in first-seen order.
+    pub(crate) fn head_to_tail(&self) -> Vec<SeenKey> {
+        let mut keys = self.seen.clone();
+        if keys.iter().all(|s| s.position != 0) {
+            keys.sort_by_key(|s| s.position);
+        }
+        keys
+    }
+
+    /// Number of keys observed.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.seen.len()
     }
 }
 
@@ -55,18 +196,39 @@ mod tests {
     use super::*;
 
     #[test]
-    fn repeated_accesses_fold_into_first_position_and_any_read() {
+    fn first_observation_only_and_reuse_excludes_own_insertions() {
         let mut a = RequestAccess::default();
-        for (k, r) in [(1, false), (2, false), (1, true), (3, false), (2, false)] {
-            a.record(ChunkKey(k), r);
-        }
-        assert_eq!(
-            a.tail_first(),
-            vec![
-                (ChunkKey(3), false),
-                (ChunkKey(2), false),
-                (ChunkKey(1), true)
-            ]
+        let (k1, k2) = (ChunkKey(1), ChunkKey(2));
+        assert!(a.observe(k1, Some(2)));
+        assert!(!a.observe(k1, Some(2)), "seen once");
+        a.mark_inserted(k1, Some(2));
+        a.mark_reused(k1, Some(2));
+        assert!(!a.get(k1, Some(2)).unwrap().reused(), "own insertion");
+        assert!(a.observe(k2, Some(1)));
+        a.mark_reused(k2, Some(1));
+        assert!(a.get(k2, Some(1)).unwrap().reused());
+        let order: Vec<_> = a.head_to_tail().iter().map(|s| s.key).collect();
+        assert_eq!(order, vec![k2, k1], "sorted by position");
+        assert!(
+            a.get(ChunkKey(9), Some(1)).is_none(),
+            "another key at a known position"
         );
+    }
+
+    #[test]
+    fn without_positions_the_order_is_first_seen_and_a_new_generation_empties() {
+        let mut a = RequestAccess::default();
+        a.observe(ChunkKey(5), None);
+        a.observe(ChunkKey(3), None);
+        let order: Vec<_> = a.head_to_tail().iter().map(|s| s.key).collect();
+        assert_eq!(order, vec![ChunkKey(5), ChunkKey(3)]);
+        assert!(a.is_new_store_miss(ChunkKey(5), None));
+        a.mark_store_miss(ChunkKey(5), None);
+        assert!(!a.is_new_store_miss(ChunkKey(5), None));
+        a.refresh(0);
+        assert_eq!(a.len(), 2, "same generation: kept");
+        a.refresh(1);
+        assert_eq!(a.len(), 0);
+        assert!(a.is_new_store_miss(ChunkKey(5), None));
     }
 }

@@ -210,15 +210,22 @@ fn bad_input_returns_typed_errors_and_changes_nothing() {
     assert_eq!(m.stats().pinned, 1);
     m.complete_load(&k(&[1]), None).unwrap();
 
+    // vLLM ignores complete_store keys that are not pending in the tier:
+    // the unknown 42 and the already ready 1 are skipped and counted.
     assert_eq!(
-        m.complete_store(&k(&[2, 42]), StoreOutcome::Success, None),
-        Err(ManagerError::UnknownKey(ChunkKey(42)))
+        m.complete_store(&k(&[42, 1]), StoreOutcome::Success, None),
+        Ok(vec![])
     );
+    assert_eq!(m.stats().ignored_complete_keys, 2);
     assert_eq!(
         m.lookup(ChunkKey(2)),
         LookupResult::HitPending,
         "2 untouched"
     );
+    let before = ManagerStats {
+        ignored_complete_keys: 2,
+        ..before
+    };
     assert_eq!(
         m.release_quarantined(&ids(&[0])),
         Err(ManagerError::NotQuarantined(ChunkId(0)))
@@ -602,9 +609,10 @@ fn metadata_stays_small_per_chunk() {
         store_ok(&mut m, c);
     }
     let per_chunk = m.metadata_bytes() as f64 / n as f64;
-    // Target 64; the design gives 40 (8-byte index entries at load 1/2, a
-    // 16-byte slot record, 8 bytes of LRU links) plus the free list's room.
-    assert!(per_chunk <= 48.0, "{per_chunk} bytes of metadata per chunk");
+    // Target 64; the design gives 56 (8-byte index entries at load 1/2, a
+    // 16-byte slot record, a 24-byte LRU node: links and vLLM's two-part
+    // rank) plus the free list's room.
+    assert!(per_chunk <= 64.0, "{per_chunk} bytes of metadata per chunk");
 }
 
 #[test]

@@ -114,6 +114,10 @@ pub struct ManagerStats {
     pub stores_skipped: u64,
     /// `prepare_store` calls that could not allocate.
     pub allocation_failures: u64,
+    /// Keys given to `complete_store` that were not pending in the tier
+    /// (never prepared, evicted, failed, reset, or already stored): ignored,
+    /// as vLLM ignores them.
+    pub ignored_complete_keys: u64,
     /// Events dropped because `take_events` was not called for a long time.
     pub dropped_events: u64,
 }

@@ -202,7 +202,13 @@ impl Scheduler {
             None => None,
             Some((keys, sb, eb, end_chunk)) => {
                 let chunk_ids = match self.requests.get_mut(&req) {
-                    Some(rs) => self.manager.prepare_load_recorded(&keys, &mut rs.access)?,
+                    // Positions: chunk i ends at (i + 1) chunks (vLLM's
+                    // token positions, in chunk units: the same order).
+                    Some(rs) => self.manager.prepare_load_recorded(
+                        &keys,
+                        (end_chunk - keys.len()) as u64 + 1,
+                        &mut rs.access,
+                    )?,
                     None => self.manager.prepare_load(&keys, Some(req))?,
                 };
                 Some((keys, chunk_ids, sb, eb, end_chunk))

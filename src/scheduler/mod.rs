@@ -121,6 +121,7 @@ pub struct Scheduler {
     counters: Counters,
     lookup_delays: LookupDelays,
     scratch_idx: Vec<usize>,
+    scratch_pos: Vec<u64>,
     scratch_keys: Vec<ChunkKey>,
 }
 
@@ -168,6 +169,7 @@ impl Scheduler {
             counters: Counters::default(),
             lookup_delays: LookupDelays::default(),
             scratch_idx: Vec::new(),
+            scratch_pos: Vec::new(),
             scratch_keys: Vec::new(),
         }
     }

@@ -97,10 +97,10 @@ impl Scheduler {
             .collect();
         finished.sort_unstable();
         for req in finished {
-            if let Some(rs) = self.requests.remove(&req)
+            if let Some(mut rs) = self.requests.remove(&req)
                 && !rs.manager_finished
             {
-                self.manager.request_finished_with(req, rs.access);
+                self.manager.request_finished_with(req, &mut rs.access);
                 self.counters.manager_request_finished += 1;
             }
         }

@@ -165,8 +165,7 @@ impl Scheduler {
         rs.finished_signaled = true;
         if !rs.manager_finished {
             rs.manager_finished = true;
-            let access = std::mem::take(&mut rs.access);
-            self.manager.request_finished_with(req, access);
+            self.manager.request_finished_with(req, &mut rs.access);
             self.counters.manager_request_finished += 1;
         }
         if rs.jobs.is_empty() {

@@ -132,10 +132,16 @@ impl Scheduler {
             self.scratch_keys = cand;
             return;
         }
+        // Positions: chunk i ends at (i + 1) chunks (vLLM's token positions
+        // in chunk units: the same order).
+        let mut pos = std::mem::take(&mut self.scratch_pos);
+        pos.clear();
+        pos.extend(cand_idx.iter().map(|&i| i as u64 + 1));
         let ps = self
             .manager
-            .prepare_store_for_job(&cand, Some(&mut rs.access))
+            .prepare_store_for_job(&cand, &pos, Some(&mut rs.access))
             .map(|(k, c)| -> (JobKeys, JobSlots) { (copy_small(k), copy_small(c)) });
+        self.scratch_pos = pos;
         let (Some((keys, chunk_ids)), Some(rs)) = (ps, self.requests.at_mut(slot)) else {
             self.counters.allocation_failures += 1;
             tracing::warn!(%req, chunks = cand.len(), "host tier cannot allocate; store retried next step");
