@@ -3,13 +3,14 @@
 //!
 //! The corpora under `tests/conformance/` were produced by vLLM 0.33.0 itself
 //! (`../shared/oracle/`; commands and seeds in `docs/conformance.md`):
-//! - `manager/`: random host-tier traces (LRU and ARC) run on vLLM's
-//!   `CPUOffloadingManager`;
-//! - `connector/`: serving workloads recorded from vLLM's engine loop with its
-//!   real `OffloadingConnector` (sync and async scheduling, world sizes 1-4,
-//!   one and two blocks per chunk, preemptions, resets, LRU and ARC);
-//! - `connector_amended/`: the same with aborted requests (`request_finished`
-//!   with `aborted`/`computed_tokens`);
+//! - `manager/seed*/`: random host-tier traces (LRU and ARC) run on vLLM's
+//!   `CPUOffloadingManager`, one folder per generator seed;
+//! - `connector/seed*/`: serving workloads recorded from vLLM's engine loop
+//!   with its real `OffloadingConnector` (sync and async scheduling, world
+//!   sizes 1-4 and 8, one and two blocks per chunk, preemptions, resets, LRU
+//!   and ARC); `connector/scenarios/`: the recorder's named scenarios;
+//! - `connector_amended/seed*/`: workloads with aborted requests
+//!   (`request_finished` with `aborted`/`computed_tokens`);
 //! - `kvoffload/`: hand-written traces of what vLLM lacks (stalls, quarantine,
 //!   late and unknown reports), with expected outputs derived by hand (the
 //!   derivation is beside each trace).
@@ -22,24 +23,32 @@ mod compare;
 
 use std::path::{Path, PathBuf};
 
+/// Every `NAME.trace.jsonl` with its `NAME.expected.jsonl` under
+/// `tests/conformance/<dir>` (subfolders included: one per seed set), sorted.
 fn corpus(dir: &str) -> Vec<(String, PathBuf, PathBuf)> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/conformance")
-        .join(dir);
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir(&root).unwrap_or_else(|e| panic!("{}: {e}", root.display())) {
-        let path = entry.expect("directory entry").path();
-        let name = path
-            .file_name()
-            .unwrap_or_default()
-            .to_string_lossy()
-            .to_string();
-        if let Some(stem) = name.strip_suffix(".trace.jsonl") {
-            let expected = root.join(format!("{stem}.expected.jsonl"));
-            assert!(expected.exists(), "{dir}/{stem}: no expected output");
-            out.push((format!("{dir}/{stem}"), path, expected));
+    fn walk(root: &Path, rel: &str, out: &mut Vec<(String, PathBuf, PathBuf)>) {
+        let here = root.join(rel);
+        let entries =
+            std::fs::read_dir(&here).unwrap_or_else(|e| panic!("{}: {e}", here.display()));
+        for entry in entries {
+            let path = entry.expect("directory entry").path();
+            let name = path
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .to_string();
+            if path.is_dir() {
+                walk(root, &format!("{rel}/{name}"), out);
+            } else if let Some(stem) = name.strip_suffix(".trace.jsonl") {
+                let expected = here.join(format!("{stem}.expected.jsonl"));
+                assert!(expected.exists(), "{rel}/{stem}: no expected output");
+                out.push((format!("{rel}/{stem}"), path, expected));
+            }
         }
     }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/conformance");
+    let mut out = Vec::new();
+    walk(&root, dir, &mut out);
     out.sort();
     out
 }
@@ -114,8 +123,8 @@ fn stall_extension_matches_its_derived_outputs() {
 fn the_comparison_catches_differences() {
     let (_, trace, expected) = corpus("manager")
         .into_iter()
-        .find(|(n, _, _)| n.ends_with("/000"))
-        .expect("manager/000");
+        .find(|(n, _, _)| n.ends_with("seed1101/000"))
+        .expect("manager/seed1101/000");
     let want = std::fs::read_to_string(expected).unwrap();
     let got = replay(&trace).unwrap();
     compare::compare_outputs(&want, &got).expect("agrees as committed");

@@ -255,7 +255,9 @@ impl Scheduler {
     /// The backend finished (or aborted) a request and will free `block_ids`.
     ///
     /// Pending stores of the request now fence their source blocks. Its last
-    /// stores and the manager's `request_finished` come at the next
+    /// stores cover the blocks the steps gave it (as in vLLM, `block_ids` do
+    /// not replace its block list), and they and the manager's
+    /// `request_finished` come at the next
     /// [`Self::build_step`] that lists it in `finished`. A request the scheduler
     /// never tracked is finished in the manager at once.
     pub fn request_finished(
@@ -279,10 +281,11 @@ impl Scheduler {
             self.counters.manager_request_finished += 1;
             return Ok(());
         };
-        if !block_ids.is_empty() {
-            rs.block_ids.clear();
-            rs.block_ids.extend_from_slice(block_ids);
-        }
+        // vLLM takes a request's blocks only from the steps that scheduled
+        // it: `block_ids` here name what the backend frees, not what is
+        // stored (a request aborted while its load was in flight stores
+        // nothing of the blocks it never computed).
+        let _ = block_ids;
         for &job in &rs.jobs {
             if let Some(mut e) = self.jobs.get_mut(job)
                 && e.kind == JobKind::Store
