@@ -1,7 +1,8 @@
 //! The `kvoffload` binary: sim (summary, report, record), config validation
 //! errors (exit 2, key and allowed range named), bench (table, JSON, CSV, SVG), info,
 //! and the CUDA backend of sim and bench (without a driver: exit 2 with
-//! `cuda backend unavailable: <reason>`; with a GPU: a short run).
+//! `cuda backend unavailable: <reason>`; with a GPU: a short run), and
+//! `replay --timing` (stdout unchanged, the timing file, exit 2 when unwritable).
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -236,6 +237,139 @@ fn info_and_help_still_work() {
     for c in ["sim", "bench", "replay", "info"] {
         assert!(text(&out.stdout).contains(c));
     }
+}
+
+fn example_trace(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("examples/traces")
+        .join(name)
+}
+
+/// The `--timing` file, parsed, with its fields checked for shape and order.
+fn read_timing(path: &std::path::Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let obj = json.as_object().expect("an object");
+    assert_eq!(obj.len(), 3, "{text}");
+    assert!(json["steps"].is_u64(), "{text}");
+    assert!(json["steady_steps"].is_u64(), "{text}");
+    assert!(
+        json["steady_steps"].as_u64() <= json["steps"].as_u64(),
+        "{text}"
+    );
+    match &json["engine_us"] {
+        serde_json::Value::Null => assert_eq!(json["steady_steps"], 0, "{text}"),
+        e => {
+            let f = |k: &str| e[k].as_f64().unwrap_or_else(|| panic!("{k} in {text}"));
+            assert!(json["steady_steps"].as_u64() > Some(0), "{text}");
+            assert!(0.0 <= f("p50") && f("p50") <= f("p90") && f("p90") <= f("p99"));
+            assert!(f("mean").is_finite() && f("mean") >= 0.0, "{text}");
+        }
+    }
+    json
+}
+
+#[test]
+fn replay_timing_leaves_stdout_unchanged_and_writes_the_step_counts() {
+    let trace = example_trace("preemption.jsonl");
+    let trace = trace.to_str().unwrap();
+    let plain = kvoffload(&["replay", trace]);
+    assert!(plain.status.success(), "{}", text(&plain.stderr));
+    let steps = std::fs::read_to_string(trace)
+        .unwrap()
+        .lines()
+        .filter(|l| serde_json::from_str::<serde_json::Value>(l).is_ok_and(|v| v["op"] == "step"))
+        .count() as u64;
+    assert!(steps > 0);
+    // The flag after the trace, then before it: the same stdout either way.
+    let after = tmp("timing-after.json");
+    let before = tmp("timing-before.json");
+    for out in [
+        kvoffload(&["replay", trace, "--timing", after.to_str().unwrap()]),
+        kvoffload(&["replay", "--timing", before.to_str().unwrap(), trace]),
+    ] {
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert_eq!(text(&out.stdout), text(&plain.stdout));
+        assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+    }
+    for path in [&after, &before] {
+        let json = read_timing(path);
+        assert_eq!(json["steps"], steps);
+    }
+}
+
+#[test]
+fn replay_timing_reports_the_steady_steps_after_the_warm_up() {
+    // 40 steps, each followed by its worker_output: all steady; the first 16
+    // are the warm-up.
+    let mut trace = String::from(
+        r#"{"kvoffload_trace": 1, "config": {"tokens_per_block": 4, "num_cpu_chunks": 8}}"#,
+    );
+    trace.push('\n');
+    for _ in 0..40 {
+        trace.push_str("{\"op\": \"step\", \"scheduled\": []}\n");
+        trace.push_str("{\"op\": \"worker_output\", \"completed\": {}}\n");
+    }
+    let path = tmp("steady.jsonl");
+    std::fs::write(&path, trace).unwrap();
+    let timing = tmp("steady-timing.json");
+    let out = kvoffload(&[
+        "replay",
+        path.to_str().unwrap(),
+        "--timing",
+        timing.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).lines().count(), 80);
+    let json = read_timing(&timing);
+    assert_eq!(json["steps"], 40);
+    assert_eq!(json["steady_steps"], 24);
+    assert!(json["engine_us"].is_object());
+}
+
+#[test]
+fn replay_timing_to_an_unwritable_file_exits_2_before_replaying() {
+    let trace = example_trace("preemption.jsonl");
+    let bad = tmp("no-such-dir").join("timing.json");
+    let out = kvoffload(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--timing",
+        bad.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(out.stdout.is_empty(), "nothing replayed");
+    let err = text(&out.stderr);
+    assert!(
+        err.starts_with("kvoffload replay: --timing ") && err.contains(bad.to_str().unwrap()),
+        "{err}"
+    );
+    // A directory is not writable as a file either.
+    let dir = tmp("");
+    let out = kvoffload(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--timing",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    // A malformed trace: exit 2 as before, and no timing file is left behind.
+    let malformed = tmp("malformed.jsonl");
+    std::fs::write(
+        &malformed,
+        "{\"kvoffload_trace\": 1, \"config\": {\"num_cpu_chunks\": 8}}\n{not json\n",
+    )
+    .unwrap();
+    let timing = tmp("malformed-timing.json");
+    let out = kvoffload(&[
+        "replay",
+        malformed.to_str().unwrap(),
+        "--timing",
+        timing.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).starts_with("line 2: "));
+    assert!(!timing.exists());
 }
 
 /// Why the CUDA backend cannot run in this process, or `None` where it can.

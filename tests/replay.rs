@@ -1,5 +1,6 @@
 //! `kvoffload replay`: the example traces reproduce their checked-in outputs
-//! byte for byte, and malformed lines exit 2 with `line N: <reason>`.
+//! byte for byte, and malformed lines exit 2 with `line N: <reason>`;
+//! `run_timed` writes what `run` writes and counts the steady steps.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -264,4 +265,122 @@ fn a_load_failed_after_a_reset_is_a_failed_load_not_a_finished_one() {
             .contains(r#""failed_loads":["r"]"#),
         "{out}"
     );
+}
+
+/// A decode workload (as `scripts/gen-decode-trace.py` writes, smaller):
+/// `requests` requests prefilled in one step, then `steps` decode steps of one
+/// token each; request r's prompt is 8 + r mod 4 tokens (blocks of 4), so the
+/// requests fill their blocks staggered; the stores of each step are completed
+/// by a `worker_output` after it (job ids predicted: sequential, in list order).
+fn decode_trace(requests: u64, steps: u64) -> String {
+    let mut t = String::from(
+        r#"{"kvoffload_trace": 1, "config": {"tokens_per_block": 4, "blocks_per_chunk": 1, "num_cpu_chunks": 4096, "offload_prompt_only": false}}"#,
+    );
+    t.push('\n');
+    let prompt = |r: u64| 8 + r % 4;
+    let mut tables: Vec<Vec<u64>> = Vec::new();
+    let mut next_block = 1;
+    for r in 0..requests {
+        let table: Vec<u64> = (next_block..next_block + 3).collect();
+        next_block += 3;
+        t += &format!(
+            "{{\"op\":\"add_request\",\"req\":\"r{r}\",\"prompt_tokens\":{},\"block_hashes\":[\"r{r}-0\",\"r{r}-1\"]}}\n",
+            prompt(r)
+        );
+        t += &format!("{{\"op\":\"lookup\",\"req\":\"r{r}\",\"computed_tokens\":0}}\n");
+        t += &format!(
+            "{{\"op\":\"alloc\",\"req\":\"r{r}\",\"block_ids\":{table:?},\"external_tokens\":0}}\n"
+        );
+        tables.push(table);
+    }
+    let scheduled: Vec<String> = (0..requests)
+        .map(|r| {
+            format!(
+                "{{\"req\":\"r{r}\",\"new_block_ids\":{:?},\"computed_tokens\":0,\"scheduled_tokens\":{}}}",
+                tables[r as usize],
+                prompt(r)
+            )
+        })
+        .collect();
+    t += &format!(
+        "{{\"op\":\"step\",\"scheduled\":[{}]}}\n",
+        scheduled.join(",")
+    );
+    let completed = |jobs: std::ops::Range<u64>| {
+        jobs.map(|j| format!("\"{j}\":1"))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    t += &format!(
+        "{{\"op\":\"worker_output\",\"completed\":{{{}}}}}\n",
+        completed(0..requests)
+    );
+    let mut next_job = requests;
+    for k in 1..=steps {
+        let first_job = next_job;
+        let mut scheduled = Vec::new();
+        for r in 0..requests {
+            let n = prompt(r) + k;
+            let hashes = if n % 4 == 0 {
+                next_job += 1;
+                format!(",\"block_hashes\":[\"r{r}-{}\"]", n / 4 - 1)
+            } else {
+                String::new()
+            };
+            t += &format!(
+                "{{\"op\":\"update_request\",\"req\":\"r{r}\",\"num_tokens\":{n}{hashes}}}\n"
+            );
+            let table = &mut tables[r as usize];
+            let new_block = if (n - 1) / 4 >= table.len() as u64 {
+                table.push(next_block);
+                next_block += 1;
+                format!(",\"new_block_ids\":[{}]", next_block - 1)
+            } else {
+                String::new()
+            };
+            scheduled.push(format!(
+                "{{\"req\":\"r{r}\"{new_block},\"computed_tokens\":{},\"scheduled_tokens\":1}}",
+                n - 1
+            ));
+        }
+        t += &format!(
+            "{{\"op\":\"step\",\"scheduled\":[{}]}}\n",
+            scheduled.join(",")
+        );
+        t += &format!(
+            "{{\"op\":\"worker_output\",\"completed\":{{{}}}}}\n",
+            completed(first_job..next_job)
+        );
+    }
+    t += "{\"op\":\"state\"}\n";
+    t
+}
+
+#[test]
+fn run_timed_writes_what_run_writes_and_times_the_steady_steps() {
+    let trace = decode_trace(8, 40);
+    let plain = replay_lib(&trace).unwrap();
+    assert!(!plain.contains("\"error\""), "{plain}");
+    assert!(plain.lines().last().unwrap().contains("\"jobs\":0,"));
+    let stores = plain.matches("\"job\":").count();
+    assert!(stores > 8 + 40, "decode steps store: {stores}");
+    let mut out = Vec::new();
+    let t = kvoffload::replay::run_timed(trace.as_bytes(), &mut out).unwrap();
+    assert_eq!(String::from_utf8(out).unwrap(), plain);
+    // The prefill step has lookups and allocs; the 40 decode steps are steady.
+    assert_eq!(t.steps, 41);
+    assert_eq!(t.steady_steps, 40 - kvoffload::replay::WARMUP_STEADY_STEPS);
+    let e = t.engine_us.expect("steady steps after the warm-up");
+    assert!(e.p50 > 0.0 && e.p50 <= e.p90 && e.p90 <= e.p99, "{e:?}");
+    assert!(e.mean > 0.0 && e.mean.is_finite(), "{e:?}");
+    let json: serde_json::Value = serde_json::from_str(&t.to_json()).unwrap();
+    assert_eq!(json["steps"], 41);
+    assert_eq!(json["engine_us"]["p99"], e.p99);
+
+    // A trace without steady steps after the warm-up: `engine_us` is null.
+    let short = decode_trace(2, 16);
+    let mut out = Vec::new();
+    let t = kvoffload::replay::run_timed(short.as_bytes(), &mut out).unwrap();
+    assert_eq!((t.steps, t.steady_steps, t.engine_us), (17, 0, None));
+    assert!(t.to_json().ends_with(r#""engine_us":null}"#));
 }

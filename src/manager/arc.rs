@@ -138,6 +138,8 @@ pub(crate) struct ArcPolicy {
     b2: GhostList,
     resident: HugeBuffer<Resident>,
     keys: HugeBuffer<ChunkKey>,
+    /// Keys of the current store found in B1 or B2 (set by `on_store_miss`).
+    ghost_hits: Vec<ChunkKey>,
     /// Scratch of `evict`: whether each victim came from T1.
     from_t1: Vec<bool>,
 }
@@ -153,6 +155,7 @@ impl ArcPolicy {
             b2: GhostList::new(capacity),
             resident: HugeBuffer::new(capacity as usize, Resident::None),
             keys: HugeBuffer::new(capacity as usize, ChunkKey(0)),
+            ghost_hits: Vec::new(),
             from_t1: Vec::new(),
         }
     }
@@ -202,19 +205,34 @@ impl ArcPolicy {
     }
 }
 
-impl EvictionPolicy for ArcPolicy {
-    fn on_insert(&mut self, slot: u32, key: ChunkKey) {
-        // An inserted key is no longer a ghost (whether or not this store
-        // adapted on it: a request adapts once per key).
-        if self.b1.len() + self.b2.len() > 0 && !self.b1.remove(key) {
+impl ArcPolicy {
+    /// A new chunk goes to T1 and is no longer a ghost. `shown_as_miss`: the
+    /// preceding `on_store_miss` saw the key, so it is a ghost only if that
+    /// call found it (one probe saved per insert); otherwise (the request
+    /// adapted on it in an earlier store) both ghost lists are checked.
+    pub(crate) fn insert(&mut self, slot: u32, key: ChunkKey, shown_as_miss: bool) {
+        if shown_as_miss {
+            if let Some(i) = self.ghost_hits.iter().position(|&k| k == key) {
+                self.ghost_hits.swap_remove(i);
+                if !self.b1.remove(key) {
+                    self.b2.remove(key);
+                }
+            }
+        } else if self.b1.len() + self.b2.len() > 0 && !self.b1.remove(key) {
             self.b2.remove(key);
         }
+        self.insert_resident(slot, key);
+    }
+
+    fn insert_resident(&mut self, slot: u32, key: ChunkKey) {
         self.unlink(slot);
         self.t1.push_back(slot);
         self.resident[slot as usize] = Resident::T1;
         self.keys[slot as usize] = key;
     }
+}
 
+impl EvictionPolicy for ArcPolicy {
     fn on_remove(&mut self, slot: u32) {
         self.unlink(slot);
     }
@@ -225,8 +243,11 @@ impl EvictionPolicy for ArcPolicy {
             self.b2.index.prefetch(k);
         }
         // vLLM adapts tail first (each hit also refreshes its ghost).
+        self.ghost_hits.clear();
         for &k in keys.iter().rev() {
-            self.adapt_on_ghost(k);
+            if self.adapt_on_ghost(k) {
+                self.ghost_hits.push(k);
+            }
         }
     }
 

@@ -133,6 +133,8 @@ pub struct OffloadManager {
     scratch_pos: Vec<u64>,
     scratch_offer: Vec<Offered>,
     scratch_observed: Vec<(ChunkKey, u64)>,
+    scratch_candidates: Vec<usize>,
+    scratch_fresh: Vec<bool>,
     scratch_resolved: Vec<(ChunkKey, u32)>,
     scratch_victims: Vec<u32>,
     scratch_store: Vec<ChunkKey>,
@@ -170,6 +172,8 @@ impl OffloadManager {
             scratch_pos: Vec::new(),
             scratch_offer: Vec::new(),
             scratch_observed: Vec::new(),
+            scratch_candidates: Vec::new(),
+            scratch_fresh: Vec::new(),
             scratch_resolved: Vec::new(),
             scratch_victims: Vec::new(),
             scratch_store: Vec::new(),
@@ -269,12 +273,11 @@ impl OffloadManager {
         observed.clear();
         for (i, &k) in keys.iter().enumerate() {
             let pos = first.map(|p| p + i as u64);
-            if acc.observe(k, pos)
-                && let Some(p) = pos
-            {
+            let (i, new) = acc.observe(k, pos);
+            if new && let Some(p) = pos {
                 observed.push((k, p));
             }
-            acc.mark_reused(k, pos);
+            acc.mark_reused_at(i);
         }
         self.observe_ranked(&observed, acc);
         self.scratch_observed = observed;
@@ -472,26 +475,18 @@ impl OffloadManager {
                 offer.retain(|o| o.ready || admitted.contains(&o.key));
             }
         }
-        // ARC learns from ghost hits before the inserts remove the ghosts,
-        // once per request and key; then the request records what it saw.
+        // The request records what it saw, and ARC learns from ghost hits
+        // before the inserts remove the ghosts (once per request and key).
         match access.as_deref_mut() {
             None => self.policy.on_store_miss(&to_store),
             Some(acc) => {
                 acc.refresh(self.generation);
-                let mut misses = std::mem::take(&mut self.scratch_evicted);
-                misses.clear();
-                misses.extend(
-                    to_store
-                        .iter()
-                        .zip(&to_store_pos)
-                        .filter(|&(&k, &p)| acc.is_new_store_miss(k, positions.map(|_| p)))
-                        .map(|(&k, _)| k),
-                );
-                if !misses.is_empty() {
-                    self.policy.on_store_miss(&misses);
-                }
-                self.scratch_evicted = misses;
                 self.record_store_offer(&offer, positions.is_some(), acc);
+                if !self.scratch_evicted.is_empty() {
+                    let misses = std::mem::take(&mut self.scratch_evicted);
+                    self.policy.on_store_miss(&misses);
+                    self.scratch_evicted = misses;
+                }
             }
         }
         let result = if to_store.is_empty() {
@@ -502,11 +497,11 @@ impl OffloadManager {
         } else {
             let rank = access.as_deref().and_then(|a| a.rank);
             let ranked = if positions.is_some() { rank } else { None };
-            self.allocate(to_store, &to_store_pos, ranked)
+            self.allocate(to_store, &to_store_pos, ranked, access.is_some())
         };
-        if result && let Some(acc) = access.as_deref_mut() {
-            for (&k, &p) in self.scratch_store.iter().zip(&to_store_pos) {
-                acc.mark_inserted(k, positions.map(|_| p));
+        if result && let Some(acc) = access.as_mut() {
+            for &i in &self.scratch_candidates {
+                acc.mark_inserted_at(i);
             }
         }
         for &s in &protected {
@@ -523,33 +518,54 @@ impl OffloadManager {
 
     /// Records a store offer as the request's observations: vLLM records the
     /// candidates to store and the ready keys it found, in offer order, before
-    /// allocating; the ready ones are reuses.
+    /// allocating; the ready ones are reuses. Leaves the candidates not yet
+    /// shown to the policy as store misses in `scratch_evicted` and the
+    /// candidates' record indices in `scratch_candidates` (and in
+    /// `scratch_fresh` whether each was shown as a miss by this store).
     fn record_store_offer(&mut self, offer: &[Offered], positioned: bool, acc: &mut RequestAccess) {
         let mut observed = std::mem::take(&mut self.scratch_observed);
         observed.clear();
+        let mut misses = std::mem::take(&mut self.scratch_evicted);
+        misses.clear();
+        let mut candidates = std::mem::take(&mut self.scratch_candidates);
+        candidates.clear();
+        let mut fresh_misses = std::mem::take(&mut self.scratch_fresh);
+        fresh_misses.clear();
         for o in offer {
             let pos = positioned.then_some(o.pos);
-            if acc.observe(o.key, pos) && positioned {
+            let (i, new) = acc.observe(o.key, pos);
+            if new && positioned {
                 observed.push((o.key, o.pos));
             }
             if o.ready {
-                acc.mark_reused(o.key, pos);
+                acc.mark_reused_at(i);
             } else {
-                acc.mark_store_miss(o.key, pos);
+                let fresh = acc.note_store_miss_at(i);
+                if fresh {
+                    misses.push(o.key);
+                }
+                candidates.push(i);
+                fresh_misses.push(fresh);
             }
         }
         self.observe_ranked(&observed, acc);
         self.scratch_observed = observed;
+        self.scratch_evicted = misses;
+        self.scratch_candidates = candidates;
+        self.scratch_fresh = fresh_misses;
     }
 
     /// Allocates slots for `to_store` (evicting if needed). On success the keys
     /// and their slots are left in `scratch_store` / `scratch_ids`, and the
     /// evicted keys in `scratch_evicted` (also logged as an event).
+    /// `per_key_misses`: `scratch_fresh` says which keys this store showed
+    /// the policy as misses (otherwise all of them were).
     fn allocate(
         &mut self,
         to_store: Vec<ChunkKey>,
         positions: &[u64],
         rank: Option<RequestRank>,
+        per_key_misses: bool,
     ) -> bool {
         let free = self.pool.available();
         let need = to_store.len().saturating_sub(free);
@@ -602,8 +618,14 @@ impl OffloadManager {
                 protected: false,
             };
             self.index.insert(k, s, key_of(&self.slots));
-            self.policy
-                .insert_at(s, k, rank.as_ref().map(|r| (r, positions[i])));
+            let shown_as_miss =
+                !per_key_misses || self.scratch_fresh.get(i).copied().unwrap_or(false);
+            self.policy.insert_at(
+                s,
+                k,
+                rank.as_ref().map(|r| (r, positions[i])),
+                shown_as_miss,
+            );
             chunk_ids.push(ChunkId(s));
         }
         self.counters.pending += to_store.len() as u32;
@@ -656,6 +678,7 @@ impl OffloadManager {
                 StoreOutcome::Success => {
                     self.slots[s as usize].ref_cnt = 0;
                     self.counters.ready += 1;
+                    self.policy.on_ready(s);
                 }
                 StoreOutcome::Failure => {
                     self.index.remove(k, key_of(&self.slots));

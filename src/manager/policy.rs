@@ -24,9 +24,8 @@ pub(crate) struct FinishedAccess {
 
 /// Recency/frequency ordering of the resident chunks.
 pub(crate) trait EvictionPolicy: Send + std::fmt::Debug {
-    /// A new chunk (being stored) took `slot`. Always preceded by
-    /// [`Self::on_store_miss`] for the same store's keys.
-    fn on_insert(&mut self, slot: u32, key: ChunkKey);
+    /// The store of the chunk in `slot` completed (it may now be evicted).
+    fn on_ready(&mut self, _slot: u32) {}
     /// The chunk in `slot` left the tier without being evicted (failed store).
     fn on_remove(&mut self, slot: u32);
     /// Keys about to be inserted by a store (ARC adapts its target on ghost hits).
@@ -97,18 +96,21 @@ impl Policy {
         }
     }
 
-    /// LRU only: inserts `slot` at the request rank `r` and `position`
-    /// (without a rank: as a plain insert).
+    /// Inserts a new (pending) chunk; LRU ranks it at the request rank `r` and
+    /// `position` when given (otherwise as a plain insert).
+    /// `shown_as_miss`: the key was among this store's `on_store_miss` keys
+    /// (ARC then knows from that call whether it is a ghost).
     #[inline]
     pub(crate) fn insert_at(
         &mut self,
         slot: u32,
         key: ChunkKey,
         ranked: Option<(&RequestRank, u64)>,
+        shown_as_miss: bool,
     ) {
-        match (self, ranked) {
-            (Policy::Lru(p), Some((r, pos))) => p.insert_ranked(slot, r, pos),
-            (p, _) => p.on_insert(slot, key),
+        match self {
+            Policy::Lru(p) => p.insert_pending(slot, ranked),
+            Policy::Arc(p) => p.insert(slot, key, shown_as_miss),
         }
     }
 
@@ -140,8 +142,8 @@ macro_rules! dispatch {
 
 impl EvictionPolicy for Policy {
     #[inline]
-    fn on_insert(&mut self, slot: u32, key: ChunkKey) {
-        dispatch!(self, p => p.on_insert(slot, key))
+    fn on_ready(&mut self, slot: u32) {
+        dispatch!(self, p => p.on_ready(slot))
     }
     fn on_remove(&mut self, slot: u32) {
         dispatch!(self, p => p.on_remove(slot))

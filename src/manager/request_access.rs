@@ -36,6 +36,7 @@ impl SeenKey {
     }
     /// A store of it was already shown to the policy as a miss (ARC adapts
     /// once per request and key).
+    #[cfg(test)]
     pub fn store_miss(&self) -> bool {
         self.flags & STORE_MISS != 0
     }
@@ -107,19 +108,19 @@ impl RequestAccess {
     }
 
     /// The record of `key` (at `position`, if it has one), if seen.
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn get(&self, key: ChunkKey, position: Option<u64>) -> Option<&SeenKey> {
         self.find(key, position).map(|i| &self.seen[i])
     }
 
-    /// Observes `key` at `position`; true if it was not seen before (the
-    /// policy hears of first observations only).
+    /// Observes `key` at `position`: its index in the record, and whether it
+    /// was not seen before (the policy hears of first observations only).
     #[inline]
-    pub(crate) fn observe(&mut self, key: ChunkKey, position: Option<u64>) -> bool {
-        if self.find(key, position).is_some() {
-            return false;
+    pub(crate) fn observe(&mut self, key: ChunkKey, position: Option<u64>) -> (usize, bool) {
+        if let Some(i) = self.find(key, position) {
+            return (i, false);
         }
-        let i = self.seen.len() as u32;
+        let i = self.seen.len();
         let p = stored_position(position);
         self.seen.push(SeenKey {
             key,
@@ -127,50 +128,40 @@ impl RequestAccess {
             flags: 0,
         });
         if p == 0 {
-            self.by_key.insert(key, i);
+            self.by_key.insert(key, i as u32);
         } else {
             let at = p as usize - 1;
             if self.by_position.len() <= at {
                 self.by_position.resize(at + 1, 0);
             }
-            self.by_position[at] = i + 1;
+            self.by_position[at] = i as u32 + 1;
         }
-        true
+        (i, true)
     }
 
+    /// Marks the key at index `i` as shown to the policy as a store miss;
+    /// false if it already was (ARC adapts once per request and key).
     #[inline]
-    fn set(&mut self, key: ChunkKey, position: Option<u64>, flag: u8) {
-        if let Some(i) = self.find(key, position) {
-            self.seen[i].flags |= flag;
-        }
+    pub(crate) fn note_store_miss_at(&mut self, i: usize) -> bool {
+        let s = &mut self.seen[i];
+        let new = s.flags & STORE_MISS == 0;
+        s.flags |= STORE_MISS;
+        new
     }
 
-    /// Whether a store of `key` has not yet been shown to the policy as a miss.
+    /// Marks the key at index `i` as inserted by this request.
     #[inline]
-    pub(crate) fn is_new_store_miss(&self, key: ChunkKey, position: Option<u64>) -> bool {
-        self.get(key, position).is_none_or(|s| !s.store_miss())
+    pub(crate) fn mark_inserted_at(&mut self, i: usize) {
+        self.seen[i].flags |= INSERTED;
     }
 
-    /// Marks an observed key as shown to the policy as a store miss.
+    /// Marks the key at index `i` as reused, unless this request inserted it
+    /// (a re-read of its own insertion is not a second access).
     #[inline]
-    pub(crate) fn mark_store_miss(&mut self, key: ChunkKey, position: Option<u64>) {
-        self.set(key, position, STORE_MISS);
-    }
-
-    /// Marks an observed key as inserted by this request.
-    #[inline]
-    pub(crate) fn mark_inserted(&mut self, key: ChunkKey, position: Option<u64>) {
-        self.set(key, position, INSERTED);
-    }
-
-    /// Marks an observed key as reused, unless this request inserted it (a
-    /// re-read of its own insertion is not a second access).
-    #[inline]
-    pub(crate) fn mark_reused(&mut self, key: ChunkKey, position: Option<u64>) {
-        if let Some(i) = self.find(key, position)
-            && !self.seen[i].inserted()
-        {
-            self.seen[i].flags |= REUSED;
+    pub(crate) fn mark_reused_at(&mut self, i: usize) {
+        let s = &mut self.seen[i];
+        if s.flags & INSERTED == 0 {
+            s.flags |= REUSED;
         }
     }
 
@@ -199,13 +190,15 @@ mod tests {
     fn first_observation_only_and_reuse_excludes_own_insertions() {
         let mut a = RequestAccess::default();
         let (k1, k2) = (ChunkKey(1), ChunkKey(2));
-        assert!(a.observe(k1, Some(2)));
-        assert!(!a.observe(k1, Some(2)), "seen once");
-        a.mark_inserted(k1, Some(2));
-        a.mark_reused(k1, Some(2));
+        let (i1, new) = a.observe(k1, Some(2));
+        assert!(new);
+        assert_eq!(a.observe(k1, Some(2)), (i1, false), "seen once");
+        a.mark_inserted_at(i1);
+        a.mark_reused_at(i1);
         assert!(!a.get(k1, Some(2)).unwrap().reused(), "own insertion");
-        assert!(a.observe(k2, Some(1)));
-        a.mark_reused(k2, Some(1));
+        let (i2, new) = a.observe(k2, Some(1));
+        assert!(new);
+        a.mark_reused_at(i2);
         assert!(a.get(k2, Some(1)).unwrap().reused());
         let order: Vec<_> = a.head_to_tail().iter().map(|s| s.key).collect();
         assert_eq!(order, vec![k2, k1], "sorted by position");
@@ -218,17 +211,17 @@ mod tests {
     #[test]
     fn without_positions_the_order_is_first_seen_and_a_new_generation_empties() {
         let mut a = RequestAccess::default();
-        a.observe(ChunkKey(5), None);
+        let (i5, _) = a.observe(ChunkKey(5), None);
         a.observe(ChunkKey(3), None);
         let order: Vec<_> = a.head_to_tail().iter().map(|s| s.key).collect();
         assert_eq!(order, vec![ChunkKey(5), ChunkKey(3)]);
-        assert!(a.is_new_store_miss(ChunkKey(5), None));
-        a.mark_store_miss(ChunkKey(5), None);
-        assert!(!a.is_new_store_miss(ChunkKey(5), None));
+        assert!(a.note_store_miss_at(i5));
+        assert!(!a.note_store_miss_at(i5), "once per key");
+        assert!(a.get(ChunkKey(5), None).unwrap().store_miss());
         a.refresh(0);
         assert_eq!(a.len(), 2, "same generation: kept");
         a.refresh(1);
         assert_eq!(a.len(), 0);
-        assert!(a.is_new_store_miss(ChunkKey(5), None));
+        assert!(a.get(ChunkKey(5), None).is_none());
     }
 }

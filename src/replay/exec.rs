@@ -1,6 +1,6 @@
 //! Execution of trace operations against a scheduler and its manager.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 
@@ -44,9 +44,28 @@ pub(crate) struct Engine {
     pub clock: ManualClock,
     pub keys: Keys,
     pub reqs: Requests,
+    /// Whether [`Engine::engine_time`] is measured (`--timing`).
+    pub timed: bool,
+    /// Time spent in scheduler calls of the timed operations (`lookup`,
+    /// `alloc`, `step`, `worker_output`, `request_finished`) since the caller
+    /// last reset it; only the calls themselves, not the parsing of their
+    /// fields or the building of their output.
+    pub engine_time: Duration,
 }
 
 impl Engine {
+    /// Runs `call` on the scheduler, adding its duration to `engine_time`
+    /// when timing is on.
+    fn timed<T>(&mut self, call: impl FnOnce(&mut Scheduler) -> T) -> T {
+        if !self.timed {
+            return call(&mut self.sched);
+        }
+        let start = Instant::now();
+        let r = call(&mut self.sched);
+        self.engine_time += start.elapsed();
+        r
+    }
+
     /// A manager rejection, with its key written as the trace wrote it.
     fn rejected_key(&self, e: ManagerError) -> Fail {
         let msg = e.to_string();
@@ -254,7 +273,7 @@ impl Engine {
             "lookup" => {
                 let req = self.req(f)?;
                 let computed = f.u64("computed_tokens")?;
-                match self.sched.lookup(req, computed).map_err(rejected)? {
+                match self.timed(|s| s.lookup(req, computed)).map_err(rejected)? {
                     LookupOutcome::Hit(n) => Ok(vec![("hit_tokens", Value::from(n))]),
                     LookupOutcome::Defer => Ok(vec![("defer", Value::Bool(true))]),
                 }
@@ -263,7 +282,10 @@ impl Engine {
                 let req = self.req(f)?;
                 let blocks = f.blocks("block_ids", false)?;
                 let ext = f.u64("external_tokens")?;
-                match self.sched.on_alloc(req, &blocks, ext).map_err(rejected)? {
+                match self
+                    .timed(|s| s.on_alloc(req, &blocks, ext))
+                    .map_err(rejected)?
+                {
                     Some(job) => Ok(vec![("load_job", Value::from(job.0))]),
                     None => Ok(vec![]),
                 }
@@ -283,8 +305,12 @@ impl Engine {
                     report.completed.push((JobId(job), n));
                 }
                 report.failed = f.jobs("failed")?;
-                self.sched.check_report(&report).map_err(rejected)?;
-                let out = self.sched.on_worker_output(&report);
+                let out = self
+                    .timed(|s| {
+                        s.check_report(&report)
+                            .map(|()| s.on_worker_output(&report))
+                    })
+                    .map_err(rejected)?;
                 Ok(vec![
                     ("finished_loads", self.req_set(&out.finished_loads)),
                     ("failed_loads", self.req_set(&out.failed_loads)),
@@ -299,8 +325,7 @@ impl Engine {
                 } else {
                     f.opt_u64("computed_tokens")?.unwrap_or(0)
                 };
-                self.sched
-                    .request_finished(req, &blocks, aborted, computed)
+                self.timed(|s| s.request_finished(req, &blocks, aborted, computed))
                     .map_err(rejected)?;
                 Ok(vec![])
             }
@@ -395,7 +420,7 @@ impl Engine {
             .into_iter()
             .map(|n| self.reqs.intern(n))
             .collect();
-        let plan = self.sched.build_step(&input).map_err(rejected)?;
+        let plan = self.timed(|s| s.build_step(&input)).map_err(rejected)?;
         Ok(vec![
             ("loads", self.jobs_out(&plan.loads)),
             ("stores", self.jobs_out(&plan.stores)),

@@ -4,12 +4,19 @@
 //! Deterministic: the same trace gives byte-identical output. A malformed line
 //! stops the replay with [`ReplayError::Malformed`]; an operation the engine
 //! rejects gives an output line with `"error"` and changes nothing.
+//!
+//! [`run_timed`] also measures the engine time per step ([`StepTimings`];
+//! the attribution rule is in [`timing`]).
 
 mod exec;
 mod intern;
 mod parse;
+pub mod timing;
+
+pub use timing::{EngineTimeStats, StepTimings, WARMUP_STEADY_STEPS};
 
 use std::io::{BufRead, Write};
+use std::time::Duration;
 
 use serde_json::Value;
 use thiserror::Error;
@@ -20,6 +27,7 @@ use crate::scheduler::Scheduler;
 
 use exec::{Engine, Fail};
 use parse::Fields;
+use timing::StepTimer;
 
 /// Why a replay stopped.
 #[derive(Debug, Error)]
@@ -76,7 +84,25 @@ fn header(line: usize, text: &str) -> Result<OffloadConfig, ReplayError> {
 }
 
 /// Replays the trace read from `input`, writing the output lines to `out`.
-pub fn run(input: impl BufRead, mut out: impl Write) -> Result<(), ReplayError> {
+pub fn run(input: impl BufRead, out: impl Write) -> Result<(), ReplayError> {
+    replay(input, out, None)
+}
+
+/// [`run`], also measuring the time spent in the engine per step (see
+/// [`timing`] for which operations count toward which step). Only the
+/// scheduler calls are timed: not reading or parsing the trace, not building
+/// or writing the output, which is byte-identical to [`run`]'s.
+pub fn run_timed(input: impl BufRead, out: impl Write) -> Result<StepTimings, ReplayError> {
+    let mut timer = StepTimer::default();
+    replay(input, out, Some(&mut timer))?;
+    Ok(timer.finish())
+}
+
+fn replay(
+    input: impl BufRead,
+    mut out: impl Write,
+    mut timer: Option<&mut StepTimer>,
+) -> Result<(), ReplayError> {
     let mut lines = input.lines().enumerate();
     let Some((i, text)) = lines.next() else {
         return Err(malformed(1, "empty trace: no header"));
@@ -90,6 +116,8 @@ pub fn run(input: impl BufRead, mut out: impl Write) -> Result<(), ReplayError> 
         clock,
         keys: Default::default(),
         reqs: Default::default(),
+        timed: timer.is_some(),
+        engine_time: Duration::ZERO,
     };
     for (i, text) in lines {
         let n = i + 1;
@@ -109,7 +137,11 @@ pub fn run(input: impl BufRead, mut out: impl Write) -> Result<(), ReplayError> 
         line.push_str(&n.to_string());
         line.push_str(",\"op\":");
         line.push_str(&Value::from(op).to_string());
-        match engine.exec(op, &f) {
+        let result = engine.exec(op, &f);
+        if let Some(t) = timer.as_deref_mut() {
+            t.record(op, std::mem::take(&mut engine.engine_time));
+        }
+        match result {
             Ok(fields) => {
                 for (name, value) in fields {
                     line.push_str(",\"");

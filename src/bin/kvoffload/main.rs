@@ -5,6 +5,9 @@
 mod cmd_bench;
 mod cmd_sim;
 
+use std::fs::File;
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -27,37 +30,111 @@ enum Command {
     Replay {
         /// The trace file.
         trace: String,
+        /// Also write the engine time per step (p50, p90, p99, mean over the
+        /// steady steps after a warm-up) as JSON to this file.
+        #[arg(long, value_name = "FILE.json")]
+        timing: Option<PathBuf>,
     },
     /// What this build contains (kernels, nvcc).
     Info,
 }
 
-/// `kvoffload replay TRACE.jsonl` (`-` reads stdin): exit 2 on a malformed line.
-fn replay(path: &str) -> ExitCode {
-    use std::io::{BufReader, Write};
-    let stdout = std::io::stdout();
-    let out = std::io::BufWriter::new(stdout.lock());
-    let result = if path == "-" {
-        kvoffload::replay::run(std::io::stdin().lock(), out)
+/// `kvoffload replay TRACE.jsonl [--timing FILE.json]` (`-` reads stdin): exit
+/// 2 on a malformed line or an unwritable timing file, 1 on an unreadable trace.
+fn replay(path: &str, timing: Option<&Path>) -> ExitCode {
+    if path == "-" {
+        replay_from(std::io::stdin().lock(), timing)
     } else {
-        match std::fs::File::open(path) {
-            Ok(f) => kvoffload::replay::run(BufReader::new(f), out),
+        match File::open(path) {
+            Ok(f) => replay_from(std::io::BufReader::new(f), timing),
             Err(e) => {
                 eprintln!("kvoffload replay: {path}: {e}");
-                return ExitCode::from(1);
+                ExitCode::from(1)
             }
         }
+    }
+}
+
+/// The `--timing` file: opened (without truncating) before the replay, so an
+/// unwritable path fails before any work; written once the replay succeeded.
+struct TimingFile {
+    path: PathBuf,
+    file: File,
+    /// Whether the open created it (then a failed replay removes it).
+    created: bool,
+}
+
+impl TimingFile {
+    fn open(path: &Path) -> Result<Self, String> {
+        let existed = path.exists();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map(|file| TimingFile {
+                path: path.to_path_buf(),
+                file,
+                created: !existed,
+            })
+            .map_err(|e| format!("--timing {}: {e}", path.display()))
+    }
+
+    fn write(mut self, timings: &kvoffload::replay::StepTimings) -> Result<(), String> {
+        let json = timings.to_json() + "\n";
+        self.file
+            .set_len(0)
+            .and_then(|()| self.file.write_all(json.as_bytes()))
+            .and_then(|()| self.file.flush())
+            .map_err(|e| format!("--timing {}: {e}", self.path.display()))
+    }
+
+    fn discard(self) {
+        if self.created {
+            drop(self.file);
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+fn replay_from(input: impl BufRead, timing: Option<&Path>) -> ExitCode {
+    let timing = match timing.map(TimingFile::open).transpose() {
+        Ok(t) => t,
+        Err(msg) => {
+            eprintln!("kvoffload replay: {msg}");
+            return ExitCode::from(2);
+        }
+    };
+    let out = std::io::BufWriter::new(std::io::stdout().lock());
+    let result = match &timing {
+        None => kvoffload::replay::run(input, out).map(|()| None),
+        Some(_) => kvoffload::replay::run_timed(input, out).map(Some),
     };
     let _ = std::io::stdout().flush();
     match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e @ kvoffload::replay::ReplayError::Malformed { .. }) => {
-            eprintln!("{e}");
-            ExitCode::from(2)
+        Ok(timings) => {
+            if let (Some(file), Some(t)) = (timing, timings)
+                && let Err(msg) = file.write(&t)
+            {
+                eprintln!("kvoffload replay: {msg}");
+                return ExitCode::from(2);
+            }
+            ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("kvoffload replay: {e}");
-            ExitCode::from(1)
+            if let Some(file) = timing {
+                file.discard();
+            }
+            match e {
+                e @ kvoffload::replay::ReplayError::Malformed { .. } => {
+                    eprintln!("{e}");
+                    ExitCode::from(2)
+                }
+                e => {
+                    eprintln!("kvoffload replay: {e}");
+                    ExitCode::from(1)
+                }
+            }
         }
     }
 }
@@ -87,7 +164,7 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Sim(a) => cmd_sim::run(a),
         Command::Bench(a) => cmd_bench::run(a),
-        Command::Replay { trace } => replay(&trace),
+        Command::Replay { trace, timing } => replay(&trace, timing.as_deref()),
         Command::Info => info(),
     }
 }
