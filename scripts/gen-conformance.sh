@@ -4,7 +4,7 @@
 # (docs/conformance.md). Generation is deterministic: the same seeds give the
 # same bytes.
 #
-#   scripts/gen-conformance.sh            # rewrite tests/conformance/{manager,connector,connector_amended}
+#   scripts/gen-conformance.sh            # rewrite tests/conformance/{manager,manager_threshold,connector,connector_amended}
 #   scripts/gen-conformance.sh --check    # regenerate into a temporary folder and diff with the committed files
 #
 # Needs vLLM 0.33.0 in a cached venv: ../shared/oracle/setup-vllm.sh installs it
@@ -32,7 +32,7 @@ if [ $CHECK = 1 ]; then
     trap 'rm -rf "$OUT"' EXIT
 else
     OUT=$ROOT/tests/conformance
-    rm -rf "$OUT/manager" "$OUT/connector" "$OUT/connector_amended"
+    rm -rf "$OUT/manager" "$OUT/manager_threshold" "$OUT/connector" "$OUT/connector_amended"
 fi
 NOTES=$(mktemp -d)
 # The oracle scripts must not run inside the vLLM source tree.
@@ -41,6 +41,14 @@ cd "$NOTES"
 # Host tier: random traces on vLLM's CPUOffloadingManager, LRU then ARC.
 "$PY" "$ORACLE/gen_manager_traces.py" --out "$OUT/manager/seed1101" --seed 1101 --lru 200 --arc 200
 "$PY" "$ORACLE/gen_manager_traces.py" --out "$OUT/manager/seed2202" --seed 2202 --lru 600 --arc 600
+
+# The reuse filter: the same traces on vLLM's manager with store_threshold and
+# max_tracker_size set (traces with an operation vLLM rejects then are skipped).
+for cfg in "1101 2 6" "2202 3 4" "2202 2 64000" "2202 2 3"; do
+    set -- $cfg
+    "$PY" "$ROOT/scripts/vllm-threshold-oracle.py" --oracle "$ORACLE" "$OUT/manager/seed$1" \
+        "$OUT/manager_threshold/seed$1_t$2_k$3" "$2" "$3"
+done
 
 # Control plane: vLLM's engine loop (even traces sync, odd async scheduling).
 # Traces with aborted requests go to connector_amended/ (request_finished
@@ -59,6 +67,7 @@ rm -rf "$NOTES"
 
 if [ $CHECK = 1 ]; then
     if diff -r -q -x '*.notes.jsonl' -x 'index.jsonl' "$OUT/manager" "$ROOT/tests/conformance/manager" \
+        && diff -r -q "$OUT/manager_threshold" "$ROOT/tests/conformance/manager_threshold" \
         && diff -r -q -x 'index.jsonl' "$OUT/connector" "$ROOT/tests/conformance/connector" \
         && diff -r -q "$OUT/connector_amended" "$ROOT/tests/conformance/connector_amended"; then
         echo "gen-conformance: the committed corpora are exactly what vLLM generates"

@@ -5,6 +5,8 @@
 //! (`../shared/oracle/`; commands and seeds in `docs/conformance.md`):
 //! - `manager/seed*/`: random host-tier traces (LRU and ARC) run on vLLM's
 //!   `CPUOffloadingManager`, one folder per generator seed;
+//! - `manager_threshold/`: host-tier traces with the reuse filter on
+//!   (`store_threshold`, `max_tracker_size`), answered by vLLM's manager;
 //! - `connector/seed*/`: serving workloads recorded from vLLM's engine loop
 //!   with its real `OffloadingConnector` (sync and async scheduling, world
 //!   sizes 1-4 and 8, one and two blocks per chunk, preemptions, resets, LRU
@@ -100,6 +102,14 @@ fn host_tier_agrees_with_vllm_on_every_manager_trace() {
         n >= 300,
         "the host-tier corpus has {n} traces (at least 300 expected)"
     );
+}
+
+/// The reuse filter (`store_threshold`, `max_tracker_size`): host-tier traces
+/// replayed on vLLM's manager with the filter on (`scripts/vllm-threshold-oracle.py`).
+#[test]
+fn reuse_filter_agrees_with_vllm() {
+    let n = check_corpus("manager_threshold");
+    assert!(n >= 300, "the reuse-filter corpus has {n} traces");
 }
 
 #[test]
