@@ -134,6 +134,7 @@ pub struct OffloadManager {
     scratch_offer: Vec<Offered>,
     scratch_observed: Vec<(ChunkKey, u64)>,
     scratch_candidates: Vec<usize>,
+    scratch_misses: Vec<ChunkKey>,
     scratch_fresh: Vec<bool>,
     scratch_resolved: Vec<(ChunkKey, u32)>,
     scratch_victims: Vec<u32>,
@@ -173,6 +174,7 @@ impl OffloadManager {
             scratch_offer: Vec::new(),
             scratch_observed: Vec::new(),
             scratch_candidates: Vec::new(),
+            scratch_misses: Vec::new(),
             scratch_fresh: Vec::new(),
             scratch_resolved: Vec::new(),
             scratch_victims: Vec::new(),
@@ -482,10 +484,8 @@ impl OffloadManager {
             Some(acc) => {
                 acc.refresh(self.generation);
                 self.record_store_offer(&offer, positions.is_some(), acc);
-                if !self.scratch_evicted.is_empty() {
-                    let misses = std::mem::take(&mut self.scratch_evicted);
-                    self.policy.on_store_miss(&misses);
-                    self.scratch_evicted = misses;
+                if !self.scratch_misses.is_empty() {
+                    self.policy.on_store_miss(&self.scratch_misses);
                 }
             }
         }
@@ -519,13 +519,13 @@ impl OffloadManager {
     /// Records a store offer as the request's observations: vLLM records the
     /// candidates to store and the ready keys it found, in offer order, before
     /// allocating; the ready ones are reuses. Leaves the candidates not yet
-    /// shown to the policy as store misses in `scratch_evicted` and the
+    /// shown to the policy as store misses in `scratch_misses` and the
     /// candidates' record indices in `scratch_candidates` (and in
     /// `scratch_fresh` whether each was shown as a miss by this store).
     fn record_store_offer(&mut self, offer: &[Offered], positioned: bool, acc: &mut RequestAccess) {
         let mut observed = std::mem::take(&mut self.scratch_observed);
         observed.clear();
-        let mut misses = std::mem::take(&mut self.scratch_evicted);
+        let mut misses = std::mem::take(&mut self.scratch_misses);
         misses.clear();
         let mut candidates = std::mem::take(&mut self.scratch_candidates);
         candidates.clear();
@@ -550,7 +550,7 @@ impl OffloadManager {
         }
         self.observe_ranked(&observed, acc);
         self.scratch_observed = observed;
-        self.scratch_evicted = misses;
+        self.scratch_misses = misses;
         self.scratch_candidates = candidates;
         self.scratch_fresh = fresh_misses;
     }
