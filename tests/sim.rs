@@ -7,7 +7,8 @@ use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 
 use kvoffload::metrics::{MetricsServer, SharedMetricsText};
-use kvoffload::sim::{FaultRates, Sim, SimOptions, default_config};
+use kvoffload::sim::limits::derived_progress_limit;
+use kvoffload::sim::{FaultRates, Sim, SimError, SimOptions, default_config};
 use serde_json::Value;
 
 fn opts(seed: u64, requests: u64, faults: FaultRates) -> SimOptions {
@@ -27,6 +28,7 @@ fn heavy_faults() -> FaultRates {
         duplicate: 0.05,
         fail: 0.05,
         max_delay_steps: 40,
+        hang: 0.0,
     }
 }
 
@@ -64,7 +66,17 @@ fn faulty_run_drains_clean(seed: u64) {
         f.injected_stalls,
         "{f:?}"
     );
-    assert!(f.stalled_stores + f.stalled_loads >= f.injected_stalls_detected);
+    // Every stall the watchdog declared has a named cause: an injected stall,
+    // an injected late report past the timeout, or a job queued behind one on
+    // its worker (a worker reports one direction's jobs in order).
+    assert_eq!(
+        f.stalled_stores + f.stalled_loads,
+        f.injected_stalls_detected + f.late_reports_detected + f.queued_behind_late_detected,
+        "{f:?}"
+    );
+    assert_eq!(f.other_stalls_detected, 0, "{f:?}");
+    assert!(f.late_reports_detected > 0, "{f:?}");
+    assert!(s.longest_steps_without_progress <= s.progress_limit_steps);
     assert!(f.stalled_loads > 0 && f.stalled_stores > 0, "{f:?}");
     // ... and cleaned up: each one detected resumed late (its late report counted
     // down its quarantine) or was cancelled by the backend.
@@ -274,4 +286,104 @@ fn fault_injector_wrapper_matches_native_host_faults() {
     assert!(wrapped.summary.faults.injected_stalls > 0);
     assert_eq!(native.summary.faults, wrapped.summary.faults);
     assert_eq!(native.decisions, wrapped.decisions);
+}
+
+/// A transfer that hangs (never resumes, is never cancelled) does not stop
+/// the service: every request still finishes. The drain cannot end, and the
+/// run stops once the progress limit has passed, naming what is still held.
+#[test]
+fn a_hung_transfer_stops_the_drain_and_names_what_is_held() {
+    let faults = FaultRates {
+        stall: 0.05,
+        hang: 1.0,
+        ..FaultRates::none()
+    };
+    let sim = Sim::new(default_config(), opts(21, 150, faults)).unwrap();
+    let err = sim.run(&mut |_| {}).unwrap_err();
+    let text = err.to_string();
+    let SimError::NoDrain { limit, held } = err else {
+        panic!("expected NoDrain, got {text}");
+    };
+    assert_eq!(
+        limit,
+        derived_progress_limit(&default_config(), &opts(21, 150, faults))
+    );
+    assert_eq!(held.finished, 150, "the service went on: {text}");
+    assert_eq!((held.waiting, held.running, held.loading), (0, 0, 0));
+    assert!(held.engine.stalled_jobs > 0, "{text}");
+    assert!(held.engine.worker_jobs > 0, "{text}");
+    assert!(
+        text.contains("stalled jobs") && text.contains("did not drain within"),
+        "{text}"
+    );
+}
+
+/// Without faults nothing hangs; with a progress limit shorter than a
+/// request's decode, the run stops as stuck, with the requests it holds.
+#[test]
+fn a_run_without_progress_stops_as_stuck_with_its_requests() {
+    let o = SimOptions {
+        progress_limit_steps: Some(5),
+        ..opts(22, 50, FaultRates::none())
+    };
+    let err = Sim::new(default_config(), o)
+        .unwrap()
+        .run(&mut |_| {})
+        .unwrap_err();
+    let text = err.to_string();
+    let SimError::Stuck { limit: 5, held } = err else {
+        panic!("expected Stuck, got {text}");
+    };
+    assert!(held.running > 0, "{text}");
+    assert!(held.engine.requests > 0, "{text}");
+    assert!(text.contains("no request finished in 5 steps"), "{text}");
+}
+
+/// The limit bounds the steps without progress, not the run: a sparse
+/// workload (users arriving rarely) runs many times the limit and drains.
+#[test]
+fn a_run_many_times_longer_than_the_progress_limit_drains() {
+    let o = SimOptions {
+        arrival_rate: 0.001,
+        reset_every: 0,
+        ..opts(23, 60, FaultRates::default())
+    };
+    let limit = derived_progress_limit(&default_config(), &o);
+    let out = Sim::new(default_config(), o)
+        .unwrap()
+        .run(&mut |_| {})
+        .unwrap();
+    let s = out.summary;
+    assert_eq!(s.leaks.total, 0, "{:?}", s.leaks);
+    assert_eq!(s.work.finished, 60);
+    assert_eq!(s.progress_limit_steps, limit);
+    assert!(s.steps > 5 * limit, "{} steps, limit {limit}", s.steps);
+    assert!(s.longest_steps_without_progress <= limit);
+}
+
+/// The workload is a population of `max_conversations` users: however fast
+/// conversations arrive, no more are open at once, so the backlog (and the
+/// run's memory) does not grow with the number of requests. Without the
+/// bound, the same arrivals outrun the serving model and the backlog grows.
+#[test]
+fn open_conversations_stay_within_the_population() {
+    let peak = |max_conversations: u64| {
+        let o = SimOptions {
+            arrival_rate: 0.9,
+            max_conversations,
+            ..opts(24, 400, FaultRates::none())
+        };
+        let mut peak = 0;
+        let out = Sim::new(default_config(), o)
+            .unwrap()
+            .run(&mut |p| peak = peak.max(p.open_conversations))
+            .unwrap();
+        assert_eq!(out.summary.leaks.total, 0);
+        assert_eq!(out.summary.work.finished, 400);
+        peak
+    };
+    let bounded = peak(16);
+    assert!((8..=16).contains(&bounded), "peak {bounded}");
+    let unbounded = peak(u64::MAX);
+    assert!(unbounded > 4 * 16, "peak {unbounded} without a bound");
 }

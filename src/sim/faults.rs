@@ -19,6 +19,11 @@ pub struct FaultRates {
     pub fail: f64,
     /// Longest delay of a late report, in steps.
     pub max_delay_steps: u32,
+    /// A detected stall is never resolved: the backend neither resumes nor
+    /// cancels the transfer (a hung device). The engine keeps serving, but
+    /// the run cannot drain, and ends with [`crate::sim::SimError::NoDrain`]
+    /// naming what is still held. Off (0) by default.
+    pub hang: f64,
 }
 
 impl Default for FaultRates {
@@ -29,6 +34,7 @@ impl Default for FaultRates {
             duplicate: 0.02,
             fail: 0.01,
             max_delay_steps: 40,
+            hang: 0.0,
         }
     }
 }
@@ -42,6 +48,7 @@ impl FaultRates {
             duplicate: 0.0,
             fail: 0.0,
             max_delay_steps: 1,
+            hang: 0.0,
         }
     }
 }
@@ -53,7 +60,12 @@ pub enum StallFate {
     ReleaseAfter(u64),
     /// The backend confirms, this many steps later, that it cancelled the transfer.
     CancelAfter(u64),
+    /// The transfer hangs: it never resumes and is never cancelled.
+    Never,
 }
+
+/// The latest a detected stall's fate comes, in steps after its detection.
+pub const MAX_STALL_FATE_STEPS: u64 = 20;
 
 /// Draws faults from a seeded stream.
 #[derive(Debug, Clone)]
@@ -100,9 +112,14 @@ impl FaultPlan {
     }
 
     /// The fate of a detected stall: stores resume late, loads are cancelled
-    /// (a late load would write GPU blocks the request may have given back).
+    /// (a late load would write GPU blocks the request may have given back),
+    /// unless it hangs (with probability `hang`).
     pub fn stall_fate(&mut self, is_store: bool) -> StallFate {
-        let after = self.rng.range(1, 20);
+        let after = self.rng.range(1, MAX_STALL_FATE_STEPS);
+        // Drawn only when enabled, so that runs without hangs keep their stream.
+        if self.rates.hang > 0.0 && self.rng.chance(self.rates.hang) {
+            return StallFate::Never;
+        }
         if is_store {
             StallFate::ReleaseAfter(after)
         } else {

@@ -10,6 +10,7 @@
 mod config;
 pub mod faults;
 pub mod gpu_pool;
+pub mod limits;
 pub mod recorder;
 pub mod rng;
 mod run;
@@ -22,6 +23,7 @@ pub use faults::{FaultPlan, FaultRates, StallFate};
 pub use recorder::Recorder;
 pub use rng::SimRng;
 pub use run::{Progress, Sim, SimError, SimOutput};
+pub use summary::Held;
 pub use summary::SimSummary;
 pub use workload::{Workload, WorkloadShape};
 
@@ -69,8 +71,14 @@ pub struct SimOptions {
     pub max_batch_tokens: u64,
     /// Simulated duration of one step, milliseconds.
     pub step_ms: u64,
-    /// Probability that a new conversation arrives in a step.
+    /// Probability that a new conversation arrives in a step (while fewer
+    /// than `max_conversations` are open).
     pub arrival_rate: f64,
+    /// Most conversations open at once (a turn waiting, running, or the user
+    /// thinking before the next turn): the users of the service. A new
+    /// conversation arrives only when one of them is free, so the backlog and
+    /// the run's memory are bounded by this, not by `requests`.
+    pub max_conversations: u64,
     /// Reset the prefix cache every this many steps (0: never).
     pub reset_every: u64,
     /// Bytes of one GPU block on one worker.
@@ -79,8 +87,11 @@ pub struct SimOptions {
     pub faults: FaultRates,
     /// The workload's shape.
     pub shape: WorkloadShape,
-    /// Give up after this many steps (a bug, not a workload property).
-    pub max_steps: u64,
+    /// Steps the run may go without finishing a request (or, once every
+    /// request has finished, steps the drain may take) before it stops as
+    /// stuck; `None`: [`limits::derived_progress_limit`], which follows from
+    /// the workload and the stall handling, whatever the number of requests.
+    pub progress_limit_steps: Option<u64>,
     /// The workers' transfer backend.
     pub backend: SimBackend,
 }
@@ -95,11 +106,12 @@ impl Default for SimOptions {
             max_batch_tokens: 4096,
             step_ms: 10,
             arrival_rate: 0.35,
+            max_conversations: 64,
             reset_every: 1500,
             block_bytes: 16 * 1024,
             faults: FaultRates::default(),
             shape: WorkloadShape::default(),
-            max_steps: 200_000,
+            progress_limit_steps: None,
             backend: SimBackend::Host,
         }
     }

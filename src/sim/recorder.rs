@@ -85,20 +85,22 @@ impl Recorder {
         self.out.is_some() || self.decisions.is_some()
     }
 
-    /// Records one call.
-    pub fn call(&mut self, line: Value) {
+    /// Records one call; `line` builds it only when a trace is written (a
+    /// run without `--record` builds no JSON).
+    pub fn call(&mut self, line: impl FnOnce() -> Value) {
         if let Some(out) = self.out.as_mut()
             && self.error.is_none()
-            && let Err(e) = writeln!(out, "{line}")
+            && let Err(e) = writeln!(out, "{}", line())
         {
             self.error = Some(e);
         }
     }
 
-    /// Records the decision of the last call (`op` and the fields replay prints).
-    pub fn decision(&mut self, d: Value) {
+    /// Records the decision of the last call (`op` and the fields replay
+    /// prints); `d` builds it only when decisions are kept.
+    pub fn decision(&mut self, d: impl FnOnce() -> Value) {
         if let Some(v) = self.decisions.as_mut() {
-            v.push(d);
+            v.push(d());
         }
     }
 

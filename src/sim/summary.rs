@@ -56,6 +56,16 @@ pub struct FaultCounts {
     pub injected_failures: u64,
     /// Injected stalls the watchdog found.
     pub injected_stalls_detected: u64,
+    /// Jobs with an injected late report that the watchdog declared stalled
+    /// (the report came after the stall timeout).
+    pub late_reports_detected: u64,
+    /// Jobs without a late report of their own that the watchdog declared
+    /// stalled while a job of the same direction with a late report was in
+    /// flight (a worker reports one direction's jobs in order).
+    pub queued_behind_late_detected: u64,
+    /// Jobs the watchdog declared stalled with no fault injected into them
+    /// and none ahead of them.
+    pub other_stalls_detected: u64,
     /// Injected stalls a flush forced to run before their deadline.
     pub stalls_forced_by_flush: u64,
     /// Stores the watchdog declared stalled.
@@ -66,6 +76,9 @@ pub struct FaultCounts {
     pub late_reports: u64,
     /// Stalled jobs whose transfer the backend confirmed cancelled.
     pub cancelled: u64,
+    /// Detected stalls whose transfer hung (never resumed nor cancelled:
+    /// [`crate::sim::FaultRates::hang`]).
+    pub hung: u64,
     /// Stall-injected jobs that resumed (released, or forced by a flush).
     pub released: u64,
     /// Reports the scheduler rejected (duplicates, reports after cancellation).
@@ -114,6 +127,82 @@ pub struct Leaks {
     pub total: u64,
 }
 
+impl Leaks {
+    /// Every count with its name (the total left out).
+    pub(crate) fn fields(&self) -> [(&'static str, u64); 13] {
+        [
+            ("jobs", self.jobs),
+            ("requests", self.requests),
+            ("chunks being loaded", self.chunks_being_loaded),
+            ("fenced blocks", self.fenced_blocks),
+            ("stalled jobs", self.stalled_jobs),
+            ("quarantined chunks", self.quarantined_chunks),
+            ("pinned chunks", self.pinned_chunks),
+            ("pending chunks", self.pending_chunks),
+            ("GPU blocks in use", self.gpu_blocks_in_use),
+            ("reset-fence entries", self.reset_fence),
+            ("worker job entries", self.worker_jobs),
+            ("sim job entries", self.sim_jobs),
+            ("invariant violations", self.invariant_violations),
+        ]
+    }
+}
+
+/// The non-zero counts with their names (`none` when all are zero), e.g.
+/// `2 jobs, 1 stalled jobs, 4 quarantined chunks`.
+impl std::fmt::Display for Leaks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut any = false;
+        for (name, n) in self.fields() {
+            if n > 0 {
+                if any {
+                    f.write_str(", ")?;
+                }
+                write!(f, "{n} {name}")?;
+                any = true;
+            }
+        }
+        if !any {
+            f.write_str("none")?;
+        }
+        Ok(())
+    }
+}
+
+/// What a run still held when it stopped without finishing: the engine's
+/// state (as counted for leaks) and the simulated serving backend's requests.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct Held {
+    /// The step it stopped at.
+    pub step: u64,
+    /// Requests finished by then.
+    pub finished: u64,
+    /// Requests waiting for admission.
+    pub waiting: u64,
+    /// Requests running.
+    pub running: u64,
+    /// Requests waiting for a load.
+    pub loading: u64,
+    /// The engine's and the workers' state.
+    pub engine: Leaks,
+    /// The invariant violation found, if any.
+    pub invariant_error: Option<String>,
+}
+
+impl std::fmt::Display for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "at step {} ({} requests finished): {} waiting, {} running, {} loading; engine holds {}",
+            self.step, self.finished, self.waiting, self.running, self.loading, self.engine
+        )?;
+        if let Some(e) = &self.invariant_error {
+            write!(f, "; invariant violated: {e}")?;
+        }
+        Ok(())
+    }
+}
+
 /// Scheduler time per step (all hooks of the step), microseconds.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct StepTimes {
@@ -144,6 +233,11 @@ pub struct SimSummary {
     pub wall_s: f64,
     /// Requests and tokens.
     pub work: WorkCounts,
+    /// The longest run of steps with requests live and none finishing (or
+    /// of the drain).
+    pub longest_steps_without_progress: u64,
+    /// The progress limit the run had (it stops as stuck beyond it).
+    pub progress_limit_steps: u64,
     /// Prefix hit rate with the GPU prefix cache alone.
     pub hit_rate_without_offload: f64,
     /// Prefix hit rate with the GPU prefix cache and the host tier.
@@ -202,6 +296,13 @@ impl SimSummary {
             ),
         );
         row(
+            "longest wait for progress",
+            format!(
+                "{} steps (limit {}: no request finished, or draining)",
+                self.longest_steps_without_progress, self.progress_limit_steps
+            ),
+        );
+        row(
             "requests finished / created",
             format!(
                 "{} / {} ({} preemptions)",
@@ -252,11 +353,16 @@ impl SimSummary {
         row(
             "stalls detected",
             format!(
-                "{} stores, {} loads ({} of {} injected; {} forced earlier by a flush)",
+                "{} ({} stores, {} loads): {} injected stalls, {} late reports past the \
+                 timeout, {} queued behind a late report, {} other; {} injected stalls \
+                 forced earlier by a flush",
+                f.stalled_stores + f.stalled_loads,
                 f.stalled_stores,
                 f.stalled_loads,
                 f.injected_stalls_detected,
-                f.injected_stalls,
+                f.late_reports_detected,
+                f.queued_behind_late_detected,
+                f.other_stalls_detected,
                 f.stalls_forced_by_flush
             ),
         );
@@ -281,7 +387,7 @@ impl SimSummary {
             if l.total == 0 {
                 "0".to_string()
             } else {
-                format!("{} ({l:?})", l.total)
+                format!("{} ({l})", l.total)
             },
         );
         row(

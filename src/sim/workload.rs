@@ -91,9 +91,10 @@ impl Workload {
         }
     }
 
-    /// The next turn's prompt (history plus new user tokens, never a whole
-    /// number of blocks) and how many tokens it will generate.
-    pub fn next_turn(&self, conv: &mut Conversation) -> (Vec<u64>, u64) {
+    /// Adds the next turn's user tokens to the history (which is then the
+    /// turn's prompt: never a whole number of blocks) and returns how many
+    /// tokens the turn will generate.
+    pub fn next_turn(&self, conv: &mut Conversation) -> u64 {
         let mut n = conv
             .rng
             .range(self.shape.user_tokens.0, self.shape.user_tokens.1);
@@ -109,7 +110,7 @@ impl Workload {
             .range(self.shape.output_tokens.0, self.shape.output_tokens.1)
             .max(1);
         conv.turns_left = conv.turns_left.saturating_sub(1);
-        (conv.history.clone(), out)
+        out
     }
 
     /// A generated token of a conversation (its history grows by it).
@@ -169,9 +170,11 @@ mod tests {
         let w = Workload::new(WorkloadShape::default(), 16, 3);
         let mut w2 = w.clone();
         let mut c = w2.conversation();
-        let (p1, _) = w.next_turn(&mut c);
+        w.next_turn(&mut c);
+        let p1 = c.history.clone();
         Workload::generate(&mut c);
-        let (p2, _) = w.next_turn(&mut c);
+        w.next_turn(&mut c);
+        let p2 = c.history.clone();
         assert!(p2.starts_with(&p1));
         assert_ne!(p1.len() % 16, 0);
         let h1 = block_hashes(&p1, 16, None);

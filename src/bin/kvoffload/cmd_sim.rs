@@ -25,6 +25,10 @@ pub struct SimArgs {
     /// Requests (conversation turns) to run.
     #[arg(long)]
     requests: Option<u64>,
+    /// Most conversations open at once (the users of the simulated service;
+    /// default 64): a new one arrives only when fewer are open.
+    #[arg(long)]
+    conversations: Option<u64>,
     /// Worker threads (simulated GPUs); overrides `world_size`.
     #[arg(long)]
     world_size: Option<u32>,
@@ -108,6 +112,9 @@ pub fn run(a: SimArgs) -> ExitCode {
     };
     if let Some(r) = a.requests {
         opts.requests = r;
+    }
+    if let Some(c) = a.conversations {
+        opts.max_conversations = c;
     }
     if let Some(g) = a.gpu_blocks {
         opts.gpu_blocks = g;

@@ -14,20 +14,42 @@ use super::{Phase, Sim, SimError};
 impl Sim {
     pub(super) fn scan(&mut self) {
         let out = self.timed(|s| s.scan_now());
-        self.rec.call(json!({"op": "scan"}));
-        self.rec.decision(json!({
-            "op": "scan",
-            "stalled": out.stalled.iter().map(|j| j.0).collect::<Vec<_>>(),
-            "failed_loads": req_set(&out.failed_loads),
-        }));
+        self.rec.call(|| json!({"op": "scan"}));
+        self.rec.decision(|| {
+            json!({
+                "op": "scan",
+                "stalled": out.stalled.iter().map(|j| j.0).collect::<Vec<_>>(),
+                "failed_loads": req_set(&out.failed_loads),
+            })
+        });
         for &job in &out.stalled {
-            if let Some(&(_, kind)) = self.stall_faulted.get(&job) {
-                if self.open_stalls.remove(&job) {
-                    self.summary.faults.injected_stalls_detected += 1;
+            // Why the watchdog found it: an injected stall, an injected late
+            // report past the timeout, a job held back by such a late job, or
+            // none of these.
+            let injected = self.stall_faulted.contains_key(&job);
+            let late = self.jobs.get(&job).is_some_and(|i| i.late);
+            let behind = !injected && !late && self.behind_late_job(job);
+            let f = &mut self.summary.faults;
+            if injected {
+                if self.open_stalls.contains(&job) {
+                    f.injected_stalls_detected += 1;
                 }
+            } else if late {
+                f.late_reports_detected += 1;
+            } else if behind {
+                f.queued_behind_late_detected += 1;
+            } else {
+                f.other_stalls_detected += 1;
+            }
+            if let Some(&(_, kind)) = self.stall_faulted.get(&job) {
+                self.open_stalls.remove(&job);
                 let fate = self.faults.stall_fate(kind == JobKind::Store);
                 let after = match fate {
                     StallFate::ReleaseAfter(n) | StallFate::CancelAfter(n) => n,
+                    StallFate::Never => {
+                        self.summary.faults.hung += 1;
+                        continue;
+                    }
                 };
                 self.due.push((self.step + after, job, fate));
             }
@@ -35,6 +57,19 @@ impl Sim {
         for &r in &out.failed_loads {
             self.load_failed(r);
         }
+    }
+
+    /// Whether a job of the same direction with an injected late report is in
+    /// flight: a worker reports its jobs of one direction in submission order
+    /// (as a CUDA stream does), so a late job holds back those queued behind
+    /// it (a stalled job that a flush released joins the back of the queue).
+    fn behind_late_job(&self, job: JobId) -> bool {
+        let Some(kind) = self.jobs.get(&job).map(|i| i.kind) else {
+            return false;
+        };
+        self.jobs
+            .iter()
+            .any(|(&j, i)| j != job && i.late && i.kind == kind)
     }
 
     /// The simulated backend cancels a stalled job: its worker drops it in the
@@ -52,10 +87,10 @@ impl Sim {
         }
         self.timed(|s| s.confirm_cancelled(job))?;
         self.rec
-            .call(json!({"op": "confirm_cancelled", "job": job.0}));
+            .call(|| json!({"op": "confirm_cancelled", "job": job.0}));
         self.summary.faults.cancelled += 1;
         // A cancelled job never reports again: forget it.
-        self.kinds.remove(&job);
+        self.jobs.remove(&job);
         Ok(())
     }
 
@@ -100,15 +135,20 @@ impl Sim {
             }
         }
         for j in &good.failed {
-            if self.kinds.get(j) == Some(&JobKind::Store) {
+            if self.jobs.get(j).is_some_and(|i| i.kind == JobKind::Store) {
                 self.summary.faults.failed_stores += 1;
             }
         }
-        for (j, _) in &good.completed {
-            self.kinds.remove(j);
-        }
         if !good.completed.is_empty() {
             self.report(&good);
+        }
+        // A job is forgotten once the scheduler owes it nothing (a job of
+        // several workers stays until its last report; a stalled one until
+        // its late reports or its cancellation).
+        for (j, _) in &good.completed {
+            if !self.sched.is_job_live(*j) && !self.sched.is_job_stalled(*j) {
+                self.jobs.remove(j);
+            }
         }
         for b in bad {
             self.report(&b);
@@ -140,19 +180,21 @@ impl Sim {
         if !r.failed.is_empty() {
             line["failed"] = Value::from(r.failed.iter().map(|j| j.0).collect::<Vec<_>>());
         }
-        self.rec.call(line);
+        self.rec.call(|| line);
         let out = self.timed(|s| s.on_worker_output(r));
         if !out.rejected.is_empty() {
             self.summary.faults.rejected_reports += out.rejected.len() as u64;
             self.rec
-                .decision(json!({"op": "worker_output", "rejected": true}));
+                .decision(|| json!({"op": "worker_output", "rejected": true}));
             return;
         }
-        self.rec.decision(json!({
-            "op": "worker_output",
-            "finished_loads": req_set(&out.finished_loads),
-            "failed_loads": req_set(&out.failed_loads),
-        }));
+        self.rec.decision(|| {
+            json!({
+                "op": "worker_output",
+                "finished_loads": req_set(&out.finished_loads),
+                "failed_loads": req_set(&out.failed_loads),
+            })
+        });
         for &q in &out.finished_loads {
             if let Some(q) = self.reqs.get_mut(&q)
                 && q.phase == Phase::Loading

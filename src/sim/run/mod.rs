@@ -22,9 +22,10 @@ use crate::worker::Fault;
 
 use super::faults::{FaultPlan, StallFate};
 use super::gpu_pool::GpuPool;
+use super::limits::derived_progress_limit;
 use super::recorder::{Recorder, jobs_value, req_name, req_set};
 use super::step_times::StepTimeHistogram;
-use super::summary::SimSummary;
+use super::summary::{Held, SimSummary};
 use super::workload::{Conversation, Workload};
 use super::{SimBackend, SimOptions};
 
@@ -43,9 +44,29 @@ pub enum SimError {
     /// An option is unusable.
     #[error("{0}")]
     Options(String),
-    /// The run did not finish or drain within `max_steps`.
-    #[error("did not drain after {0} steps")]
-    NoDrain(u64),
+    /// Requests were live but none finished within the progress limit.
+    #[error(
+        "stuck: no request finished in {limit} steps (the progress limit, from the \
+         workload and the stall timeout); still held {held}"
+    )]
+    Stuck {
+        /// The progress limit, in steps.
+        limit: u64,
+        /// What was still held.
+        held: Box<Held>,
+    },
+    /// Every request finished, but the engine did not drain within the
+    /// progress limit (a transfer that never ends, a job never reported).
+    #[error(
+        "did not drain within {limit} steps after the last request finished (the \
+         progress limit, from the workload and the stall timeout); still held {held}"
+    )]
+    NoDrain {
+        /// The progress limit, in steps.
+        limit: u64,
+        /// What was still held.
+        held: Box<Held>,
+    },
     /// Writing the trace.
     #[error("writing the trace: {0}")]
     Trace(#[from] std::io::Error),
@@ -62,6 +83,9 @@ pub struct Progress {
     pub step: u64,
     /// Whether the run is draining.
     pub draining: bool,
+    /// Conversations open (a turn in the serving backend, or a user thinking
+    /// before the next turn): at most [`SimOptions::max_conversations`].
+    pub open_conversations: u64,
 }
 
 /// A finished simulation.
@@ -82,10 +106,19 @@ enum Phase {
     Running,
 }
 
+/// What the simulated backend knows of a job in flight.
+#[derive(Debug, Clone, Copy)]
+struct SimJob {
+    kind: JobKind,
+    /// A late report was injected into it (it may pass the stall timeout).
+    late: bool,
+}
+
 #[derive(Debug)]
 struct Req {
+    /// The conversation; its history is the request's tokens (prompt, then
+    /// what the request generated).
     conv: Conversation,
-    tokens: Vec<u64>,
     hashes: Vec<BlockHash>,
     prompt_len: u64,
     out_target: u64,
@@ -120,7 +153,8 @@ pub struct Sim {
     next_req: u64,
     finished_prev: Vec<RequestId>,
     stall_faulted: HashMap<JobId, (u32, JobKind)>,
-    kinds: HashMap<JobId, JobKind>,
+    /// Every job in flight: its kind and whether a late report was injected.
+    jobs: HashMap<JobId, SimJob>,
     open_stalls: std::collections::HashSet<JobId>,
     due: Vec<(u64, JobId, StallFate)>,
     /// Cancelled stalled jobs, by worker, for the next step's commands.
@@ -128,6 +162,8 @@ pub struct Sim {
     /// Per-job entries the workers held after the last step.
     worker_jobs: u64,
     step: u64,
+    /// Steps without progress before the run stops as stuck.
+    progress_limit: u64,
     step_ns: StepTimeHistogram,
     cur_ns: u64,
     summary: SimSummary,
@@ -178,7 +214,11 @@ impl Sim {
         let tpb = u64::from(cfg.tokens_per_block.max(1));
         let workload = Workload::new(opts.shape, tpb, opts.seed);
         let faults = FaultPlan::new(opts.faults, cfg.world_size, opts.seed ^ 0xFA17);
+        let progress_limit = opts
+            .progress_limit_steps
+            .unwrap_or_else(|| derived_progress_limit(&cfg, &opts));
         let summary = SimSummary {
+            progress_limit_steps: progress_limit,
             seed: opts.seed,
             world_size: cfg.world_size,
             backend: opts.backend.name().into(),
@@ -205,12 +245,13 @@ impl Sim {
             next_req: 0,
             finished_prev: Vec::new(),
             stall_faulted: HashMap::new(),
-            kinds: HashMap::new(),
+            jobs: HashMap::new(),
             open_stalls: Default::default(),
             due: Vec::new(),
             cancels: vec![Vec::new(); world],
             worker_jobs: 0,
             step: 0,
+            progress_limit,
             step_ns: StepTimeHistogram::default(),
             cur_ns: 0,
             summary,
@@ -237,14 +278,34 @@ impl Sim {
     pub fn run(mut self, progress: &mut dyn FnMut(Progress)) -> Result<SimOutput, SimError> {
         let wall = Instant::now();
         let mut draining = false;
+        let limit = self.progress_limit;
+        // The last step that made progress: a request finished, nothing was
+        // live (users thinking), or the drain began.
+        let mut progress_at = 0u64;
+        let mut finished = 0u64;
         loop {
-            if self.step >= self.opts.max_steps {
-                return Err(SimError::NoDrain(self.step));
+            if self.summary.work.finished > finished || self.reqs.is_empty() && !draining {
+                finished = self.summary.work.finished;
+                progress_at = self.step;
+            }
+            let stalled_for = self.step - progress_at;
+            self.summary.longest_steps_without_progress =
+                self.summary.longest_steps_without_progress.max(stalled_for);
+            if stalled_for > limit {
+                let held = Box::new(self.held());
+                return Err(if draining {
+                    SimError::NoDrain { limit, held }
+                } else {
+                    SimError::Stuck { limit, held }
+                });
             }
             let work_left = self.next_req < self.opts.requests
                 || !self.reqs.is_empty()
                 || !self.arrivals.is_empty();
             if !work_left {
+                if !draining {
+                    progress_at = self.step;
+                }
                 draining = true;
                 if !self.sched.has_pending_work()
                     && self.sched.state().stalled_jobs == 0
@@ -260,6 +321,7 @@ impl Sim {
                     total: self.opts.requests,
                     step: self.step,
                     draining,
+                    open_conversations: (self.reqs.len() + self.arrivals.len()) as u64,
                 });
                 self.publish();
             }
@@ -292,14 +354,14 @@ impl Sim {
         let step = self.step;
         self.clock.advance(Duration::from_millis(self.opts.step_ms));
         self.rec
-            .call(json!({"op": "advance", "ms": self.opts.step_ms}));
+            .call(|| json!({"op": "advance", "ms": self.opts.step_ms}));
         let scan_every = (self.cfg.stall_scan_interval_ms / self.opts.step_ms).max(1);
         if step.is_multiple_of(scan_every) {
             self.scan();
         }
         if !draining && self.opts.reset_every > 0 && step.is_multiple_of(self.opts.reset_every) {
             self.timed(|s| s.reset())?;
-            self.rec.call(json!({"op": "reset"}));
+            self.rec.call(|| json!({"op": "reset"}));
             self.summary.faults.resets += 1;
             // Stalled jobs that span a reset are cancelled by the backend.
             let due: Vec<JobId> = self.due.drain(..).map(|(_, j, _)| j).collect();
@@ -324,19 +386,23 @@ impl Sim {
                     }
                 }
                 StallFate::CancelAfter(_) => self.cancel(job)?,
+                // Never queued (a hung transfer has nothing due).
+                StallFate::Never => {}
             }
         }
         self.arrive(step, draining)?;
         let input = self.schedule()?;
-        self.rec.call(step_line(&input));
+        self.rec.call(|| step_line(&input));
         let plan = self.timed(|s| s.build_step(&input))?;
-        self.rec.decision(json!({
-            "op": "step",
-            "loads": jobs_value(&plan.loads),
-            "stores": jobs_value(&plan.stores),
-            "flush": plan.flush.iter().map(|j| j.0).collect::<Vec<_>>(),
-            "failed_loads": req_set(&plan.failed_loads),
-        }));
+        self.rec.decision(|| {
+            json!({
+                "op": "step",
+                "loads": jobs_value(&plan.loads),
+                "stores": jobs_value(&plan.stores),
+                "flush": plan.flush.iter().map(|j| j.0).collect::<Vec<_>>(),
+                "failed_loads": req_set(&plan.failed_loads),
+            })
+        });
         for &r in &plan.failed_loads {
             self.load_failed(r);
         }
@@ -345,11 +411,14 @@ impl Sim {
         let mut faults: Vec<Vec<(JobId, Fault)>> = vec![Vec::new(); world];
         for (kind, jobs) in [(JobKind::Load, &plan.loads), (JobKind::Store, &plan.stores)] {
             for j in jobs {
-                self.kinds.insert(j.job, kind);
+                self.jobs.insert(j.job, SimJob { kind, late: false });
                 if draining {
                     continue;
                 }
                 if let Some((w, f)) = self.faults.for_job(j.job) {
+                    if let (Fault::DelayPolls(_), Some(info)) = (f, self.jobs.get_mut(&j.job)) {
+                        info.late = true;
+                    }
                     match f {
                         Fault::Stall => {
                             self.summary.faults.injected_stalls += 1;

@@ -6,7 +6,7 @@ use serde_json::json;
 use crate::engine::WorkerCommand;
 use crate::ids::JobId;
 
-use super::super::summary::{Leaks, StepTimes};
+use super::super::summary::{Held, Leaks, StepTimes};
 use super::{Sim, SimError, SimOutput};
 
 impl Sim {
@@ -27,42 +27,9 @@ impl Sim {
                 .collect();
             self.worker_jobs = self.pool.step(cmds)?.tracked_jobs;
         }
-        self.rec.call(json!({"op": "state"}));
-        let st = self.sched.state();
-        let invariant = self.sched.check_invariants().err();
+        self.rec.call(|| json!({"op": "state"}));
+        let (l, invariant) = self.leaks();
         let m = self.sched.metrics();
-        let mut l = Leaks {
-            jobs: st.jobs as u64,
-            requests: st.requests as u64,
-            chunks_being_loaded: st.chunks_being_loaded as u64,
-            fenced_blocks: st.fenced_blocks as u64,
-            stalled_jobs: st.stalled_jobs as u64,
-            quarantined_chunks: st.quarantined_chunks as u64,
-            pinned_chunks: u64::from(st.manager.pinned),
-            pending_chunks: u64::from(st.manager.pending),
-            gpu_blocks_in_use: (self.gpu.capacity() - self.gpu.num_free()) as u64,
-            reset_fence: self.sched.reset_fence_len() as u64,
-            worker_jobs: self.worker_jobs,
-            sim_jobs: (self.kinds.len()
-                + self.stall_faulted.len()
-                + self.open_stalls.len()
-                + self.due.len()) as u64,
-            invariant_violations: u64::from(invariant.is_some()),
-            total: 0,
-        };
-        l.total = l.jobs
-            + l.requests
-            + l.chunks_being_loaded
-            + l.fenced_blocks
-            + l.stalled_jobs
-            + l.quarantined_chunks
-            + l.pinned_chunks
-            + l.pending_chunks
-            + l.gpu_blocks_in_use
-            + l.reset_fence
-            + l.worker_jobs
-            + l.sim_jobs
-            + l.invariant_violations;
         let s = &mut self.summary;
         s.leaks = l;
         s.invariant_error = invariant;
@@ -103,5 +70,47 @@ impl Sim {
             summary: self.summary,
             decisions,
         })
+    }
+
+    /// The engine's, the workers' and the simulated backend's state, counted
+    /// as leaks (all zero after a clean drain), and the invariant violation.
+    fn leaks(&self) -> (Leaks, Option<String>) {
+        let st = self.sched.state();
+        let invariant = self.sched.check_invariants().err();
+        let mut l = Leaks {
+            jobs: st.jobs as u64,
+            requests: st.requests as u64,
+            chunks_being_loaded: st.chunks_being_loaded as u64,
+            fenced_blocks: st.fenced_blocks as u64,
+            stalled_jobs: st.stalled_jobs as u64,
+            quarantined_chunks: st.quarantined_chunks as u64,
+            pinned_chunks: u64::from(st.manager.pinned),
+            pending_chunks: u64::from(st.manager.pending),
+            gpu_blocks_in_use: (self.gpu.capacity() - self.gpu.num_free()) as u64,
+            reset_fence: self.sched.reset_fence_len() as u64,
+            worker_jobs: self.worker_jobs,
+            sim_jobs: (self.jobs.len()
+                + self.stall_faulted.len()
+                + self.open_stalls.len()
+                + self.due.len()) as u64,
+            invariant_violations: u64::from(invariant.is_some()),
+            total: 0,
+        };
+        l.total = l.fields().iter().map(|&(_, n)| n).sum();
+        (l, invariant)
+    }
+
+    /// What the run holds now (for a run that stops without finishing).
+    pub(super) fn held(&self) -> Held {
+        let (engine, invariant_error) = self.leaks();
+        Held {
+            step: self.step,
+            finished: self.summary.work.finished,
+            waiting: self.waiting.len() as u64,
+            running: self.running.len() as u64,
+            loading: self.loading.len() as u64,
+            engine,
+            invariant_error,
+        }
     }
 }

@@ -27,8 +27,12 @@ impl Sim {
                 i += 1;
             }
         }
+        // Open conversations: a turn in the backend, a turn arriving now, or
+        // a user thinking.
+        let open = (self.reqs.len() + due.len() + self.arrivals.len()) as u64;
         if self.next_req + (due.len() as u64) < self.opts.requests
             && self.workload.arrives(self.opts.arrival_rate)
+            && open < self.opts.max_conversations
         {
             due.push(self.workload.conversation());
         }
@@ -44,20 +48,21 @@ impl Sim {
     pub(super) fn add(&mut self, mut conv: Conversation) -> Result<(), SimError> {
         let id = RequestId(self.next_req);
         self.next_req += 1;
-        let (prompt, out) = self.workload.next_turn(&mut conv);
-        let hashes = block_hashes(&prompt, self.tpb as usize, None);
-        let n = prompt.len() as u64;
+        let out = self.workload.next_turn(&mut conv);
+        let hashes = block_hashes(&conv.history, self.tpb as usize, None);
+        let n = conv.history.len() as u64;
         self.timed(|s| s.add_request(id, n, &hashes))?;
-        self.rec.call(json!({
-            "op": "add_request", "req": req_name(id), "prompt_tokens": n,
-            "block_hashes": hashes.iter().map(|h| h.0).collect::<Vec<_>>(),
-        }));
+        self.rec.call(|| {
+            json!({
+                "op": "add_request", "req": req_name(id), "prompt_tokens": n,
+                "block_hashes": hashes.iter().map(|h| h.0).collect::<Vec<_>>(),
+            })
+        });
         self.summary.work.requests += 1;
         self.reqs.insert(
             id,
             Req {
                 conv,
-                tokens: prompt,
                 hashes,
                 prompt_len: n,
                 out_target: out,
@@ -90,7 +95,7 @@ impl Sim {
             let id = self.running[idx];
             let (len, computed, have) = {
                 let q = &self.reqs[&id];
-                (q.tokens.len() as u64, q.computed, q.blocks.len())
+                (q.conv.history.len() as u64, q.computed, q.blocks.len())
             };
             let want = len - computed;
             let need = self.blocks_for(len).saturating_sub(have);
@@ -125,7 +130,7 @@ impl Sim {
         let mut keep = Vec::new();
         for id in std::mem::take(&mut self.loading) {
             let q = &self.reqs[&id];
-            let len = q.tokens.len() as u64;
+            let len = q.conv.history.len() as u64;
             let computed = match q.phase {
                 Phase::LoadDone => (q.local + q.external).min(len - 1),
                 Phase::LoadFailed => q.local,
@@ -140,8 +145,8 @@ impl Sim {
             }
             let blocks = q.blocks.clone();
             self.timed(|s| s.on_alloc(id, &blocks, 0))?;
-            self.rec.call(json!({"op": "alloc", "req": req_name(id), "block_ids": ids(&blocks), "external_tokens": 0}));
-            self.rec.decision(json!({"op": "alloc"}));
+            self.rec.call(|| json!({"op": "alloc", "req": req_name(id), "block_ids": ids(&blocks), "external_tokens": 0}));
+            self.rec.decision(|| json!({"op": "alloc"}));
             let q = self.reqs.get_mut(&id).expect("loading request is tracked");
             if q.phase == Phase::LoadDone {
                 self.summary.work.loaded_tokens += q.external;
@@ -173,7 +178,7 @@ impl Sim {
             }
             let (len, local) = {
                 let q = &self.reqs[&id];
-                let len = q.tokens.len() as u64;
+                let len = q.conv.history.len() as u64;
                 let max_local = ((len - 1) / self.tpb) as usize;
                 let m = self
                     .gpu
@@ -182,15 +187,16 @@ impl Sim {
             };
             let outcome = self.timed(|s| s.lookup(id, local))?;
             self.rec
-                .call(json!({"op": "lookup", "req": req_name(id), "computed_tokens": local}));
+                .call(|| json!({"op": "lookup", "req": req_name(id), "computed_tokens": local}));
             let ext = match outcome {
                 LookupOutcome::Defer => {
-                    self.rec.decision(json!({"op": "lookup", "defer": true}));
+                    self.rec.decision(|| json!({"op": "lookup", "defer": true}));
                     skipped.push_back(id);
                     continue;
                 }
                 LookupOutcome::Hit(n) => {
-                    self.rec.decision(json!({"op": "lookup", "hit_tokens": n}));
+                    self.rec
+                        .decision(|| json!({"op": "lookup", "hit_tokens": n}));
                     n
                 }
             };
@@ -206,8 +212,8 @@ impl Sim {
             let mut blocks = self.gpu.take_cached(&hashes);
             blocks.extend(self.gpu.alloc(new_needed).unwrap_or_default());
             let job = self.timed(|s| s.on_alloc(id, &blocks, ext))?;
-            self.rec.call(json!({"op": "alloc", "req": req_name(id), "block_ids": ids(&blocks), "external_tokens": ext}));
-            self.rec.decision(match job {
+            self.rec.call(|| json!({"op": "alloc", "req": req_name(id), "block_ids": ids(&blocks), "external_tokens": ext}));
+            self.rec.decision(|| match job {
                 Some(j) => json!({"op": "alloc", "load_job": j.0}),
                 None => json!({"op": "alloc"}),
             });
@@ -267,28 +273,27 @@ impl Sim {
                 continue;
             }
             q.computed = s.computed_tokens + s.scheduled_tokens;
-            if q.computed < q.tokens.len() as u64 {
+            if q.computed < q.conv.history.len() as u64 {
                 continue;
             }
-            let t = Workload::generate(&mut q.conv);
-            q.tokens.push(t);
+            Workload::generate(&mut q.conv);
             q.generated += 1;
             self.summary.work.generated_tokens += 1;
             let have = q.hashes.len();
-            let new = if q.tokens.len() / tpb > have {
-                block_hashes(&q.tokens[have * tpb..], tpb, q.hashes.last().copied())
+            let new = if q.conv.history.len() / tpb > have {
+                block_hashes(&q.conv.history[have * tpb..], tpb, q.hashes.last().copied())
             } else {
                 Vec::new()
             };
             q.hashes.extend_from_slice(&new);
-            let n = q.tokens.len() as u64;
+            let n = q.conv.history.len() as u64;
             let done = q.generated >= q.out_target;
             self.timed(|sch| sch.update_request(s.req, n, &new))?;
             let mut line = json!({"op": "update_request", "req": req_name(s.req), "num_tokens": n});
             if !new.is_empty() {
                 line["block_hashes"] = Value::from(new.iter().map(|h| h.0).collect::<Vec<_>>());
             }
-            self.rec.call(line);
+            self.rec.call(|| line);
             if done {
                 self.finish_request(s.req)?;
             }
@@ -304,7 +309,7 @@ impl Sim {
         let blocks = q.blocks.clone();
         self.timed(|s| s.request_finished(id, &blocks, false, 0))?;
         self.rec.call(
-            json!({"op": "request_finished", "req": req_name(id), "block_ids": ids(&blocks)}),
+            || json!({"op": "request_finished", "req": req_name(id), "block_ids": ids(&blocks)}),
         );
         let full = ((q.computed / self.tpb) as usize).min(q.hashes.len());
         self.gpu.free(&blocks, &q.hashes[..full]);
