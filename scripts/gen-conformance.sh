@@ -5,6 +5,7 @@
 # same bytes.
 #
 #   scripts/gen-conformance.sh            # rewrite tests/conformance/{manager,manager_threshold,connector,connector_amended}
+#                                         # and the vLLM-made outputs of examples/traces/
 #   scripts/gen-conformance.sh --check    # regenerate into a temporary folder and diff with the committed files
 #
 # Needs vLLM 0.33.0 in a cached venv: ../shared/oracle/setup-vllm.sh installs it
@@ -63,9 +64,29 @@ cp "$NOTES/s11000/connector_index.jsonl" "$OUT/connector/seed11000/index.jsonl"
     --count 600 --start-seed 30000 --world-sizes 1,2,3,4,8 --arc-fraction 0.5
 cp "$NOTES/s30000/connector_index.jsonl" "$OUT/connector/seed30000/index.jsonl"
 "$PY" "$ORACLE/vllm_connector_recorder.py" scenarios --out "$OUT/connector/scenarios" --notes-out "$NOTES/scenarios"
+# The example traces whose expected outputs are vLLM's (examples/traces/README.md).
+EX=$ROOT/examples/traces
+if [ $CHECK = 1 ]; then EXOUT=$OUT/examples; else EXOUT=$EX; fi
+mkdir -p "$EXOUT"
+"$PY" "$ORACLE/vllm_manager_oracle.py" "$EX/manager_lru.jsonl" > "$EXOUT/manager_lru.expected.jsonl"
+for t in preemption reset_inflight; do
+    "$PY" "$ORACLE/vllm_connector_v1_replay.py" "$EX/$t.jsonl" > "$EXOUT/$t.expected.jsonl" 2>"$NOTES/$t.log" \
+        || { cat "$NOTES/$t.log" >&2; exit 1; }
+done
+# The hand-derived stalled_store starts with operations vLLM defines (lines
+# 2-6): vLLM's answers to them must be the derivation's.
+head -n 6 "$EX/stalled_store.jsonl" > "$NOTES/prefix.trace.jsonl"
+"$PY" "$ORACLE/vllm_connector_v1_replay.py" "$NOTES/prefix.trace.jsonl" > "$NOTES/prefix.vllm.jsonl" 2>/dev/null
+head -n 5 "$EX/stalled_store.expected.jsonl" > "$NOTES/prefix.derived.jsonl"
+python3 "$ORACLE/compare.py" "$NOTES/prefix.trace.jsonl" "$NOTES/prefix.vllm.jsonl" "$NOTES/prefix.derived.jsonl" \
+    || { echo "gen-conformance: stalled_store's derived lines 2-6 differ from vLLM's answers" >&2; exit 1; }
 rm -rf "$NOTES"
 
 if [ $CHECK = 1 ]; then
+    for t in manager_lru preemption reset_inflight; do
+        cmp -s "$OUT/examples/$t.expected.jsonl" "$EX/$t.expected.jsonl" \
+            || { echo "gen-conformance: examples/traces/$t.expected.jsonl differs from vLLM's output" >&2; exit 1; }
+    done
     if diff -r -q -x '*.notes.jsonl' -x 'index.jsonl' "$OUT/manager" "$ROOT/tests/conformance/manager" \
         && diff -r -q "$OUT/manager_threshold" "$ROOT/tests/conformance/manager_threshold" \
         && diff -r -q -x 'index.jsonl' "$OUT/connector" "$ROOT/tests/conformance/connector" \

@@ -30,10 +30,6 @@ impl From<String> for Fail {
     }
 }
 
-fn rejected(e: impl std::fmt::Display) -> Fail {
-    Fail::Rejected(e.to_string())
-}
-
 /// Output fields of one operation, in order.
 pub(crate) type Out = Vec<(&'static str, Value)>;
 
@@ -64,6 +60,12 @@ impl Engine {
         let r = call(&mut self.sched);
         self.engine_time += start.elapsed();
         r
+    }
+
+    /// A scheduler rejection, with the requests it names written as the
+    /// trace names them.
+    fn rejected_req(&self, e: impl std::fmt::Display) -> Fail {
+        Fail::Rejected(self.reqs.name_ids_in(&e.to_string()))
     }
 
     /// A manager rejection, with its key written as the trace wrote it.
@@ -255,9 +257,11 @@ impl Engine {
                 };
                 self.sched
                     .add_request(req, prompt, &hashes)
-                    .map_err(rejected)?;
+                    .map_err(|e| self.rejected_req(e))?;
                 if caps != RequestCaps::default() {
-                    self.sched.set_request_caps(req, caps).map_err(rejected)?;
+                    self.sched
+                        .set_request_caps(req, caps)
+                        .map_err(|e| self.rejected_req(e))?;
                 }
                 Ok(vec![])
             }
@@ -267,13 +271,16 @@ impl Engine {
                 let hashes = self.hashes(f, "block_hashes", true)?;
                 self.sched
                     .update_request(req, n, &hashes)
-                    .map_err(rejected)?;
+                    .map_err(|e| self.rejected_req(e))?;
                 Ok(vec![])
             }
             "lookup" => {
                 let req = self.req(f)?;
                 let computed = f.u64("computed_tokens")?;
-                match self.timed(|s| s.lookup(req, computed)).map_err(rejected)? {
+                match self
+                    .timed(|s| s.lookup(req, computed))
+                    .map_err(|e| self.rejected_req(e))?
+                {
                     LookupOutcome::Hit(n) => Ok(vec![("hit_tokens", Value::from(n))]),
                     LookupOutcome::Defer => Ok(vec![("defer", Value::Bool(true))]),
                 }
@@ -284,7 +291,7 @@ impl Engine {
                 let ext = f.u64("external_tokens")?;
                 match self
                     .timed(|s| s.on_alloc(req, &blocks, ext))
-                    .map_err(rejected)?
+                    .map_err(|e| self.rejected_req(e))?
                 {
                     Some(job) => Ok(vec![("load_job", Value::from(job.0))]),
                     None => Ok(vec![]),
@@ -310,7 +317,7 @@ impl Engine {
                         s.check_report(&report)
                             .map(|()| s.on_worker_output(&report))
                     })
-                    .map_err(rejected)?;
+                    .map_err(|e| self.rejected_req(e))?;
                 Ok(vec![
                     ("finished_loads", self.req_set(&out.finished_loads)),
                     ("failed_loads", self.req_set(&out.failed_loads)),
@@ -326,11 +333,11 @@ impl Engine {
                     f.opt_u64("computed_tokens")?.unwrap_or(0)
                 };
                 self.timed(|s| s.request_finished(req, &blocks, aborted, computed))
-                    .map_err(rejected)?;
+                    .map_err(|e| self.rejected_req(e))?;
                 Ok(vec![])
             }
             "reset" => {
-                self.sched.reset().map_err(rejected)?;
+                self.sched.reset().map_err(|e| self.rejected_req(e))?;
                 Ok(vec![])
             }
             "advance" => {
@@ -356,7 +363,9 @@ impl Engine {
             }
             "confirm_cancelled" => {
                 let job = JobId(f.u64("job")?);
-                self.sched.confirm_cancelled(job).map_err(rejected)?;
+                self.sched
+                    .confirm_cancelled(job)
+                    .map_err(|e| self.rejected_req(e))?;
                 Ok(vec![])
             }
             "state" => {
@@ -420,7 +429,9 @@ impl Engine {
             .into_iter()
             .map(|n| self.reqs.intern(n))
             .collect();
-        let plan = self.timed(|s| s.build_step(&input)).map_err(rejected)?;
+        let plan = self
+            .timed(|s| s.build_step(&input))
+            .map_err(|e| self.rejected_req(e))?;
         Ok(vec![
             ("loads", self.jobs_out(&plan.loads)),
             ("stores", self.jobs_out(&plan.stores)),

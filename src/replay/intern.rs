@@ -75,4 +75,66 @@ impl Requests {
     pub fn show(&self, id: RequestId) -> Value {
         Value::from(self.names.get(id.0 as usize).cloned().unwrap_or_default())
     }
+
+    /// `msg` with every request id it names (`req<N>`, as [`RequestId`]
+    /// displays) written as the trace names that request (a JSON string).
+    pub fn name_ids_in(&self, msg: &str) -> String {
+        let mut out = String::with_capacity(msg.len());
+        let mut rest = msg;
+        while let Some(at) = rest.find("req") {
+            let (before, tail) = rest.split_at(at);
+            out.push_str(before);
+            let digits = tail[3..].bytes().take_while(u8::is_ascii_digit).count();
+            let starts_word = !before
+                .chars()
+                .next_back()
+                .is_some_and(|c| c.is_alphanumeric() || c == '_');
+            let ends_word = !tail[3 + digits..]
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_alphanumeric() || c == '_');
+            let name = tail[3..3 + digits]
+                .parse::<usize>()
+                .ok()
+                .filter(|_| digits > 0 && starts_word && ends_word)
+                .and_then(|i| self.names.get(i));
+            match name {
+                Some(n) => {
+                    out.push_str(&Value::from(n.as_str()).to_string());
+                    rest = &tail[3 + digits..];
+                }
+                None => {
+                    out.push_str("req");
+                    rest = &tail[3..];
+                }
+            }
+        }
+        out.push_str(rest);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_in_messages_become_trace_names() {
+        let mut r = Requests::default();
+        let a = r.intern("nobody");
+        let b = r.intern("r2");
+        assert_eq!(
+            r.name_ids_in(&format!("unknown request {a}")),
+            "unknown request \"nobody\""
+        );
+        assert_eq!(
+            r.name_ids_in(&format!("request {b} has jobs in flight; {a} too")),
+            "request \"r2\" has jobs in flight; \"nobody\" too"
+        );
+        // Not a request id: left alone.
+        assert_eq!(
+            r.name_ids_in("prereq12 req99 requests req"),
+            "prereq12 req99 requests req"
+        );
+    }
 }
