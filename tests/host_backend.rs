@@ -417,6 +417,21 @@ fn delay_holds_the_job_and_those_behind_it_for_n_polls() {
     f.backend.poll(&mut out);
     let ids: Vec<JobId> = out.iter().map(|r| r.job).collect();
     assert_eq!(ids, vec![JobId(1), JobId(2)]);
+    // A drain reports a job however late its report was set to be, in order,
+    // and nothing that is stalled.
+    out.clear();
+    f.backend.set_fault(JobId(3), Fault::DelayPolls(u32::MAX));
+    f.backend.set_fault(JobId(5), Fault::Stall);
+    for j in 3..=5 {
+        let spec = f.random_spec(&mut rng, 2, false, 0);
+        f.backend.submit_store(JobId(j), &spec).unwrap();
+    }
+    f.backend.poll(&mut out);
+    assert!(out.is_empty(), "job 3 holds job 4 back");
+    f.backend.drain(&mut out).unwrap();
+    let ids: Vec<JobId> = out.iter().map(|r| r.job).collect();
+    assert_eq!(ids, vec![JobId(3), JobId(4)]);
+    assert_eq!(f.backend.stalled(), vec![JobId(5)]);
 }
 
 #[test]
@@ -441,11 +456,11 @@ fn stall_never_reports_until_released_and_moves_no_bytes() {
     let other = TransferSpec::new(&[31], 0, &[31]);
     let r = run(&mut f.backend, Direction::Store, JobId(2), &other);
     assert!(r.success);
+    // Drained: every delay has run out and every other copy has reported,
+    // however late; the stalled job has not.
     let mut out = Vec::new();
-    for _ in 0..100 {
-        f.backend.poll(&mut out);
-    }
-    assert!(out.is_empty());
+    f.backend.drain(&mut out).unwrap();
+    assert!(out.is_empty(), "{out:?}");
     assert_eq!(f.backend.stalled(), vec![JobId(1)]);
     assert_eq!(f.backend.in_flight(), 1);
     match f.backend.wait(&[JobId(1)], Some(Duration::ZERO)) {
@@ -679,11 +694,12 @@ fn cancelled_stalls_are_forgotten_and_never_report_nor_move_bytes() {
     let r = run(&mut f.backend, Direction::Store, JobId(1000), &other);
     assert!(r.success);
     assert!(!f.backend.cancel_stalled(JobId(1000)));
+    // Drained (every delay run out, every copy reported): nothing of the
+    // cancelled jobs, however late.
     let mut out = Vec::new();
-    for _ in 0..10 {
-        f.backend.poll(&mut out);
-    }
+    f.backend.drain(&mut out).unwrap();
     assert!(out.is_empty(), "cancelled jobs never report: {out:?}");
+    assert_eq!(f.backend.in_flight(), 0);
     // SAFETY: no job in flight.
     let pool = unsafe { f.pool.read(0, f.row * 31) };
     assert!(

@@ -261,6 +261,28 @@ impl HostBackend {
         v
     }
 
+    /// Reports every queued job as if every injected delay had run out: waits
+    /// for their copies, moves the delay clock (the poll count) past the
+    /// latest of them, and polls. What is still in flight afterwards can only
+    /// report once released ([`Self::release_stalled`]): a test that a job
+    /// never reports drains instead of polling a fixed number of times, so a
+    /// report however late is caught.
+    pub fn drain(&mut self, out: &mut Vec<TransferResult>) -> Result<(), BackendError> {
+        let queued: Vec<JobId> = self.queues.iter().flatten().map(|p| p.job.id).collect();
+        self.wait(&queued, None)?;
+        let latest = self
+            .queues
+            .iter()
+            .flatten()
+            .map(|p| p.ready_at_poll)
+            .max()
+            .unwrap_or(0);
+        // `poll` counts itself first, then reports what is ready at that count.
+        self.polls = self.polls.max(latest.saturating_sub(1));
+        self.poll(out);
+        Ok(())
+    }
+
     fn send(&self, dir: Direction, job: Arc<HostJob>) -> Result<(), BackendError> {
         self.senders[dir.index()]
             .as_ref()
