@@ -339,16 +339,36 @@ fn stalled_load_is_reported_as_a_failed_load() {
     assert_eq!(h.s.request_jobs(r(2)), Some(vec![]));
 }
 
+/// The real watchdog thread does the scan (nothing here scans): once the
+/// manual clock passes the deadline and the thread is woken, a scan at or
+/// after that time hands the store over; the scheduler cleans it up only at
+/// its next hook.
 #[test]
 fn watchdog_thread_hands_over_and_the_next_hook_cleans_up() {
     let (mut h, s) = with_store(1);
-    h.advance_s(301);
     h.s.start_watchdog().unwrap();
     assert!(h.s.watchdog_running());
-    // The thread scans on its own schedule; a synchronous scan gives the same result.
-    let out = h.s.scan_now();
-    let stalled_now = out.stalled.contains(&s) || h.s.is_job_stalled(s);
-    assert!(stalled_now);
+    let handle = h.s.watchdog_handle();
+    h.advance_s(301);
+    let past_deadline = kvoffload::Clock::now(&h.clock);
+    handle.wake();
+    assert!(
+        handle.wait_for_scan_since(past_deadline, std::time::Duration::from_secs(20)),
+        "the watchdog thread scanned after the deadline"
+    );
+    // Handed over, not yet cleaned up: no hook has run since.
+    assert!(!h.s.is_job_stalled(s));
+    assert_eq!(h.s.metrics().stalled_stores, 0);
+    assert_eq!(h.s.manager().stats().quarantined, 0);
+    // The next hook applies it: the store is stalled, its slots quarantined,
+    // its blocks fenced.
+    let plan = h.run(&[], &[], &[]);
+    assert!(plan.stores.is_empty() && plan.loads.is_empty());
+    assert!(h.s.is_job_stalled(s));
+    assert!(!h.s.is_job_live(s));
+    assert_eq!(h.s.metrics().stalled_stores, 1);
+    assert_eq!(h.s.manager().stats().quarantined, 2);
+    assert_eq!(h.s.fenced_jobs(GpuBlockId(1)), vec![s]);
     h.check();
     drop(h); // stops and joins the thread
 }

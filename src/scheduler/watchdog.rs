@@ -29,6 +29,16 @@ use crate::ids::JobId;
 
 use super::jobs::JobTable;
 
+/// Requests to the watchdog thread (kept until it sees them, so that none is
+/// lost while it is scanning or not yet waiting).
+#[derive(Debug, Default)]
+struct Control {
+    /// Stop and return.
+    stop: bool,
+    /// Check the clock now, before the wait is over.
+    wake: bool,
+}
+
 /// State shared by the scheduler and the watchdog thread.
 #[derive(Debug)]
 pub(crate) struct WatchdogShared {
@@ -47,8 +57,13 @@ pub(crate) struct WatchdogShared {
     /// Clock time of the last scan (nanoseconds); `u64::MAX` before the first.
     last_scan_ns: AtomicU64,
     scans: AtomicU64,
-    stop: Mutex<bool>,
+    /// What the thread is asked to do, under the lock its condvar waits with.
+    control: Mutex<Control>,
     wake: Condvar,
+    /// Signalled after every scan (for [`WatchdogHandle::wait_for_scan_since`]).
+    scanned: Condvar,
+    /// The lock `scanned` waits with.
+    scanned_lock: Mutex<()>,
 }
 
 impl WatchdogShared {
@@ -63,8 +78,10 @@ impl WatchdogShared {
             interval,
             last_scan_ns: AtomicU64::new(u64::MAX),
             scans: AtomicU64::new(0),
-            stop: Mutex::new(false),
+            control: Mutex::new(Control::default()),
             wake: Condvar::new(),
+            scanned: Condvar::new(),
+            scanned_lock: Mutex::new(()),
         }
     }
 
@@ -126,8 +143,13 @@ impl WatchdogShared {
     }
 
     fn finish_scan(&self, now: u64, n: usize) -> usize {
-        self.last_scan_ns.store(now, Ordering::Release);
-        self.scans.fetch_add(1, Ordering::Relaxed);
+        {
+            // Under the waiters' lock, so that none misses the signal.
+            let _g = lock(&self.scanned_lock);
+            self.last_scan_ns.store(now, Ordering::Release);
+            self.scans.fetch_add(1, Ordering::Relaxed);
+        }
+        self.scanned.notify_all();
         if n > 0 {
             tracing::warn!(stalled = n, "stall watchdog: jobs past their deadline");
         }
@@ -149,6 +171,36 @@ impl WatchdogShared {
     /// Scans done so far.
     pub fn scans(&self) -> u64 {
         self.scans.load(Ordering::Relaxed)
+    }
+
+    /// Wakes the thread (if it runs) so that it checks the clock now instead
+    /// of at the end of its wait: after a manual clock jumped, for example.
+    pub fn wake(&self) {
+        lock(&self.control).wake = true;
+        self.wake.notify_all();
+    }
+
+    /// Blocks until a scan that read the clock at `since` or later has
+    /// finished (true), or `timeout` of wall time has passed (false).
+    pub fn wait_for_scan_since(&self, since: Duration, timeout: Duration) -> bool {
+        let since = nanos(since);
+        let seen = |s: &Self| {
+            let last = s.last_scan_ns.load(Ordering::Acquire);
+            last != u64::MAX && last >= since
+        };
+        let deadline = std::time::Instant::now() + timeout;
+        let mut g = lock(&self.scanned_lock);
+        while !seen(self) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            g = match self.scanned.wait_timeout(g, left) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        true
     }
 
     /// Forgets the last scan time (after a reset).
@@ -177,6 +229,25 @@ impl WatchdogHandle {
     /// Scans if a scan interval of clock time has passed since the last scan.
     pub fn scan_if_due(&self) -> bool {
         self.0.scan_if_due()
+    }
+
+    /// Wakes the watchdog thread (if it runs) to check the clock now rather
+    /// than at the end of its wait (after a manual or simulated clock jumped).
+    pub fn wake(&self) {
+        self.0.wake();
+    }
+
+    /// Blocks until a scan (by the thread or any handle) that read the clock
+    /// at `since` or later has finished: true; false once `timeout` of wall
+    /// time has passed first. Lets a test, or a backend that needs it, know
+    /// that a scan has seen a given time, without scanning itself.
+    pub fn wait_for_scan_since(&self, since: Duration, timeout: Duration) -> bool {
+        self.0.wait_for_scan_since(since, timeout)
+    }
+
+    /// Scans done so far (by the thread or any handle).
+    pub fn scans(&self) -> u64 {
+        self.0.scans()
     }
 }
 
@@ -217,36 +288,30 @@ impl Watchdog {
 
 fn run(s: &WatchdogShared) {
     let wait = s.interval.max(Duration::from_millis(1));
-    let mut stop = match s.stop.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    };
+    let mut control = lock(&s.control);
     loop {
-        if *stop {
+        if control.stop {
             return;
         }
-        stop = match s.wake.wait_timeout(stop, wait) {
-            Ok((g, _)) => g,
-            Err(p) => p.into_inner().0,
-        };
-        if *stop {
-            return;
+        if !control.wake {
+            control = match s.wake.wait_timeout(control, wait) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+            if control.stop {
+                return;
+            }
         }
-        drop(stop);
+        control.wake = false;
+        drop(control);
         s.scan_if_due();
-        stop = match s.stop.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
+        control = lock(&s.control);
     }
 }
 
 impl Drop for Watchdog {
     fn drop(&mut self) {
-        match self.shared.stop.lock() {
-            Ok(mut g) => *g = true,
-            Err(p) => *p.into_inner() = true,
-        }
+        lock(&self.shared.control).stop = true;
         self.shared.wake.notify_all();
         if let Some(t) = self.thread.take()
             && t.join().is_err()
