@@ -153,6 +153,12 @@ impl OffloadMetrics {
         );
         counter(
             &mut o,
+            "kvoffload_reports_racing_stall",
+            "Late reports whose job the watchdog handed over while the report was applied",
+            s.reports_racing_stall as f64,
+        );
+        counter(
+            &mut o,
             "kvoffload_unknown_reports",
             "Worker reports rejected (unknown job, too many reports)",
             s.unknown_reports as f64,

@@ -134,6 +134,7 @@ impl Scheduler {
                         None => None,
                     };
                     if stalled_first {
+                        self.counters.reports_racing_stall += u64::from(n);
                         self.complete_job(job, Ending::Stalled);
                         self.late_report(job, n);
                     }

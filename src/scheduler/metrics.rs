@@ -38,6 +38,10 @@ pub struct SchedulerMetrics {
     pub stalled_loads: u64,
     /// Worker reports that arrived for stalled jobs (counter).
     pub late_reports: u64,
+    /// Of those, the reports that found their job handed over by the watchdog
+    /// while the report was being applied: the completion path and the stall
+    /// raced on the job's latch, and the stall won (counter).
+    pub reports_racing_stall: u64,
     /// Worker reports for jobs that never existed or beyond what a job expects (counter).
     pub unknown_reports: u64,
     /// Stalled jobs released by a cancellation confirmation (counter).
@@ -64,6 +68,7 @@ pub(crate) struct Counters {
     pub stalled_stores: u64,
     pub stalled_loads: u64,
     pub late_reports: u64,
+    pub reports_racing_stall: u64,
     pub unknown_reports: u64,
     pub cancellations_confirmed: u64,
     pub allocation_failures: u64,

@@ -336,6 +336,7 @@ impl Scheduler {
             stalled_stores: c.stalled_stores,
             stalled_loads: c.stalled_loads,
             late_reports: c.late_reports,
+            reports_racing_stall: c.reports_racing_stall,
             unknown_reports: c.unknown_reports,
             cancellations_confirmed: c.cancellations_confirmed,
             allocation_failures: c.allocation_failures,
