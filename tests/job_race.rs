@@ -90,7 +90,7 @@ fn race_round(round: u64, seen: &mut Seen) {
             let mut n = 0;
             let mut i = 0u64;
             while !stop.load(Ordering::Acquire) {
-                n += if i % 2 == 0 {
+                n += if i.is_multiple_of(2) {
                     handle.scan_full()
                 } else {
                     handle.scan()

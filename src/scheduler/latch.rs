@@ -143,18 +143,9 @@ mod tests {
 #[cfg(all(test, loom))]
 mod loom_tests {
     use super::*;
+    use loom::sync::Arc;
     use loom::sync::atomic::AtomicUsize;
-    use loom::sync::{Arc, Mutex};
     use loom::thread;
-
-    /// The job table slot as the scheduler sees it: the job is removed by
-    /// whichever path ends it; the slot records how it ended.
-    #[derive(Default)]
-    struct Slot {
-        live: bool,
-        completions: usize,
-        stalls: usize,
-    }
 
     /// Two workers each report once (split job, world size 2) while the
     /// watchdog tries to stall it: exactly one of completed/stalled wins, and
@@ -204,74 +195,6 @@ mod loom_tests {
         });
     }
 
-    /// The full hand-over: a worker report (completion path removes the job
-    /// from the table), the watchdog's scan (flags it and queues it), the
-    /// scheduler's stall cleanup (removes it if still there), and a late
-    /// duplicate report. The job ends exactly once and is never resurrected.
-    #[test]
-    fn loom_completion_path_vs_watchdog_scan() {
-        loom::model(|| {
-            let latch = Arc::new(JobLatch::new(1));
-            let slot = Arc::new(Mutex::new(Slot {
-                live: true,
-                ..Slot::default()
-            }));
-            let queued = Arc::new(AtomicUsize::new(0));
-
-            let watchdog = {
-                let (l, q) = (latch.clone(), queued.clone());
-                thread::spawn(move || {
-                    if l.try_stall() {
-                        q.fetch_add(1, Ordering::SeqCst);
-                    }
-                })
-            };
-            let worker = {
-                let (l, s) = (latch.clone(), slot.clone());
-                thread::spawn(move || {
-                    // The report, then a duplicate that must never count.
-                    for _ in 0..2 {
-                        let eff = l.report(1);
-                        let mut s = s.lock().unwrap();
-                        match eff {
-                            ReportEffect::Completed => {
-                                assert!(s.live, "completed a removed job");
-                                s.live = false;
-                                s.completions += 1;
-                            }
-                            ReportEffect::Late => {
-                                // Stall wins: the scheduler cleans it as stalled
-                                // (once), then counts the report as late.
-                                if s.live {
-                                    s.live = false;
-                                    s.stalls += 1;
-                                }
-                            }
-                            ReportEffect::AlreadyDone => assert!(!s.live),
-                            other => panic!("unexpected {other:?}"),
-                        }
-                    }
-                })
-            };
-            watchdog.join().unwrap();
-            // The scheduler's next hook applies the hand-over if the job is still there.
-            if queued.load(Ordering::SeqCst) == 1 {
-                let mut s = slot.lock().unwrap();
-                if s.live {
-                    s.live = false;
-                    s.stalls += 1;
-                }
-            }
-            worker.join().unwrap();
-            let s = slot.lock().unwrap();
-            assert!(!s.live);
-            assert_eq!(s.completions + s.stalls, 1, "ended exactly once");
-            assert_eq!(
-                s.stalls == 1,
-                latch.is_stalled(),
-                "stall iff the latch says so"
-            );
-            assert!(queued.load(Ordering::SeqCst) <= 1);
-        });
-    }
+    // The whole hand-over (the real job table, the watchdog's scan and the
+    // scheduler's completion path) is modelled in `scheduler/loom_models.rs`.
 }

@@ -17,6 +17,8 @@ mod invariants;
 mod jobs;
 mod latch;
 mod lookup;
+#[cfg(all(test, loom))]
+mod loom_models;
 mod metrics;
 mod preempt;
 mod request;

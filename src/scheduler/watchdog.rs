@@ -17,17 +17,64 @@
 //! replay never start the thread: they call the scan synchronously.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+#[cfg(not(loom))]
 use crossbeam_queue::SegQueue;
 
 use crate::clock::SharedClock;
 use crate::ids::JobId;
+use crate::sync::{AtomicU64, Condvar, Mutex, MutexGuard, Ordering};
 
 use super::jobs::JobTable;
+
+/// Stalled job ids, from the watchdog to the scheduler: crossbeam's lock-free
+/// queue; under loom (which cannot see inside it) a mutex-guarded one, so
+/// that the models explore the hand-over too.
+#[derive(Debug)]
+pub(crate) struct HandOver {
+    #[cfg(not(loom))]
+    q: SegQueue<JobId>,
+    #[cfg(loom)]
+    q: Mutex<VecDeque<JobId>>,
+}
+
+impl HandOver {
+    fn new() -> Self {
+        Self {
+            #[cfg(not(loom))]
+            q: SegQueue::new(),
+            #[cfg(loom)]
+            q: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    /// Queues a stalled job.
+    pub fn push(&self, job: JobId) {
+        #[cfg(not(loom))]
+        self.q.push(job);
+        #[cfg(loom)]
+        lock(&self.q).push_back(job);
+    }
+
+    /// The oldest queued job.
+    pub fn pop(&self) -> Option<JobId> {
+        #[cfg(not(loom))]
+        return self.q.pop();
+        #[cfg(loom)]
+        return lock(&self.q).pop_front();
+    }
+
+    /// No job queued.
+    pub fn is_empty(&self) -> bool {
+        #[cfg(not(loom))]
+        return self.q.is_empty();
+        #[cfg(loom)]
+        return lock(&self.q).is_empty();
+    }
+}
 
 /// Requests to the watchdog thread (kept until it sees them, so that none is
 /// lost while it is scanning or not yet waiting).
@@ -45,7 +92,7 @@ pub(crate) struct WatchdogShared {
     /// The job table.
     pub jobs: Arc<JobTable>,
     /// Stalled job ids, from the watchdog to the scheduler.
-    pub queue: SegQueue<JobId>,
+    pub queue: HandOver,
     /// `(job, deadline)` in job id order (so in deadline order), from the
     /// scheduler, not yet taken by a scan.
     inbox: Mutex<Vec<(JobId, u64)>>,
@@ -71,7 +118,7 @@ impl WatchdogShared {
     pub fn new(jobs: Arc<JobTable>, clock: SharedClock, interval: Duration) -> Self {
         Self {
             jobs,
-            queue: SegQueue::new(),
+            queue: HandOver::new(),
             inbox: Mutex::new(Vec::new()),
             front: Mutex::new(VecDeque::new()),
             clock,
