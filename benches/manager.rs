@@ -29,7 +29,8 @@ fn bench(c: &mut Criterion) {
     for policy in [EvictionPolicyKind::Lru, EvictionPolicyKind::Arc] {
         let mut m = full_manager(policy);
         eprintln!(
-            "manager metadata ({policy}, {CHUNKS} cached chunks): {:.1} bytes per chunk",
+            "manager per-chunk structures ({policy}, {CHUNKS} cached chunks, self-reported; \
+             the whole heap: tests/manager_heap.rs): {:.1} bytes per chunk",
             m.metadata_bytes() as f64 / CHUNKS as f64
         );
         let mut x: u64 = 0x9E37_79B9_7F4A_7C15;

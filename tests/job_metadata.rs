@@ -6,47 +6,14 @@
 //!
 //! Run with `--nocapture` to see the figure.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicI64, Ordering};
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
 
 use kvoffload::scheduler::{ScheduledRequest, Scheduler, StepInput};
 use kvoffload::{BlockHash, GpuBlockId, ManualClock, OffloadConfig, RequestId};
 
-/// The system allocator, keeping the number of live heap bytes.
-struct LiveBytes;
-
-static LIVE: AtomicI64 = AtomicI64::new(0);
-
-// SAFETY: every call forwards to `System` with the caller's arguments, which
-// meet `GlobalAlloc`'s contract; the counter touches no allocated memory.
-unsafe impl GlobalAlloc for LiveBytes {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
-        // SAFETY: forwarded caller contract.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size() as i64, Ordering::Relaxed);
-        // SAFETY: forwarded caller contract.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as i64, Ordering::Relaxed);
-        // SAFETY: forwarded caller contract.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size as i64 - layout.size() as i64, Ordering::Relaxed);
-        // SAFETY: forwarded caller contract.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: LiveBytes = LiveBytes;
+static ALLOCATOR: counting_alloc::Counting = counting_alloc::Counting;
 
 const RUNNING: u64 = 1024;
 /// Steps before the measurement (every request's lists have grown past their
@@ -100,11 +67,11 @@ fn an_in_flight_job_costs_at_most_256_heap_bytes() {
         step(&mut s, t);
     }
     let jobs_before = s.state().jobs;
-    let before = LIVE.load(Ordering::Relaxed);
+    let before = counting_alloc::live_bytes();
     for t in WARM_STEPS..total_steps {
         step(&mut s, t);
     }
-    let after = LIVE.load(Ordering::Relaxed);
+    let after = counting_alloc::live_bytes();
     let jobs = (s.state().jobs - jobs_before) as u64;
     assert_eq!(jobs, RUNNING * MEASURED_STEPS, "every job stays in flight");
     let per_job = (after - before) as f64 / jobs as f64;

@@ -14,63 +14,22 @@
 //! size and its arrival rate). CI runs a short one.
 //! `tests/soak.rs` is the control-plane-only soak (simulated workers).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
+
 use std::time::Instant;
 
 use kvoffload::sim::{FaultRates, Sim, SimOptions, default_config};
 
-/// The system allocator, counting the bytes live on the heap, so that the
-/// soak tells heap growth (structures that grow) from resident-memory growth
-/// the allocator alone causes (fragmentation, arenas of worker threads).
-struct Counting;
-
-static LIVE: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: every call forwards to `System` with the caller's arguments, which
-// meet `GlobalAlloc`'s contract; the counter has no effect on the memory.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded caller contract.
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            LIVE.fetch_add(layout.size() as u64, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: forwarded caller contract.
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size() as u64, Ordering::Relaxed);
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded caller contract.
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            LIVE.fetch_add(layout.size() as u64, Ordering::Relaxed);
-        }
-        p
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: forwarded caller contract.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            LIVE.fetch_sub(layout.size() as u64, Ordering::Relaxed);
-            LIVE.fetch_add(new_size as u64, Ordering::Relaxed);
-        }
-        p
-    }
-}
-
+/// Counts the bytes live on the heap, so that the soak tells heap growth
+/// (structures that grow) from resident-memory growth the allocator alone
+/// causes (fragmentation, arenas of worker threads).
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOCATOR: counting_alloc::Counting = counting_alloc::Counting;
 
 /// Bytes live on the heap (allocated through Rust's global allocator).
 fn heap_bytes() -> u64 {
-    LIVE.load(Ordering::Relaxed)
+    counting_alloc::live_bytes().max(0) as u64
 }
 
 /// Resident set size of this process, in bytes (0 where /proc is absent).

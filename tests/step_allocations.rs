@@ -10,67 +10,15 @@
 //! dropped costs its store list's allocation in the next step).
 //! Counted by a test-only global allocator, on the test's own thread.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
 
+use counting_alloc::allocations;
 use kvoffload::scheduler::{ScheduledRequest, Scheduler, StepInput, WorkerReport};
 use kvoffload::{BlockHash, GpuBlockId, ManualClock, OffloadConfig, RequestId};
 
-/// The system allocator, counting allocations made by threads that asked for it.
-struct Counting;
-
-thread_local! {
-    static COUNTING: Cell<bool> = const { Cell::new(false) };
-    static ALLOCS: Cell<u64> = const { Cell::new(0) };
-}
-
-fn count() {
-    // `try_with`: the thread-locals may be gone while a thread exits.
-    let _ = COUNTING.try_with(|on| {
-        if on.get() {
-            let _ = ALLOCS.try_with(|n| n.set(n.get() + 1));
-        }
-    });
-}
-
-// SAFETY: every call forwards to `System` with the caller's arguments, which
-// meet `GlobalAlloc`'s contract; counting touches no allocated memory.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count();
-        // SAFETY: forwarded caller contract.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: forwarded caller contract.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        count();
-        // SAFETY: forwarded caller contract.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count();
-        // SAFETY: forwarded caller contract.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
-
-/// Allocations made by `f` on this thread.
-fn allocations<T>(f: impl FnOnce() -> T) -> (T, u64) {
-    ALLOCS.with(|n| n.set(0));
-    COUNTING.with(|on| on.set(true));
-    let out = f();
-    COUNTING.with(|on| on.set(false));
-    (out, ALLOCS.with(Cell::get))
-}
+static ALLOCATOR: counting_alloc::Counting = counting_alloc::Counting;
 
 const RUNNING: u64 = 1024;
 const TOKENS_PER_BLOCK: u64 = 16;
@@ -147,16 +95,14 @@ fn a_steady_step_allocates_nothing() {
         }
     }
     assert_eq!(s.state().jobs, 0, "every store completed");
-    // None in steady state (measured: 0 in 228 steps); the budget leaves room
-    // for a rare amortised regrowth of a reused buffer. Before the step was
-    // reworked it made about 6 allocations per store (over 380 per step), and
-    // 1.3 per step while the plan's store list was allocated afresh.
-    let budget = counted_steps / 20;
+    // None at all in steady state. Before the step was reworked it made about
+    // 6 allocations per store (over 380 per step), and 1.3 per step while the
+    // plan's store list was allocated afresh.
     let per_store = counted_allocs as f64 / counted_stores as f64;
-    assert!(
-        counted_allocs <= budget,
+    assert_eq!(
+        counted_allocs, 0,
         "{counted_allocs} allocations in {counted_steps} steps with {counted_stores} stores \
-         ({per_store:.2} per store); expected at most {budget}"
+         ({per_store:.2} per store)"
     );
     assert!(counted_stores >= 60 * counted_steps, "the workload stores");
 }
