@@ -1,11 +1,18 @@
 //! The trace reader (`kvoffload replay`) and the configuration reader never
 //! panic, whatever the input: arbitrary bytes, arbitrary text, and the example
 //! traces and configurations with random byte mutations (the stable
-//! counterpart of the `fuzz/` targets, so CI always covers it).
+//! counterpart of the `fuzz/` targets, so CI always covers it), and
+//! structure-aware traces: a valid header, then well-formed operations of
+//! every kind with a few mutated, which mostly reach the engine (the share is
+//! measured and required, where random bytes almost never pass the header).
+
+#[path = "common/trace_gen.rs"]
+mod trace_gen;
 
 use std::path::PathBuf;
 
 use kvoffload::OffloadConfig;
+use kvoffload::sim::SimRng;
 use proptest::prelude::*;
 
 /// Tiers above this many chunks are skipped (valid, but only measure memory).
@@ -132,4 +139,90 @@ fn seeds_are_valid() {
     for s in seeds() {
         kvoffload::replay::run(&s[..], std::io::sink()).expect("example trace");
     }
+}
+
+/// Of a trace's operation lines, how many reached the executor (an output
+/// line, an engine rejection included) and how many the engine accepted.
+fn reached(trace: &str) -> (usize, usize, usize) {
+    let ops = trace.lines().count().saturating_sub(1);
+    let mut out = Vec::new();
+    // A malformed line stops the replay with an error: the lines before it
+    // have produced their output.
+    let _ = kvoffload::replay::run(trace.as_bytes(), &mut out);
+    let text = String::from_utf8_lossy(&out);
+    let executed = text.lines().count();
+    let accepted = text.lines().filter(|l| !l.contains("\"error\"")).count();
+    (ops, executed, accepted)
+}
+
+/// Structure-aware traces: every operation kind, 4 % of the lines mutated
+/// (a field missing, retyped or out of range, an unknown op or field, a line
+/// cut short). None panics, and most lines reach the executor; random
+/// printable lines after a valid header (the test above) almost never do.
+#[test]
+fn structure_aware_traces_never_panic_and_mostly_reach_the_executor() {
+    let mut rng = SimRng::new(0x5EED);
+    let (mut ops, mut executed, mut accepted) = (0, 0, 0);
+    let mut kinds = [0usize; trace_gen::OPS];
+    for _ in 0..400 {
+        let mut trace = trace_gen::header(&mut rng);
+        for _ in 0..rng.range(1, 60) {
+            let pick = rng.range(0, trace_gen::OPS as u64 - 1) as usize;
+            let mut line = trace_gen::well_formed_op(&mut rng, pick);
+            if rng.chance(0.04) {
+                line = trace_gen::mutate(&mut rng, &line);
+            } else {
+                kinds[pick] += 1;
+            }
+            trace.push('\n');
+            trace.push_str(&line);
+        }
+        trace.push('\n');
+        let (o, e, a) = reached(&trace);
+        ops += o;
+        executed += e;
+        accepted += a;
+    }
+    let mut random = (0, 0);
+    let mut prng = SimRng::new(7);
+    for _ in 0..400 {
+        let lines: Vec<String> = (0..20)
+            .map(|_| {
+                (0..prng.range(0, 80))
+                    .map(|_| char::from(prng.range(32, 126) as u8))
+                    .collect()
+            })
+            .collect();
+        let trace = format!(
+            "{{\"kvoffload_trace\": 1, \"config\": {{\"num_cpu_chunks\": 8}}}}\n{}\n",
+            lines.join("\n")
+        );
+        let (o, e, _) = reached(&trace);
+        random.0 += o;
+        random.1 += e;
+    }
+    let share = executed as f64 / ops as f64;
+    let random_share = random.1 as f64 / random.0 as f64;
+    println!(
+        "structure-aware: {executed} of {ops} operation lines reached the executor ({:.1} %), \
+         {accepted} accepted ({:.1} %); random printable lines: {} of {} ({:.2} %)",
+        share * 100.0,
+        accepted as f64 / ops as f64 * 100.0,
+        random.1,
+        random.0,
+        random_share * 100.0
+    );
+    assert!(
+        kinds.iter().all(|&k| k > 0),
+        "every operation kind generated: {kinds:?}"
+    );
+    assert!(
+        share >= 0.5,
+        "only {:.1} % reached the executor",
+        share * 100.0
+    );
+    assert!(
+        accepted > ops / 5,
+        "the engine accepted too few to exercise it: {accepted} of {ops}"
+    );
 }

@@ -6,6 +6,8 @@
 
 #[path = "conformance/compare.rs"]
 mod compare;
+#[path = "common/trace_gen.rs"]
+mod trace_gen;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -232,47 +234,24 @@ fn huge_numbers_are_errors_not_panics() {
 }
 
 mod fuzz {
+    use kvoffload::sim::SimRng;
     use proptest::prelude::*;
 
-    /// Well-formed operations with arbitrary (small) values, in any order.
-    fn line() -> impl Strategy<Value = String> {
-        let req = prop_oneof![Just("a"), Just("b"), Just("c")];
-        let n = 0u64..40;
-        let ids = proptest::collection::vec(0u64..12, 0..5);
-        (0usize..17, req, n.clone(), n, ids.clone(), ids, any::<bool>()).prop_map(
-            |(op, r, x, y, v, w, flag)| match op {
-                0 => format!(r#"{{"op":"add_request","req":"{r}","prompt_tokens":{x},"block_hashes":{v:?}}}"#),
-                1 => format!(r#"{{"op":"update_request","req":"{r}","num_tokens":{x},"block_hashes":{v:?}}}"#),
-                2 => format!(r#"{{"op":"lookup","req":"{r}","computed_tokens":{x}}}"#),
-                3 => format!(r#"{{"op":"alloc","req":"{r}","block_ids":{v:?},"external_tokens":{y}}}"#),
-                4 => format!(
-                    r#"{{"op":"step","scheduled":[{{"req":"{r}","new_block_ids":{v:?},"computed_tokens":{x},"scheduled_tokens":{y}}}],"preempted":{},"finished":{}}}"#,
-                    if flag { r#"["a"]"# } else { "[]" },
-                    if !flag { r#"["b"]"# } else { "[]" }
-                ),
-                5 => format!(r#"{{"op":"worker_output","completed":{{"{x}":{}}},"failed":{w:?}}}"#, y % 3),
-                6 => format!(r#"{{"op":"request_finished","req":"{r}","block_ids":{v:?},"aborted":{flag},"computed_tokens":{x}}}"#),
-                7 => r#"{"op":"reset"}"#.to_string(),
-                8 => format!(r#"{{"op":"advance","ms":{}}}"#, x * 20_000),
-                9 => r#"{"op":"scan"}"#.to_string(),
-                10 => r#"{"op":"events"}"#.to_string(),
-                11 => r#"{"op":"state"}"#.to_string(),
-                12 => format!(r#"{{"op":"confirm_cancelled","job":{x}}}"#),
-                13 => format!(r#"{{"op":"manager.prepare_store","keys":{v:?}}}"#),
-                14 => format!(r#"{{"op":"manager.complete_store","keys":{v:?},"success":{flag}}}"#),
-                15 => format!(r#"{{"op":"manager.prepare_load","keys":{v:?},"req":"{r}"}}"#),
-                _ => format!(r#"{{"op":"manager.complete_load","keys":{v:?}}}"#),
-            },
-        )
-    }
+    use super::trace_gen;
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
 
+        /// Well-formed operations of every kind with small values, in any
+        /// order (`tests/common/trace_gen.rs`).
         #[test]
         fn well_formed_traces_never_crash_and_are_deterministic(
-            lines in proptest::collection::vec(line(), 0..60)
+            picks in proptest::collection::vec((0..trace_gen::OPS, any::<u64>()), 0..60)
         ) {
+            let lines: Vec<String> = picks
+                .iter()
+                .map(|&(op, seed)| trace_gen::well_formed_op(&mut SimRng::new(seed), op))
+                .collect();
             let trace = format!(
                 "{}\n{}\n",
                 r#"{"kvoffload_trace": 1, "config": {"tokens_per_block": 4, "num_cpu_chunks": 6, "world_size": 2, "stall_timeout_ms": 100000, "stall_scan_interval_ms": 1000}}"#,
