@@ -162,6 +162,12 @@ impl Rec {
         self.s.confirm_cancelled(job)
     }
 
+    /// Drains the host tier's events (a serving backend does it every step).
+    pub fn take_events(&mut self) -> Vec<kvoffload::manager::OffloadEvent> {
+        self.rec(json!({"op": "events"}));
+        self.s.take_events()
+    }
+
     /// Records a `state` line (no effect; shows the counts when replayed).
     pub fn state_line(&mut self) {
         self.rec(json!({"op": "state"}));
