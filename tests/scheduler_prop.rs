@@ -2,13 +2,203 @@
 //! preemption, finish and abort, partial worker reports, stalls, resets,
 //! cancellations, block reuse) drives the scheduler; every invariant holds after
 //! every hook, no report is ever rejected, and everything drains at the end.
+//!
+//! Besides the scheduler's own `check_invariants`, a witness that sees only
+//! what a worker sees (the plans, the reports it sends, the scans' stalls)
+//! checks the properties that keep bytes safe, without reading the
+//! scheduler's state:
+//! - a host slot is written by one store at a time and never while a load
+//!   reads it, nor while a stalled job may still touch it (until its late
+//!   reports, or its cancellation, end it);
+//! - a load reads a slot only for the key the last store there wrote, after
+//!   that store's every report came back successful, and not across a reset;
+//! - a GPU block handed to a new owner while a store that may still come back
+//!   successful reads it puts that store in the same step's flush (a stalled
+//!   store, or one dropped by a reset, can never make its bytes readable);
+//! - every job in flight at a reset is in the next step's flush.
 
 mod common;
 
+use std::collections::{BTreeMap, BTreeSet};
+
 use common::*;
-use kvoffload::scheduler::{LookupOutcome, ScheduledRequest, StepInput, WorkerReport};
-use kvoffload::{BlockHash, GpuBlockId, JobId, RequestId};
+use kvoffload::scheduler::{
+    JobKind, LookupOutcome, ScheduledRequest, StepInput, StepPlan, WorkerReport,
+};
+use kvoffload::{BlockHash, ChunkId, ChunkKey, GpuBlockId, JobId, RequestId};
 use proptest::prelude::*;
+
+/// A job as the workers know it.
+#[derive(Debug, Clone)]
+struct Claim {
+    kind: JobKind,
+    slots: Vec<(ChunkId, ChunkKey)>,
+    blocks: Vec<GpuBlockId>,
+    reports: u32,
+    failed: bool,
+    stalled: bool,
+    /// A flush made the worker finish it (its GPU blocks are free again).
+    flushed: bool,
+    /// In flight at a reset: its completion stores nothing.
+    dropped: bool,
+    /// Every report arrived, or its cancellation was confirmed.
+    done: bool,
+}
+
+/// The byte-safety witness (see the module docs).
+#[derive(Debug, Default)]
+struct Witness {
+    world: u32,
+    jobs: BTreeMap<JobId, Claim>,
+    /// What each host slot holds: the key its last store wrote, and whether
+    /// that store came back successful (readable).
+    slot: BTreeMap<ChunkId, (ChunkKey, bool)>,
+    /// Jobs a reset promised to flush in the next step.
+    must_flush: BTreeSet<JobId>,
+}
+
+impl Witness {
+    /// Jobs that may still touch host slot `c`.
+    fn slot_busy(&self, c: ChunkId) -> Option<JobId> {
+        self.jobs
+            .iter()
+            .find(|(_, j)| {
+                !j.done && (j.stalled || !j.flushed) && j.slots.iter().any(|&(s, _)| s == c)
+            })
+            .map(|(&id, _)| id)
+    }
+
+    /// The step's plan, given the GPU blocks handed to a new owner this step.
+    fn on_plan(&mut self, reused: &[GpuBlockId], plan: &StepPlan) {
+        for j in std::mem::take(&mut self.must_flush) {
+            assert!(
+                plan.flush.contains(&j),
+                "{j} was in flight at the reset, not flushed"
+            );
+        }
+        // A store whose output can still become readable (not stalled, not
+        // dropped by a reset) must read its GPU blocks before they change hands.
+        for (&id, j) in &self.jobs {
+            if j.kind == JobKind::Store && !j.done && !j.flushed && !j.stalled && !j.dropped {
+                for b in reused {
+                    assert!(
+                        !j.blocks.contains(b) || plan.flush.contains(&id),
+                        "block {b:?} handed over while store {id} reads it, and not flushed"
+                    );
+                }
+            }
+        }
+        for f in &plan.flush {
+            if let Some(j) = self.jobs.get_mut(f) {
+                j.flushed = true;
+            }
+        }
+        for t in &plan.stores {
+            for (&c, &k) in t.chunk_ids.iter().zip(t.keys.iter()) {
+                assert_eq!(
+                    self.slot_busy(c),
+                    None,
+                    "store {} writes slot {c} while busy",
+                    t.job
+                );
+                self.slot.insert(c, (k, false));
+            }
+            self.add(JobKind::Store, t);
+        }
+        for t in &plan.loads {
+            for (&c, &k) in t.chunk_ids.iter().zip(t.keys.iter()) {
+                assert_eq!(
+                    self.slot.get(&c),
+                    Some(&(k, true)),
+                    "load {} reads slot {c} for {k:?}",
+                    t.job
+                );
+                if let Some(busy) = self.slot_busy(c) {
+                    let j = &self.jobs[&busy];
+                    assert_eq!(
+                        j.kind,
+                        JobKind::Load,
+                        "load {} reads slot {c} being written",
+                        t.job
+                    );
+                }
+            }
+            self.add(JobKind::Load, t);
+        }
+    }
+
+    fn add(&mut self, kind: JobKind, t: &kvoffload::scheduler::TransferJob) {
+        self.jobs.insert(
+            t.job,
+            Claim {
+                kind,
+                slots: t
+                    .chunk_ids
+                    .iter()
+                    .copied()
+                    .zip(t.keys.iter().copied())
+                    .collect(),
+                blocks: t.block_ids.to_vec(),
+                reports: 0,
+                failed: false,
+                stalled: false,
+                flushed: false,
+                dropped: false,
+                done: false,
+            },
+        );
+    }
+
+    fn on_report(&mut self, job: JobId, n: u32, failed: bool) {
+        let world = self.world;
+        let Some(j) = self.jobs.get_mut(&job) else {
+            return;
+        };
+        j.reports += n;
+        j.failed |= failed;
+        if j.reports < world || j.done {
+            return;
+        }
+        j.done = true;
+        if j.kind == JobKind::Store && !j.failed && !j.stalled && !j.dropped {
+            for &(c, k) in &j.slots.clone() {
+                if let Some(entry) = self.slot.get_mut(&c)
+                    && entry.0 == k
+                {
+                    entry.1 = true;
+                }
+            }
+        }
+    }
+
+    fn on_stalled(&mut self, stalled: &[JobId]) {
+        for j in stalled {
+            let c = self.jobs.get_mut(j).expect("a stalled job was planned");
+            assert!(!c.done, "{j} stalled after it ended");
+            c.stalled = true;
+        }
+    }
+
+    fn on_cancelled(&mut self, job: JobId) {
+        if let Some(j) = self.jobs.get_mut(&job) {
+            j.done = true;
+        }
+    }
+
+    fn on_reset(&mut self) {
+        for (&id, j) in self.jobs.iter_mut() {
+            // Live jobs (not those an earlier reset dropped already).
+            if !j.done && !j.stalled && !j.dropped {
+                j.dropped = true;
+                self.must_flush.insert(id);
+            }
+        }
+        // The tier is empty: nothing written before the reset is readable.
+        for v in self.slot.values_mut() {
+            v.1 = false;
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -72,6 +262,9 @@ struct MReq {
 
 struct Model {
     h: H,
+    witness: Witness,
+    /// GPU blocks handed out again this step (popped from the free list).
+    reused: Vec<GpuBlockId>,
     world: u32,
     tpb: u64,
     reqs: Vec<MReq>,
@@ -90,10 +283,12 @@ fn hash(m: &MReq, i: u64) -> BlockHash {
 
 impl Model {
     fn block(&mut self) -> GpuBlockId {
-        self.free_blocks.pop().unwrap_or_else(|| {
-            self.next_block += 1;
-            GpuBlockId(self.next_block)
-        })
+        if let Some(b) = self.free_blocks.pop() {
+            self.reused.push(b);
+            return b;
+        }
+        self.next_block += 1;
+        GpuBlockId(self.next_block)
     }
 
     fn blocks_for(&mut self, tokens: u64) -> Vec<GpuBlockId> {
@@ -214,6 +409,8 @@ impl Model {
             m.full = false;
         }
         let plan = self.h.step(input);
+        let reused = std::mem::take(&mut self.reused);
+        self.witness.on_plan(&reused, &plan);
         for s in &plan.stores {
             self.inflight.push((s.job, self.world));
         }
@@ -229,6 +426,11 @@ fn run(ops: Vec<Op>, world: u32, chunks: u64) {
     });
     let mut m = Model {
         h,
+        witness: Witness {
+            world,
+            ..Witness::default()
+        },
+        reused: Vec::new(),
         world,
         tpb: 4,
         reqs: Vec::new(),
@@ -275,6 +477,7 @@ fn run(ops: Vec<Op>, world: u32, chunks: u64) {
                 });
                 assert!(out.rejected.is_empty(), "{:?}", out.rejected);
                 m.h.check();
+                m.witness.on_report(job, n, fail);
                 if n == left {
                     m.inflight.remove(k);
                 } else {
@@ -286,11 +489,13 @@ fn run(ops: Vec<Op>, world: u32, chunks: u64) {
             Op::Scan => {
                 let out = m.h.s.scan_now();
                 m.h.check();
+                m.witness.on_stalled(&out.stalled);
                 m.on_loads(&[], &out.failed_loads);
             }
             Op::Reset => {
                 m.h.s.reset().unwrap();
                 m.h.check();
+                m.witness.on_reset();
                 for r in &mut m.reqs {
                     // Surviving requests restart their block lists at their next step.
                     if r.st == St::Running {
@@ -304,10 +509,15 @@ fn run(ops: Vec<Op>, world: u32, chunks: u64) {
                 }
                 let k = pick as usize % m.inflight.len();
                 let job = m.inflight[k].0;
-                if m.h.s.is_job_stalled(job) {
+                if m.witness
+                    .jobs
+                    .get(&job)
+                    .is_some_and(|j| j.stalled && !j.done)
+                {
                     m.h.s.confirm_cancelled(job).unwrap();
                     m.inflight.remove(k);
                     m.h.check();
+                    m.witness.on_cancelled(job);
                 }
             }
         }
