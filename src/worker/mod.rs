@@ -6,7 +6,8 @@
 //! - [`backend`]: the [`TransferBackend`] trait;
 //! - [`host_backend`]: memcpy on threads, the reference and no-GPU default;
 //! - [`cuda`]: DMA, custom kernels and CUDA graphs (needs a driver at run time);
-//! - [`worker_hooks`]: [`OffloadWorker`], driven by a [`StepPlan`] each step.
+//! - [`worker_hooks`]: [`OffloadWorker`], driven by a [`StepPlan`] each step;
+//! - [`plan_wire`]: the step plan as compact bytes, for workers in other processes.
 
 pub mod backend;
 pub mod cuda;
@@ -18,6 +19,7 @@ pub mod host_backend;
 pub mod host_buffer;
 pub mod layout;
 pub mod plan;
+pub mod plan_wire;
 pub mod worker_hooks;
 
 pub use backend::{Direction, TransferBackend, TransferResult};
@@ -31,4 +33,5 @@ pub use layout::{
     GpuLayout, GpuLayoutKind, GpuRegion, HostRowLayout, SlotLayout, TransferSpec, WorkerLayout,
 };
 pub use plan::{DirectionStats, LoadJob, StepPlan, StoreJob, TransferStats, WorkerReport};
+pub use plan_wire::{PlanWireError, decode_plan, encode_plan};
 pub use worker_hooks::{OffloadWorker, WorkerError};

@@ -1,0 +1,193 @@
+"""The connector's configuration: vLLM's OffloadingConnector extra-config
+keys (same names, same meanings), plus kvoffload's stall keys, turned into the
+engine configuration the Rust library validates.
+
+An unknown key, or a value of the wrong type or range, raises ``ValueError``
+naming the key, so a typo stops vLLM at startup instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Host chunks are aligned to the host page, as vLLM's CPU offloading aligns
+# them (SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT is mmap.PAGESIZE).
+try:
+    import mmap
+
+    HOST_PAGE = mmap.PAGESIZE
+except Exception:  # pragma: no cover - every supported platform has mmap
+    HOST_PAGE = 4096
+
+#: Keys of ``kv_connector_extra_config`` this connector takes, with their meaning.
+KEYS: dict[str, str] = {
+    "cpu_bytes_to_use": "bytes of host memory for the offloaded KV cache, all workers together (vLLM's key; required unless num_cpu_chunks is given)",
+    "num_cpu_chunks": "host chunks, instead of cpu_bytes_to_use",
+    "block_size": "tokens per offloaded chunk, a multiple of the GPU block size (vLLM's key)",
+    "blocks_per_chunk": "GPU blocks per offloaded chunk (vLLM's key; excludes block_size)",
+    "eviction_policy": '"lru" (default) or "arc" (vLLM\'s key)',
+    "store_threshold": "offers a chunk needs before it is stored; < 2 stores at once (vLLM's key)",
+    "max_tracker_size": "entries the reuse filter tracks (vLLM's key, default 64000)",
+    "offload_prompt_only": "store only prompt tokens (vLLM's key, default true)",
+    "stall_timeout_s": "seconds after which a transfer job is declared stalled (kvoffload; default 300)",
+    "stall_scan_interval_s": "seconds between the stall watchdog's scans (kvoffload; default 10)",
+    "spec_name": 'accepted for compatibility only as "CPUOffloadingSpec"',
+}
+
+
+def _int(extra: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int | None:
+    v = extra.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(f"kv_connector_extra_config: {key} = {v!r} is not an integer")
+    try:
+        f = float(v)
+    except ValueError:
+        raise ValueError(f"kv_connector_extra_config: {key} = {v!r} is not an integer") from None
+    if not math.isfinite(f) or f != int(f):
+        raise ValueError(f"kv_connector_extra_config: {key} = {v!r} is not an integer")
+    n = int(f)
+    if n < lo or (hi is not None and n > hi):
+        allowed = f"{lo}.." + ("" if hi is None else f"={hi}")
+        raise ValueError(f"kv_connector_extra_config: {key} = {v!r} is out of range: allowed {allowed}")
+    return n
+
+
+def _seconds(extra: dict[str, Any], key: str) -> int | None:
+    v = extra.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"kv_connector_extra_config: {key} = {v!r} must be a positive number of seconds")
+    return max(1, round(v * 1000))
+
+
+def _bool(extra: dict[str, Any], key: str, default: bool) -> bool:
+    v = extra.get(key, default)
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    raise ValueError(f"kv_connector_extra_config: {key} = {v!r} is not a boolean")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's configuration for one vLLM deployment."""
+
+    tokens_per_block: int
+    blocks_per_chunk: int
+    num_cpu_chunks: int
+    world_size: int
+    eviction_policy: str
+    store_threshold: int
+    max_tracker_size: int
+    offload_prompt_only: bool
+    stall_timeout_ms: int | None
+    stall_scan_interval_ms: int | None
+    #: Bytes of one chunk on one worker (all its layers), unaligned.
+    worker_chunk_bytes: int
+
+    def to_json(self) -> str:
+        """The configuration in the Rust library's keys."""
+        d: dict[str, Any] = {
+            "tokens_per_block": self.tokens_per_block,
+            "blocks_per_chunk": self.blocks_per_chunk,
+            "num_cpu_chunks": self.num_cpu_chunks,
+            "world_size": self.world_size,
+            "eviction_policy": self.eviction_policy,
+            "store_threshold": self.store_threshold,
+            "max_tracker_size": self.max_tracker_size,
+            "offload_prompt_only": self.offload_prompt_only,
+        }
+        if self.stall_timeout_ms is not None:
+            d["stall_timeout_ms"] = self.stall_timeout_ms
+        if self.stall_scan_interval_ms is not None:
+            d["stall_scan_interval_ms"] = self.stall_scan_interval_ms
+        return json.dumps(d)
+
+    @staticmethod
+    def from_extra(
+        extra: dict[str, Any],
+        *,
+        tokens_per_block: int,
+        world_size: int,
+        worker_bytes_per_block: int,
+    ) -> "EngineConfig":
+        """From ``kv_connector_extra_config`` and what vLLM knows of the engine:
+        the GPU block size in tokens, the workers, and one worker's KV bytes per
+        GPU block (all its layers)."""
+        unknown = sorted(set(extra) - set(KEYS))
+        if unknown:
+            allowed = ", ".join(sorted(KEYS))
+            raise ValueError(
+                f"kv_connector_extra_config: unknown key {unknown[0]!r} (allowed: {allowed})"
+            )
+        spec = extra.get("spec_name", "CPUOffloadingSpec")
+        if spec != "CPUOffloadingSpec":
+            raise ValueError(
+                f"kv_connector_extra_config: spec_name = {spec!r} is not supported: "
+                "kvoffload is its own offloading engine (leave spec_name out)"
+            )
+        if "block_size" in extra and "blocks_per_chunk" in extra:
+            raise ValueError(
+                "kv_connector_extra_config: specify only one of 'block_size' or 'blocks_per_chunk'"
+            )
+        bpc = _int(extra, "blocks_per_chunk", 1, 1 << 20)
+        chunk_tokens = _int(extra, "block_size", 1)
+        if chunk_tokens is not None:
+            if chunk_tokens % tokens_per_block:
+                up = -(-chunk_tokens // tokens_per_block) * tokens_per_block
+                raise ValueError(
+                    f"kv_connector_extra_config: block_size = {chunk_tokens} must be a multiple "
+                    f"of the GPU KV cache block size ({tokens_per_block} tokens); use {up}, or "
+                    "set blocks_per_chunk"
+                )
+            bpc = chunk_tokens // tokens_per_block
+        bpc = bpc or 1
+        policy = extra.get("eviction_policy", "lru")
+        if policy not in ("lru", "arc"):
+            raise ValueError(
+                f'kv_connector_extra_config: eviction_policy = {policy!r} is not allowed: allowed "lru", "arc"'
+            )
+        worker_chunk_bytes = worker_bytes_per_block * bpc
+        chunks = _int(extra, "num_cpu_chunks", 1, (1 << 32) - 2)
+        cpu_bytes = _int(extra, "cpu_bytes_to_use", 1)
+        if chunks is not None and cpu_bytes is not None:
+            raise ValueError(
+                "kv_connector_extra_config: specify only one of 'cpu_bytes_to_use' or 'num_cpu_chunks'"
+            )
+        if chunks is None:
+            if cpu_bytes is None:
+                raise ValueError("kv_connector_extra_config: cpu_bytes_to_use must be specified")
+            # As vLLM's CPU offloading: a chunk holds every worker's part,
+            # aligned to the host page.
+            per_chunk = -(-worker_chunk_bytes * world_size // HOST_PAGE) * HOST_PAGE
+            chunks = cpu_bytes // max(per_chunk, 1)
+            if chunks < 1:
+                raise ValueError(
+                    f"kv_connector_extra_config: cpu_bytes_to_use = {cpu_bytes} holds no chunk "
+                    f"(one chunk takes {per_chunk} bytes)"
+                )
+        threshold = _int(extra, "store_threshold", 0, 1 << 31) or 0
+        if threshold < 2:
+            # vLLM: "a threshold of 1 equals no filter".
+            threshold = 0
+        tracker = _int(extra, "max_tracker_size", 1, 1 << 40)
+        return EngineConfig(
+            tokens_per_block=tokens_per_block,
+            blocks_per_chunk=bpc,
+            num_cpu_chunks=chunks,
+            world_size=world_size,
+            eviction_policy=policy,
+            store_threshold=threshold,
+            max_tracker_size=tracker if tracker is not None else 64_000,
+            offload_prompt_only=_bool(extra, "offload_prompt_only", True),
+            stall_timeout_ms=_seconds(extra, "stall_timeout_s"),
+            stall_scan_interval_ms=_seconds(extra, "stall_scan_interval_s"),
+            worker_chunk_bytes=worker_chunk_bytes,
+        )

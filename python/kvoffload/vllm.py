@@ -1,0 +1,521 @@
+"""kvoffload as a vLLM 0.33 KV connector.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KvOffloadConnector",
+                           "kv_connector_module_path": "kvoffload.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"cpu_bytes_to_use": 8000000000}}'
+
+The scheduler role delegates every hook to kvoffload's Rust scheduler
+(``SchedulerCore``); the worker role maps vLLM's KV cache tensors onto
+kvoffload's layouts and runs its data plane (``HostWorkerCore`` for CPU
+tensors). This module only translates vLLM's objects: no offload decision is
+made here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+    OffloadPromMetrics,
+)
+from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import AttentionSpec, group_kernel_blocks
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
+
+from kvoffload._native import HostWorkerCore, SchedulerCore
+from kvoffload.config import EngineConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+__all__ = ["KvOffloadConnector", "KvOffloadMetadata", "KvOffloadWorkerMetadata"]
+
+
+@dataclass
+class KvOffloadMetadata(KVConnectorMetadata):
+    """What the scheduler sends every worker for one step."""
+
+    #: The workers' plan (loads, stores, flushes) as kvoffload's compact bytes.
+    plan: bytes
+    #: The request of every load job in the plan, ``{job: request id}``.
+    load_requests: dict[int, str]
+    #: Requests whose load failed or stalled: their blocks must be recomputed.
+    failed_loads: list[str]
+
+
+@dataclass
+class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
+    """What a worker reports after a step; vLLM sums it over workers."""
+
+    completed: dict[int, int] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)
+    #: ``{"load"|"store": [bytes, seconds, [sizes]]}``.
+    stats: dict[str, list[Any]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvOffloadWorkerMetadata)
+        completed = dict(self.completed)
+        for job, n in other.completed.items():
+            completed[job] = completed.get(job, 0) + n
+        stats: dict[str, list[Any]] = {k: [v[0], v[1], list(v[2])] for k, v in self.stats.items()}
+        for k, (b, t, sizes) in other.stats.items():
+            mine = stats.setdefault(k, [0, 0.0, []])
+            mine[0] += b
+            mine[1] += t
+            mine[2].extend(sizes)
+        return KvOffloadWorkerMetadata(completed, self.failed | other.failed, stats)
+
+
+def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
+    """The engine configuration from vLLM's: one full-attention KV group."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+        raise ValueError(
+            "KvOffloadConnector supports models with one full-attention KV cache group "
+            f"(this model has {len(groups)} groups)"
+        )
+    spec = groups[0].kv_cache_spec
+    num_blocks = kv_cache_config.num_blocks
+    if kv_cache_config.kv_cache_tensors and num_blocks > 0:
+        # As vLLM's offloading: every KVCacheTensor describes placement in the
+        # same backing allocation, so the first one's size is the total.
+        per_block = kv_cache_config.kv_cache_tensors[0].size // num_blocks
+    else:
+        per_block = spec.page_size_bytes * len(groups[0].layer_names)
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    return EngineConfig.from_extra(
+        extra,
+        tokens_per_block=spec.block_size,
+        world_size=vllm_config.parallel_config.world_size,
+        worker_bytes_per_block=per_block,
+    )
+
+
+class _SchedulerSide:
+    """The scheduler role: vLLM's objects in, kvoffload's scheduler calls out."""
+
+    def __init__(self, cfg: EngineConfig, vllm_config: VllmConfig):
+        self.cfg = cfg
+        self.core = SchedulerCore(cfg.to_json())
+        self.requests: dict[str, Request] = {}
+        # Per request: tokens and block hashes already given to the engine.
+        self.sent: dict[str, tuple[int, int]] = {}
+        # kvoffload key -> vLLM block hash, for the KV events.
+        self.hashes: dict[int, bytes] = {}
+        self.stats = OffloadingConnectorStats()
+        self.block_size = cfg.tokens_per_block * cfg.blocks_per_chunk
+
+    def _key(self, h: Any) -> bytes:
+        b = bytes(h)
+        from kvoffload._native import chunk_key
+
+        self.hashes.setdefault(chunk_key(b), b)
+        return b
+
+    def _sync(self) -> None:
+        """Every tracked request's new tokens and full-block hashes."""
+        for rid, req in self.requests.items():
+            n_tok, n_h = req.num_tokens, len(req.block_hashes)
+            sent = self.sent[rid]
+            if (n_tok, n_h) == sent:
+                continue
+            new = [self._key(h) for h in req.block_hashes[sent[1] :]]
+            self.core.update_request(rid, n_tok, new)
+            self.sent[rid] = (n_tok, n_h)
+
+    def on_new_request(self, request: Request) -> None:
+        self._sync()
+        rid = request.request_id
+        self.requests[rid] = request
+        self.sent[rid] = (request.num_tokens, len(request.block_hashes))
+        self.core.add_request(
+            rid, request.num_prompt_tokens, [self._key(h) for h in request.block_hashes]
+        )
+        if request.num_tokens != request.num_prompt_tokens:
+            self.core.update_request(rid, request.num_tokens, [])
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self._sync()
+        if request.request_id not in self.requests:
+            self.on_new_request(request)
+        hit = self.core.lookup(request.request_id, num_computed_tokens)
+        if hit is None:
+            return None, False
+        return hit, hit > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sync()
+        block_ids = [int(b) for b in blocks.get_block_ids()[0]]
+        self.core.on_alloc(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, so: SchedulerOutput) -> KvOffloadMetadata:
+        self._sync()
+        # A stall scan if one is due (the watchdog thread scans on its own;
+        # this covers a scheduler without the thread).
+        self.core.scan_if_due()
+        blocks: dict[str, tuple[list[int], bool]] = {}
+        for rid, groups, full in yield_req_data(so):
+            blocks[rid] = ([int(b) for b in groups[0]] if groups else [], full)
+        scheduled = []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            ids, full = blocks.get(rid, ([], False))
+            scheduled.append((rid, ids, int(req.num_computed_tokens), int(n), bool(full)))
+        preempted = sorted(r for r in (so.preempted_req_ids or ()) if r in self.requests)
+        finished = [r for r in (so.finished_req_ids or ()) if r in self.requests]
+        plan, load_requests, failed = self.core.build_step(scheduled, preempted, finished)
+        for rid in finished:
+            self.requests.pop(rid, None)
+            self.sent.pop(rid, None)
+        self.core.prune_names()
+        return KvOffloadMetadata(plan=bytes(plan), load_requests=load_requests, failed_loads=failed)
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        self._sync()
+        meta = out.kv_connector_worker_meta
+        if not isinstance(meta, KvOffloadWorkerMetadata):
+            return
+        if meta.completed:
+            _, _, rejected = self.core.on_worker_output(meta.completed, sorted(meta.failed))
+            for r in rejected:
+                logger.warning("kvoffload: rejected worker report %s", r)
+        for name, (b, t, sizes) in meta.stats.items():
+            self.stats.increase_counter(f"{name}_bytes", b)
+            self.stats.increase_counter(f"{name}_time", t)
+            for s in sizes:
+                self.stats.observe_histogram(f"{name}_size", s)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._sync()
+        rid = request.request_id
+        if rid not in self.requests:
+            return False, None
+        aborted = request.status == RequestStatus.FINISHED_ABORTED
+        self.core.request_finished(
+            rid, [int(b) for b in block_ids], aborted, int(request.num_computed_tokens)
+        )
+        return False, None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        for removed, metadata_only, keys in self.core.take_events():
+            if metadata_only:
+                # A failed store's cleanup: its blocks were never announced.
+                continue
+            hashes = [self.hashes.get(k, k.to_bytes(8, "little")) for k in keys]
+            if removed:
+                for k in keys:
+                    self.hashes.pop(k, None)
+                yield BlockRemoved(block_hashes=hashes, medium="CPU")
+            else:
+                yield BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=None,
+                    token_ids=[],
+                    block_size=self.block_size,
+                    lora_id=None,
+                    medium="CPU",
+                    lora_name=None,
+                )
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        m = self.core.metrics()
+        self.stats.set_gauge("cpu_cache_usage_perc", m["usage"])
+        self.stats.set_gauge("cpu_cache_write_usage_perc", m["write_usage"])
+        self.stats.set_gauge("cpu_cache_read_usage_perc", m["read_usage"])
+        out, self.stats = self.stats, OffloadingConnectorStats()
+        return out if not out.is_empty() else None
+
+
+class _WorkerSide:
+    """The worker role: vLLM's KV tensors mapped onto kvoffload's layouts."""
+
+    def __init__(self, cfg: EngineConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
+        self.cfg = cfg
+        self.kv_cache_config = kv_cache_config
+        self.core: HostWorkerCore | None = None
+        self.tensors: list[torch.Tensor] = []
+        self.meta = KvOffloadWorkerMetadata()
+        # Load jobs started, with their request; whether the request was reported.
+        self.loads: dict[int, str] = {}
+        self.loads_of: dict[str, int] = {}
+        self.finished_recving: set[str] = set()
+        self.failed_recving: set[str] = set()
+        # Loads the scheduler declared failed or stalled, still in flight.
+        self.abandoned: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self.kv_cache_config.num_blocks
+        group = self.kv_cache_config.kv_cache_groups[0]
+        page = group.kv_cache_spec.page_size_bytes
+        regions = []
+        device = None
+        for name in group.layer_names:
+            t = group_kernel_blocks(kv_caches[name], num_blocks)
+            device = t.device
+            stride = t.stride(0) * t.element_size()
+            base = t.data_ptr()
+            regions.append((base, stride, page))
+            self.tensors.append(t)
+        if device is not None and device.type != "cpu":
+            raise NotImplementedError(
+                "kvoffload.vllm: KV caches on CUDA need the CUDA worker, which this build "
+                "of the Python binding does not wire yet (CPU tensors are supported)"
+            )
+        self.core = HostWorkerCore(
+            regions, num_blocks, self.cfg.blocks_per_chunk, self.cfg.num_cpu_chunks, False
+        )
+        logger.info(
+            "kvoffload: %d KV tensors, %d blocks, host pool of %d chunks (%d bytes)",
+            len(regions),
+            num_blocks,
+            self.cfg.num_cpu_chunks,
+            self.core.pool_bytes,
+        )
+
+    def bind(self, meta: KvOffloadMetadata) -> None:
+        assert self.core is not None, "register_kv_caches first"
+        self.core.bind(meta.plan)
+        for job, req in meta.load_requests.items():
+            self.loads[job] = req
+            self.loads_of[req] = job
+        # Loads the scheduler gave up on (stalled): once the transfer can no
+        # longer write the request's GPU blocks, vLLM is told the load failed
+        # (finished and failed: it recomputes those tokens). A transfer that
+        # has not started is cancelled now and reported as failed (the
+        # scheduler's late report); one that is under way is reported when it
+        # ends, so no late write can land in blocks vLLM recomputes or reuses.
+        for req in meta.failed_loads:
+            job = self.loads_of.get(req)
+            if job is None:
+                continue
+            self.abandoned.add(job)
+            if self.core.cancel(job):
+                self._end_load(job, failed=True)
+                self.meta.completed[job] = self.meta.completed.get(job, 0) + 1
+                self.meta.failed.add(job)
+
+    def _end_load(self, job: int, failed: bool) -> None:
+        req = self.loads.pop(job, None)
+        if req is None:
+            return
+        self.loads_of.pop(req, None)
+        self.finished_recving.add(req)
+        if failed or job in self.abandoned:
+            self.failed_recving.add(req)
+        self.abandoned.discard(job)
+
+    def handle_preemptions(self, meta: KvOffloadMetadata) -> None:
+        self.bind(meta)
+        assert self.core is not None
+        self.core.handle_preemptions()
+
+    def start_load_kv(self) -> None:
+        assert self.core is not None
+        self.core.start_transfers()
+
+    def wait_for_save(self) -> None:
+        assert self.core is not None
+        self.core.queue_stores()
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        assert self.core is not None
+        completed, failed, stats = self.core.get_finished()
+        for job, n in completed.items():
+            self.meta.completed[job] = self.meta.completed.get(job, 0) + n
+            if job in self.loads:
+                self._end_load(job, failed=job in failed)
+        self.meta.failed.update(failed)
+        for name, (b, t, sizes) in stats.items():
+            if b or sizes:
+                mine = self.meta.stats.setdefault(name, [0, 0.0, []])
+                mine[0] += b
+                mine[1] += t
+                mine[2].extend(sizes)
+        recv, self.finished_recving = self.finished_recving, set()
+        return set(), recv
+
+    def take_failed_recving(self) -> set[str]:
+        out, self.failed_recving = self.failed_recving, set()
+        return out
+
+    def build_connector_worker_meta(self) -> KvOffloadWorkerMetadata | None:
+        if not self.meta.completed and not self.meta.stats:
+            return None
+        out, self.meta = self.meta, KvOffloadWorkerMetadata()
+        return out
+
+
+class KvOffloadConnector(KVConnectorBase_V1):
+    """vLLM's KV connector interface, served by kvoffload."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = _engine_config(vllm_config, kv_cache_config)
+        self.engine_config = cfg
+        self._scheduler: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(cfg, vllm_config)
+        else:
+            self._worker = _WorkerSide(cfg, vllm_config, kv_cache_config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped store is a later miss.
+        return False
+
+    # ---------------------------------------------------------------- worker
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self._worker is not None and isinstance(kv_connector_metadata, KvOffloadMetadata)
+        self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        sending, recving = self._worker.get_finished()
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished loads, and the loads that failed or stalled (those are in
+        both sets: vLLM then recomputes their tokens)."""
+        assert self._worker is not None
+        _, recving = self._worker.get_finished()
+        return KVConnectorTransferResults(
+            finished_recving=recving, failed_recving=self._worker.take_failed_recving()
+        )
+
+    def build_connector_worker_meta(self) -> KvOffloadWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        return self._worker.build_connector_worker_meta()
+
+    # ------------------------------------------------------------- scheduler
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        assert self._scheduler is not None
+        return list(self._scheduler.take_events())
+
+    def reset_cache(self) -> bool | None:
+        assert self._scheduler is not None
+        self._scheduler.core.reset()
+        return True
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.core.has_pending_work()
+
+    def get_kv_connector_stats(self) -> OffloadingConnectorStats | None:
+        if self._scheduler is None:
+            return None
+        return self._scheduler.get_stats()
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # Blocks first in every layer's tensor, as vLLM's own offloading needs.
+        return "LBHNC"
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> OffloadingConnectorStats:
+        return OffloadingConnectorStats(data=data) if data is not None else OffloadingConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # -------------------------------------------------------------- testing
+    def scheduler_state(self) -> dict[str, Any]:
+        """The engine's state (jobs, requests, stalled jobs, quarantined and
+        pinned chunks, invariants): for tests and leak checks."""
+        assert self._scheduler is not None
+        return self._scheduler.core.state()

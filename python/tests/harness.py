@@ -1,0 +1,316 @@
+"""An engine loop for the connector tests: vLLM's real core ``Scheduler`` (or
+``AsyncScheduler``) with a KV connector loaded by module path, ``world_size``
+worker-role connectors in this process over CPU tensors as their KV caches,
+and a fake model runner that writes deterministic KV bytes for every token it
+computes (a function of the token, its position and the layer), so a test can
+check that KV restored from the host tier equals what was computed.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
+from vllm.forward_context import ForwardContext  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+MODEL = "facebook/opt-125m"
+EOS = 2
+HEADS = 2
+HEAD_SIZE = 4
+
+
+def kv_value(token: int, position: int, layer: int) -> float:
+    """The KV value the fake model writes for a token (exact in float32)."""
+    return float((token * 7919 + position * 104729 + layer * 1299709) % (1 << 20)) / 16.0
+
+
+@dataclass
+class Engine:
+    """vLLM's scheduler, its connector, the workers and a fake model."""
+
+    scheduler: Any
+    workers: list[Any]
+    caches: list[dict[str, torch.Tensor]]
+    layers: list[str]
+    tpb: int
+    async_scheduling: bool
+    aggregator: KVOutputAggregator
+    hasher: Any
+    next_id: int = 0
+    pending: tuple[Any, Any] | None = None
+    #: Requests that were restored from the host tier (a load finished).
+    loaded: set[str] = field(default_factory=set)
+    #: Requests whose load failed or stalled (reported to vLLM as failed).
+    failed: set[str] = field(default_factory=set)
+    steps: int = 0
+    #: Called with each worker's metadata before the worker hooks (fault injection).
+    on_worker_meta: Any = None
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    def add(self, tokens: list[int], max_tokens: int = 4, req_id: str | None = None) -> str:
+        rid = req_id or f"r{self.next_id}"
+        self.next_id += 1
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp.update_from_generation_config({}, EOS)
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=list(tokens),
+            sampling_params=sp,
+            pooling_params=None,
+            mm_features=None,
+            block_hasher=self.hasher,
+        )
+        self.scheduler.add_request(req)
+        return rid
+
+    @staticmethod
+    def token_at(req: Request, p: int) -> int:
+        """The token at position `p`: the prompt's, then what the fake model
+        samples there (a function of the request and the position, never EOS,
+        so the model knows it before the scheduler has recorded it, as a real
+        model does under async scheduling)."""
+        prompt = req.prompt_token_ids
+        if p < len(prompt):
+            return prompt[p]
+        return 10 + (hash((prompt[0], len(prompt), p)) % 1000)
+
+    def _token(self, req: Request) -> int:
+        # Sampled after computing up to num_computed_tokens: the next position's.
+        return self.token_at(req, req.num_computed_tokens)
+
+    def _compute(self, so: Any) -> None:
+        """The fake model: writes the KV of every scheduled token."""
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            table = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            # schedule() has already counted this step's tokens as computed.
+            start = req.num_computed_tokens - n
+            for p in range(start, start + n):
+                block, slot = table[p // self.tpb], p % self.tpb
+                t = self.token_at(req, p)
+                for w in range(len(self.workers)):
+                    for li, name in enumerate(self.layers):
+                        v = kv_value(t, p, li) + w
+                        self.caches[w][name][block, :, slot] = v
+
+    def check_kv(self, rid: str) -> int:
+        """Compares the KV of every computed token of a request with what the
+        model computes for it; returns the tokens checked."""
+        req = self.scheduler.requests[rid]
+        table = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+        n = req.num_computed_tokens
+        for p in range(n):
+            block, slot = table[p // self.tpb], p % self.tpb
+            t = self.token_at(req, p)
+            for w in range(len(self.workers)):
+                for li, name in enumerate(self.layers):
+                    got = self.caches[w][name][block, :, slot]
+                    want = kv_value(t, p, li) + w
+                    assert torch.all(got == want), (
+                        f"{rid}: token {p} (block {block}) of layer {name} on worker {w}: "
+                        f"{got.flatten()[:4].tolist()} != {want}"
+                    )
+        return n
+
+    def step(self) -> Any:
+        """One engine step; returns the scheduler output."""
+        self.steps += 1
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        outs = []
+        ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        for w, wc in enumerate(self.workers):
+            m = copy.deepcopy(meta)
+            if self.on_worker_meta is not None:
+                self.on_worker_meta(w, m)
+            wc.handle_preemptions(m)
+            wc.bind_connector_metadata(m)
+            wc.start_load_kv(ctx)
+        self._compute(so)
+        for w, wc in enumerate(self.workers):
+            wc.wait_for_save()
+            res = wc.get_transfer_results(so.finished_req_ids)
+            wmeta = wc.build_connector_worker_meta()
+            wc.clear_connector_metadata()
+            self.loaded |= res.finished_recving - res.failed_recving
+            self.failed |= res.failed_recving
+            outs.append(
+                ModelRunnerOutput(
+                    req_ids=list(so.num_scheduled_tokens),
+                    req_id_to_index={r: i for i, r in enumerate(so.num_scheduled_tokens)},
+                    sampled_token_ids=[
+                        []
+                        if self.scheduler.requests[r].is_prefill_chunk
+                        else [self._token(self.scheduler.requests[r])]
+                        for r in so.num_scheduled_tokens
+                    ],
+                    logprobs=None,
+                    prompt_logprobs_dict={},
+                    pooler_output=None,
+                    kv_connector_output=KVConnectorOutput(
+                        finished_recving=res.finished_recving or None,
+                        failed_recving=res.failed_recving,
+                        kv_connector_worker_meta=wmeta,
+                    ),
+                )
+            )
+        mro = self.aggregator.aggregate(outs)
+        if self.async_scheduling:
+            if self.pending is not None:
+                self.scheduler.update_from_output(*self.pending)
+            self.pending = (so, mro)
+        else:
+            self.scheduler.update_from_output(so, mro)
+        return so
+
+    def flush_async(self) -> None:
+        if self.pending is not None:
+            self.scheduler.update_from_output(*self.pending)
+            self.pending = None
+
+    def run(self, max_steps: int = 500) -> None:
+        """Steps until every request has finished."""
+        for _ in range(max_steps):
+            if self.scheduler.has_requests():
+                self.step()
+            elif self.pending is not None:
+                self.flush_async()
+            else:
+                return
+        raise AssertionError(f"requests still running after {max_steps} steps")
+
+
+def build(
+    *,
+    connector: str = "KvOffloadConnector",
+    module: str | None = "kvoffload.vllm",
+    extra: dict[str, Any] | None = None,
+    tpb: int = 4,
+    num_gpu_blocks: int = 48,
+    world_size: int = 1,
+    async_scheduling: bool = False,
+    num_layers: int = 2,
+    max_num_batched_tokens: int = 256,
+    max_num_seqs: int = 8,
+) -> Engine:
+    """An engine with the connector `connector` (loaded from `module`)."""
+    model_config = ModelConfig(model=MODEL, dtype="float32", seed=42)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=2048,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=async_scheduling,
+    )
+    cache_config = CacheConfig(block_size=tpb, enable_prefix_caching=True)
+    extra = {"num_cpu_chunks": 64, "offload_prompt_only": False} if extra is None else extra
+    kv_transfer = KVTransferConfig(
+        kv_connector=connector,
+        kv_connector_module_path=module,
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+        kv_load_failure_policy="recompute",
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        kv_transfer_config=kv_transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+    vllm_config.parallel_config.world_size = world_size
+    vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
+    spec = FullAttentionSpec(
+        block_size=tpb, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+    )
+    layers = [f"layer{i}" for i in range(num_layers)]
+    page = spec.page_size_bytes
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_gpu_blocks,
+        # One backing allocation, layer-outermost (vLLM's convention: its
+        # size is the total).
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * num_gpu_blocks * num_layers,
+                layers=layers,
+                layer_stride=page * num_gpu_blocks,
+                block_stride=page,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+    )
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    with set_current_vllm_config(vllm_config):
+        scheduler = cls(
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=tpb,
+            hash_block_size=tpb,
+        )
+        workers = []
+        caches = []
+        for _ in range(world_size):
+            wc = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+            cache = {
+                name: torch.zeros(num_gpu_blocks, 2, tpb, HEADS, HEAD_SIZE, dtype=torch.float32)
+                for name in layers
+            }
+            wc.register_kv_caches(cache)
+            workers.append(wc)
+            caches.append(cache)
+    init_none_hash(sha256)
+    return Engine(
+        scheduler=scheduler,
+        workers=workers,
+        caches=caches,
+        layers=layers,
+        tpb=tpb,
+        async_scheduling=async_scheduling,
+        aggregator=KVOutputAggregator(world_size),
+        hasher=get_request_block_hasher(tpb, sha256),
+    )
+
+
+def done_requests(engine: Engine) -> int:
+    return sum(1 for r in engine.scheduler.requests.values() if r.status == RequestStatus.RUNNING)

@@ -1,0 +1,199 @@
+"""kvoffload's vLLM connector driven by vLLM 0.33.0's real core scheduler
+(sync and async), with worker-role connectors over CPU KV tensors and a fake
+model that writes deterministic KV bytes (``harness``)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+import harness
+import kvoffload
+from kvoffload.vllm import KvOffloadConnector
+
+PREFIX = list(range(1000, 1040))  # 40 tokens: 10 blocks of 4
+
+
+def leak_free(e: harness.Engine) -> dict:
+    st = e.connector.scheduler_state()
+    assert st["invariants"] is None, st
+    for k in ("jobs", "requests", "chunks_being_loaded", "fenced_blocks", "stalled_jobs",
+              "quarantined_chunks", "pinned_chunks", "pending_chunks"):
+        assert st[k] == 0, (k, st)
+    assert all(w._worker.core.in_flight() == 0 for w in e.workers), "worker jobs left"
+    return st
+
+
+def run_checked(e: harness.Engine, max_steps: int = 400) -> int:
+    """Steps to the end, checking the KV of every running request after each step."""
+    checked = 0
+    for _ in range(max_steps):
+        if not e.scheduler.has_requests() and e.pending is None:
+            return checked
+        if e.scheduler.has_requests():
+            e.step()
+        else:
+            e.flush_async()
+        for rid, req in e.scheduler.requests.items():
+            if req.status == RequestStatus.RUNNING:
+                checked += e.check_kv(rid)
+    raise AssertionError("requests still running")
+
+
+def evict_gpu_prefix(e: harness.Engine, n: int = 6) -> None:
+    for i in range(n):
+        e.add(list(range(5000 + 100 * i, 5040 + 100 * i)), max_tokens=2)
+    run_checked(e)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_prefix_evicted_from_the_gpu_is_loaded_back_with_the_computed_bytes(async_scheduling, world_size):
+    e = harness.build(
+        num_gpu_blocks=32, world_size=world_size, async_scheduling=async_scheduling,
+        extra={"num_cpu_chunks": 256, "offload_prompt_only": False},
+    )
+    e.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(e)
+    evict_gpu_prefix(e)
+    b = e.add(PREFIX + [7, 8, 9], max_tokens=3)
+    checked = run_checked(e)
+    assert b in e.loaded, "the prefix came back from the host tier"
+    assert checked > 0
+    leak_free(e)
+
+
+def test_preemption_with_stores_in_flight_and_reset_with_requests_running():
+    # A GPU pool too small for the batch: vLLM preempts while stores are in
+    # flight (submitted one step after their planning). Resets of the prefix
+    # cache with requests running: one keeps the host tier, so the running
+    # requests vLLM preempts and resumes in the same step load their prefix
+    # from it (loads created in the same step as their preemption notice);
+    # one resets the host tier too.
+    e = harness.build(num_gpu_blocks=24, extra={"num_cpu_chunks": 128, "offload_prompt_only": False})
+    seen = {"preempt_with_load": 0, "preempted": 0}
+    orig = e.connector._scheduler.build_connector_meta
+
+    def spy(so):
+        meta = orig(so)
+        if so.preempted_req_ids:
+            seen["preempted"] += 1
+            if set(meta.load_requests.values()) & set(so.preempted_req_ids):
+                seen["preempt_with_load"] += 1
+        return meta
+
+    e.connector._scheduler.build_connector_meta = spy
+    rng = random.Random(7)
+    for round_ in range(4):
+        for i in range(6):
+            family = rng.randrange(3)
+            e.add(PREFIX[: 16 + 8 * family] + [rng.randrange(1, 900) for _ in range(rng.randrange(3, 12))],
+                  max_tokens=rng.randrange(4, 12))
+        for _ in range(4):
+            if e.scheduler.has_requests():
+                e.step()
+        if round_ in (1, 2):
+            e.flush_async()
+            assert e.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=round_ == 2)
+        run_checked(e)
+    assert seen["preempted"] > 0 and seen["preempt_with_load"] > 0, seen
+    leak_free(e)
+
+
+def test_abort_during_a_load():
+    e = harness.build(num_gpu_blocks=32, extra={"num_cpu_chunks": 256, "offload_prompt_only": False})
+    e.add(PREFIX + [1], max_tokens=2)
+    run_checked(e)
+    evict_gpu_prefix(e)
+    b = e.add(PREFIX + [5, 6], max_tokens=4)
+    for _ in range(10):
+        e.step()
+        if e.scheduler.requests[b].status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            break
+    assert e.scheduler.requests[b].status == RequestStatus.WAITING_FOR_REMOTE_KVS, "a load in flight"
+    e.scheduler.finish_requests(b, RequestStatus.FINISHED_ABORTED)
+    run_checked(e)
+    leak_free(e)
+
+
+def manual_clock(e: harness.Engine, timeout_s: float = 1.0) -> kvoffload.SchedulerCore:
+    """Puts the scheduler on a manual clock (no watchdog thread: the stall
+    scan runs at each step when due)."""
+    side = e.connector._scheduler
+    cfg = json.loads(side.cfg.to_json())
+    cfg["stall_timeout_ms"] = int(timeout_s * 1000)
+    cfg["stall_scan_interval_ms"] = 100
+    side.core = kvoffload.SchedulerCore(json.dumps(cfg), watchdog=False, manual_clock=True)
+    return side.core
+
+
+def test_a_stalled_store_and_a_stalled_load_end_with_every_request_finished_and_nothing_left():
+    e = harness.build(num_gpu_blocks=32, extra={"num_cpu_chunks": 256, "offload_prompt_only": False})
+    core = manual_clock(e)
+    stalled: dict[str, int] = {}
+    arm = {"load": False}
+
+    def inject(w, meta):
+        loads, stores, _ = kvoffload._native.plan_jobs(meta.plan)
+        if w == 0 and stores and "store" not in stalled:
+            stalled["store"] = stores[0]
+            e.workers[0]._worker.core.set_fault(stores[0], "stall")
+        if w == 0 and loads and arm["load"] and "load" not in stalled:
+            stalled["load"] = loads[0]
+            e.workers[0]._worker.core.set_fault(loads[0], "stall")
+
+    e.on_worker_meta = inject
+    e.add(PREFIX + [1, 2, 3], max_tokens=2)
+    for _ in range(4):
+        e.step()
+    assert "store" in stalled
+    core.advance_clock(2000)  # past the stall timeout: the next step's scan finds it
+    run_checked(e)
+    assert core.metrics()["stalled_stores"] == 1
+    # Its late completion ends the quarantine.
+    assert e.workers[0]._worker.core.release_stalled(stalled["store"])
+    # A prefix that was stored, then evicted from the GPU: its load stalls.
+    e.add(PREFIX[:24] + [9], max_tokens=2)
+    run_checked(e)
+    evict_gpu_prefix(e)
+    arm["load"] = True
+    b = e.add(PREFIX[:24] + [4, 4], max_tokens=3)
+    for _ in range(6):
+        e.step()
+    assert "load" in stalled, "a load was planned"
+    assert e.scheduler.requests[b].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    core.advance_clock(2000)
+    checked = run_checked(e)
+    assert core.metrics()["stalled_loads"] == 1
+    assert b in e.failed, "vLLM was told the load failed (it recomputes)"
+    assert checked > 0, "the request finished with the right KV"
+    leak_free(e)
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"cpu_bytes_to_use": 10**9, "bogus_key": 1}, "bogus_key"),
+        ({"cpu_bytes_to_use": 10**9, "eviction_policy": "fifo"}, "eviction_policy"),
+        ({"cpu_bytes_to_use": 10**9, "block_size": 6}, "block_size"),
+        ({"cpu_bytes_to_use": 10**9, "stall_timeout_s": -1}, "stall_timeout_s"),
+        ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use"),
+        ({}, "cpu_bytes_to_use"),
+        ({"cpu_bytes_to_use": 10**9, "spec_name": "Other"}, "spec_name"),
+        ({"cpu_bytes_to_use": 10**9, "stall_timeout_s": 1, "stall_scan_interval_s": 5}, "stall_scan_interval_ms"),
+    ],
+)
+def test_bad_configuration_stops_startup_naming_the_key(extra, needle):
+    with pytest.raises(ValueError, match=needle):
+        harness.build(extra=extra)
+
+
+def test_cpu_bytes_to_use_sizes_the_tier_as_vllm_does():
+    e = harness.build(extra={"cpu_bytes_to_use": 10 * 4096 + 17, "offload_prompt_only": False})
+    cfg = e.connector.engine_config
+    # 2 layers x 256-byte pages = 512 bytes per block, aligned up to a 4 KiB page.
+    assert cfg.worker_chunk_bytes == 512 and cfg.num_cpu_chunks == 10
+    assert isinstance(e.connector, KvOffloadConnector)
