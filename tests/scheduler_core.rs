@@ -108,6 +108,28 @@ fn maximal_prefix_lookup_rules() {
     );
 }
 
+/// Found by the differential test against vLLM's OffloadingConnector
+/// (python/tests/test_differential.py): vLLM bounds a hit by the request's
+/// full chunks before it looks anything up, so a pending chunk that could
+/// only give less than a chunk of new tokens answers zero, not "defer".
+#[test]
+fn a_pending_chunk_beyond_the_last_useful_one_does_not_defer() {
+    let mut h = H::new(Geo {
+        bpc: 2,
+        ..Geo::default()
+    });
+    // 20 tokens: 5 full blocks of 4, 2 full chunks of 8 (16 tokens).
+    h.add(1, 1, 20);
+    h.s.manager_mut()
+        .prepare_store(&[key(1, 1, 2)], None)
+        .unwrap();
+    assert_eq!(h.lookup_key(key(1, 1, 2)), LookupResult::HitPending);
+    // 12 computed: at most 4 more tokens in full chunks, less than one chunk.
+    assert_eq!(h.lookup(1, 12), LookupOutcome::Hit(0));
+    // From 8 computed the pending chunk is a whole chunk of new tokens: defer.
+    assert_eq!(h.lookup(1, 8), LookupOutcome::Defer);
+}
+
 #[test]
 fn pending_transfer_defers_prefix_lookup_and_clears_blocks() {
     let mut h = H::new(Geo::default());

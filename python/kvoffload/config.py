@@ -35,6 +35,7 @@ KEYS: dict[str, str] = {
     "stall_timeout_s": "seconds after which a transfer job is declared stalled (kvoffload; default 300)",
     "stall_scan_interval_s": "seconds between the stall watchdog's scans (kvoffload; default 10)",
     "spec_name": 'accepted for compatibility only as "CPUOffloadingSpec"',
+    "self_describing_kv_events": "accepted only as false (vLLM's default): KV events carry each chunk's key hash, as vLLM's placeholder events",
 }
 
 
@@ -126,6 +127,12 @@ class EngineConfig:
             allowed = ", ".join(sorted(KEYS))
             raise ValueError(
                 f"kv_connector_extra_config: unknown key {unknown[0]!r} (allowed: {allowed})"
+            )
+        if extra.get("self_describing_kv_events", False) not in (False, 0, "false", "False"):
+            raise ValueError(
+                "kv_connector_extra_config: self_describing_kv_events = "
+                f"{extra['self_describing_kv_events']!r} is not supported: kvoffload emits "
+                "vLLM's placeholder KV events (each chunk's key hash; leave the key out)"
             )
         spec = extra.get("spec_name", "CPUOffloadingSpec")
         if spec != "CPUOffloadingSpec":

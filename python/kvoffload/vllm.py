@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
-from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -36,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadPromMetrics,
 )
 from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import AttentionSpec, group_kernel_blocks
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
@@ -123,48 +123,24 @@ class _SchedulerSide:
 
     def __init__(self, cfg: EngineConfig, vllm_config: VllmConfig):
         self.cfg = cfg
-        self.core = SchedulerCore(cfg.to_json())
-        self.requests: dict[str, Request] = {}
-        # Per request: tokens and block hashes already given to the engine.
-        self.sent: dict[str, tuple[int, int]] = {}
-        # kvoffload key -> vLLM block hash, for the KV events.
-        self.hashes: dict[int, bytes] = {}
+        events = vllm_config.kv_events_config
+        # As vLLM's manager: no KV events unless vLLM publishes them.
+        self.core = SchedulerCore(
+            cfg.to_json(), kv_events=bool(events is not None and events.enable_kv_cache_events)
+        )
+        # Requests the connector was told of (the engine reads their token
+        # counts and block hashes from the objects, at the hooks that need them).
+        self.requests: set[str] = set()
         self.stats = OffloadingConnectorStats()
         self.block_size = cfg.tokens_per_block * cfg.blocks_per_chunk
 
-    def _key(self, h: Any) -> bytes:
-        b = bytes(h)
-        from kvoffload._native import chunk_key
-
-        self.hashes.setdefault(chunk_key(b), b)
-        return b
-
-    def _sync(self) -> None:
-        """Every tracked request's new tokens and full-block hashes."""
-        for rid, req in self.requests.items():
-            n_tok, n_h = req.num_tokens, len(req.block_hashes)
-            sent = self.sent[rid]
-            if (n_tok, n_h) == sent:
-                continue
-            new = [self._key(h) for h in req.block_hashes[sent[1] :]]
-            self.core.update_request(rid, n_tok, new)
-            self.sent[rid] = (n_tok, n_h)
-
     def on_new_request(self, request: Request) -> None:
-        self._sync()
-        rid = request.request_id
-        self.requests[rid] = request
-        self.sent[rid] = (request.num_tokens, len(request.block_hashes))
-        self.core.add_request(
-            rid, request.num_prompt_tokens, [self._key(h) for h in request.block_hashes]
-        )
-        if request.num_tokens != request.num_prompt_tokens:
-            self.core.update_request(rid, request.num_tokens, [])
+        self.core.add_request(request)
+        self.requests.add(request.request_id)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        self._sync()
         if request.request_id not in self.requests:
             self.on_new_request(request)
         hit = self.core.lookup(request.request_id, num_computed_tokens)
@@ -175,40 +151,38 @@ class _SchedulerSide:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._sync()
         block_ids = [int(b) for b in blocks.get_block_ids()[0]]
         self.core.on_alloc(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self, so: SchedulerOutput) -> KvOffloadMetadata:
-        self._sync()
         # A stall scan if one is due (the watchdog thread scans on its own;
         # this covers a scheduler without the thread).
         self.core.scan_if_due()
-        blocks: dict[str, tuple[list[int], bool]] = {}
-        for rid, groups, full in yield_req_data(so):
-            blocks[rid] = ([int(b) for b in groups[0]] if groups else [], full)
-        scheduled = []
-        for rid, n in so.num_scheduled_tokens.items():
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            ids, full = blocks.get(rid, ([], False))
-            scheduled.append((rid, ids, int(req.num_computed_tokens), int(n), bool(full)))
+        new = [
+            (r.req_id, [int(b) for b in r.block_ids[0]] if r.block_ids else [], int(r.num_computed_tokens))
+            for r in so.scheduled_new_reqs
+        ]
+        cached = so.scheduled_cached_reqs
         preempted = sorted(r for r in (so.preempted_req_ids or ()) if r in self.requests)
         finished = [r for r in (so.finished_req_ids or ()) if r in self.requests]
-        plan, load_requests, failed = self.core.build_step(scheduled, preempted, finished)
-        for rid in finished:
-            self.requests.pop(rid, None)
-            self.sent.pop(rid, None)
-        self.core.prune_names()
-        return KvOffloadMetadata(plan=bytes(plan), load_requests=load_requests, failed_loads=failed)
+        plan, load_requests, failed = self.core.build_step(
+            so.num_scheduled_tokens,
+            new,
+            cached.req_ids,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+            cached.resumed_req_ids,
+            preempted,
+            finished,
+        )
+        self.requests.difference_update(finished)
+        return KvOffloadMetadata(plan=plan, load_requests=load_requests, failed_loads=failed)
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
-        self._sync()
         meta = out.kv_connector_worker_meta
         if not isinstance(meta, KvOffloadWorkerMetadata):
             return
-        if meta.completed:
+        if meta.completed or meta.failed:
             _, _, rejected = self.core.on_worker_output(meta.completed, sorted(meta.failed))
             for r in rejected:
                 logger.warning("kvoffload: rejected worker report %s", r)
@@ -219,7 +193,6 @@ class _SchedulerSide:
                 self.stats.observe_histogram(f"{name}_size", s)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._sync()
         rid = request.request_id
         if rid not in self.requests:
             return False, None
@@ -230,24 +203,31 @@ class _SchedulerSide:
         return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        for removed, metadata_only, keys in self.core.take_events():
+        """vLLM's placeholder KV events (its default, without
+        ``self_describing_kv_events``): a ``BlockStored`` per stored chunk
+        and a ``BlockRemoved`` per eviction, each naming chunks by the hash
+        of their last block."""
+        for removed, metadata_only, hashes in self.core.take_events():
             if metadata_only:
                 # A failed store's cleanup: its blocks were never announced.
                 continue
-            hashes = [self.hashes.get(k, k.to_bytes(8, "little")) for k in keys]
             if removed:
-                for k in keys:
-                    self.hashes.pop(k, None)
-                yield BlockRemoved(block_hashes=hashes, medium="CPU")
-            else:
+                yield BlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(h) for h in hashes],
+                    medium="CPU",
+                    group_idx=0,
+                )
+                continue
+            for h in hashes:
                 yield BlockStored(
-                    block_hashes=hashes,
+                    block_hashes=[maybe_convert_block_hash(h)],
                     parent_block_hash=None,
                     token_ids=[],
-                    block_size=self.block_size,
                     lora_id=None,
+                    block_size=0,
                     medium="CPU",
                     lora_name=None,
+                    group_idx=0,
                 )
 
     def get_stats(self) -> OffloadingConnectorStats | None:

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvoffload::engine::to_worker_plan;
+use kvoffload::manager::LookupResult;
 use kvoffload::scheduler::{LookupOutcome, ScheduledRequest, Scheduler, StepInput, WorkerReport};
 use kvoffload::worker::Fault;
 use kvoffload::worker::{
@@ -16,11 +17,13 @@ use kvoffload::worker::{
     HostRowLayout, OffloadWorker, StepPlan, WorkerLayout, decode_plan, encode_plan,
 };
 use kvoffload::{
-    BlockHash, GpuBlockId, JobId, ManualClock, MonotonicClock, OffloadConfig, RequestId,
+    BlockHash, ChunkKey, GpuBlockId, JobId, ManualClock, MonotonicClock, OffloadConfig, RequestId,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyList};
+use rustc_hash::FxHashMap;
 
 fn value_error(e: impl std::fmt::Display) -> PyErr {
     PyValueError::new_err(e.to_string())
@@ -48,10 +51,6 @@ fn block_hash(h: &[u8]) -> BlockHash {
     }
 }
 
-fn hashes(hs: &[Vec<u8>]) -> Vec<BlockHash> {
-    hs.iter().map(|h| block_hash(h)).collect()
-}
-
 fn blocks(ids: &[u32]) -> Vec<GpuBlockId> {
     ids.iter().map(|&b| GpuBlockId(b)).collect()
 }
@@ -59,8 +58,8 @@ fn blocks(ids: &[u32]) -> Vec<GpuBlockId> {
 /// Request names (vLLM's request ids) and kvoffload's numeric ids.
 #[derive(Default)]
 struct Names {
-    ids: HashMap<String, RequestId>,
-    names: HashMap<RequestId, String>,
+    ids: FxHashMap<String, RequestId>,
+    names: FxHashMap<RequestId, String>,
     next: u64,
 }
 
@@ -95,15 +94,118 @@ impl Names {
     }
 }
 
+/// A request the scheduler tracks: vLLM's `Request` object (read for its
+/// token count and block hashes) and the hashes already given to the scheduler.
+struct Tracked {
+    request: Py<PyAny>,
+    hashes: Vec<BlockHash>,
+}
+
 /// The control plane for one engine: vLLM's scheduler-side connector hooks.
 #[pyclass(module = "kvoffload._native", unsendable)]
 struct SchedulerCore {
     s: Scheduler,
     cfg: OffloadConfig,
     names: Names,
+    tracked: FxHashMap<RequestId, Tracked>,
+    /// Finished requests the scheduler may still track (jobs in flight):
+    /// forgotten once it no longer does.
+    finishing: Vec<RequestId>,
+    /// vLLM's block hash (bytes) of every chunk key stored or being stored,
+    /// for the KV events; dropped when the key leaves the tier.
+    key_bytes: FxHashMap<u64, Py<PyAny>>,
+    /// Whether vLLM publishes KV events (`kv_events_config`): without, the
+    /// tier's events are dropped and no hash is kept for them.
+    kv_events: bool,
     wire: Vec<u8>,
     /// Set when the scheduler runs on a manual clock (tests).
     manual: Option<ManualClock>,
+}
+
+impl SchedulerCore {
+    /// Gives the scheduler the request's new block hashes, with its token
+    /// count; `force`: the token count even when no block completed (a lookup
+    /// or the request's end reads it). Store planning needs no fresher count:
+    /// a chunk is stored only up to the hashed blocks, which the count sent
+    /// with them already covers.
+    fn sync(&mut self, py: Python<'_>, id: RequestId, force: bool) -> PyResult<()> {
+        let Some(t) = self.tracked.get_mut(&id) else {
+            return Ok(());
+        };
+        let req = t.request.bind(py);
+        let list = req.getattr(intern!(py, "block_hashes"))?;
+        let list = list.cast::<PyList>()?;
+        let sent = t.hashes.len();
+        if list.len() == sent && !force {
+            return Ok(());
+        }
+        for i in sent..list.len() {
+            t.hashes
+                .push(block_hash(list.get_item(i)?.cast::<PyBytes>()?.as_bytes()));
+        }
+        let num_tokens: u64 = req.getattr(intern!(py, "num_tokens"))?.extract()?;
+        self.s
+            .update_request(id, num_tokens, &t.hashes[sent..])
+            .map_err(value_error)
+    }
+
+    /// [`Self::sync`] when a block ending at or before `tokens` may have
+    /// been hashed since the last one (else nothing is read).
+    fn sync_until(&mut self, py: Python<'_>, id: RequestId, tokens: u64) -> PyResult<()> {
+        let tpb = u64::from(self.cfg.tokens_per_block);
+        match self.tracked.get(&id) {
+            Some(t) if (t.hashes.len() as u64 + 1).saturating_mul(tpb) > tokens => Ok(()),
+            _ => self.sync(py, id, false),
+        }
+    }
+
+    /// Forgets the finished requests the scheduler no longer tracks.
+    fn forget_finished(&mut self) {
+        let (s, tracked, names) = (&self.s, &mut self.tracked, &mut self.names);
+        self.finishing.retain(|&id| {
+            let gone = !s.has_request(id);
+            if gone {
+                tracked.remove(&id);
+                names.forget(id);
+            }
+            !gone
+        });
+    }
+
+    /// Records vLLM's hash bytes of the keys a store job writes: the job's
+    /// keys are chunks of its request in increasing order (chunks the tier
+    /// already holds are left out), the first found from the request's end.
+    fn remember_store_keys(
+        &mut self,
+        py: Python<'_>,
+        req: RequestId,
+        keys: &[ChunkKey],
+    ) -> PyResult<()> {
+        let (Some(t), Some(first)) = (self.tracked.get(&req), keys.first()) else {
+            return Ok(());
+        };
+        let bpc = self.cfg.blocks_per_chunk as usize;
+        let chunks = t.hashes.len() / bpc;
+        let key_of = |c: usize| ChunkKey::for_group(t.hashes[(c + 1) * bpc - 1], 0);
+        let Some(mut c) = (0..chunks).rev().find(|&c| key_of(c) == *first) else {
+            return Ok(());
+        };
+        let list = t.request.bind(py).getattr(intern!(py, "block_hashes"))?;
+        let list = list.cast::<PyList>()?;
+        for k in keys {
+            while c < chunks && key_of(c) != *k {
+                c += 1;
+            }
+            if c == chunks {
+                break;
+            }
+            self.key_bytes
+                .entry(k.0)
+                .or_insert(list.get_item((c + 1) * bpc - 1)?.unbind());
+            c += 1;
+        }
+        Ok(())
+    }
 }
 
 #[pymethods]
@@ -112,9 +214,15 @@ impl SchedulerCore {
     /// keys, validated: an unknown key or a bad value raises `ValueError`
     /// naming it). `watchdog`: start the stall watchdog thread.
     /// `manual_clock`: time moves only with `advance_clock` (tests).
+    /// `kv_events`: vLLM publishes KV events (else `take_events` is empty).
     #[new]
-    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false))]
-    fn new(config_json: &str, watchdog: bool, manual_clock: bool) -> PyResult<Self> {
+    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true))]
+    fn new(
+        config_json: &str,
+        watchdog: bool,
+        manual_clock: bool,
+        kv_events: bool,
+    ) -> PyResult<Self> {
         let cfg = OffloadConfig::from_json_str(config_json).map_err(value_error)?;
         let manual = manual_clock.then(ManualClock::new);
         let clock = match &manual {
@@ -129,6 +237,10 @@ impl SchedulerCore {
             s,
             cfg,
             names: Names::default(),
+            tracked: FxHashMap::default(),
+            finishing: Vec::new(),
+            key_bytes: FxHashMap::default(),
+            kv_events,
             wire: Vec::new(),
             manual,
         })
@@ -145,36 +257,31 @@ impl SchedulerCore {
         }
     }
 
-    /// A new request with the hashes of its full blocks.
-    fn add_request(
-        &mut self,
-        req: &str,
-        prompt_tokens: u64,
-        block_hashes: Vec<Vec<u8>>,
-    ) -> PyResult<()> {
-        let id = self.names.intern(req);
-        self.s
-            .add_request(id, prompt_tokens, &hashes(&block_hashes))
-            .map_err(value_error)
-    }
-
-    /// The request's tokens now, and the hashes of its new full blocks.
-    fn update_request(
-        &mut self,
-        req: &str,
-        num_tokens: u64,
-        new_block_hashes: Vec<Vec<u8>>,
-    ) -> PyResult<()> {
-        let id = self.names.get(req)?;
-        self.s
-            .update_request(id, num_tokens, &hashes(&new_block_hashes))
-            .map_err(value_error)
+    /// A new request: vLLM's `Request` object (its `request_id`,
+    /// `num_prompt_tokens`, `num_tokens` and `block_hashes` are read now and
+    /// at the hooks that need them).
+    fn add_request(&mut self, py: Python<'_>, request: Bound<'_, PyAny>) -> PyResult<()> {
+        let name: String = request.getattr(intern!(py, "request_id"))?.extract()?;
+        let prompt: u64 = request
+            .getattr(intern!(py, "num_prompt_tokens"))?
+            .extract()?;
+        let id = self.names.intern(&name);
+        self.s.add_request(id, prompt, &[]).map_err(value_error)?;
+        self.tracked.insert(
+            id,
+            Tracked {
+                request: request.unbind(),
+                hashes: Vec::new(),
+            },
+        );
+        self.sync(py, id, true)
     }
 
     /// Tokens beyond `computed_tokens` the host tier can supply, or `None`:
     /// ask again later (vLLM's `get_num_new_matched_tokens`).
-    fn lookup(&mut self, req: &str, computed_tokens: u64) -> PyResult<Option<u64>> {
+    fn lookup(&mut self, py: Python<'_>, req: &str, computed_tokens: u64) -> PyResult<Option<u64>> {
         let id = self.names.get(req)?;
+        self.sync(py, id, true)?;
         match self.s.lookup(id, computed_tokens).map_err(value_error)? {
             LookupOutcome::Hit(n) => Ok(Some(n)),
             LookupOutcome::Defer => Ok(None),
@@ -185,11 +292,13 @@ impl SchedulerCore {
     /// `external_tokens > 0` (vLLM's `update_state_after_alloc`).
     fn on_alloc(
         &mut self,
+        py: Python<'_>,
         req: &str,
         block_ids: Vec<u32>,
         external_tokens: u64,
     ) -> PyResult<Option<u64>> {
         let id = self.names.get(req)?;
+        self.sync(py, id, false)?;
         Ok(self
             .s
             .on_alloc(id, &blocks(&block_ids), external_tokens)
@@ -197,36 +306,95 @@ impl SchedulerCore {
             .map(|j| j.0))
     }
 
-    /// One step (vLLM's `build_connector_meta`). `scheduled`: `(request, new
-    /// block ids, computed tokens, scheduled tokens, full table)`. Returns
-    /// `(plan, load_requests, failed_loads)`: the workers' plan as compact
-    /// bytes, the request of every load job in it (`{job: request}`), and
-    /// the requests whose load failed or stalled (they must recompute).
-    #[allow(clippy::type_complexity)]
+    /// One step (vLLM's `build_connector_meta`), from the scheduler output's
+    /// parts: `num_scheduled` (`{request: tokens}`, in scheduling order),
+    /// `new_requests` (`[(request, block ids, computed tokens)]`, whole
+    /// tables), the cached requests' `cached_ids`, `cached_blocks` (each
+    /// `None` or a tuple of per-group block lists: this step's additions),
+    /// `cached_computed` and `resumed` (ids whose list is the whole table),
+    /// then the preempted and finished requests. Requests the connector does
+    /// not track are skipped. Returns `(plan, load_requests, failed_loads)`:
+    /// the workers' plan as compact bytes, the request of every load job in
+    /// it (`{job: request}`), and the requests whose load failed or stalled
+    /// (they must recompute).
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn build_step<'py>(
         &mut self,
         py: Python<'py>,
-        scheduled: Vec<(String, Vec<u32>, u64, u64, bool)>,
+        num_scheduled: Bound<'py, PyDict>,
+        new_requests: Vec<(String, Vec<u32>, u64)>,
+        cached_ids: Bound<'py, PyList>,
+        cached_blocks: Bound<'py, PyList>,
+        cached_computed: Bound<'py, PyList>,
+        resumed: Bound<'py, PyAny>,
         preempted: Vec<String>,
         finished: Vec<String>,
     ) -> PyResult<(Bound<'py, PyBytes>, HashMap<u64, String>, Vec<String>)> {
+        // Each scheduled request's (new blocks, whole table, computed tokens).
+        let mut parts: FxHashMap<RequestId, (Vec<GpuBlockId>, bool, u64)> =
+            FxHashMap::with_capacity_and_hasher(num_scheduled.len(), Default::default());
+        for (name, ids, computed) in &new_requests {
+            if let Some(&id) = self.names.ids.get(name.as_str()) {
+                parts.insert(id, (blocks(ids), true, *computed));
+            }
+        }
+        let has_resumed = resumed.len()? > 0;
+        for (i, name) in cached_ids.iter().enumerate() {
+            let name = name.cast::<pyo3::types::PyString>()?;
+            let Some(&id) = self.names.ids.get(name.to_str()?) else {
+                continue;
+            };
+            let groups = cached_blocks.get_item(i)?;
+            let new_blocks = if groups.is_none() {
+                Vec::new()
+            } else {
+                let ids = groups.get_item(0)?;
+                if ids.len()? == 0 {
+                    Vec::new()
+                } else {
+                    blocks(&ids.extract::<Vec<u32>>()?)
+                }
+            };
+            let full = has_resumed && resumed.contains(name)?;
+            let computed: u64 = cached_computed.get_item(i)?.extract()?;
+            parts.insert(id, (new_blocks, full, computed));
+        }
         let mut input = StepInput::default();
-        for (req, new_blocks, computed, n, full) in &scheduled {
+        for (name, n) in num_scheduled.iter() {
+            let name = name.cast::<pyo3::types::PyString>()?;
+            let Some(&id) = self.names.ids.get(name.to_str()?) else {
+                continue;
+            };
+            let (new_block_ids, full_table, computed_tokens) =
+                parts.remove(&id).unwrap_or_default();
+            let scheduled_tokens: u64 = n.extract()?;
+            // Store planning this step reads hashes up to the tokens computed
+            // by its end: a block completed past them can wait.
+            self.sync_until(py, id, computed_tokens.saturating_add(scheduled_tokens))?;
             input.scheduled.push(ScheduledRequest {
-                req: self.names.get(req)?,
-                new_block_ids: blocks(new_blocks),
-                computed_tokens: *computed,
-                scheduled_tokens: *n,
-                full_table: *full,
+                req: id,
+                new_block_ids,
+                computed_tokens,
+                scheduled_tokens,
+                full_table,
             });
         }
         for r in &preempted {
-            input.preempted.push(self.names.get(r)?);
+            if let Some(&id) = self.names.ids.get(r.as_str()) {
+                input.preempted.push(id);
+            }
         }
         for r in &finished {
-            input.finished.push(self.names.get(r)?);
+            if let Some(&id) = self.names.ids.get(r.as_str()) {
+                input.finished.push(id);
+            }
         }
         let plan = self.s.build_step(&input).map_err(value_error)?;
+        if self.kv_events {
+            for st in &plan.stores {
+                self.remember_store_keys(py, st.req, &st.keys)?;
+            }
+        }
         let wplan = to_worker_plan(&plan, self.cfg.blocks_per_chunk);
         encode_plan(&wplan, &mut self.wire);
         let load_requests: HashMap<u64, String> = plan
@@ -240,6 +408,8 @@ impl SchedulerCore {
             .map(|&r| self.names.name(r))
             .collect();
         self.s.recycle_plan(plan);
+        self.finishing.extend_from_slice(&input.finished);
+        self.forget_finished();
         Ok((PyBytes::new(py, &self.wire), load_requests, failed))
     }
 
@@ -259,63 +429,87 @@ impl SchedulerCore {
         };
         let out = self.s.on_worker_output(&report);
         let name = |r: &RequestId| self.names.name(*r);
-        (
+        let answer = (
             out.finished_loads.iter().map(name).collect(),
             out.failed_loads.iter().map(name).collect(),
             out.rejected
                 .iter()
                 .map(|(j, e)| format!("{j}: {e}"))
                 .collect(),
-        )
+        );
+        self.forget_finished();
+        answer
     }
 
     /// The request finished (vLLM's `request_finished`); its last stores
     /// come at the next step listing it in `finished`.
     fn request_finished(
         &mut self,
+        py: Python<'_>,
         req: &str,
         block_ids: Vec<u32>,
         aborted: bool,
         computed_tokens: u64,
     ) -> PyResult<()> {
         let id = self.names.get(req)?;
+        self.sync(py, id, true)?;
         self.s
             .request_finished(id, &blocks(&block_ids), aborted, computed_tokens)
             .map_err(value_error)
     }
 
-    /// Forgets the names of requests the scheduler no longer tracks.
-    fn prune_names(&mut self) {
-        let gone: Vec<RequestId> = self
-            .names
-            .ids
-            .values()
-            .copied()
-            .filter(|&id| !self.s.has_request(id))
-            .collect();
-        for id in gone {
-            self.names.forget(id);
-        }
-    }
-
     /// vLLM's `reset_cache`.
     fn reset(&mut self) -> PyResult<()> {
-        self.s.reset().map_err(value_error)
+        self.s.reset().map_err(value_error)?;
+        // The tier is empty: as vLLM, no removal event follows a reset.
+        self.key_bytes.clear();
+        self.forget_finished();
+        Ok(())
     }
 
-    /// The host tier's events: `(removed, metadata_only, [key, ...])`.
-    fn take_events(&mut self) -> Vec<(bool, bool, Vec<u64>)> {
-        self.s
-            .take_events()
-            .into_iter()
-            .map(|e| {
-                (
-                    e.removed,
-                    e.metadata_only,
-                    e.keys.iter().map(|k| k.0).collect(),
-                )
-            })
-            .collect()
+    /// Requests the binding holds (names and `Request` objects): a leak check.
+    fn held_requests(&self) -> usize {
+        self.tracked.len()
+    }
+
+    /// The host tier's events: `(removed, metadata_only, [block hash, ...])`,
+    /// each key as vLLM's block hash (bytes) of the chunk's last block (or
+    /// its 8-byte key where the hash is not known).
+    #[allow(clippy::type_complexity)]
+    fn take_events(&mut self, py: Python<'_>) -> Vec<(bool, bool, Vec<Py<PyAny>>)> {
+        let events = self.s.take_events();
+        if !self.kv_events {
+            return Vec::new();
+        }
+        let mut out = Vec::with_capacity(events.len());
+        let mut removed: Vec<ChunkKey> = Vec::new();
+        for e in events {
+            let mut hashes = Vec::with_capacity(e.keys.len());
+            for k in e.keys.iter() {
+                if e.removed {
+                    removed.push(*k);
+                }
+                let known = self.key_bytes.get(&k.0).map(|b| b.clone_ref(py));
+                hashes.push(
+                    known.unwrap_or_else(|| {
+                        PyBytes::new(py, &k.0.to_le_bytes()).into_any().unbind()
+                    }),
+                );
+            }
+            out.push((e.removed, e.metadata_only, hashes));
+        }
+        // A key evicted and stored again in one batch stays known.
+        for k in removed {
+            if self.s.manager().lookup(k) == LookupResult::Miss {
+                self.key_bytes.remove(&k.0);
+            }
+        }
+        out
+    }
+
+    /// Chunk keys whose vLLM hash is held for the events (a leak check).
+    fn held_hashes(&self) -> usize {
+        self.key_bytes.len()
     }
 
     /// Whether the engine must keep stepping (jobs in flight, a reset not
@@ -551,6 +745,23 @@ fn plan_jobs(plan: &[u8]) -> PyResult<(Vec<u64>, Vec<u64>, Vec<u64>)> {
     ))
 }
 
+/// A step plan's transfers with their GPU blocks, for tests and tools:
+/// `(loads, stores, flush)`, each load and store as `(job, gpu_blocks)`.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn plan_transfers(plan: &[u8]) -> PyResult<(Vec<(u64, Vec<u32>)>, Vec<(u64, Vec<u32>)>, Vec<u64>)> {
+    let p = decode_plan(plan).map_err(value_error)?;
+    let blocks = |s: &kvoffload::worker::TransferSpec| s.gpu_blocks.iter().map(|b| b.0).collect();
+    Ok((
+        p.loads.iter().map(|l| (l.job.0, blocks(&l.spec))).collect(),
+        p.stores
+            .iter()
+            .map(|s| (s.job.0, blocks(&s.spec)))
+            .collect(),
+        p.flush.iter().map(|j| j.0).collect(),
+    ))
+}
+
 /// The key kvoffload gives a block hash (for tests and events).
 #[pyfunction]
 fn chunk_key(block_hash: Vec<u8>) -> u64 {
@@ -568,6 +779,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<HostWorkerCore>()?;
     m.add_function(wrap_pyfunction!(chunk_key, m)?)?;
     m.add_function(wrap_pyfunction!(plan_jobs, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_transfers, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

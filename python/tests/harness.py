@@ -79,6 +79,11 @@ class Engine:
     steps: int = 0
     #: Called with each worker's metadata before the worker hooks (fault injection).
     on_worker_meta: Any = None
+    #: Workers the scheduler counts (`world_size`).
+    world: int = 1
+    #: In place of the worker connectors (a scheduler-only engine): called as
+    #: ``fake_worker(worker, metadata)``, returns ``(finished_recving, worker_meta)``.
+    fake_worker: Any = None
 
     @property
     def connector(self) -> Any:
@@ -163,7 +168,8 @@ class Engine:
             wc.handle_preemptions(m)
             wc.bind_connector_metadata(m)
             wc.start_load_kv(ctx)
-        self._compute(so)
+        if self.workers:
+            self._compute(so)
         for w, wc in enumerate(self.workers):
             wc.wait_for_save()
             res = wc.get_transfer_results(so.finished_req_ids)
@@ -172,25 +178,17 @@ class Engine:
             self.loaded |= res.finished_recving - res.failed_recving
             self.failed |= res.failed_recving
             outs.append(
-                ModelRunnerOutput(
-                    req_ids=list(so.num_scheduled_tokens),
-                    req_id_to_index={r: i for i, r in enumerate(so.num_scheduled_tokens)},
-                    sampled_token_ids=[
-                        []
-                        if self.scheduler.requests[r].is_prefill_chunk
-                        else [self._token(self.scheduler.requests[r])]
-                        for r in so.num_scheduled_tokens
-                    ],
-                    logprobs=None,
-                    prompt_logprobs_dict={},
-                    pooler_output=None,
-                    kv_connector_output=KVConnectorOutput(
+                self._output(
+                    so,
+                    KVConnectorOutput(
                         finished_recving=res.finished_recving or None,
                         failed_recving=res.failed_recving,
                         kv_connector_worker_meta=wmeta,
                     ),
                 )
             )
+        if self.fake_worker is not None:
+            outs = [self._fake_output(so, w) for w in range(self.world)]
         mro = self.aggregator.aggregate(outs)
         if self.async_scheduling:
             if self.pending is not None:
@@ -199,6 +197,31 @@ class Engine:
         else:
             self.scheduler.update_from_output(so, mro)
         return so
+
+    def _output(self, so: Any, kv: KVConnectorOutput) -> ModelRunnerOutput:
+        """One worker's model output for the step: a sampled token for every
+        request past its prefill, and the worker connector's output."""
+        return ModelRunnerOutput(
+            req_ids=list(so.num_scheduled_tokens),
+            req_id_to_index={r: i for i, r in enumerate(so.num_scheduled_tokens)},
+            sampled_token_ids=[
+                []
+                if self.scheduler.requests[r].is_prefill_chunk
+                else [self._token(self.scheduler.requests[r])]
+                for r in so.num_scheduled_tokens
+            ],
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=kv,
+        )
+
+    def _fake_output(self, so: Any, w: int) -> ModelRunnerOutput:
+        recv, wmeta = self.fake_worker(w, so.kv_connector_metadata)
+        self.loaded |= recv
+        return self._output(
+            so, KVConnectorOutput(finished_recving=recv or None, kv_connector_worker_meta=wmeta)
+        )
 
     def flush_async(self) -> None:
         if self.pending is not None:
@@ -229,6 +252,8 @@ def build(
     num_layers: int = 2,
     max_num_batched_tokens: int = 256,
     max_num_seqs: int = 8,
+    fake_worker: Any = None,
+    kv_events: bool = True,
 ) -> Engine:
     """An engine with the connector `connector` (loaded from `module`)."""
     model_config = ModelConfig(model=MODEL, dtype="float32", seed=42)
@@ -257,7 +282,8 @@ def build(
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.parallel_config.world_size = world_size
-    vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    if kv_events:
+        vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
     spec = FullAttentionSpec(
         block_size=tpb, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32
@@ -290,7 +316,9 @@ def build(
         )
         workers = []
         caches = []
-        for _ in range(world_size):
+        # A scheduler-only engine has no worker connectors: `fake_worker`
+        # answers for them.
+        for _ in range(0 if fake_worker is not None else world_size):
             wc = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
             cache = {
                 name: torch.zeros(num_gpu_blocks, 2, tpb, HEADS, HEAD_SIZE, dtype=torch.float32)
@@ -309,6 +337,8 @@ def build(
         async_scheduling=async_scheduling,
         aggregator=KVOutputAggregator(world_size),
         hasher=get_request_block_hasher(tpb, sha256),
+        world=world_size,
+        fake_worker=fake_worker,
     )
 
 

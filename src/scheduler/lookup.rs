@@ -102,10 +102,16 @@ impl Scheduler {
         if !rs.jobs.is_empty() {
             return Ok(LookupOutcome::Defer);
         }
+        // As vLLM: no hit past the request's last full chunk, and the
+        // less-than-a-chunk answer (zero) comes before any key is looked up,
+        // so a pending chunk past that bound never defers the request.
+        let full_chunk_tokens =
+            (rs.num_keys(g.blocks_per_chunk) as u64).saturating_mul(g.tokens_per_chunk);
         let max_hit = rs
             .caps
             .max_load_tokens
-            .map_or(rs.num_tokens, |cap| cap.min(rs.num_tokens));
+            .map_or(rs.num_tokens, |cap| cap.min(rs.num_tokens))
+            .min(full_chunk_tokens);
         if max_hit.saturating_sub(computed_tokens) < g.tokens_per_chunk {
             return Ok(LookupOutcome::Hit(0));
         }

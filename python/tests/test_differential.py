@@ -1,0 +1,223 @@
+"""Differential test at the scheduler level: the same seeded workloads run on
+vLLM 0.33.0's real core scheduler once with vLLM's own ``OffloadingConnector``
+and once with ``KvOffloadConnector``; both sets of workers are fakes that
+finish every job 0, 1 or 3 steps after the step it is planned, or when a flush
+names it (no stalls). Per step, the tokens
+scheduled per request, the external hit tokens each lookup answered, and the
+GPU blocks loaded (per request) and stored must be identical.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import pytest
+
+import kvoffload._native as native
+from harness import build
+from kvoffload.vllm import KvOffloadWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+
+TPB = 4
+
+
+class FakeWorkers:
+    """The workers, faked: a job planned in a step finishes `delay` steps
+    later, or in the step a flush names it (the worker waits for it then)."""
+
+    def __init__(self, jobs: Any, meta_of: Any, delay: int) -> None:
+        self.jobs, self.meta_of, self.delay = jobs, meta_of, delay
+        #: Per worker: ``[(steps left, job, load's request or None)]``.
+        self.pending: dict[int, list[list[Any]]] = {}
+
+    def __call__(self, w: int, meta: Any) -> tuple[set[str], Any]:
+        loads, stores, flush = self.jobs(meta)
+        mine = self.pending.setdefault(w, [])
+        mine.extend([self.delay, j, r] for j, r in loads)
+        mine.extend([self.delay, j, None] for j in stores)
+        flush = set(flush)
+        done, recv, left = {}, set(), []
+        for p in mine:
+            if p[0] <= 0 or p[1] in flush:
+                done[p[1]] = 1
+                if p[2] is not None:
+                    recv.add(p[2])
+            else:
+                p[0] -= 1
+                left.append(p)
+        self.pending[w] = left
+        return recv, self.meta_of(done)
+
+
+def vllm_jobs(meta: Any) -> tuple[list, list, list]:
+    loads = [(j, job.req_id) for j, job in meta.load_jobs.items()]
+    return loads, list(meta.store_jobs), list(meta.jobs_to_flush or ())
+
+
+def kvoffload_jobs(meta: Any) -> tuple[list, list, list]:
+    loads, stores, flush = native.plan_jobs(meta.plan)
+    return [(j, meta.load_requests[j]) for j in loads], stores, flush
+
+
+def vllm_worker(delay: int) -> FakeWorkers:
+    return FakeWorkers(vllm_jobs, lambda done: OffloadingWorkerMetadata(completed_jobs=done), delay)
+
+
+def kvoffload_worker(delay: int) -> FakeWorkers:
+    return FakeWorkers(kvoffload_jobs, lambda done: KvOffloadWorkerMetadata(completed=done), delay)
+
+
+def vllm_transfers(meta: Any) -> tuple[list, list]:
+    loads = sorted((j.req_id, tuple(int(b) for b in j.dst_spec.block_ids)) for j in meta.load_jobs.values())
+    stores = sorted(tuple(int(b) for b in j.src_spec.block_ids) for j in meta.store_jobs.values())
+    return loads, stores
+
+
+def kvoffload_transfers(meta: Any) -> tuple[list, list]:
+    loads, stores, _ = native.plan_transfers(meta.plan)
+    return (
+        sorted((meta.load_requests[j], tuple(b)) for j, b in loads),
+        sorted(tuple(b) for _, b in stores),
+    )
+
+
+def order_free(events: list[tuple]) -> list[tuple]:
+    """The events with each run of one kind sorted: vLLM iterates a job's
+    keys in set order ("key order is free", its events tracker says), so only
+    the order of stores against removals is compared."""
+    out: list[tuple] = []
+    run: list[tuple] = []
+    for ev in events:
+        if run and run[0][0] != ev[0]:
+            out += sorted(run)
+            run = []
+        run.append(ev)
+    return out + sorted(run)
+
+
+def workload(seed: int, n: int) -> list[tuple[int, list[int], int]]:
+    """`n` requests as ``(arrival step, prompt, max tokens)``: prompts share a
+    few prefixes (so prefixes are evicted from the GPU prefix cache and come
+    back from the host tier) and some repeat whole."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 50_000) for _ in range(rng.randrange(4, 48))] for _ in range(10)]
+    out = []
+    step = 0
+    for _ in range(n):
+        step += rng.choice((0, 0, 1, 2, 5))
+        p = list(rng.choice(prefixes))
+        if rng.random() < 0.7:
+            p += [rng.randrange(3, 50_000) for _ in range(rng.randrange(1, 24))]
+        out.append((step, p, rng.randrange(1, 12)))
+    return out
+
+
+def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int, **kw: Any) -> list[dict]:
+    extra = dict(kw.pop("extra"))
+    e = build(connector=connector, module=module, extra=extra, fake_worker=fake, tpb=TPB, **kw)
+    lookups: list[tuple[str, Any]] = []
+    inner = e.connector.get_num_new_matched_tokens
+
+    def lookup(request: Any, num_computed: int, *a: Any, **k: Any) -> Any:
+        got = inner(request, num_computed, *a, **k)
+        lookups.append((request.request_id, num_computed, got[0], got[1]))
+        return got
+
+    e.connector.get_num_new_matched_tokens = lookup
+    events: list[tuple] = []
+    take = e.connector.take_events
+
+    def take_events() -> list:
+        got = list(take())
+        events.extend(
+            (type(ev).__name__, tuple(sorted(ev.block_hashes)), getattr(ev, "block_size", None),
+             getattr(ev, "token_ids", None), ev.medium, ev.group_idx)
+            for ev in got
+        )
+        return got
+
+    e.connector.take_events = take_events
+    arrivals = workload(seed, 60)
+    steps: list[dict] = []
+    i = 0
+    for step in range(600):
+        while i < len(arrivals) and arrivals[i][0] <= step:
+            _, prompt, max_tokens = arrivals[i]
+            e.add(prompt, max_tokens=max_tokens, req_id=f"q{i}")
+            i += 1
+        if i == len(arrivals) and not e.scheduler.has_requests() and e.pending is None:
+            break
+        if not e.scheduler.has_requests():
+            e.flush_async()
+            steps.append({"idle": True})
+            continue
+        so = e.step()
+        loads, stores = transfers(so.kv_connector_metadata)
+        steps.append(
+            {
+                "scheduled": dict(so.num_scheduled_tokens),
+                "preempted": sorted(so.preempted_req_ids or ()),
+                "lookups": lookups[:],
+                "loads": loads,
+                "stores": stores,
+                # The KV events taken in the step (vLLM takes them at update_from_output).
+                "events": order_free(events),
+            }
+        )
+        lookups.clear()
+        events.clear()
+    else:
+        raise AssertionError(f"{connector}: requests still running after 600 steps")
+    e.flush_async()
+    return steps
+
+
+CASES = [
+    # (seed, extra config, engine options)
+    (1, {"eviction_policy": "lru"}, {}),
+    (2, {"eviction_policy": "arc"}, {}),
+    (3, {"block_size": 2 * TPB}, {}),
+    (4, {"offload_prompt_only": False}, {}),
+    (5, {"eviction_policy": "arc", "offload_prompt_only": False}, {"async_scheduling": True}),
+    (6, {}, {"world_size": 2}),
+    (7, {"store_threshold": 2}, {}),
+    (8, {"block_size": 2 * TPB, "eviction_policy": "arc"}, {"async_scheduling": True}),
+    # Found by widening the seeds (with PYTHONHASHSEED=1, as scripts/test-python.sh
+    # runs): a chunk pending past the request's last full chunk made kvoffload
+    # defer a lookup that vLLM answers with zero.
+    (88, {"block_size": 2 * TPB, "eviction_policy": "arc"}, {"async_scheduling": True}),
+]
+# KVOFFLOAD_DIFF_SEEDS=N adds N more seeds, cycling through the cases' configurations.
+CASES += [
+    (1000 + k, CASES[k % 8][1], CASES[k % 8][2])
+    for k in range(int(os.environ.get("KVOFFLOAD_DIFF_SEEDS", "0")))
+]
+
+
+@pytest.mark.parametrize("delay", [0, 1, 3], ids=lambda d: f"done-after-{d}")
+@pytest.mark.parametrize("seed,extra,opts", CASES, ids=[f"seed{c[0]}" for c in CASES])
+def test_same_steps_as_vllms_offloading_connector(seed: int, extra: dict, opts: dict, delay: int) -> None:
+    # Small GPU and host tiers so the GPU prefix cache evicts, the host tier
+    # evicts, and decoding preempts.
+    common = dict(num_gpu_blocks=32, max_num_seqs=6, max_num_batched_tokens=64, **opts)
+    # 128 host chunks of one block (2 layers x K,V x 4 tokens x 2 heads x 4 floats).
+    cpu = {"cpu_bytes_to_use": 128 * 2 * 2 * TPB * 2 * 4 * 4 * common.get("world_size", 1)}
+    want = run(
+        "OffloadingConnector", None, vllm_worker(delay), vllm_transfers, seed, extra={**cpu, **extra}, **common
+    )
+    got = run(
+        "KvOffloadConnector", "kvoffload.vllm", kvoffload_worker(delay), kvoffload_transfers, seed,
+        extra={**cpu, **extra}, **common,
+    )
+    # The workload must exercise what is compared (checked on the fixed
+    # cases; a widened seed may happen to load nothing).
+    if seed < 1000:
+        assert sum(len(s.get("loads", ())) for s in want) > 0, "no load in the workload"
+        assert sum(len(s.get("stores", ())) for s in want) > 0, "no store in the workload"
+    for n, (w, g) in enumerate(zip(want, got)):
+        assert g == w, f"step {n}: kvoffload {g} != vLLM {w}"
+    assert len(got) == len(want), f"{len(got)} steps != vLLM's {len(want)}"
