@@ -8,6 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 PY=$(scripts/setup-vllm.sh)
+# maturin (the build backend) runs its own executable from the venv.
+export PATH="$(dirname "$PY"):$PATH"
 root="${KVOFFLOAD_VLLM_ROOT:-$HOME/.cache/kvoffload}"
 "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps ./python
 cd "$(mktemp -d)"

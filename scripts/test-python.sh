@@ -9,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
 PY=$(scripts/setup-vllm.sh)
+# maturin (the build backend) runs its own executable from the venv.
+export PATH="$(dirname "$PY"):$PATH"
 root="${KVOFFLOAD_VLLM_ROOT:-$HOME/.cache/kvoffload}"
 echo "test-python: pip install ./python into $(dirname "$(dirname "$PY")")"
 # No build isolation: maturin comes from the venv (pinned there), and the

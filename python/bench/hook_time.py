@@ -8,7 +8,9 @@ workers are fakes that finish every job one step after it is planned). N
 requests with distinct prompts of 64..79 tokens are prefilled, then decode;
 with 16 tokens per block and ``offload_prompt_only`` off, a decoding request
 fills a block every 16 steps, so about N/16 store jobs are planned a step. A
-steady step adds, finishes and looks up no request. Timed: every connector
+steady step adds, finishes and looks up no request. Each point runs
+`--repeat` times, the two connectors alternating; the figure is the median
+run's median step. Timed: every connector
 hook the scheduler calls in the step (on_new_request,
 get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta,
 update_connector_output, request_finished(_all_groups), take_events,
@@ -165,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         default="off,on",
         help="KV events published (vLLM's kv_events_config): off (vLLM's default), on, or both",
     )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="runs per point, alternating the connectors; the figure is the median run",
+    )
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     rows = []
@@ -175,8 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     for ev in args.kv_events.split(","):
         for n in (int(x) for x in args.requests.split(",")):
             on = ev == "on"
-            v = measure("OffloadingConnector", None, vllm_worker, n, args.steps, on)
-            k = measure("KvOffloadConnector", "kvoffload.vllm", kvoffload_worker, n, args.steps, on)
+            vs, ks = [], []
+            for _ in range(max(1, args.repeat)):
+                vs.append(measure("OffloadingConnector", None, vllm_worker, n, args.steps, on))
+                ks.append(measure("KvOffloadConnector", "kvoffload.vllm", kvoffload_worker, n, args.steps, on))
+            v = sorted(vs, key=lambda r: r["median_us"])[len(vs) // 2]
+            k = sorted(ks, key=lambda r: r["median_us"])[len(ks) // 2]
+            v["runs_median_us"] = [r["median_us"] for r in vs]
+            k["runs_median_us"] = [r["median_us"] for r in ks]
             ratio = v["median_us"] / k["median_us"]
             rows.append({"requests": n, "kv_events": on, "vllm": v, "kvoffload": k, "ratio": ratio})
             print(

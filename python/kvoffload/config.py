@@ -92,6 +92,9 @@ class EngineConfig:
     stall_scan_interval_ms: int | None
     #: Bytes of one chunk on one worker (all its layers), unaligned.
     worker_chunk_bytes: int
+    #: Bytes of one chunk in host memory, every worker's part, aligned to the
+    #: host page (vLLM's ``kv_bytes_per_chunk``).
+    host_chunk_bytes: int = 0
 
     def to_json(self) -> str:
         """The configuration in the Rust library's keys."""
@@ -164,6 +167,9 @@ class EngineConfig:
         worker_chunk_bytes = worker_bytes_per_block * bpc
         chunks = _int(extra, "num_cpu_chunks", 1, (1 << 32) - 2)
         cpu_bytes = _int(extra, "cpu_bytes_to_use", 1)
+        # As vLLM's CPU offloading: a chunk holds every worker's part,
+        # aligned to the host page.
+        per_chunk = -(-worker_chunk_bytes * world_size // HOST_PAGE) * HOST_PAGE
         if chunks is not None and cpu_bytes is not None:
             raise ValueError(
                 "kv_connector_extra_config: specify only one of 'cpu_bytes_to_use' or 'num_cpu_chunks'"
@@ -171,9 +177,6 @@ class EngineConfig:
         if chunks is None:
             if cpu_bytes is None:
                 raise ValueError("kv_connector_extra_config: cpu_bytes_to_use must be specified")
-            # As vLLM's CPU offloading: a chunk holds every worker's part,
-            # aligned to the host page.
-            per_chunk = -(-worker_chunk_bytes * world_size // HOST_PAGE) * HOST_PAGE
             chunks = cpu_bytes // max(per_chunk, 1)
             if chunks < 1:
                 raise ValueError(
@@ -197,4 +200,5 @@ class EngineConfig:
             stall_timeout_ms=_seconds(extra, "stall_timeout_s"),
             stall_scan_interval_ms=_seconds(extra, "stall_scan_interval_s"),
             worker_chunk_bytes=worker_chunk_bytes,
+            host_chunk_bytes=per_chunk,
         )

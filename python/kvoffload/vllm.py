@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
     OffloadPromMetrics,
 )
+from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import AttentionSpec, group_kernel_blocks
@@ -93,6 +94,36 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         return KvOffloadWorkerMetadata(completed, self.failed | other.failed, stats)
 
 
+#: vLLM's metric names (vLLM 0.33 ``offloading/metrics.py``, ``kv_offload/cpu/common.py``).
+_LOAD, _STORE = "vllm:kv_offload_load", "vllm:kv_offload_store"
+_LOOKUP_SYNC_DELAY = "vllm:kv_offload_lookup_sync_delay_seconds"
+_LOOKUP_ASYNC_DELAY = "vllm:kv_offload_lookup_async_delay_seconds"
+_ALLOCATION_FAILURE = "vllm:kv_offload_allocation_failure"
+_STORES_SKIPPED = "vllm:kv_offload_stores_skipped"
+_CPU_USAGE = "vllm:kv_offload_cpu_cache_usage_perc"
+_CPU_WRITE_USAGE = "vllm:kv_offload_cpu_cache_write_usage_perc"
+_CPU_READ_USAGE = "vllm:kv_offload_cpu_cache_read_usage_perc"
+_CPU_ALLOCATION_SIZE = "vllm:kv_offload_cpu_allocation_size"
+
+#: kvoffload's stall metrics, beside vLLM's (the names of kvoffload's own
+#: Prometheus exporter).
+STALL_METRICS = {
+    "vllm:kv_offload_stalled_transfers": OffloadingCounterMetadata(
+        documentation="Transfer jobs the stall watchdog declared stalled (their loads recompute).",
+        labelnames=("transfer_type",),
+    ),
+    "kvoffload_late_reports": OffloadingCounterMetadata(
+        documentation="Worker reports that arrived for jobs already declared stalled.",
+    ),
+    "kvoffload_stalled_jobs": OffloadingGaugeMetadata(
+        documentation="Stalled jobs whose late reports are still awaited.",
+    ),
+    "kvoffload_quarantined_chunks": OffloadingGaugeMetadata(
+        documentation="Host chunks held back after a stalled store until its late reports arrive.",
+    ),
+}
+
+
 def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
     """The engine configuration from vLLM's: one full-attention KV group."""
     groups = kv_cache_config.kv_cache_groups
@@ -133,6 +164,18 @@ class _SchedulerSide:
         self.requests: set[str] = set()
         self.stats = OffloadingConnectorStats()
         self.block_size = cfg.tokens_per_block * cfg.blocks_per_chunk
+        self.info_sent = False
+        max_len = vllm_config.model_config.max_model_len if vllm_config.model_config else 0
+        chunk_tokens = self.block_size
+        # vLLM's CPU tier facts (``CPUOffloadingInfo``, one full-attention group).
+        self.info = {
+            "cpu_num_chunks": cfg.num_cpu_chunks,
+            "cpu_blocks_per_chunk": cfg.blocks_per_chunk,
+            "cpu_kv_cache_size_bytes": cfg.num_cpu_chunks * cfg.host_chunk_bytes,
+            "cpu_kv_cache_size_tokens": (
+                cfg.num_cpu_chunks * max_len // -(-max_len // chunk_tokens) if max_len > 0 else None
+            ),
+        }
 
     def on_new_request(self, request: Request) -> None:
         self.core.add_request(request)
@@ -187,10 +230,13 @@ class _SchedulerSide:
             for r in rejected:
                 logger.warning("kvoffload: rejected worker report %s", r)
         for name, (b, t, sizes) in meta.stats.items():
-            self.stats.increase_counter(f"{name}_bytes", b)
-            self.stats.increase_counter(f"{name}_time", t)
-            for s in sizes:
-                self.stats.observe_histogram(f"{name}_size", s)
+            if not (b or t or sizes):
+                continue
+            prefix = _LOAD if name == "load" else _STORE
+            self.stats.increase_counter(f"{prefix}_bytes", b)
+            self.stats.increase_counter(f"{prefix}_time", t)
+            for size in sizes:
+                self.stats.observe_histogram(f"{prefix}_size", size)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = request.request_id
@@ -231,12 +277,35 @@ class _SchedulerSide:
                 )
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        m = self.core.metrics()
-        self.stats.set_gauge("cpu_cache_usage_perc", m["usage"])
-        self.stats.set_gauge("cpu_cache_write_usage_perc", m["write_usage"])
-        self.stats.set_gauge("cpu_cache_read_usage_perc", m["read_usage"])
+        """vLLM's stats payload for the step (its names and what each holds),
+        plus kvoffload's stall metrics."""
+        st = self.core.take_stats()
         out, self.stats = self.stats, OffloadingConnectorStats()
-        return out if not out.is_empty() else None
+        for v in st["lookup_sync_delays"]:
+            out.observe_histogram(_LOOKUP_SYNC_DELAY, v)
+        for v in st["lookup_async_delays"]:
+            out.observe_histogram(_LOOKUP_ASYNC_DELAY, v)
+        if st["allocation_failures"]:
+            out.increase_counter(_ALLOCATION_FAILURE, st["allocation_failures"])
+        out.set_gauge(_CPU_USAGE, st["usage"])
+        for size in st["allocation_sizes"]:
+            out.observe_histogram(_CPU_ALLOCATION_SIZE, size)
+        out.set_gauge(_CPU_WRITE_USAGE, st["write_usage"])
+        out.set_gauge(_CPU_READ_USAGE, st["read_usage"])
+        if self.cfg.store_threshold >= 2:
+            out.increase_counter(_STORES_SKIPPED, st["stores_skipped"])
+        if st["stalled_stores"]:
+            out.increase_counter("vllm:kv_offload_stalled_transfers", st["stalled_stores"], ("GPU_to_CPU",))
+        if st["stalled_loads"]:
+            out.increase_counter("vllm:kv_offload_stalled_transfers", st["stalled_loads"], ("CPU_to_GPU",))
+        if st["late_reports"]:
+            out.increase_counter("kvoffload_late_reports", st["late_reports"])
+        out.set_gauge("kvoffload_stalled_jobs", st["stalled_jobs"])
+        out.set_gauge("kvoffload_quarantined_chunks", st["quarantined_chunks"])
+        if not self.info_sent:
+            out.set_info([self.info])
+            self.info_sent = True
+        return out
 
 
 class _WorkerSide:
@@ -356,6 +425,16 @@ class _WorkerSide:
             return None
         out, self.meta = self.meta, KvOffloadWorkerMetadata()
         return out
+
+
+class KvOffloadPromMetrics(OffloadPromMetrics):
+    """vLLM's ``kv_offload`` Prometheus metrics, plus kvoffload's stall metrics."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        for name, metadata in STALL_METRICS.items():
+            self._offloading_metric_metadata[name] = metadata
+            self._offloading_metric_defs[name] = self._create_metric(name, metadata)
 
 
 class KvOffloadConnector(KVConnectorBase_V1):
@@ -491,7 +570,7 @@ class KvOffloadConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return KvOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -------------------------------------------------------------- testing
     def scheduler_state(self) -> dict[str, Any]:

@@ -98,6 +98,9 @@ impl Names {
 /// token count and block hashes) and the hashes already given to the scheduler.
 struct Tracked {
     request: Py<PyAny>,
+    /// Its `request_id` object: the scheduler output's keys are this object,
+    /// so a request is found by the object's address first.
+    name: Py<PyAny>,
     hashes: Vec<BlockHash>,
 }
 
@@ -108,6 +111,10 @@ struct SchedulerCore {
     cfg: OffloadConfig,
     names: Names,
     tracked: FxHashMap<RequestId, Tracked>,
+    /// Tracked requests by the address of their `request_id` object (alive
+    /// while tracked, so the address is theirs), with the number of block
+    /// hashes given to the scheduler (the per-step check reads only this).
+    by_address: FxHashMap<usize, (RequestId, usize)>,
     /// Finished requests the scheduler may still track (jobs in flight):
     /// forgotten once it no longer does.
     finishing: Vec<RequestId>,
@@ -120,6 +127,18 @@ struct SchedulerCore {
     wire: Vec<u8>,
     /// Set when the scheduler runs on a manual clock (tests).
     manual: Option<ManualClock>,
+    /// Counter values at the last `take_stats` (its counters are deltas).
+    last_counters: Counters,
+}
+
+/// The cumulative counters `take_stats` reports as deltas.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counters {
+    allocation_failures: u64,
+    stores_skipped: u64,
+    stalled_stores: u64,
+    stalled_loads: u64,
+    late_reports: u64,
 }
 
 impl SchedulerCore {
@@ -143,29 +162,66 @@ impl SchedulerCore {
             t.hashes
                 .push(block_hash(list.get_item(i)?.cast::<PyBytes>()?.as_bytes()));
         }
+        if let Some(entry) = self.by_address.get_mut(&(t.name.as_ptr() as usize)) {
+            entry.1 = t.hashes.len();
+        }
         let num_tokens: u64 = req.getattr(intern!(py, "num_tokens"))?.extract()?;
         self.s
             .update_request(id, num_tokens, &t.hashes[sent..])
             .map_err(value_error)
     }
 
-    /// [`Self::sync`] when a block ending at or before `tokens` may have
-    /// been hashed since the last one (else nothing is read).
-    fn sync_until(&mut self, py: Python<'_>, id: RequestId, tokens: u64) -> PyResult<()> {
-        let tpb = u64::from(self.cfg.tokens_per_block);
-        match self.tracked.get(&id) {
-            Some(t) if (t.hashes.len() as u64 + 1).saturating_mul(tpb) > tokens => Ok(()),
-            _ => self.sync(py, id, false),
+    /// The request a scheduler-output key names: by the key object's
+    /// address, else by its text; `None` for one the connector does not track.
+    fn resolve(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<RequestId>> {
+        Ok(self.resolve_with_hashes(key)?.map(|(id, _)| id))
+    }
+
+    /// [`Self::resolve`], with the block hashes the scheduler has of it
+    /// (`usize::MAX` when found by text: unknown, so checked).
+    fn resolve_with_hashes(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<(RequestId, usize)>> {
+        if let Some(&found) = self.by_address.get(&(key.as_ptr() as usize)) {
+            return Ok(Some(found));
         }
+        let name = key.cast::<pyo3::types::PyString>()?;
+        Ok(self
+            .names
+            .ids
+            .get(name.to_str()?)
+            .map(|&id| (id, usize::MAX)))
+    }
+
+    /// [`Self::sync`] when a block ending at or before `tokens` may have
+    /// been hashed since the last one, `sent` hashes given so far (else
+    /// nothing is read).
+    fn sync_until(
+        &mut self,
+        py: Python<'_>,
+        id: RequestId,
+        sent: usize,
+        tokens: u64,
+    ) -> PyResult<()> {
+        let tpb = u64::from(self.cfg.tokens_per_block);
+        if sent != usize::MAX && (sent as u64 + 1).saturating_mul(tpb) > tokens {
+            return Ok(());
+        }
+        self.sync(py, id, false)
     }
 
     /// Forgets the finished requests the scheduler no longer tracks.
     fn forget_finished(&mut self) {
-        let (s, tracked, names) = (&self.s, &mut self.tracked, &mut self.names);
+        let (s, tracked, names, by_address) = (
+            &self.s,
+            &mut self.tracked,
+            &mut self.names,
+            &mut self.by_address,
+        );
         self.finishing.retain(|&id| {
             let gone = !s.has_request(id);
             if gone {
-                tracked.remove(&id);
+                if let Some(t) = tracked.remove(&id) {
+                    by_address.remove(&(t.name.as_ptr() as usize));
+                }
                 names.forget(id);
             }
             !gone
@@ -238,9 +294,11 @@ impl SchedulerCore {
             cfg,
             names: Names::default(),
             tracked: FxHashMap::default(),
+            by_address: FxHashMap::default(),
             finishing: Vec::new(),
             key_bytes: FxHashMap::default(),
             kv_events,
+            last_counters: Counters::default(),
             wire: Vec::new(),
             manual,
         })
@@ -261,19 +319,26 @@ impl SchedulerCore {
     /// `num_prompt_tokens`, `num_tokens` and `block_hashes` are read now and
     /// at the hooks that need them).
     fn add_request(&mut self, py: Python<'_>, request: Bound<'_, PyAny>) -> PyResult<()> {
-        let name: String = request.getattr(intern!(py, "request_id"))?.extract()?;
+        let name_obj = request.getattr(intern!(py, "request_id"))?;
+        let name: String = name_obj.extract()?;
         let prompt: u64 = request
             .getattr(intern!(py, "num_prompt_tokens"))?
             .extract()?;
         let id = self.names.intern(&name);
         self.s.add_request(id, prompt, &[]).map_err(value_error)?;
-        self.tracked.insert(
+        let address = name_obj.as_ptr() as usize;
+        let old = self.tracked.insert(
             id,
             Tracked {
                 request: request.unbind(),
+                name: name_obj.unbind(),
                 hashes: Vec::new(),
             },
         );
+        if let Some(old) = old {
+            self.by_address.remove(&(old.name.as_ptr() as usize));
+        }
+        self.by_address.insert(address, (id, 0));
         self.sync(py, id, true)
     }
 
@@ -330,18 +395,14 @@ impl SchedulerCore {
         preempted: Vec<String>,
         finished: Vec<String>,
     ) -> PyResult<(Bound<'py, PyBytes>, HashMap<u64, String>, Vec<String>)> {
-        // Each scheduled request's (new blocks, whole table, computed tokens).
-        let mut parts: FxHashMap<RequestId, (Vec<GpuBlockId>, bool, u64)> =
-            FxHashMap::with_capacity_and_hasher(num_scheduled.len(), Default::default());
-        for (name, ids, computed) in &new_requests {
-            if let Some(&id) = self.names.ids.get(name.as_str()) {
-                parts.insert(id, (blocks(ids), true, *computed));
-            }
-        }
+        // Each scheduled request's (id, new blocks, whole table, computed
+        // tokens): the cached requests in their order (the running ones come
+        // in the order `num_scheduled` lists them), then the new ones.
+        type Part = (RequestId, Vec<GpuBlockId>, bool, u64);
+        let mut parts: Vec<Option<Part>> = Vec::with_capacity(num_scheduled.len());
         let has_resumed = resumed.len()? > 0;
-        for (i, name) in cached_ids.iter().enumerate() {
-            let name = name.cast::<pyo3::types::PyString>()?;
-            let Some(&id) = self.names.ids.get(name.to_str()?) else {
+        for (i, key) in cached_ids.iter().enumerate() {
+            let Some(id) = self.resolve(&key)? else {
                 continue;
             };
             let groups = cached_blocks.get_item(i)?;
@@ -355,22 +416,50 @@ impl SchedulerCore {
                     blocks(&ids.extract::<Vec<u32>>()?)
                 }
             };
-            let full = has_resumed && resumed.contains(name)?;
+            let full = has_resumed && resumed.contains(&key)?;
             let computed: u64 = cached_computed.get_item(i)?.extract()?;
-            parts.insert(id, (new_blocks, full, computed));
+            parts.push(Some((id, new_blocks, full, computed)));
         }
+        for (name, ids, computed) in &new_requests {
+            if let Some(&id) = self.names.ids.get(name.as_str()) {
+                parts.push(Some((id, blocks(ids), true, *computed)));
+            }
+        }
+        // Out-of-order keys are found through this index, built on the first.
+        let mut index: Option<FxHashMap<RequestId, usize>> = None;
+        let mut cursor = 0;
         let mut input = StepInput::default();
-        for (name, n) in num_scheduled.iter() {
-            let name = name.cast::<pyo3::types::PyString>()?;
-            let Some(&id) = self.names.ids.get(name.to_str()?) else {
+        input.scheduled.reserve(num_scheduled.len());
+        for (key, n) in num_scheduled.iter() {
+            let Some((id, sent)) = self.resolve_with_hashes(&key)? else {
                 continue;
             };
-            let (new_block_ids, full_table, computed_tokens) =
-                parts.remove(&id).unwrap_or_default();
+            let in_order = matches!(parts.get(cursor), Some(Some(p)) if p.0 == id);
+            let at = if in_order {
+                cursor += 1;
+                Some(cursor - 1)
+            } else {
+                let index = index.get_or_insert_with(|| {
+                    parts
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, p)| p.as_ref().map(|p| (p.0, i)))
+                        .collect()
+                });
+                index.get(&id).copied()
+            };
+            let (_, new_block_ids, full_table, computed_tokens) = at
+                .and_then(|i| parts[i].take())
+                .unwrap_or((id, Vec::new(), false, 0));
             let scheduled_tokens: u64 = n.extract()?;
             // Store planning this step reads hashes up to the tokens computed
             // by its end: a block completed past them can wait.
-            self.sync_until(py, id, computed_tokens.saturating_add(scheduled_tokens))?;
+            self.sync_until(
+                py,
+                id,
+                sent,
+                computed_tokens.saturating_add(scheduled_tokens),
+            )?;
             input.scheduled.push(ScheduledRequest {
                 req: id,
                 new_block_ids,
@@ -477,10 +566,11 @@ impl SchedulerCore {
     /// its 8-byte key where the hash is not known).
     #[allow(clippy::type_complexity)]
     fn take_events(&mut self, py: Python<'_>) -> Vec<(bool, bool, Vec<Py<PyAny>>)> {
-        let events = self.s.take_events();
         if !self.kv_events {
+            self.s.discard_events();
             return Vec::new();
         }
+        let events = self.s.take_events();
         let mut out = Vec::with_capacity(events.len());
         let mut removed: Vec<ChunkKey> = Vec::new();
         for e in events {
@@ -521,6 +611,55 @@ impl SchedulerCore {
     /// A stall scan now, if one is due (for engines without the thread).
     fn scan_if_due(&mut self) -> bool {
         self.s.scan_if_due().is_some()
+    }
+
+    /// What vLLM's stats carry for one step, since the last call: `{name:
+    /// value}` with the gauges (`usage`, `write_usage`, `read_usage`,
+    /// `stalled_jobs`, `quarantined_chunks`), the counters' increments
+    /// (`allocation_failures`, `stores_skipped`, `stalled_stores`,
+    /// `stalled_loads`, `late_reports`) and the raw observations
+    /// (`allocation_sizes`, `lookup_sync_delays`, `lookup_async_delays`).
+    fn take_stats<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (sync, asynchronous) = self.s.take_lookup_delays();
+        let sizes = self.s.manager_mut().take_allocation_sizes();
+        let m = self.s.metrics();
+        let st = self.s.manager().stats();
+        let now = Counters {
+            allocation_failures: st.allocation_failures,
+            stores_skipped: st.stores_skipped,
+            stalled_stores: m.stalled_stores,
+            stalled_loads: m.stalled_loads,
+            late_reports: m.late_reports,
+        };
+        let last = std::mem::replace(&mut self.last_counters, now);
+        let d = PyDict::new(py);
+        d.set_item("usage", st.usage)?;
+        d.set_item("write_usage", st.write_usage)?;
+        d.set_item("read_usage", st.read_usage)?;
+        d.set_item("stalled_jobs", m.stalled_jobs)?;
+        d.set_item("quarantined_chunks", m.quarantined_chunks)?;
+        let delta = |a: u64, b: u64| a.saturating_sub(b);
+        d.set_item(
+            "allocation_failures",
+            delta(now.allocation_failures, last.allocation_failures),
+        )?;
+        d.set_item(
+            "stores_skipped",
+            delta(now.stores_skipped, last.stores_skipped),
+        )?;
+        d.set_item(
+            "stalled_stores",
+            delta(now.stalled_stores, last.stalled_stores),
+        )?;
+        d.set_item(
+            "stalled_loads",
+            delta(now.stalled_loads, last.stalled_loads),
+        )?;
+        d.set_item("late_reports", delta(now.late_reports, last.late_reports))?;
+        d.set_item("allocation_sizes", sizes)?;
+        d.set_item("lookup_sync_delays", sync)?;
+        d.set_item("lookup_async_delays", asynchronous)?;
+        Ok(d)
     }
 
     /// Counters and gauges (scheduler and host tier) as a dict.
@@ -715,6 +854,16 @@ impl HostWorkerCore {
     /// Lets a stalled job run now (its report comes late). Whether it was stalled.
     fn release_stalled(&mut self, job: u64) -> bool {
         self.worker.backend_mut().release_stalled(JobId(job))
+    }
+
+    /// Waits (at most `timeout_s`) until every submitted job not held stalled
+    /// has copied its bytes; they report at the next poll (tests: completion
+    /// independent of thread timing).
+    #[pyo3(signature = (timeout_s = 30.0))]
+    fn settle(&mut self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = std::time::Duration::from_secs_f64(timeout_s.max(0.0));
+        let backend = self.worker.backend_mut();
+        py.detach(|| backend.settle(timeout)).map_err(runtime_error)
     }
 
     /// Cancels a job that has not started copying (a stalled one): it will

@@ -172,6 +172,9 @@ class Engine:
             self._compute(so)
         for w, wc in enumerate(self.workers):
             wc.wait_for_save()
+            # Every transfer not stalled on purpose has copied by now: which
+            # step a job completes in does not depend on thread timing.
+            wc._worker.core.settle()
             res = wc.get_transfer_results(so.finished_req_ids)
             wmeta = wc.build_connector_worker_meta()
             wc.clear_connector_metadata()
@@ -344,3 +347,42 @@ def build(
 
 def done_requests(engine: Engine) -> int:
     return sum(1 for r in engine.scheduler.requests.values() if r.status == RequestStatus.RUNNING)
+
+
+class PromRecorder:
+    """Feeds every stats payload the connector gives vLLM's scheduler into
+    the connector's Prometheus metrics (`build_prom_metrics`, as vLLM's
+    frontend does) on a private registry; `value` reads a sample."""
+
+    def __init__(self, engine: Engine) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        reg = self.registry
+
+        def bound(cls):
+            return lambda *a, **k: cls(*a, registry=reg, **k)
+
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+            Counter as VCounter,
+            Gauge as VGauge,
+            Histogram as VHistogram,
+        )
+
+        types = {VGauge: bound(Gauge), VCounter: bound(Counter), VHistogram: bound(Histogram)}
+        conn = engine.connector
+        vllm_config = conn._vllm_config
+        self.prom = type(conn).build_prom_metrics(vllm_config, types, ["engine"], {0: ["0"]})
+        inner = conn.get_kv_connector_stats
+
+        def recorded():
+            st = inner()
+            if st is not None and not st.is_empty():
+                self.prom.observe(st.data, 0)
+            return st
+
+        conn.get_kv_connector_stats = recorded
+
+    def value(self, name: str, **labels: str) -> float | None:
+        return self.registry.get_sample_value(name, {"engine": "0", **labels})
+

@@ -60,6 +60,7 @@ def test_prefix_evicted_from_the_gpu_is_loaded_back_with_the_computed_bytes(asyn
         num_gpu_blocks=32, world_size=world_size, async_scheduling=async_scheduling,
         extra={"num_cpu_chunks": 256, "offload_prompt_only": False},
     )
+    prom = harness.PromRecorder(e)
     e.add(PREFIX + [1, 2, 3], max_tokens=2)
     run_checked(e)
     evict_gpu_prefix(e)
@@ -68,6 +69,16 @@ def test_prefix_evicted_from_the_gpu_is_loaded_back_with_the_computed_bytes(asyn
     assert b in e.loaded, "the prefix came back from the host tier"
     assert checked > 0
     leak_free(e)
+    # vLLM's kv_offload metrics, through vLLM's own stats path and exporter:
+    # the bytes moved (summed over the workers), the lookups, the tier's facts.
+    page = 2 * harness.HEADS * harness.HEAD_SIZE * 4 * 4  # K,V x heads x head x tpb x float32
+    loaded = prom.value("vllm:kv_offload_load_bytes_total")
+    assert loaded is not None and loaded > 0 and loaded % (page * 2) == 0, loaded
+    assert prom.value("vllm:kv_offload_store_bytes_total") > loaded
+    assert prom.value("vllm:kv_offload_lookup_sync_delay_seconds_count") > 0
+    assert prom.value("vllm:kv_offload_cpu_cache_usage_perc") == 0.0, "nothing in flight at the end"
+    info = [s for m in prom.registry.collect() for s in m.samples if s.name == "vllm:kv_offload_config_info"]
+    assert len(info) == 1 and info[0].labels["cpu_num_chunks"] == "256", info
 
 
 def test_preemption_with_stores_in_flight_and_reset_with_requests_running():
@@ -144,6 +155,7 @@ def manual_clock(e: harness.Engine, timeout_s: float = 1.0) -> kvoffload.Schedul
 def test_a_stalled_store_and_a_stalled_load_end_with_every_request_finished_and_nothing_left():
     e = harness.build(num_gpu_blocks=32, extra={"num_cpu_chunks": 256, "offload_prompt_only": False})
     core = manual_clock(e)
+    prom = harness.PromRecorder(e)
     stalled: dict[str, int] = {}
     arm = {"load": False}
 
@@ -182,6 +194,11 @@ def test_a_stalled_store_and_a_stalled_load_end_with_every_request_finished_and_
     assert b in e.failed, "vLLM was told the load failed (it recomputes)"
     assert checked > 0, "the request finished with the right KV"
     leak_free(e)
+    # The stall metrics beside vLLM's, through vLLM's exporter.
+    stalled_transfers = "vllm:kv_offload_stalled_transfers_total"
+    assert prom.value(stalled_transfers, transfer_type="GPU_to_CPU") == 1
+    assert prom.value(stalled_transfers, transfer_type="CPU_to_GPU") == 1
+    assert prom.value("kvoffload_quarantined_chunks") == 0, "the quarantine ended"
 
 
 @pytest.mark.parametrize(

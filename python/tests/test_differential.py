@@ -17,7 +17,7 @@ import pytest
 
 import kvoffload._native as native
 from harness import build
-from kvoffload.vllm import KvOffloadWorkerMetadata
+from kvoffload.vllm import STALL_METRICS, KvOffloadWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
@@ -85,6 +85,24 @@ def kvoffload_transfers(meta: Any) -> tuple[list, list]:
     )
 
 
+def comparable_stats(st: Any) -> Any:
+    """A stats payload as compared: vLLM's metrics (kvoffload's stall
+    metrics left out), lookup delays as their number of observations (they
+    are durations), transfer times left out, the info as is."""
+    if st is None:
+        return None
+    out = {}
+    for name, by_labels in st.data.get("data", {}).items():
+        if name in STALL_METRICS:
+            continue
+        if name.endswith("_delay_seconds"):
+            by_labels = {k: len(v) for k, v in by_labels.items()}
+        elif name.endswith("_time"):
+            by_labels = {k: "t" for k in by_labels}
+        out[name] = (st.data["types"][name], by_labels)
+    return out, st.data.get("info")
+
+
 def order_free(events: list[tuple]) -> list[tuple]:
     """The events with each run of one kind sorted: vLLM iterates a job's
     keys in set order ("key order is free", its events tracker says), so only
@@ -141,6 +159,15 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
         return got
 
     e.connector.take_events = take_events
+    stats: list[Any] = []
+    get_stats = e.connector.get_kv_connector_stats
+
+    def kv_connector_stats() -> Any:
+        got = get_stats()
+        stats.append(comparable_stats(got))
+        return got
+
+    e.connector.get_kv_connector_stats = kv_connector_stats
     arrivals = workload(seed, 60)
     steps: list[dict] = []
     i = 0
@@ -166,10 +193,12 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
                 "stores": stores,
                 # The KV events taken in the step (vLLM takes them at update_from_output).
                 "events": order_free(events),
+                "stats": stats[:],
             }
         )
         lookups.clear()
         events.clear()
+        stats.clear()
     else:
         raise AssertionError(f"{connector}: requests still running after 600 steps")
     e.flush_async()

@@ -86,6 +86,12 @@ impl EventLog {
         }
     }
 
+    /// Drops every pending event (keeps the buffers).
+    pub(crate) fn clear(&mut self) {
+        self.pending.clear();
+        self.keys.clear();
+    }
+
     /// Drains every pending event once; a failed-store removal keeps only the
     /// keys for which `present` is false now (not re-allocated since).
     pub(crate) fn drain(&mut self, present: impl Fn(ChunkKey) -> bool) -> Vec<OffloadEvent> {
@@ -153,6 +159,20 @@ mod tests {
             vec![ChunkKey(7)],
             "buffer reused from the start"
         );
+    }
+
+    #[test]
+    fn cleared_events_are_gone_and_later_ones_kept() {
+        let mut log = EventLog::default();
+        log.stored(&[ChunkKey(1), ChunkKey(2)]);
+        log.evicted(&[ChunkKey(3)]);
+        log.clear();
+        assert_eq!(log.len(), 0);
+        assert!(log.drain(|_| false).is_empty());
+        log.stored(&[ChunkKey(4)]);
+        let d = log.drain(|_| false);
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].keys, vec![ChunkKey(4)]);
     }
 
     #[test]

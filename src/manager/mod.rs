@@ -29,6 +29,10 @@ use crate::ids::{ChunkId, RequestId};
 use crate::key::{ChunkKey, KeyBuildHasher};
 
 use events::EventLog;
+
+/// Allocation sizes kept for [`OffloadManager::take_allocation_sizes`] at
+/// most: a backend that never takes them loses the newest, not memory.
+pub const MAX_RECENT_ALLOCATIONS: usize = 1 << 16;
 use huge_buffer::HugeBuffer;
 use policy::{EvictionPolicy, FinishedAccess, Policy, new_policy};
 pub(crate) use request_access::RequestAccess;
@@ -125,6 +129,10 @@ pub struct OffloadManager {
     counters: Counters,
     stores_skipped: u64,
     allocation_failures: u64,
+    /// Keys each `prepare_store` tried to allocate since the last
+    /// [`OffloadManager::take_allocation_sizes`] (vLLM's allocation-size
+    /// histogram), at most [`MAX_RECENT_ALLOCATIONS`].
+    allocation_sizes: Vec<u32>,
     ignored_complete_keys: u64,
     alloc_sizes: [u64; ALLOC_SIZE_BUCKETS],
     generation: u64,
@@ -166,6 +174,7 @@ impl OffloadManager {
             counters: Counters::default(),
             stores_skipped: 0,
             allocation_failures: 0,
+            allocation_sizes: Vec::new(),
             ignored_complete_keys: 0,
             alloc_sizes: [0; ALLOC_SIZE_BUCKETS],
             generation: 0,
@@ -495,6 +504,11 @@ impl OffloadManager {
             self.scratch_store = to_store;
             true
         } else {
+            // As vLLM: every allocation attempt counts, failed ones too.
+            if self.allocation_sizes.len() < MAX_RECENT_ALLOCATIONS {
+                self.allocation_sizes
+                    .push(u32::try_from(to_store.len()).unwrap_or(u32::MAX));
+            }
             let rank = access.as_deref().and_then(|a| a.rank);
             let ranked = if positions.is_some() { rank } else { None };
             self.allocate(to_store, &to_store_pos, ranked, access.is_some())
@@ -826,6 +840,18 @@ impl OffloadManager {
             ..
         } = self;
         events.drain(|k| index.get(k, key_of(slots)).is_some())
+    }
+
+    /// How many keys each store tried to allocate since the last call, in
+    /// order (vLLM `kv_offload_cpu_allocation_size`).
+    pub fn take_allocation_sizes(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.allocation_sizes)
+    }
+
+    /// Drops the pending events without building them (a backend that
+    /// publishes no events drains this way, allocation-free).
+    pub fn discard_events(&mut self) {
+        self.events.clear();
     }
 
     /// Events waiting to be drained.

@@ -395,6 +395,17 @@ fn allocation_failures_are_counted() {
 }
 
 #[test]
+fn allocation_sizes_are_kept_raw_until_taken_failures_included() {
+    let mut m = mgr(1, Lru);
+    m.prepare_store(&k(&[1]), None).unwrap();
+    assert!(m.prepare_store(&k(&[2, 3]), None).is_none());
+    // Present keys only: nothing to allocate, nothing recorded (as vLLM).
+    m.prepare_store(&k(&[1]), None).unwrap();
+    assert_eq!(m.take_allocation_sizes(), vec![1, 2]);
+    assert!(m.take_allocation_sizes().is_empty(), "taken once");
+}
+
+#[test]
 fn store_threshold_filters_first_offers() {
     let mut m = mgr(4, Lru).with_store_threshold(2, 100);
     let out = m.prepare_store(&k(&[1, 2]), None).unwrap();

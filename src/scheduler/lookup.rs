@@ -53,44 +53,47 @@ impl Scheduler {
     /// being written, and while a hit chunk is being loaded for another request.
     /// Hits below one chunk count as zero.
     ///
-    /// Records the lookup delays with the scheduler's clock: a call that
-    /// resolves a lookup never deferred before adds its own duration to the
-    /// sync histogram; a call that resolves a deferred lookup adds the time since
-    /// the first deferral to the async histogram (once per resolution).
+    /// Records the lookup delays with the scheduler's clock, as vLLM: every
+    /// call that looks the tier up (all but those deferred by the request's
+    /// own jobs in flight) adds its duration to the sync histogram, whatever
+    /// it answers; the first such call that defers starts the request's async
+    /// clock, and the next that resolves (or the request's end) adds the time
+    /// since to the async histogram.
     pub fn lookup(
         &mut self,
         req: RequestId,
         computed_tokens: u64,
     ) -> Result<LookupOutcome, SchedulerError> {
         let start = self.now_ns();
-        let outcome = self.lookup_inner(req, computed_tokens)?;
+        let (outcome, looked_up) = self.lookup_inner(req, computed_tokens)?;
+        if !looked_up {
+            return Ok(outcome);
+        }
         let now = self.now_ns();
+        let secs = |ns: u64| ns as f64 / 1e9;
+        self.lookup_delays
+            .observe_sync(secs(now.saturating_sub(start)));
         if let Some(rs) = self.requests.get_mut(&req) {
-            let secs = |ns: u64| ns as f64 / 1e9;
             match (outcome, rs.lookup_deferred_since_ns) {
                 (LookupOutcome::Defer, None) => rs.lookup_deferred_since_ns = Some(start),
-                (LookupOutcome::Defer, Some(_)) => {}
+                (LookupOutcome::Defer, Some(_)) | (LookupOutcome::Hit(_), None) => {}
                 (LookupOutcome::Hit(_), Some(since)) => {
                     rs.lookup_deferred_since_ns = None;
                     self.lookup_delays
-                        .async_
-                        .observe(secs(now.saturating_sub(since)));
-                }
-                (LookupOutcome::Hit(_), None) => {
-                    self.lookup_delays
-                        .sync
-                        .observe(secs(now.saturating_sub(start)));
+                        .observe_async(secs(now.saturating_sub(since)));
                 }
             }
         }
         Ok(outcome)
     }
 
+    /// The answer, and whether the tier was looked up (`false`: deferred by
+    /// the request's own jobs in flight, before any lookup).
     fn lookup_inner(
         &mut self,
         req: RequestId,
         computed_tokens: u64,
-    ) -> Result<LookupOutcome, SchedulerError> {
+    ) -> Result<(LookupOutcome, bool), SchedulerError> {
         self.apply_stalls();
         let g = self.geo;
         let rs = self
@@ -100,7 +103,7 @@ impl Scheduler {
         rs.restart();
         rs.lookup_computed = Some(computed_tokens);
         if !rs.jobs.is_empty() {
-            return Ok(LookupOutcome::Defer);
+            return Ok((LookupOutcome::Defer, false));
         }
         // As vLLM: no hit past the request's last full chunk, and the
         // less-than-a-chunk answer (zero) comes before any key is looked up,
@@ -113,13 +116,13 @@ impl Scheduler {
             .map_or(rs.num_tokens, |cap| cap.min(rs.num_tokens))
             .min(full_chunk_tokens);
         if max_hit.saturating_sub(computed_tokens) < g.tokens_per_chunk {
-            return Ok(LookupOutcome::Hit(0));
+            return Ok((LookupOutcome::Hit(0), true));
         }
         let start = (computed_tokens / g.tokens_per_chunk) as usize;
         let end =
             (max_hit.div_ceil(g.tokens_per_chunk) as usize).min(rs.num_keys(g.blocks_per_chunk));
         if start >= end {
-            return Ok(LookupOutcome::Hit(0));
+            return Ok((LookupOutcome::Hit(0), true));
         }
         let Some(rs) = self.requests.get(&req) else {
             return Err(SchedulerError::UnknownRequest(req));
@@ -129,7 +132,7 @@ impl Scheduler {
             (start..end).map(|i| rs.key(i, g.blocks_per_chunk)),
         );
         if scan.defer {
-            return Ok(LookupOutcome::Defer);
+            return Ok((LookupOutcome::Defer, true));
         }
         let covered = g
             .tokens_per_chunk
@@ -137,7 +140,7 @@ impl Scheduler {
             .min(max_hit);
         let hit = covered.saturating_sub(computed_tokens);
         if hit < g.tokens_per_chunk {
-            return Ok(LookupOutcome::Hit(0));
+            return Ok((LookupOutcome::Hit(0), true));
         }
         if !self.being_loaded.is_empty()
             && (start..start + scan.hits).any(|i| {
@@ -145,9 +148,9 @@ impl Scheduler {
                     .contains_key(&rs.key(i, g.blocks_per_chunk))
             })
         {
-            return Ok(LookupOutcome::Defer);
+            return Ok((LookupOutcome::Defer, true));
         }
-        Ok(LookupOutcome::Hit(hit))
+        Ok((LookupOutcome::Hit(hit), true))
     }
 
     /// The backend allocated `block_ids` (the request's whole table) for `req`,

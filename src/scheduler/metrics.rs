@@ -9,15 +9,22 @@ pub const LOOKUP_DELAY_BUCKETS: [f64; 12] = [
     1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0, 300.0,
 ];
 
+/// Raw observations kept for [`LookupDelays::take_recent`] at most (per
+/// histogram): a backend that never takes them loses the newest, not memory.
+pub const MAX_RECENT_DELAYS: usize = 1 << 16;
+
 /// How long lookups took to resolve, measured with the scheduler's clock
 /// (vLLM `kv_offload_lookup_{sync,async}_delay_seconds`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LookupDelays {
     /// Duration of each lookup call that resolved without ever deferring (seconds).
     pub sync: Histogram,
-    /// From the first deferral of a request's lookup to the call that resolved
-    /// it (seconds), recorded once per resolution.
+    /// From the first deferral of a request's lookup to the call that
+    /// resolved it, or to the request's end (seconds), once per deferral.
     pub async_: Histogram,
+    /// Observations not yet taken, `(sync, async)`: vLLM's stats carry each
+    /// value (its Prometheus histograms bucket them at the exporter).
+    recent: (Vec<f64>, Vec<f64>),
 }
 
 impl Default for LookupDelays {
@@ -25,7 +32,32 @@ impl Default for LookupDelays {
         Self {
             sync: Histogram::new(&LOOKUP_DELAY_BUCKETS),
             async_: Histogram::new(&LOOKUP_DELAY_BUCKETS),
+            recent: (Vec::new(), Vec::new()),
         }
+    }
+}
+
+impl LookupDelays {
+    /// A lookup that resolved without deferring took `secs`.
+    pub(crate) fn observe_sync(&mut self, secs: f64) {
+        self.sync.observe(secs);
+        if self.recent.0.len() < MAX_RECENT_DELAYS {
+            self.recent.0.push(secs);
+        }
+    }
+
+    /// A deferred lookup resolved (or its request ended) `secs` after its
+    /// first deferral.
+    pub(crate) fn observe_async(&mut self, secs: f64) {
+        self.async_.observe(secs);
+        if self.recent.1.len() < MAX_RECENT_DELAYS {
+            self.recent.1.push(secs);
+        }
+    }
+
+    /// The observations since the last call, `(sync, async)`, in order.
+    pub fn take_recent(&mut self) -> (Vec<f64>, Vec<f64>) {
+        std::mem::take(&mut self.recent)
     }
 }
 

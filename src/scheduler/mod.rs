@@ -270,6 +270,7 @@ impl Scheduler {
         computed_tokens: u64,
     ) -> Result<(), SchedulerError> {
         self.apply_stalls();
+        let now = self.now_ns();
         let info = FinishInfo {
             aborted,
             computed_tokens,
@@ -288,6 +289,9 @@ impl Scheduler {
         // stored (a request aborted while its load was in flight stores
         // nothing of the blocks it never computed).
         let _ = block_ids;
+        // As vLLM: a lookup still deferred when its request ends counts its
+        // wait (the async delay) then.
+        let deferred = rs.lookup_deferred_since_ns.take();
         for &job in &rs.jobs {
             if let Some(mut e) = self.jobs.get_mut(job)
                 && e.kind == JobKind::Store
@@ -303,6 +307,10 @@ impl Scheduler {
                 self.fences.add(job, &s.blocks);
             }
         }
+        if let Some(since) = deferred {
+            self.lookup_delays
+                .observe_async(now.saturating_sub(since) as f64 / 1e9);
+        }
         Ok(())
     }
 
@@ -310,6 +318,13 @@ impl Scheduler {
     pub fn take_events(&mut self) -> Vec<OffloadEvent> {
         self.apply_stalls();
         self.manager.take_events()
+    }
+
+    /// Drops the host tier's pending events unbuilt (for a backend that
+    /// publishes none).
+    pub fn discard_events(&mut self) {
+        self.apply_stalls();
+        self.manager.discard_events();
     }
 
     /// Whether the engine must keep stepping: live jobs, an undrained reset
@@ -354,6 +369,12 @@ impl Scheduler {
     /// The lookup delay histograms (sync and async), since the scheduler was built.
     pub fn lookup_delays(&self) -> &LookupDelays {
         &self.lookup_delays
+    }
+
+    /// The lookup delays observed since the last call, `(sync, async)`
+    /// (vLLM's stats carry each value).
+    pub fn take_lookup_delays(&mut self) -> (Vec<f64>, Vec<f64>) {
+        self.lookup_delays.take_recent()
     }
 
     /// Whether `req` is tracked.

@@ -261,6 +261,15 @@ impl HostBackend {
         v
     }
 
+    /// Waits (up to `timeout`) until every submitted job that is not held
+    /// stalled has finished copying, without reporting any: the next poll
+    /// reports them as usual (injected delays still count polls). Tests use it
+    /// to make completion independent of thread timing.
+    pub fn settle(&mut self, timeout: Duration) -> Result<(), BackendError> {
+        let queued: Vec<JobId> = self.queues.iter().flatten().map(|p| p.job.id).collect();
+        self.wait(&queued, Some(timeout))
+    }
+
     /// Reports every queued job as if every injected delay had run out: waits
     /// for their copies, moves the delay clock (the poll count) past the
     /// latest of them, and polls. What is still in flight afterwards can only
