@@ -20,7 +20,10 @@
 # $OUT/bench-cuda.json, the calibrated table in $OUT/strategy-table.json), then
 #   kvoffload sim --backend cuda            (default strategy table)
 #   kvoffload sim --backend cuda --strategy-table $OUT/strategy-table.json
-# (summaries in $OUT/sim-cuda*.json; exit 1 on any leak). Pass `--quick` after
+# (summaries in $OUT/sim-cuda*.json; exit 1 on any leak), and the vLLM
+# connector's binding over device memory (python/tests/binding_roundtrip.py
+# --backend cuda: store, wipe, load back, compare; no vLLM or torch needed).
+# Pass `--quick` after
 # `run` for a short sweep and short sims.
 set -euo pipefail
 
@@ -66,6 +69,14 @@ for line in sys.stdin:
         print(m["executable"])
 ' | while read -r exe; do cp "$exe" "$carry/kvoffload"; echo "carried binary: kvoffload"; done
     [[ -x "$carry/kvoffload" ]] || { echo "gpu-check: the kvoffload binary was not built" >&2; exit 1; }
+    # The vLLM connector's binding (kvoffload._native, CUDA worker included)
+    # and its store-wipe-load round trip, which needs neither vLLM nor torch.
+    (cd python && cargo build --release --lib)
+    mkdir -p "$carry/python/kvoffload"
+    cp python/target/release/lib_native.so "$carry/python/kvoffload/_native.abi3.so"
+    cp python/kvoffload/__init__.py "$carry/python/kvoffload/"
+    cp python/tests/binding_roundtrip.py "$carry/python/"
+    echo "carried: the Python binding and python/tests/binding_roundtrip.py"
     du -sh "$carry"
     echo
     echo "Run on the GPU machine, from the repo root, carrying gpu-carry/ (device tool: carry=[\"gpu-carry\"]):"
@@ -103,6 +114,12 @@ print(f"{'dir':<6} {'block':>9} {'blocks':>6} {'strategy':<13} {'GB/s':>8} {'fra
 for r in rows:
     print(f"{r['direction']:<6} {r['block_bytes']:>9} {r['blocks']:>6} {r['strategy']:<13} {r['gbps']:>8.2f} {r['fraction_of_ceiling']:>6.2f} {r.get('submit_us', 0):>9.1f}")
 PY
+    echo "=== the vLLM connector's binding on CUDA: binding_roundtrip.py --backend cuda"
+    if command -v python3 >/dev/null; then
+        PYTHONPATH="$carry/python" python3 "$carry/python/binding_roundtrip.py" --backend cuda || status=1
+    else
+        echo "SKIP: binding round trip: no python3 on this machine"
+    fi
     echo "=== kvoffload sim --backend cuda --requests $requests"
     "$carry/kvoffload" sim --backend cuda --requests "$requests" --report "$out/sim-cuda.json" || status=1
     if [[ -f "$table" ]]; then

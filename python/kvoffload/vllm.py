@@ -9,8 +9,8 @@ Load it with::
 
 The scheduler role delegates every hook to kvoffload's Rust scheduler
 (``SchedulerCore``); the worker role maps vLLM's KV cache tensors onto
-kvoffload's layouts and runs its data plane (``HostWorkerCore`` for CPU
-tensors). This module only translates vLLM's objects: no offload decision is
+kvoffload's layouts and runs its data plane (``WorkerCore``: the host backend
+for CPU tensors, the CUDA backend for CUDA tensors). This module only translates vLLM's objects: no offload decision is
 made here.
 """
 
@@ -41,7 +41,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, group_kernel_blocks
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
-from kvoffload._native import HostWorkerCore, SchedulerCore
+from kvoffload._native import SchedulerCore, WorkerCore
 from kvoffload.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -314,7 +314,9 @@ class _WorkerSide:
     def __init__(self, cfg: EngineConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
         self.cfg = cfg
         self.kv_cache_config = kv_cache_config
-        self.core: HostWorkerCore | None = None
+        self.core: WorkerCore | None = None
+        # The CUDA stream transfers are ordered after (kept alive here).
+        self.stream: Any = None
         self.tensors: list[torch.Tensor] = []
         self.meta = KvOffloadWorkerMetadata()
         # Load jobs started, with their request; whether the request was reported.
@@ -330,28 +332,37 @@ class _WorkerSide:
         group = self.kv_cache_config.kv_cache_groups[0]
         page = group.kv_cache_spec.page_size_bytes
         regions = []
-        device = None
+        devices = set()
         for name in group.layer_names:
             t = group_kernel_blocks(kv_caches[name], num_blocks)
-            device = t.device
+            devices.add(t.device)
             stride = t.stride(0) * t.element_size()
             base = t.data_ptr()
             regions.append((base, stride, page))
             self.tensors.append(t)
-        if device is not None and device.type != "cpu":
+        if len(devices) != 1:
+            raise ValueError(f"kvoffload.vllm: the KV cache tensors are on several devices: {devices}")
+        device = devices.pop()
+        args = (regions, num_blocks, self.cfg.blocks_per_chunk, self.cfg.num_cpu_chunks, False)
+        if device.type == "cpu":
+            self.core = WorkerCore.host(*args)
+        elif device.type == "cuda":
+            # Stores read blocks the model wrote on this stream: they are
+            # ordered after its work (the CUDA backend records an event on it).
+            self.stream = torch.cuda.current_stream(device)
+            self.core = WorkerCore.cuda(*args, device.index or 0, self.stream.cuda_stream)
+        else:
             raise NotImplementedError(
-                "kvoffload.vllm: KV caches on CUDA need the CUDA worker, which this build "
-                "of the Python binding does not wire yet (CPU tensors are supported)"
+                f"kvoffload.vllm: KV caches on {device.type} (supported: cpu, cuda)"
             )
-        self.core = HostWorkerCore(
-            regions, num_blocks, self.cfg.blocks_per_chunk, self.cfg.num_cpu_chunks, False
-        )
         logger.info(
-            "kvoffload: %d KV tensors, %d blocks, host pool of %d chunks (%d bytes)",
+            "kvoffload: %d KV tensors on %s, %d blocks, host pool of %d chunks (%d bytes, %s backend)",
             len(regions),
+            device,
             num_blocks,
             self.cfg.num_cpu_chunks,
             self.core.pool_bytes,
+            self.core.backend,
         )
 
     def bind(self, meta: KvOffloadMetadata) -> None:

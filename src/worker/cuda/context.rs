@@ -4,7 +4,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, CudaStream, sys};
 
 use super::error::CudaError;
 
@@ -47,6 +47,21 @@ pub fn open_context(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
     guarded("cuCtxCreate", || {
         CudaContext::new(ordinal).map_err(|e| CudaError::NoDevice(format!("{e:?}")))
     })
+}
+
+/// A stream another library owns, for ordering transfers after its work
+/// (the vLLM connector passes PyTorch's current stream); `raw == 0` is the
+/// legacy default stream. Dropping the wrapper leaves the stream alone.
+///
+/// # Safety
+/// `raw` must be 0 or a valid stream of `ctx`, kept alive by its owner for
+/// as long as the returned stream (or a backend holding it) is used.
+pub unsafe fn borrowed_stream(ctx: &Arc<CudaContext>, raw: u64) -> Arc<CudaStream> {
+    if raw == 0 {
+        return ctx.default_stream();
+    }
+    // SAFETY: the caller guarantees `raw` is a live stream of `ctx`.
+    unsafe { ctx.wrap_borrowed_stream(raw as usize as sys::CUstream) }
 }
 
 #[cfg(test)]

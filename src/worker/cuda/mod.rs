@@ -13,7 +13,7 @@ pub mod memory;
 pub mod strategy;
 
 pub use backend::{CudaBackend, CudaBackendOptions, CudaBackendStats};
-pub use context::{driver_present, open_context};
+pub use context::{borrowed_stream, driver_present, open_context};
 pub use error::CudaError;
 pub use kernel::LaunchShape;
 pub use memory::{DeviceBuffer, PinnedBuffer, PinnedKind};

@@ -1,0 +1,46 @@
+//! Request names (vLLM's request ids) and kvoffload's numeric ids.
+
+use kvoffload::RequestId;
+use pyo3::prelude::*;
+use rustc_hash::FxHashMap;
+
+use crate::convert::value_error;
+
+/// Request names (vLLM's request ids) and kvoffload's numeric ids.
+#[derive(Default)]
+pub(crate) struct Names {
+    pub(crate) ids: FxHashMap<String, RequestId>,
+    pub(crate) names: FxHashMap<RequestId, String>,
+    pub(crate) next: u64,
+}
+
+impl Names {
+    pub(crate) fn intern(&mut self, name: &str) -> RequestId {
+        if let Some(&id) = self.ids.get(name) {
+            return id;
+        }
+        let id = RequestId(self.next);
+        self.next += 1;
+        self.ids.insert(name.to_owned(), id);
+        self.names.insert(id, name.to_owned());
+        id
+    }
+
+    pub(crate) fn get(&self, name: &str) -> PyResult<RequestId> {
+        self.ids
+            .get(name)
+            .copied()
+            .ok_or_else(|| value_error(format!("unknown request {name:?}")))
+    }
+
+    pub(crate) fn name(&self, id: RequestId) -> String {
+        self.names.get(&id).cloned().unwrap_or_default()
+    }
+
+    /// Forgets a request the scheduler no longer tracks.
+    pub(crate) fn forget(&mut self, id: RequestId) {
+        if let Some(n) = self.names.remove(&id) {
+            self.ids.remove(&n);
+        }
+    }
+}

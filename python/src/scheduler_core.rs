@@ -1,0 +1,630 @@
+//! `SchedulerCore`: the control plane for one engine, vLLM's scheduler-side
+//! connector hooks over [`kvoffload::scheduler::Scheduler`].
+
+use std::collections::HashMap;
+
+use kvoffload::engine::to_worker_plan;
+use kvoffload::manager::LookupResult;
+use kvoffload::scheduler::{LookupOutcome, ScheduledRequest, Scheduler, StepInput, WorkerReport};
+use kvoffload::worker::encode_plan;
+use kvoffload::{
+    BlockHash, ChunkKey, GpuBlockId, JobId, ManualClock, MonotonicClock, OffloadConfig, RequestId,
+};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use rustc_hash::FxHashMap;
+
+use crate::convert::{block_hash, blocks, runtime_error, value_error};
+use crate::names::Names;
+
+/// A request the scheduler tracks: vLLM's `Request` object (read for its
+/// token count and block hashes) and the hashes already given to the scheduler.
+struct Tracked {
+    request: Py<PyAny>,
+    /// Its `request_id` object: the scheduler output's keys are this object,
+    /// so a request is found by the object's address first.
+    name: Py<PyAny>,
+    hashes: Vec<BlockHash>,
+}
+
+/// The control plane for one engine: vLLM's scheduler-side connector hooks.
+#[pyclass(module = "kvoffload._native", unsendable)]
+pub(crate) struct SchedulerCore {
+    s: Scheduler,
+    cfg: OffloadConfig,
+    names: Names,
+    tracked: FxHashMap<RequestId, Tracked>,
+    /// Tracked requests by the address of their `request_id` object (alive
+    /// while tracked, so the address is theirs), with the number of block
+    /// hashes given to the scheduler (the per-step check reads only this).
+    by_address: FxHashMap<usize, (RequestId, usize)>,
+    /// Finished requests the scheduler may still track (jobs in flight):
+    /// forgotten once it no longer does.
+    finishing: Vec<RequestId>,
+    /// vLLM's block hash (bytes) of every chunk key stored or being stored,
+    /// for the KV events; dropped when the key leaves the tier.
+    key_bytes: FxHashMap<u64, Py<PyAny>>,
+    /// Whether vLLM publishes KV events (`kv_events_config`): without, the
+    /// tier's events are dropped and no hash is kept for them.
+    kv_events: bool,
+    wire: Vec<u8>,
+    /// Set when the scheduler runs on a manual clock (tests).
+    manual: Option<ManualClock>,
+    /// Counter values at the last `take_stats` (its counters are deltas).
+    last_counters: Counters,
+}
+
+/// The cumulative counters `take_stats` reports as deltas.
+#[derive(Debug, Clone, Copy, Default)]
+struct Counters {
+    allocation_failures: u64,
+    stores_skipped: u64,
+    stalled_stores: u64,
+    stalled_loads: u64,
+    late_reports: u64,
+}
+
+impl SchedulerCore {
+    /// Gives the scheduler the request's new block hashes, with its token
+    /// count; `force`: the token count even when no block completed (a lookup
+    /// or the request's end reads it). Store planning needs no fresher count:
+    /// a chunk is stored only up to the hashed blocks, which the count sent
+    /// with them already covers.
+    fn sync(&mut self, py: Python<'_>, id: RequestId, force: bool) -> PyResult<()> {
+        let Some(t) = self.tracked.get_mut(&id) else {
+            return Ok(());
+        };
+        let req = t.request.bind(py);
+        let list = req.getattr(intern!(py, "block_hashes"))?;
+        let list = list.cast::<PyList>()?;
+        let sent = t.hashes.len();
+        if list.len() == sent && !force {
+            return Ok(());
+        }
+        for i in sent..list.len() {
+            t.hashes
+                .push(block_hash(list.get_item(i)?.cast::<PyBytes>()?.as_bytes()));
+        }
+        if let Some(entry) = self.by_address.get_mut(&(t.name.as_ptr() as usize)) {
+            entry.1 = t.hashes.len();
+        }
+        let num_tokens: u64 = req.getattr(intern!(py, "num_tokens"))?.extract()?;
+        self.s
+            .update_request(id, num_tokens, &t.hashes[sent..])
+            .map_err(value_error)
+    }
+
+    /// The request a scheduler-output key names: by the key object's
+    /// address, else by its text; `None` for one the connector does not track.
+    fn resolve(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<RequestId>> {
+        Ok(self.resolve_with_hashes(key)?.map(|(id, _)| id))
+    }
+
+    /// [`Self::resolve`], with the block hashes the scheduler has of it
+    /// (`usize::MAX` when found by text: unknown, so checked).
+    fn resolve_with_hashes(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<(RequestId, usize)>> {
+        if let Some(&found) = self.by_address.get(&(key.as_ptr() as usize)) {
+            return Ok(Some(found));
+        }
+        let name = key.cast::<pyo3::types::PyString>()?;
+        Ok(self
+            .names
+            .ids
+            .get(name.to_str()?)
+            .map(|&id| (id, usize::MAX)))
+    }
+
+    /// [`Self::sync`] when a block ending at or before `tokens` may have
+    /// been hashed since the last one, `sent` hashes given so far (else
+    /// nothing is read).
+    fn sync_until(
+        &mut self,
+        py: Python<'_>,
+        id: RequestId,
+        sent: usize,
+        tokens: u64,
+    ) -> PyResult<()> {
+        let tpb = u64::from(self.cfg.tokens_per_block);
+        if sent != usize::MAX && (sent as u64 + 1).saturating_mul(tpb) > tokens {
+            return Ok(());
+        }
+        self.sync(py, id, false)
+    }
+
+    /// Forgets the finished requests the scheduler no longer tracks.
+    fn forget_finished(&mut self) {
+        let (s, tracked, names, by_address) = (
+            &self.s,
+            &mut self.tracked,
+            &mut self.names,
+            &mut self.by_address,
+        );
+        self.finishing.retain(|&id| {
+            let gone = !s.has_request(id);
+            if gone {
+                if let Some(t) = tracked.remove(&id) {
+                    by_address.remove(&(t.name.as_ptr() as usize));
+                }
+                names.forget(id);
+            }
+            !gone
+        });
+    }
+
+    /// Records vLLM's hash bytes of the keys a store job writes: the job's
+    /// keys are chunks of its request in increasing order (chunks the tier
+    /// already holds are left out), the first found from the request's end.
+    fn remember_store_keys(
+        &mut self,
+        py: Python<'_>,
+        req: RequestId,
+        keys: &[ChunkKey],
+    ) -> PyResult<()> {
+        let (Some(t), Some(first)) = (self.tracked.get(&req), keys.first()) else {
+            return Ok(());
+        };
+        let bpc = self.cfg.blocks_per_chunk as usize;
+        let chunks = t.hashes.len() / bpc;
+        let key_of = |c: usize| ChunkKey::for_group(t.hashes[(c + 1) * bpc - 1], 0);
+        let Some(mut c) = (0..chunks).rev().find(|&c| key_of(c) == *first) else {
+            return Ok(());
+        };
+        let list = t.request.bind(py).getattr(intern!(py, "block_hashes"))?;
+        let list = list.cast::<PyList>()?;
+        for k in keys {
+            while c < chunks && key_of(c) != *k {
+                c += 1;
+            }
+            if c == chunks {
+                break;
+            }
+            self.key_bytes
+                .entry(k.0)
+                .or_insert(list.get_item((c + 1) * bpc - 1)?.unbind());
+            c += 1;
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl SchedulerCore {
+    /// A scheduler for the engine configuration `config_json` (kvoffload's
+    /// keys, validated: an unknown key or a bad value raises `ValueError`
+    /// naming it). `watchdog`: start the stall watchdog thread.
+    /// `manual_clock`: time moves only with `advance_clock` (tests).
+    /// `kv_events`: vLLM publishes KV events (else `take_events` is empty).
+    #[new]
+    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true))]
+    fn new(
+        config_json: &str,
+        watchdog: bool,
+        manual_clock: bool,
+        kv_events: bool,
+    ) -> PyResult<Self> {
+        let cfg = OffloadConfig::from_json_str(config_json).map_err(value_error)?;
+        let manual = manual_clock.then(ManualClock::new);
+        let clock = match &manual {
+            Some(c) => c.shared(),
+            None => MonotonicClock::shared(),
+        };
+        let mut s = Scheduler::new(&cfg, clock).map_err(value_error)?;
+        if watchdog {
+            s.start_watchdog().map_err(runtime_error)?;
+        }
+        Ok(Self {
+            s,
+            cfg,
+            names: Names::default(),
+            tracked: FxHashMap::default(),
+            by_address: FxHashMap::default(),
+            finishing: Vec::new(),
+            key_bytes: FxHashMap::default(),
+            kv_events,
+            last_counters: Counters::default(),
+            wire: Vec::new(),
+            manual,
+        })
+    }
+
+    /// Moves a manual clock forward (`manual_clock=True` only).
+    fn advance_clock(&mut self, ms: u64) -> PyResult<()> {
+        match &self.manual {
+            Some(c) => {
+                c.advance(std::time::Duration::from_millis(ms));
+                Ok(())
+            }
+            None => Err(runtime_error("advance_clock needs manual_clock=True")),
+        }
+    }
+
+    /// A new request: vLLM's `Request` object (its `request_id`,
+    /// `num_prompt_tokens`, `num_tokens` and `block_hashes` are read now and
+    /// at the hooks that need them).
+    fn add_request(&mut self, py: Python<'_>, request: Bound<'_, PyAny>) -> PyResult<()> {
+        let name_obj = request.getattr(intern!(py, "request_id"))?;
+        let name: String = name_obj.extract()?;
+        let prompt: u64 = request
+            .getattr(intern!(py, "num_prompt_tokens"))?
+            .extract()?;
+        let id = self.names.intern(&name);
+        self.s.add_request(id, prompt, &[]).map_err(value_error)?;
+        let address = name_obj.as_ptr() as usize;
+        let old = self.tracked.insert(
+            id,
+            Tracked {
+                request: request.unbind(),
+                name: name_obj.unbind(),
+                hashes: Vec::new(),
+            },
+        );
+        if let Some(old) = old {
+            self.by_address.remove(&(old.name.as_ptr() as usize));
+        }
+        self.by_address.insert(address, (id, 0));
+        self.sync(py, id, true)
+    }
+
+    /// Tokens beyond `computed_tokens` the host tier can supply, or `None`:
+    /// ask again later (vLLM's `get_num_new_matched_tokens`).
+    fn lookup(&mut self, py: Python<'_>, req: &str, computed_tokens: u64) -> PyResult<Option<u64>> {
+        let id = self.names.get(req)?;
+        self.sync(py, id, true)?;
+        match self.s.lookup(id, computed_tokens).map_err(value_error)? {
+            LookupOutcome::Hit(n) => Ok(Some(n)),
+            LookupOutcome::Defer => Ok(None),
+        }
+    }
+
+    /// The request's allocated blocks; creates its load job when
+    /// `external_tokens > 0` (vLLM's `update_state_after_alloc`).
+    fn on_alloc(
+        &mut self,
+        py: Python<'_>,
+        req: &str,
+        block_ids: Vec<u32>,
+        external_tokens: u64,
+    ) -> PyResult<Option<u64>> {
+        let id = self.names.get(req)?;
+        self.sync(py, id, false)?;
+        Ok(self
+            .s
+            .on_alloc(id, &blocks(&block_ids), external_tokens)
+            .map_err(value_error)?
+            .map(|j| j.0))
+    }
+
+    /// One step (vLLM's `build_connector_meta`), from the scheduler output's
+    /// parts: `num_scheduled` (`{request: tokens}`, in scheduling order),
+    /// `new_requests` (`[(request, block ids, computed tokens)]`, whole
+    /// tables), the cached requests' `cached_ids`, `cached_blocks` (each
+    /// `None` or a tuple of per-group block lists: this step's additions),
+    /// `cached_computed` and `resumed` (ids whose list is the whole table),
+    /// then the preempted and finished requests. Requests the connector does
+    /// not track are skipped. Returns `(plan, load_requests, failed_loads)`:
+    /// the workers' plan as compact bytes, the request of every load job in
+    /// it (`{job: request}`), and the requests whose load failed or stalled
+    /// (they must recompute).
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    fn build_step<'py>(
+        &mut self,
+        py: Python<'py>,
+        num_scheduled: Bound<'py, PyDict>,
+        new_requests: Vec<(String, Vec<u32>, u64)>,
+        cached_ids: Bound<'py, PyList>,
+        cached_blocks: Bound<'py, PyList>,
+        cached_computed: Bound<'py, PyList>,
+        resumed: Bound<'py, PyAny>,
+        preempted: Vec<String>,
+        finished: Vec<String>,
+    ) -> PyResult<(Bound<'py, PyBytes>, HashMap<u64, String>, Vec<String>)> {
+        // Each scheduled request's (id, new blocks, whole table, computed
+        // tokens): the cached requests in their order (the running ones come
+        // in the order `num_scheduled` lists them), then the new ones.
+        type Part = (RequestId, Vec<GpuBlockId>, bool, u64);
+        let mut parts: Vec<Option<Part>> = Vec::with_capacity(num_scheduled.len());
+        let has_resumed = resumed.len()? > 0;
+        for (i, key) in cached_ids.iter().enumerate() {
+            let Some(id) = self.resolve(&key)? else {
+                continue;
+            };
+            let groups = cached_blocks.get_item(i)?;
+            let new_blocks = if groups.is_none() {
+                Vec::new()
+            } else {
+                let ids = groups.get_item(0)?;
+                if ids.len()? == 0 {
+                    Vec::new()
+                } else {
+                    blocks(&ids.extract::<Vec<u32>>()?)
+                }
+            };
+            let full = has_resumed && resumed.contains(&key)?;
+            let computed: u64 = cached_computed.get_item(i)?.extract()?;
+            parts.push(Some((id, new_blocks, full, computed)));
+        }
+        for (name, ids, computed) in &new_requests {
+            if let Some(&id) = self.names.ids.get(name.as_str()) {
+                parts.push(Some((id, blocks(ids), true, *computed)));
+            }
+        }
+        // Out-of-order keys are found through this index, built on the first.
+        let mut index: Option<FxHashMap<RequestId, usize>> = None;
+        let mut cursor = 0;
+        let mut input = StepInput::default();
+        input.scheduled.reserve(num_scheduled.len());
+        for (key, n) in num_scheduled.iter() {
+            let Some((id, sent)) = self.resolve_with_hashes(&key)? else {
+                continue;
+            };
+            let in_order = matches!(parts.get(cursor), Some(Some(p)) if p.0 == id);
+            let at = if in_order {
+                cursor += 1;
+                Some(cursor - 1)
+            } else {
+                let index = index.get_or_insert_with(|| {
+                    parts
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, p)| p.as_ref().map(|p| (p.0, i)))
+                        .collect()
+                });
+                index.get(&id).copied()
+            };
+            let (_, new_block_ids, full_table, computed_tokens) = at
+                .and_then(|i| parts[i].take())
+                .unwrap_or((id, Vec::new(), false, 0));
+            let scheduled_tokens: u64 = n.extract()?;
+            // Store planning this step reads hashes up to the tokens computed
+            // by its end: a block completed past them can wait.
+            self.sync_until(
+                py,
+                id,
+                sent,
+                computed_tokens.saturating_add(scheduled_tokens),
+            )?;
+            input.scheduled.push(ScheduledRequest {
+                req: id,
+                new_block_ids,
+                computed_tokens,
+                scheduled_tokens,
+                full_table,
+            });
+        }
+        for r in &preempted {
+            if let Some(&id) = self.names.ids.get(r.as_str()) {
+                input.preempted.push(id);
+            }
+        }
+        for r in &finished {
+            if let Some(&id) = self.names.ids.get(r.as_str()) {
+                input.finished.push(id);
+            }
+        }
+        let plan = self.s.build_step(&input).map_err(value_error)?;
+        if self.kv_events {
+            for st in &plan.stores {
+                self.remember_store_keys(py, st.req, &st.keys)?;
+            }
+        }
+        let wplan = to_worker_plan(&plan, self.cfg.blocks_per_chunk);
+        encode_plan(&wplan, &mut self.wire);
+        let load_requests: HashMap<u64, String> = plan
+            .loads
+            .iter()
+            .map(|l| (l.job.0, self.names.name(l.req)))
+            .collect();
+        let failed: Vec<String> = plan
+            .failed_loads
+            .iter()
+            .map(|&r| self.names.name(r))
+            .collect();
+        self.s.recycle_plan(plan);
+        self.finishing.extend_from_slice(&input.finished);
+        self.forget_finished();
+        Ok((PyBytes::new(py, &self.wire), load_requests, failed))
+    }
+
+    /// Worker reports summed over workers: `{job: count}` and the failed
+    /// jobs. Returns `(finished_loads, failed_loads, rejected)`.
+    fn on_worker_output(
+        &mut self,
+        completed: HashMap<u64, u32>,
+        failed: Vec<u64>,
+    ) -> (Vec<String>, Vec<String>, Vec<String>) {
+        let mut completed: Vec<(JobId, u32)> =
+            completed.into_iter().map(|(j, n)| (JobId(j), n)).collect();
+        completed.sort_unstable();
+        let report = WorkerReport {
+            completed,
+            failed: failed.into_iter().map(JobId).collect(),
+        };
+        let out = self.s.on_worker_output(&report);
+        let name = |r: &RequestId| self.names.name(*r);
+        let answer = (
+            out.finished_loads.iter().map(name).collect(),
+            out.failed_loads.iter().map(name).collect(),
+            out.rejected
+                .iter()
+                .map(|(j, e)| format!("{j}: {e}"))
+                .collect(),
+        );
+        self.forget_finished();
+        answer
+    }
+
+    /// The request finished (vLLM's `request_finished`); its last stores
+    /// come at the next step listing it in `finished`.
+    fn request_finished(
+        &mut self,
+        py: Python<'_>,
+        req: &str,
+        block_ids: Vec<u32>,
+        aborted: bool,
+        computed_tokens: u64,
+    ) -> PyResult<()> {
+        let id = self.names.get(req)?;
+        self.sync(py, id, true)?;
+        self.s
+            .request_finished(id, &blocks(&block_ids), aborted, computed_tokens)
+            .map_err(value_error)
+    }
+
+    /// vLLM's `reset_cache`.
+    fn reset(&mut self) -> PyResult<()> {
+        self.s.reset().map_err(value_error)?;
+        // The tier is empty: as vLLM, no removal event follows a reset.
+        self.key_bytes.clear();
+        self.forget_finished();
+        Ok(())
+    }
+
+    /// Requests the binding holds (names and `Request` objects): a leak check.
+    fn held_requests(&self) -> usize {
+        self.tracked.len()
+    }
+
+    /// The host tier's events: `(removed, metadata_only, [block hash, ...])`,
+    /// each key as vLLM's block hash (bytes) of the chunk's last block (or
+    /// its 8-byte key where the hash is not known).
+    #[allow(clippy::type_complexity)]
+    fn take_events(&mut self, py: Python<'_>) -> Vec<(bool, bool, Vec<Py<PyAny>>)> {
+        if !self.kv_events {
+            self.s.discard_events();
+            return Vec::new();
+        }
+        let events = self.s.take_events();
+        let mut out = Vec::with_capacity(events.len());
+        let mut removed: Vec<ChunkKey> = Vec::new();
+        for e in events {
+            let mut hashes = Vec::with_capacity(e.keys.len());
+            for k in e.keys.iter() {
+                if e.removed {
+                    removed.push(*k);
+                }
+                let known = self.key_bytes.get(&k.0).map(|b| b.clone_ref(py));
+                hashes.push(
+                    known.unwrap_or_else(|| {
+                        PyBytes::new(py, &k.0.to_le_bytes()).into_any().unbind()
+                    }),
+                );
+            }
+            out.push((e.removed, e.metadata_only, hashes));
+        }
+        // A key evicted and stored again in one batch stays known.
+        for k in removed {
+            if self.s.manager().lookup(k) == LookupResult::Miss {
+                self.key_bytes.remove(&k.0);
+            }
+        }
+        out
+    }
+
+    /// Chunk keys whose vLLM hash is held for the events (a leak check).
+    fn held_hashes(&self) -> usize {
+        self.key_bytes.len()
+    }
+
+    /// Whether the engine must keep stepping (jobs in flight, a reset not
+    /// drained).
+    fn has_pending_work(&self) -> bool {
+        self.s.has_pending_work()
+    }
+
+    /// A stall scan now, if one is due (for engines without the thread).
+    fn scan_if_due(&mut self) -> bool {
+        self.s.scan_if_due().is_some()
+    }
+
+    /// What vLLM's stats carry for one step, since the last call: `{name:
+    /// value}` with the gauges (`usage`, `write_usage`, `read_usage`,
+    /// `stalled_jobs`, `quarantined_chunks`), the counters' increments
+    /// (`allocation_failures`, `stores_skipped`, `stalled_stores`,
+    /// `stalled_loads`, `late_reports`) and the raw observations
+    /// (`allocation_sizes`, `lookup_sync_delays`, `lookup_async_delays`).
+    fn take_stats<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (sync, asynchronous) = self.s.take_lookup_delays();
+        let sizes = self.s.manager_mut().take_allocation_sizes();
+        let m = self.s.metrics();
+        let st = self.s.manager().stats();
+        let now = Counters {
+            allocation_failures: st.allocation_failures,
+            stores_skipped: st.stores_skipped,
+            stalled_stores: m.stalled_stores,
+            stalled_loads: m.stalled_loads,
+            late_reports: m.late_reports,
+        };
+        let last = std::mem::replace(&mut self.last_counters, now);
+        let d = PyDict::new(py);
+        d.set_item("usage", st.usage)?;
+        d.set_item("write_usage", st.write_usage)?;
+        d.set_item("read_usage", st.read_usage)?;
+        d.set_item("stalled_jobs", m.stalled_jobs)?;
+        d.set_item("quarantined_chunks", m.quarantined_chunks)?;
+        let delta = |a: u64, b: u64| a.saturating_sub(b);
+        d.set_item(
+            "allocation_failures",
+            delta(now.allocation_failures, last.allocation_failures),
+        )?;
+        d.set_item(
+            "stores_skipped",
+            delta(now.stores_skipped, last.stores_skipped),
+        )?;
+        d.set_item(
+            "stalled_stores",
+            delta(now.stalled_stores, last.stalled_stores),
+        )?;
+        d.set_item(
+            "stalled_loads",
+            delta(now.stalled_loads, last.stalled_loads),
+        )?;
+        d.set_item("late_reports", delta(now.late_reports, last.late_reports))?;
+        d.set_item("allocation_sizes", sizes)?;
+        d.set_item("lookup_sync_delays", sync)?;
+        d.set_item("lookup_async_delays", asynchronous)?;
+        Ok(d)
+    }
+
+    /// Counters and gauges (scheduler and host tier) as a dict.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.s.metrics();
+        let st = self.s.manager().stats();
+        let d = PyDict::new(py);
+        d.set_item("stalled_stores", m.stalled_stores)?;
+        d.set_item("stalled_loads", m.stalled_loads)?;
+        d.set_item("late_reports", m.late_reports)?;
+        d.set_item("unknown_reports", m.unknown_reports)?;
+        d.set_item("cancellations_confirmed", m.cancellations_confirmed)?;
+        d.set_item("allocation_failures", m.allocation_failures)?;
+        d.set_item("jobs_created", m.jobs_created)?;
+        d.set_item("jobs_in_flight", m.jobs_in_flight)?;
+        d.set_item("stalled_jobs", m.stalled_jobs)?;
+        d.set_item("quarantined_chunks", m.quarantined_chunks)?;
+        d.set_item("usage", st.usage)?;
+        d.set_item("write_usage", st.write_usage)?;
+        d.set_item("read_usage", st.read_usage)?;
+        d.set_item("stores_skipped", st.stores_skipped)?;
+        d.set_item("cached_chunks", st.cached)?;
+        d.set_item("free_chunks", st.free)?;
+        Ok(d)
+    }
+
+    /// Live jobs, tracked requests, stalled jobs, quarantined chunks, pinned
+    /// and pending chunks (for tests and leak checks).
+    fn state<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let st = self.s.state();
+        let d = PyDict::new(py);
+        d.set_item("jobs", st.jobs)?;
+        d.set_item("requests", st.requests)?;
+        d.set_item("chunks_being_loaded", st.chunks_being_loaded)?;
+        d.set_item("fenced_blocks", st.fenced_blocks)?;
+        d.set_item("stalled_jobs", st.stalled_jobs)?;
+        d.set_item("quarantined_chunks", st.quarantined_chunks)?;
+        d.set_item("pinned_chunks", st.manager.pinned)?;
+        d.set_item("pending_chunks", st.manager.pending)?;
+        d.set_item("cached_chunks", st.manager.cached)?;
+        d.set_item("invariants", self.s.check_invariants().err())?;
+        Ok(d)
+    }
+}

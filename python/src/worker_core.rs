@@ -1,0 +1,320 @@
+//! `WorkerCore`: one worker's data plane, vLLM's worker-side connector hooks
+//! over [`kvoffload::worker::OffloadWorker`], on the host backend (CPU KV
+//! tensors) or the CUDA backend (CUDA KV tensors, a pinned host pool).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvoffload::JobId;
+use kvoffload::worker::cuda::{
+    CudaBackend, CudaBackendOptions, PinnedBuffer, borrowed_stream, open_context,
+};
+use kvoffload::worker::{
+    Fault, FaultControl, FaultInjector, GpuLayout, GpuLayoutKind, GpuRegion, HostBackend,
+    HostBackendOptions, HostBuffer, HostRowLayout, OffloadWorker, StepPlan, TransferBackend,
+    WorkerLayout, decode_plan,
+};
+use pyo3::prelude::*;
+
+use crate::convert::{runtime_error, value_error};
+
+/// The worker over its backend (boxed: the two differ in size).
+enum Worker {
+    Host(Box<OffloadWorker<HostBackend>>),
+    Cuda(Box<OffloadWorker<FaultInjector<CudaBackend>>>),
+}
+
+/// The host pool the worker copies to, kept alive after the worker.
+enum Pool {
+    Host(#[allow(dead_code)] Arc<HostBuffer>),
+    Pinned(#[allow(dead_code)] PinnedBuffer),
+}
+
+/// Runs `$e` with `$w` bound to the worker, whichever its backend.
+macro_rules! with_worker {
+    ($worker:expr, $w:ident => $e:expr) => {
+        match $worker {
+            Worker::Host($w) => $e,
+            Worker::Cuda($w) => $e,
+        }
+    };
+}
+
+/// One worker's data plane: the KV cache tensors (by address) and a host
+/// pool this object owns.
+#[pyclass(module = "kvoffload._native", unsendable)]
+pub(crate) struct WorkerCore {
+    // Dropped before the pool: the backend's threads and streams end first.
+    worker: Worker,
+    _pool: Pool,
+    plan: Option<StepPlan>,
+    pool_bytes: u64,
+}
+
+/// The GPU-side layout of `tensors` (`(address, block stride, page bytes)`)
+/// and the host row layout of `blocks_per_chunk` blocks of them.
+fn layouts(
+    tensors: &[(u64, u64, u64)],
+    num_blocks: u32,
+    blocks_per_chunk: u32,
+    num_chunks: u32,
+    cross_layer: bool,
+) -> PyResult<(GpuLayout, HostRowLayout, u64)> {
+    let regions: Vec<GpuRegion> = tensors
+        .iter()
+        .map(|&(base, block_stride, page_bytes)| GpuRegion {
+            base,
+            block_stride,
+            page_bytes,
+        })
+        .collect();
+    let pages: Vec<u64> = regions.iter().map(|r| r.page_bytes).collect();
+    let kind = if cross_layer {
+        GpuLayoutKind::CrossLayer
+    } else {
+        GpuLayoutKind::PerLayer
+    };
+    let gpu = GpuLayout::from_regions(kind, regions, num_blocks).map_err(value_error)?;
+    let row = HostRowLayout::uniform(blocks_per_chunk, 1, &pages).map_err(value_error)?;
+    let pool_bytes = row
+        .pool_bytes(num_chunks)
+        .ok_or_else(|| value_error("host pool size overflows"))?;
+    Ok((gpu, row, pool_bytes))
+}
+
+impl WorkerCore {
+    fn faults(&mut self) -> &mut dyn FaultControl {
+        match &mut self.worker {
+            Worker::Host(w) => w.backend_mut(),
+            Worker::Cuda(w) => w.backend_mut(),
+        }
+    }
+}
+
+#[pymethods]
+impl WorkerCore {
+    /// A worker on the host backend, copying between CPU `tensors`
+    /// (`(address, block stride, page bytes)` each, `num_blocks` blocks) and
+    /// a host pool of `num_chunks` chunks of `blocks_per_chunk` blocks.
+    /// `cross_layer`: one tensor holds every layer of a block.
+    ///
+    /// The caller (the connector) keeps the tensors alive and unmoved for the
+    /// lifetime of this object, and touches no block while a job it was given
+    /// for that block is in flight; the addresses are checked for overflow,
+    /// not for ownership.
+    #[staticmethod]
+    fn host(
+        tensors: Vec<(u64, u64, u64)>,
+        num_blocks: u32,
+        blocks_per_chunk: u32,
+        num_chunks: u32,
+        cross_layer: bool,
+    ) -> PyResult<Self> {
+        let (gpu, row, pool_bytes) = layouts(
+            &tensors,
+            num_blocks,
+            blocks_per_chunk,
+            num_chunks,
+            cross_layer,
+        )?;
+        let len = usize::try_from(pool_bytes).map_err(value_error)?;
+        let pool = Arc::new(HostBuffer::new(len).map_err(value_error)?);
+        let layout =
+            WorkerLayout::new(gpu, row, 0, pool.addr(), num_chunks).map_err(value_error)?;
+        // SAFETY: the pool is owned by this object (dropped after the worker,
+        // whose threads end in its drop); the tensors' memory is kept alive
+        // and untouched during their jobs by the caller (documented above).
+        let backend = unsafe { HostBackend::from_raw(layout, HostBackendOptions::default()) };
+        Ok(Self {
+            worker: Worker::Host(Box::new(OffloadWorker::new(backend, true))),
+            _pool: Pool::Host(pool),
+            plan: None,
+            pool_bytes,
+        })
+    }
+
+    /// A worker on the CUDA backend of device `device`, copying between CUDA
+    /// `tensors` (as for `host`) and a pinned, mapped host pool allocated
+    /// here; transfers are ordered after the work on `stream` (a `CUstream`
+    /// handle, PyTorch's `torch.cuda.current_stream().cuda_stream`; 0 is the
+    /// legacy default stream). Raises `RuntimeError` without a CUDA driver or
+    /// device.
+    ///
+    /// The caller keeps the tensors and the stream alive for the lifetime of
+    /// this object, as for `host`.
+    #[staticmethod]
+    #[allow(clippy::too_many_arguments)]
+    fn cuda(
+        tensors: Vec<(u64, u64, u64)>,
+        num_blocks: u32,
+        blocks_per_chunk: u32,
+        num_chunks: u32,
+        cross_layer: bool,
+        device: usize,
+        stream: u64,
+    ) -> PyResult<Self> {
+        let (gpu, row, pool_bytes) = layouts(
+            &tensors,
+            num_blocks,
+            blocks_per_chunk,
+            num_chunks,
+            cross_layer,
+        )?;
+        let len = usize::try_from(pool_bytes).map_err(value_error)?;
+        let ctx = open_context(device).map_err(runtime_error)?;
+        let pool = PinnedBuffer::host_alloc(&ctx, len).map_err(runtime_error)?;
+        let layout =
+            WorkerLayout::new(gpu, row, 0, pool.addr(), num_chunks).map_err(value_error)?;
+        // SAFETY: the caller keeps `stream` (a stream of this device's primary
+        // context, which PyTorch uses) alive while this object lives.
+        let compute = unsafe { borrowed_stream(&ctx, stream) };
+        // SAFETY: the GPU regions are the caller's live CUDA tensors on this
+        // device, untouched during their jobs but through `compute`'s order;
+        // the pinned, mapped pool is owned by this object and dropped after
+        // the backend (which synchronises its streams on drop).
+        let backend =
+            unsafe { CudaBackend::new(ctx, layout, compute, CudaBackendOptions::default()) }
+                .map_err(runtime_error)?;
+        Ok(Self {
+            worker: Worker::Cuda(Box::new(OffloadWorker::new(
+                FaultInjector::new(backend),
+                true,
+            ))),
+            _pool: Pool::Pinned(pool),
+            plan: None,
+            pool_bytes,
+        })
+    }
+
+    /// Bytes of the host pool.
+    #[getter]
+    fn pool_bytes(&self) -> u64 {
+        self.pool_bytes
+    }
+
+    /// The backend: `"host"` or `"cuda"`.
+    #[getter]
+    fn backend(&self) -> &'static str {
+        match self.worker {
+            Worker::Host(_) => "host",
+            Worker::Cuda(_) => "cuda",
+        }
+    }
+
+    /// Binds the step's plan (the bytes `SchedulerCore.build_step` made).
+    fn bind(&mut self, plan: &[u8]) -> PyResult<()> {
+        self.plan = Some(decode_plan(plan).map_err(value_error)?);
+        Ok(())
+    }
+
+    /// Hook 1: flushed jobs are finished before the step reuses their blocks.
+    fn handle_preemptions(&mut self) -> PyResult<()> {
+        let plan = self
+            .plan
+            .as_mut()
+            .ok_or_else(|| runtime_error("no plan bound"))?;
+        with_worker!(&mut self.worker, w => w.handle_preemptions(plan)).map_err(runtime_error)
+    }
+
+    /// Hook 2: stores queued last step, then this step's loads, start.
+    fn start_transfers(&mut self) -> PyResult<()> {
+        let plan = self
+            .plan
+            .as_ref()
+            .ok_or_else(|| runtime_error("no plan bound"))?;
+        with_worker!(&mut self.worker, w => w.start_transfers(plan)).map_err(runtime_error)
+    }
+
+    /// Hook 3 (after the step's compute): this step's stores are queued for
+    /// the next step.
+    fn queue_stores(&mut self) -> PyResult<()> {
+        let plan = self
+            .plan
+            .as_mut()
+            .ok_or_else(|| runtime_error("no plan bound"))?;
+        with_worker!(&mut self.worker, w => w.queue_stores(plan));
+        Ok(())
+    }
+
+    /// Hook 4: jobs that ended since the last call: `(completed, failed,
+    /// stats)` with `completed` as `{job: 1}`, `failed` the failed jobs,
+    /// `stats` `{"load": (bytes, seconds, [sizes]), "store": ...}`.
+    #[allow(clippy::type_complexity)]
+    fn get_finished(
+        &mut self,
+    ) -> (
+        HashMap<u64, u32>,
+        Vec<u64>,
+        HashMap<&'static str, (u64, f64, Vec<u64>)>,
+    ) {
+        let r = with_worker!(&mut self.worker, w => w.get_finished());
+        let completed = r.completed.iter().map(|(j, &n)| (j.0, n)).collect();
+        let failed = r.failed.iter().map(|j| j.0).collect();
+        let mut stats = HashMap::new();
+        for (name, d) in [("load", &r.stats.load), ("store", &r.stats.store)] {
+            stats.insert(name, (d.bytes, d.time.as_secs_f64(), d.sizes.clone()));
+        }
+        (completed, failed, stats)
+    }
+
+    /// Fault injection (tests): `kind` is `"stall"` (the job never reports
+    /// until released or cancelled), `"fail"` or `"delay:N"` (reports after N
+    /// more polls); it applies when the job is submitted.
+    fn set_fault(&mut self, job: u64, kind: &str) -> PyResult<()> {
+        let fault = match kind {
+            "stall" => Fault::Stall,
+            "fail" => Fault::Fail,
+            k => match k.strip_prefix("delay:").and_then(|n| n.parse().ok()) {
+                Some(n) => Fault::DelayPolls(n),
+                None => {
+                    return Err(value_error(format!(
+                        "fault {k:?}: allowed \"stall\", \"fail\", \"delay:N\""
+                    )));
+                }
+            },
+        };
+        self.faults().set_fault(JobId(job), fault);
+        Ok(())
+    }
+
+    /// Lets a stalled job run now (its report comes late). Whether it was stalled.
+    fn release_stalled(&mut self, job: u64) -> bool {
+        self.faults().release_stalled(JobId(job))
+    }
+
+    /// Waits (at most `timeout_s`) until every submitted job not held stalled
+    /// has copied its bytes; they report at the next poll (tests: completion
+    /// independent of thread timing). Host backend only.
+    #[pyo3(signature = (timeout_s = 30.0))]
+    fn settle(&mut self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
+        match &mut self.worker {
+            Worker::Host(w) => {
+                let backend = w.backend_mut();
+                py.detach(|| backend.settle(timeout)).map_err(runtime_error)
+            }
+            Worker::Cuda(_) => Err(runtime_error(
+                "settle is a test helper of the host backend (CUDA jobs report when their events complete)",
+            )),
+        }
+    }
+
+    /// Cancels a job that has not started copying (a stalled one): it will
+    /// never write nor report. Whether it was cancelled.
+    fn cancel(&mut self, job: u64) -> bool {
+        let cancelled = self.faults().cancel_stalled(JobId(job));
+        if cancelled {
+            with_worker!(&mut self.worker, w => w.forget_job(JobId(job)));
+        }
+        cancelled
+    }
+
+    /// Jobs submitted and not reported yet.
+    fn in_flight(&self) -> usize {
+        match &self.worker {
+            Worker::Host(w) => w.backend().in_flight(),
+            Worker::Cuda(w) => w.backend().in_flight(),
+        }
+    }
+}
