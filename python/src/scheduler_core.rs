@@ -322,11 +322,13 @@ impl SchedulerCore {
         // Each scheduled request's (id, new blocks, whole table, computed
         // tokens): the cached requests in their order (the running ones come
         // in the order `num_scheduled` lists them), then the new ones.
-        type Part = (RequestId, Vec<GpuBlockId>, bool, u64);
+        // A part: the key object's address (0 for a new request), the id,
+        // the hashes the scheduler has, new blocks, whole table, computed tokens.
+        type Part = (usize, RequestId, usize, Vec<GpuBlockId>, bool, u64);
         let mut parts: Vec<Option<Part>> = Vec::with_capacity(num_scheduled.len());
         let has_resumed = resumed.len()? > 0;
         for (i, key) in cached_ids.iter().enumerate() {
-            let Some(id) = self.resolve(&key)? else {
+            let Some((id, sent)) = self.resolve_with_hashes(&key)? else {
                 continue;
             };
             let groups = cached_blocks.get_item(i)?;
@@ -342,39 +344,48 @@ impl SchedulerCore {
             };
             let full = has_resumed && resumed.contains(&key)?;
             let computed: u64 = cached_computed.get_item(i)?.extract()?;
-            parts.push(Some((id, new_blocks, full, computed)));
+            let address = key.as_ptr() as usize;
+            parts.push(Some((address, id, sent, new_blocks, full, computed)));
         }
         for (name, ids, computed) in &new_requests {
             if let Some(&id) = self.names.ids.get(name.as_str()) {
-                parts.push(Some((id, blocks(ids), true, *computed)));
+                parts.push(Some((0, id, usize::MAX, blocks(ids), true, *computed)));
             }
         }
-        // Out-of-order keys are found through this index, built on the first.
+        // Keys in the cached requests' order are matched by address; the
+        // others through this index, built on the first.
         let mut index: Option<FxHashMap<RequestId, usize>> = None;
         let mut cursor = 0;
         let mut input = StepInput::default();
         input.scheduled.reserve(num_scheduled.len());
         for (key, n) in num_scheduled.iter() {
-            let Some((id, sent)) = self.resolve_with_hashes(&key)? else {
-                continue;
-            };
-            let in_order = matches!(parts.get(cursor), Some(Some(p)) if p.0 == id);
-            let at = if in_order {
+            let address = key.as_ptr() as usize;
+            while matches!(parts.get(cursor), Some(None)) {
                 cursor += 1;
-                Some(cursor - 1)
+            }
+            let in_order = matches!(parts.get(cursor), Some(Some(p)) if p.0 == address);
+            let part = if in_order {
+                cursor += 1;
+                parts[cursor - 1].take()
             } else {
+                let Some(id) = self.resolve(&key)? else {
+                    continue;
+                };
                 let index = index.get_or_insert_with(|| {
                     parts
                         .iter()
                         .enumerate()
-                        .filter_map(|(i, p)| p.as_ref().map(|p| (p.0, i)))
+                        .filter_map(|(i, p)| p.as_ref().map(|p| (p.1, i)))
                         .collect()
                 });
-                index.get(&id).copied()
+                match index.get(&id) {
+                    Some(&i) => parts[i].take(),
+                    None => Some((address, id, usize::MAX, Vec::new(), false, 0)),
+                }
             };
-            let (_, new_block_ids, full_table, computed_tokens) = at
-                .and_then(|i| parts[i].take())
-                .unwrap_or((id, Vec::new(), false, 0));
+            let Some((_, id, sent, new_block_ids, full_table, computed_tokens)) = part else {
+                continue;
+            };
             let scheduled_tokens: u64 = n.extract()?;
             // Store planning this step reads hashes up to the tokens computed
             // by its end: a block completed past them can wait.
