@@ -94,6 +94,28 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         return KvOffloadWorkerMetadata(completed, self.failed | other.failed, stats)
 
 
+def _histogram_tag() -> str:
+    """The type tag vLLM's stats payload gives a histogram (read off one)."""
+    probe = OffloadingConnectorStats()
+    probe.observe_histogram("probe", 0)
+    return probe.metric_sections()[0]["probe"]
+
+
+_HISTOGRAM = _histogram_tag()
+
+
+def _observe_all(stats: OffloadingConnectorStats, name: str, values: list[Any]) -> None:
+    """``stats.observe_histogram(name, v)`` for every ``v`` in ``values``, in
+    one call: the payload's documented layout (``metric_sections``), a type
+    entry and a list of samples per label tuple; nothing when ``values`` is
+    empty, as the per-value calls would leave it."""
+    if not values:
+        return
+    types, data = stats.metric_sections()
+    types.setdefault(name, _HISTOGRAM)
+    data.setdefault(name, {}).setdefault((), []).extend(values)
+
+
 #: vLLM's metric names (vLLM 0.33 ``offloading/metrics.py``, ``kv_offload/cpu/common.py``).
 _LOAD, _STORE = "vllm:kv_offload_load", "vllm:kv_offload_store"
 _LOOKUP_SYNC_DELAY = "vllm:kv_offload_lookup_sync_delay_seconds"
@@ -162,6 +184,9 @@ class _SchedulerSide:
         # Requests the connector was told of (the engine reads their token
         # counts and block hashes from the objects, at the hooks that need them).
         self.requests: set[str] = set()
+        #: Whether the hooks run the stall scan (when due): only for a core
+        #: without its watchdog thread, which otherwise scans on its own.
+        self.scan_in_hooks = False
         self.stats = OffloadingConnectorStats()
         self.block_size = cfg.tokens_per_block * cfg.blocks_per_chunk
         self.info_sent = False
@@ -198,9 +223,11 @@ class _SchedulerSide:
         self.core.on_alloc(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self, so: SchedulerOutput) -> KvOffloadMetadata:
-        # A stall scan if one is due (the watchdog thread scans on its own;
-        # this covers a scheduler without the thread).
-        self.core.scan_if_due()
+        # A stall scan if one is due, for a core without the watchdog thread
+        # (which scans on its own); stalls found either way are applied by
+        # the step itself.
+        if self.scan_in_hooks:
+            self.core.scan_if_due()
         new = [
             (r.req_id, [int(b) for b in r.block_ids[0]] if r.block_ids else [], int(r.num_computed_tokens))
             for r in so.scheduled_new_reqs
@@ -235,8 +262,7 @@ class _SchedulerSide:
             prefix = _LOAD if name == "load" else _STORE
             self.stats.increase_counter(f"{prefix}_bytes", b)
             self.stats.increase_counter(f"{prefix}_time", t)
-            for size in sizes:
-                self.stats.observe_histogram(f"{prefix}_size", size)
+            _observe_all(self.stats, f"{prefix}_size", sizes)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = request.request_id
@@ -281,15 +307,12 @@ class _SchedulerSide:
         plus kvoffload's stall metrics."""
         st = self.core.take_stats()
         out, self.stats = self.stats, OffloadingConnectorStats()
-        for v in st["lookup_sync_delays"]:
-            out.observe_histogram(_LOOKUP_SYNC_DELAY, v)
-        for v in st["lookup_async_delays"]:
-            out.observe_histogram(_LOOKUP_ASYNC_DELAY, v)
+        _observe_all(out, _LOOKUP_SYNC_DELAY, st["lookup_sync_delays"])
+        _observe_all(out, _LOOKUP_ASYNC_DELAY, st["lookup_async_delays"])
         if st["allocation_failures"]:
             out.increase_counter(_ALLOCATION_FAILURE, st["allocation_failures"])
         out.set_gauge(_CPU_USAGE, st["usage"])
-        for size in st["allocation_sizes"]:
-            out.observe_histogram(_CPU_ALLOCATION_SIZE, size)
+        _observe_all(out, _CPU_ALLOCATION_SIZE, st["allocation_sizes"])
         out.set_gauge(_CPU_WRITE_USAGE, st["write_usage"])
         out.set_gauge(_CPU_READ_USAGE, st["read_usage"])
         if self.cfg.store_threshold >= 2:

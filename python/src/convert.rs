@@ -3,7 +3,11 @@
 
 use kvoffload::{BlockHash, GpuBlockId};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::borrowed::list_item;
 
 pub(crate) fn value_error(e: impl std::fmt::Display) -> PyErr {
     PyValueError::new_err(e.to_string())
@@ -29,6 +33,39 @@ pub(crate) fn block_hash(h: &[u8]) -> BlockHash {
         }
         BlockHash(x & (u64::MAX >> 1))
     }
+}
+
+/// An int as `u64`: an exact `int` read directly (no `__index__` lookup,
+/// no reference taken), anything else through pyo3's conversion; a negative
+/// or too large value is an `OverflowError`.
+pub(crate) fn int_u64(v: Borrowed<'_, '_, PyAny>) -> PyResult<u64> {
+    // SAFETY: `v` is a live object (a borrowed reference, GIL held); the
+    // check reads its type pointer only.
+    if unsafe { ffi::PyLong_CheckExact(v.as_ptr()) } != 0 {
+        // SAFETY: `v` is an exact int, for which the call runs no Python
+        // code; it returns `(u64)-1` with an exception set when the value
+        // is negative or does not fit.
+        let x = unsafe { ffi::PyLong_AsUnsignedLongLong(v.as_ptr()) };
+        if x == u64::MAX
+            && let Some(e) = PyErr::take(v.py())
+        {
+            return Err(e);
+        }
+        return Ok(x);
+    }
+    v.extract()
+}
+
+/// A Python sequence of block ids (vLLM's lists of ints) as kvoffload's.
+pub(crate) fn block_list(ids: &Bound<'_, PyAny>) -> PyResult<Vec<GpuBlockId>> {
+    let Ok(list) = ids.cast::<PyList>() else {
+        return Ok(blocks(&ids.extract::<Vec<u32>>()?));
+    };
+    let mut out = Vec::with_capacity(list.len());
+    for i in 0..list.len() {
+        out.push(GpuBlockId(list_item(list, i)?.extract()?));
+    }
+    Ok(out)
 }
 
 pub(crate) fn blocks(ids: &[u32]) -> Vec<GpuBlockId> {

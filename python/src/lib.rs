@@ -5,6 +5,7 @@
 //! hashes as bytes, block lists as Python lists) and holds no logic of its
 //! own. The vLLM connector (`kvoffload.vllm`) is written on top of it.
 
+mod borrowed;
 mod convert;
 mod names;
 mod plan_tools;

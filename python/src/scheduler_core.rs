@@ -3,10 +3,9 @@
 
 use std::collections::HashMap;
 
-use kvoffload::engine::to_worker_plan;
+use kvoffload::engine::encode_worker_plan;
 use kvoffload::manager::LookupResult;
 use kvoffload::scheduler::{LookupOutcome, ScheduledRequest, Scheduler, StepInput, WorkerReport};
-use kvoffload::worker::encode_plan;
 use kvoffload::{
     BlockHash, ChunkKey, GpuBlockId, JobId, ManualClock, MonotonicClock, OffloadConfig, RequestId,
 };
@@ -15,7 +14,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use rustc_hash::FxHashMap;
 
-use crate::convert::{block_hash, blocks, runtime_error, value_error};
+use crate::borrowed::{for_each_entry, list_item};
+use crate::convert::{block_hash, block_list, blocks, int_u64, runtime_error, value_error};
 use crate::names::Names;
 
 /// A request the scheduler tracks: vLLM's `Request` object (read for its
@@ -26,6 +26,21 @@ struct Tracked {
     /// so a request is found by the object's address first.
     name: Py<PyAny>,
     hashes: Vec<BlockHash>,
+}
+
+/// A scheduled request read from the scheduler output: the key object's
+/// address (0 for a new request), the id, the hashes the scheduler has, the
+/// new blocks, whether they are the whole table, the computed tokens.
+type Part = (usize, RequestId, usize, Vec<GpuBlockId>, bool, u64);
+
+/// The cached requests' lists of a scheduler output (vLLM's
+/// `CachedRequestData`), read by index.
+struct CachedLists<'a, 'py> {
+    ids: &'a Bound<'py, PyList>,
+    blocks: &'a Bound<'py, PyList>,
+    computed: &'a Bound<'py, PyList>,
+    resumed: &'a Bound<'py, PyAny>,
+    has_resumed: bool,
 }
 
 /// The control plane for one engine: vLLM's scheduler-side connector hooks.
@@ -49,6 +64,11 @@ pub(crate) struct SchedulerCore {
     /// tier's events are dropped and no hash is kept for them.
     kv_events: bool,
     wire: Vec<u8>,
+    /// The step's parts and input, kept between steps: with a thousand
+    /// requests they are about 100 KiB, which the allocator would otherwise
+    /// give back to the kernel and fault in again every step.
+    parts: Vec<Option<Part>>,
+    input: StepInput,
     /// Set when the scheduler runs on a manual clock (tests).
     manual: Option<ManualClock>,
     /// Counter values at the last `take_stats` (its counters are deltas).
@@ -186,6 +206,177 @@ impl SchedulerCore {
         }
         Ok(())
     }
+
+    /// The part of cached request `i` (`None`: not tracked).
+    fn cached_part(&self, lists: &CachedLists<'_, '_>, i: usize) -> PyResult<Option<Part>> {
+        // Borrowed reads (`crate::borrowed`): the key is read before any
+        // Python code may run (the set's comparison gets its own reference;
+        // the count's conversion comes after).
+        let key = list_item(lists.ids, i)?;
+        let Some((id, sent)) = self.resolve_with_hashes(&key)? else {
+            return Ok(None);
+        };
+        let address = key.as_ptr() as usize;
+        let full = lists.has_resumed && lists.resumed.contains(key.to_owned())?;
+        let computed = int_u64(list_item(lists.computed, i)?)?;
+        let groups = lists.blocks.get_item(i)?;
+        let new_blocks = if groups.is_none() {
+            Vec::new()
+        } else {
+            block_list(&groups.get_item(0)?)?
+        };
+        Ok(Some((address, id, sent, new_blocks, full, computed)))
+    }
+
+    /// Adds a scheduled request (its part, `n` tokens) to the step's input,
+    /// after giving the scheduler the block hashes its store planning reads.
+    fn schedule(
+        &mut self,
+        py: Python<'_>,
+        input: &mut StepInput,
+        part: Option<Part>,
+        n: Borrowed<'_, '_, PyAny>,
+    ) -> PyResult<()> {
+        let Some((_, id, sent, new_block_ids, full_table, computed_tokens)) = part else {
+            return Ok(());
+        };
+        let scheduled_tokens = int_u64(n)?;
+        // Store planning this step reads hashes up to the tokens computed by
+        // its end: a block completed past them can wait.
+        self.sync_until(
+            py,
+            id,
+            sent,
+            computed_tokens.saturating_add(scheduled_tokens),
+        )?;
+        input.scheduled.push(ScheduledRequest {
+            req: id,
+            new_block_ids,
+            computed_tokens,
+            scheduled_tokens,
+            full_table,
+        });
+        Ok(())
+    }
+
+    /// [`Self::build_step`] over buffers kept between steps (`parts` and
+    /// `input` come in empty).
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    fn build_step_with<'py>(
+        &mut self,
+        py: Python<'py>,
+        parts: &mut Vec<Option<Part>>,
+        input: &mut StepInput,
+        num_scheduled: Bound<'py, PyDict>,
+        new_requests: Vec<(String, Vec<u32>, u64)>,
+        cached: (
+            Bound<'py, PyList>,
+            Bound<'py, PyList>,
+            Bound<'py, PyList>,
+            Bound<'py, PyAny>,
+        ),
+        preempted: Vec<String>,
+        finished: Vec<String>,
+    ) -> PyResult<(Bound<'py, PyBytes>, HashMap<u64, String>, Vec<String>)> {
+        let (cached_ids, cached_blocks, cached_computed, resumed) = cached;
+        let lists = CachedLists {
+            ids: &cached_ids,
+            blocks: &cached_blocks,
+            computed: &cached_computed,
+            resumed: &resumed,
+            has_resumed: resumed.len()? > 0,
+        };
+        // The scheduled requests usually come in the cached requests' order
+        // (running requests first): those are matched in lockstep, each key
+        // against the next cached request's by address. At the first key out
+        // of that order, the remaining cached requests and the new ones become
+        // parts, matched in order by address or else through an index by id.
+        let mut next_cached = 0;
+        let mut slow = false;
+        let mut index: Option<FxHashMap<RequestId, usize>> = None;
+        let mut cursor = 0;
+        input.scheduled.reserve(num_scheduled.len());
+        for_each_entry(&num_scheduled, |key, n| {
+            // The key is read (address, name) before the count's conversion
+            // or `sync_until` may run Python code.
+            let address = key.as_ptr() as usize;
+            if !slow {
+                if next_cached < lists.ids.len()
+                    && list_item(lists.ids, next_cached)?.as_ptr() as usize == address
+                {
+                    next_cached += 1;
+                    let part = self.cached_part(&lists, next_cached - 1)?;
+                    return self.schedule(py, input, part, n);
+                }
+                slow = true;
+                for i in next_cached..lists.ids.len() {
+                    if let Some(p) = self.cached_part(&lists, i)? {
+                        parts.push(Some(p));
+                    }
+                }
+                for (name, ids, computed) in &new_requests {
+                    if let Some(&id) = self.names.ids.get(name.as_str()) {
+                        parts.push(Some((0, id, usize::MAX, blocks(ids), true, *computed)));
+                    }
+                }
+            }
+            while matches!(parts.get(cursor), Some(None)) {
+                cursor += 1;
+            }
+            let in_order = matches!(parts.get(cursor), Some(Some(p)) if p.0 == address);
+            let part = if in_order {
+                cursor += 1;
+                parts[cursor - 1].take()
+            } else {
+                let Some(id) = self.resolve(&key)? else {
+                    return Ok(());
+                };
+                let index = index.get_or_insert_with(|| {
+                    parts
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(i, p)| p.as_ref().map(|p| (p.1, i)))
+                        .collect()
+                });
+                match index.get(&id) {
+                    Some(&i) => parts[i].take(),
+                    None => Some((address, id, usize::MAX, Vec::new(), false, 0)),
+                }
+            };
+            self.schedule(py, input, part, n)
+        })?;
+        for r in &preempted {
+            if let Some(&id) = self.names.ids.get(r.as_str()) {
+                input.preempted.push(id);
+            }
+        }
+        for r in &finished {
+            if let Some(&id) = self.names.ids.get(r.as_str()) {
+                input.finished.push(id);
+            }
+        }
+        let plan = self.s.build_step(input).map_err(value_error)?;
+        if self.kv_events {
+            for st in &plan.stores {
+                self.remember_store_keys(py, st.req, &st.keys)?;
+            }
+        }
+        encode_worker_plan(&plan, self.cfg.blocks_per_chunk, &mut self.wire);
+        let load_requests: HashMap<u64, String> = plan
+            .loads
+            .iter()
+            .map(|l| (l.job.0, self.names.name(l.req)))
+            .collect();
+        let failed: Vec<String> = plan
+            .failed_loads
+            .iter()
+            .map(|&r| self.names.name(r))
+            .collect();
+        self.s.recycle_plan(plan);
+        self.finishing.extend_from_slice(&input.finished);
+        self.forget_finished();
+        Ok((PyBytes::new(py, &self.wire), load_requests, failed))
+    }
 }
 
 #[pymethods]
@@ -224,6 +415,8 @@ impl SchedulerCore {
             kv_events,
             last_counters: Counters::default(),
             wire: Vec::new(),
+            parts: Vec::new(),
+            input: StepInput::default(),
             manual,
         })
     }
@@ -319,133 +512,46 @@ impl SchedulerCore {
         preempted: Vec<String>,
         finished: Vec<String>,
     ) -> PyResult<(Bound<'py, PyBytes>, HashMap<u64, String>, Vec<String>)> {
-        // Each scheduled request's (id, new blocks, whole table, computed
-        // tokens): the cached requests in their order (the running ones come
-        // in the order `num_scheduled` lists them), then the new ones.
-        // A part: the key object's address (0 for a new request), the id,
-        // the hashes the scheduler has, new blocks, whole table, computed tokens.
-        type Part = (usize, RequestId, usize, Vec<GpuBlockId>, bool, u64);
-        let mut parts: Vec<Option<Part>> = Vec::with_capacity(num_scheduled.len());
-        let has_resumed = resumed.len()? > 0;
-        for (i, key) in cached_ids.iter().enumerate() {
-            let Some((id, sent)) = self.resolve_with_hashes(&key)? else {
-                continue;
-            };
-            let groups = cached_blocks.get_item(i)?;
-            let new_blocks = if groups.is_none() {
-                Vec::new()
-            } else {
-                let ids = groups.get_item(0)?;
-                if ids.len()? == 0 {
-                    Vec::new()
-                } else {
-                    blocks(&ids.extract::<Vec<u32>>()?)
-                }
-            };
-            let full = has_resumed && resumed.contains(&key)?;
-            let computed: u64 = cached_computed.get_item(i)?.extract()?;
-            let address = key.as_ptr() as usize;
-            parts.push(Some((address, id, sent, new_blocks, full, computed)));
-        }
-        for (name, ids, computed) in &new_requests {
-            if let Some(&id) = self.names.ids.get(name.as_str()) {
-                parts.push(Some((0, id, usize::MAX, blocks(ids), true, *computed)));
-            }
-        }
-        // Keys in the cached requests' order are matched by address; the
-        // others through this index, built on the first.
-        let mut index: Option<FxHashMap<RequestId, usize>> = None;
-        let mut cursor = 0;
-        let mut input = StepInput::default();
-        input.scheduled.reserve(num_scheduled.len());
-        for (key, n) in num_scheduled.iter() {
-            let address = key.as_ptr() as usize;
-            while matches!(parts.get(cursor), Some(None)) {
-                cursor += 1;
-            }
-            let in_order = matches!(parts.get(cursor), Some(Some(p)) if p.0 == address);
-            let part = if in_order {
-                cursor += 1;
-                parts[cursor - 1].take()
-            } else {
-                let Some(id) = self.resolve(&key)? else {
-                    continue;
-                };
-                let index = index.get_or_insert_with(|| {
-                    parts
-                        .iter()
-                        .enumerate()
-                        .filter_map(|(i, p)| p.as_ref().map(|p| (p.1, i)))
-                        .collect()
-                });
-                match index.get(&id) {
-                    Some(&i) => parts[i].take(),
-                    None => Some((address, id, usize::MAX, Vec::new(), false, 0)),
-                }
-            };
-            let Some((_, id, sent, new_block_ids, full_table, computed_tokens)) = part else {
-                continue;
-            };
-            let scheduled_tokens: u64 = n.extract()?;
-            // Store planning this step reads hashes up to the tokens computed
-            // by its end: a block completed past them can wait.
-            self.sync_until(
-                py,
-                id,
-                sent,
-                computed_tokens.saturating_add(scheduled_tokens),
-            )?;
-            input.scheduled.push(ScheduledRequest {
-                req: id,
-                new_block_ids,
-                computed_tokens,
-                scheduled_tokens,
-                full_table,
-            });
-        }
-        for r in &preempted {
-            if let Some(&id) = self.names.ids.get(r.as_str()) {
-                input.preempted.push(id);
-            }
-        }
-        for r in &finished {
-            if let Some(&id) = self.names.ids.get(r.as_str()) {
-                input.finished.push(id);
-            }
-        }
-        let plan = self.s.build_step(&input).map_err(value_error)?;
-        if self.kv_events {
-            for st in &plan.stores {
-                self.remember_store_keys(py, st.req, &st.keys)?;
-            }
-        }
-        let wplan = to_worker_plan(&plan, self.cfg.blocks_per_chunk);
-        encode_plan(&wplan, &mut self.wire);
-        let load_requests: HashMap<u64, String> = plan
-            .loads
-            .iter()
-            .map(|l| (l.job.0, self.names.name(l.req)))
-            .collect();
-        let failed: Vec<String> = plan
-            .failed_loads
-            .iter()
-            .map(|&r| self.names.name(r))
-            .collect();
-        self.s.recycle_plan(plan);
-        self.finishing.extend_from_slice(&input.finished);
-        self.forget_finished();
-        Ok((PyBytes::new(py, &self.wire), load_requests, failed))
+        // Each scheduled request's part: the cached requests in their order
+        // (the running ones come in the order `num_scheduled` lists them),
+        // then the new ones.
+        let mut parts = std::mem::take(&mut self.parts);
+        let mut input = std::mem::take(&mut self.input);
+        parts.clear();
+        input.scheduled.clear();
+        input.preempted.clear();
+        input.finished.clear();
+        let result = self.build_step_with(
+            py,
+            &mut parts,
+            &mut input,
+            num_scheduled,
+            new_requests,
+            (cached_ids, cached_blocks, cached_computed, resumed),
+            preempted,
+            finished,
+        );
+        self.parts = parts;
+        self.input = input;
+        result
     }
 
     /// Worker reports summed over workers: `{job: count}` and the failed
     /// jobs. Returns `(finished_loads, failed_loads, rejected)`.
     fn on_worker_output(
         &mut self,
-        completed: HashMap<u64, u32>,
+        completed: Bound<'_, PyDict>,
         failed: Vec<u64>,
-    ) -> (Vec<String>, Vec<String>, Vec<String>) {
-        let mut completed: Vec<(JobId, u32)> =
-            completed.into_iter().map(|(j, n)| (JobId(j), n)).collect();
+    ) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
+        let mut done: Vec<(JobId, u32)> = Vec::with_capacity(completed.len());
+        for_each_entry(&completed, |job, n| {
+            // Both read before the other's conversion may run Python code.
+            let job = job.to_owned();
+            let n: u32 = n.extract()?;
+            done.push((JobId(job.extract()?), n));
+            Ok(())
+        })?;
+        let mut completed = done;
         completed.sort_unstable();
         let report = WorkerReport {
             completed,
@@ -462,7 +568,7 @@ impl SchedulerCore {
                 .collect(),
         );
         self.forget_finished();
-        answer
+        Ok(answer)
     }
 
     /// The request finished (vLLM's `request_finished`); its last stores

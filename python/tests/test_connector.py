@@ -149,6 +149,7 @@ def manual_clock(e: harness.Engine, timeout_s: float = 1.0) -> kvoffload.Schedul
     cfg["stall_timeout_ms"] = int(timeout_s * 1000)
     cfg["stall_scan_interval_ms"] = 100
     side.core = kvoffload.SchedulerCore(json.dumps(cfg), watchdog=False, manual_clock=True)
+    side.scan_in_hooks = True
     return side.core
 
 

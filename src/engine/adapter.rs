@@ -6,17 +6,42 @@ use std::collections::BTreeMap;
 
 use crate::ids::JobId;
 use crate::scheduler::{self, TransferJob};
-use crate::worker::{self, LoadJob, StoreJob, TransferSpec};
+use crate::worker::{self, LoadJob, SpecParts, StoreJob, TransferSpec};
 
-fn spec(job: &TransferJob, blocks_per_chunk: u32) -> TransferSpec {
+fn spec_parts(job: &TransferJob, blocks_per_chunk: u32) -> SpecParts<'_> {
     let bpc = blocks_per_chunk.max(1) as usize;
     // A job starting inside its first chunk skips that chunk's leading blocks.
     let skip = (job.keys.len() * bpc).saturating_sub(job.block_ids.len());
-    TransferSpec {
-        gpu_blocks: job.block_ids.to_vec(),
+    SpecParts {
+        gpu_blocks: &job.block_ids,
         first_block_index: skip as u32,
-        chunks: job.chunk_ids.to_vec(),
+        chunks: &job.chunk_ids,
     }
+}
+
+fn spec(job: &TransferJob, blocks_per_chunk: u32) -> TransferSpec {
+    let p = spec_parts(job, blocks_per_chunk);
+    TransferSpec {
+        gpu_blocks: p.gpu_blocks.to_vec(),
+        first_block_index: p.first_block_index,
+        chunks: p.chunks.to_vec(),
+    }
+}
+
+/// Encodes the workers' plan for a scheduler step ([`worker::encode_plan`]
+/// of [`to_worker_plan`], the same bytes) without building it first: no
+/// allocation per job.
+pub fn encode_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32, out: &mut Vec<u8>) {
+    worker::encode_plan_parts(
+        plan.loads
+            .iter()
+            .map(|j| (j.job, Some(j.req), spec_parts(j, blocks_per_chunk))),
+        plan.stores
+            .iter()
+            .map(|j| (j.job, spec_parts(j, blocks_per_chunk))),
+        &plan.flush,
+        out,
+    );
 }
 
 /// The plan every worker receives for a scheduler step (loads carry their request).
@@ -94,5 +119,35 @@ mod tests {
         let m = merge_reports([&a, &b]);
         assert_eq!(m.completed, vec![(JobId(3), 2)]);
         assert_eq!(m.failed, vec![JobId(3)]);
+    }
+
+    #[test]
+    fn the_direct_encoding_is_the_bytes_of_the_worker_plan() {
+        let job = |id: u64, blocks: &[u32], chunks: &[u32]| TransferJob {
+            job: JobId(id),
+            req: RequestId(id + 100),
+            block_ids: blocks.iter().map(|&b| GpuBlockId(b)).collect(),
+            chunk_ids: chunks.iter().map(|&c| ChunkId(c)).collect(),
+            keys: chunks.iter().map(|&c| ChunkKey(u64::from(c) + 7)).collect(),
+        };
+        let plans = [
+            scheduler::StepPlan::default(),
+            scheduler::StepPlan {
+                loads: vec![job(1, &[5, 6, 7], &[2, 3]), job(2, &[9, 10], &[4])],
+                stores: vec![job(3, &[1, 2, 3, 4], &[8, 9]), job(4, &[11], &[1])],
+                flush: vec![JobId(1), JobId(3)],
+                failed_loads: vec![RequestId(5)],
+            },
+        ];
+        for plan in &plans {
+            let (mut direct, mut built) = (Vec::new(), Vec::new());
+            encode_worker_plan(plan, 2, &mut direct);
+            worker::encode_plan(&to_worker_plan(plan, 2), &mut built);
+            assert_eq!(direct, built);
+            assert_eq!(
+                worker::decode_plan(&direct).unwrap(),
+                to_worker_plan(plan, 2)
+            );
+        }
     }
 }

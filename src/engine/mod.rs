@@ -6,5 +6,5 @@ pub mod adapter;
 pub mod cuda_workers;
 pub mod workers;
 
-pub use adapter::{merge_reports, to_worker_plan};
+pub use adapter::{encode_worker_plan, merge_reports, to_worker_plan};
 pub use workers::{HostWorkerPool, PoolError, PoolStep, WorkerCommand, WorkerPool};

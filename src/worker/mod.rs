@@ -33,5 +33,5 @@ pub use layout::{
     GpuLayout, GpuLayoutKind, GpuRegion, HostRowLayout, SlotLayout, TransferSpec, WorkerLayout,
 };
 pub use plan::{DirectionStats, LoadJob, StepPlan, StoreJob, TransferStats, WorkerReport};
-pub use plan_wire::{PlanWireError, decode_plan, encode_plan};
+pub use plan_wire::{PlanWireError, SpecParts, decode_plan, encode_plan, encode_plan_parts};
 pub use worker_hooks::{OffloadWorker, WorkerError};

@@ -56,37 +56,81 @@ fn put_len(out: &mut Vec<u8>, n: usize) {
     put_u32(out, u32::try_from(n).unwrap_or(u32::MAX));
 }
 
-fn put_spec(out: &mut Vec<u8>, s: &TransferSpec) {
+/// A transfer spec's fields, borrowed: what the encoding writes of one
+/// [`TransferSpec`], so that a plan held in another form (the scheduler's)
+/// is encoded without building the worker's plan first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecParts<'a> {
+    /// [`TransferSpec::gpu_blocks`].
+    pub gpu_blocks: &'a [GpuBlockId],
+    /// [`TransferSpec::first_block_index`].
+    pub first_block_index: u32,
+    /// [`TransferSpec::chunks`].
+    pub chunks: &'a [ChunkId],
+}
+
+impl<'a> From<&'a TransferSpec> for SpecParts<'a> {
+    fn from(s: &'a TransferSpec) -> Self {
+        Self {
+            gpu_blocks: &s.gpu_blocks,
+            first_block_index: s.first_block_index,
+            chunks: &s.chunks,
+        }
+    }
+}
+
+fn put_spec(out: &mut Vec<u8>, s: SpecParts<'_>) {
     put_u32(out, s.first_block_index);
     put_len(out, s.gpu_blocks.len());
-    for b in &s.gpu_blocks {
+    for b in s.gpu_blocks {
         put_u32(out, b.0);
     }
     put_len(out, s.chunks.len());
-    for c in &s.chunks {
+    for c in s.chunks {
         put_u32(out, c.0);
     }
 }
 
 /// Encodes `plan` (appending to `out`, which is cleared first).
 pub fn encode_plan(plan: &StepPlan, out: &mut Vec<u8>) {
+    encode_plan_parts(
+        plan.loads
+            .iter()
+            .map(|l| (l.job, l.request, SpecParts::from(&l.spec))),
+        plan.stores
+            .iter()
+            .map(|s| (s.job, SpecParts::from(&s.spec))),
+        &plan.flush,
+        out,
+    );
+}
+
+/// Encodes a plan given as its parts, the same bytes as [`encode_plan`] of
+/// the [`StepPlan`] they make: loads as `(job, request, spec)`, stores as
+/// `(job, spec)`, then the flushed jobs (`out` is cleared first).
+pub fn encode_plan_parts<'a>(
+    loads: impl ExactSizeIterator<Item = (JobId, Option<RequestId>, SpecParts<'a>)>,
+    stores: impl ExactSizeIterator<Item = (JobId, SpecParts<'a>)>,
+    flush: &[JobId],
+    out: &mut Vec<u8>,
+) {
     out.clear();
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&PLAN_WIRE_VERSION.to_le_bytes());
-    put_len(out, plan.loads.len());
-    for l in &plan.loads {
-        put_u64(out, l.job.0);
-        out.push(u8::from(l.request.is_some()));
-        put_u64(out, l.request.map_or(0, |r| r.0));
-        put_spec(out, &l.spec);
+    put_len(out, loads.len());
+    for (job, request, spec) in loads {
+        put_u64(out, job.0);
+        out.push(u8::from(request.is_some()));
+        put_u64(out, request.map_or(0, |r| r.0));
+        put_spec(out, spec);
     }
-    put_len(out, plan.stores.len());
-    for s in &plan.stores {
-        put_u64(out, s.job.0);
-        put_spec(out, &s.spec);
+    put_len(out, stores.len());
+    for (job, spec) in stores {
+        put_u64(out, job.0);
+        put_spec(out, spec);
     }
-    put_len(out, plan.flush.len());
-    for j in &plan.flush {
+    put_len(out, flush.len());
+    for j in flush {
         put_u64(out, j.0);
     }
 }
