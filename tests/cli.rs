@@ -379,10 +379,16 @@ fn cuda_unavailable() -> Option<String> {
         .map(|e| e.to_string())
 }
 
-#[test]
-fn sim_on_the_cuda_backend() {
-    let report = tmp("cuda-report.json");
-    let out = kvoffload(&[
+/// The reason a `gpu_*` test run without a usable GPU (`--ignored` on a
+/// machine without one) returns early, printed; `None` where the GPU is.
+fn gpu_missing(test: &str) -> Option<String> {
+    let reason = cuda_unavailable()?;
+    println!("SKIP: {reason} [{test}]");
+    Some(reason)
+}
+
+fn sim_on_cuda(report: &std::path::Path) -> Output {
+    kvoffload(&[
         "sim",
         "--backend",
         "cuda",
@@ -390,28 +396,48 @@ fn sim_on_the_cuda_backend() {
         "60",
         "--report",
         report.to_str().unwrap(),
-    ]);
-    match cuda_unavailable() {
-        Some(reason) => {
-            assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
-            assert_eq!(
-                text(&out.stderr),
-                format!("kvoffload sim: cuda backend unavailable: {reason}\n"),
-                "one line, no panic"
-            );
-            assert!(out.stdout.is_empty());
-            println!("SKIP: {reason} [sim --backend cuda ran only its no-driver path]");
-        }
-        None => {
-            assert!(out.status.success(), "{}", text(&out.stderr));
-            let r: serde_json::Value =
-                serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-            assert_eq!(r["backend"], "cuda");
-            assert_eq!(r["leaks"]["total"], 0, "{r}");
-            assert!(text(&out.stdout).contains("leaks after drain                0"));
-        }
+    ])
+}
+
+#[test]
+#[cfg_attr(kvoffload_gpu, ignore = "checks the no-driver path: a driver is here")]
+fn sim_on_the_cuda_backend_without_a_driver_is_one_line_and_exit_2() {
+    let Some(reason) = cuda_unavailable() else {
+        println!("SKIP: a driver is present [the no-driver path of sim --backend cuda]");
+        return;
+    };
+    let out = sim_on_cuda(&tmp("cuda-report-no-driver.json"));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stderr),
+        format!("kvoffload sim: cuda backend unavailable: {reason}\n"),
+        "one line, no panic"
+    );
+    assert!(out.stdout.is_empty());
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_gpu),
+    ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
+)]
+fn gpu_sim_on_the_cuda_backend_ends_with_no_leaks() {
+    if gpu_missing("gpu_sim_on_the_cuda_backend_ends_with_no_leaks").is_some() {
+        return;
     }
-    // A bad strategy table is refused by name, whatever the machine.
+    let report = tmp("cuda-report.json");
+    let out = sim_on_cuda(&report);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["backend"], "cuda");
+    assert_eq!(r["leaks"]["total"], 0, "{r}");
+    assert!(text(&out.stdout).contains("leaks after drain                0"));
+}
+
+#[test]
+fn sim_on_the_cuda_backend_refuses_a_bad_strategy_table_by_name() {
+    // Whatever the machine: the table is read before the device is opened.
     let bad = tmp("bad-table.json");
     std::fs::write(&bad, r#"{"rules":[],"fallback":"warp"}"#).unwrap();
     let out = kvoffload(&[
@@ -425,23 +451,20 @@ fn sim_on_the_cuda_backend() {
     assert!(text(&out.stderr).contains("bad-table.json") && text(&out.stderr).contains("warp"));
 }
 
-#[test]
-fn bench_on_the_cuda_backend_and_calibrate() {
-    let table = tmp("calibrated.json");
-    let _ = std::fs::remove_file(&table);
-    let args = [
-        "bench",
-        "--backend",
-        "cuda",
-        "--json",
-        "--quick",
-        "--block-bytes",
-        "16384",
-        "--blocks",
-        "64",
-    ];
-    let out = kvoffload(&args);
-    let calibrate = kvoffload(&[
+const CUDA_BENCH: [&str; 9] = [
+    "bench",
+    "--backend",
+    "cuda",
+    "--json",
+    "--quick",
+    "--block-bytes",
+    "16384",
+    "--blocks",
+    "64",
+];
+
+fn calibrate_into(table: &std::path::Path) -> Output {
+    kvoffload(&[
         "bench",
         "--quick",
         "--block-bytes",
@@ -450,45 +473,66 @@ fn bench_on_the_cuda_backend_and_calibrate() {
         "64",
         "--calibrate",
         table.to_str().unwrap(),
-    ]);
-    match cuda_unavailable() {
-        Some(reason) => {
-            let line = format!("kvoffload bench: cuda backend unavailable: {reason}\n");
-            for o in [&out, &calibrate] {
-                assert_eq!(o.status.code(), Some(2));
-                assert_eq!(text(&o.stderr), line);
-                assert!(o.stdout.is_empty());
-            }
-            assert!(!table.exists(), "nothing written without a GPU");
-            println!(
-                "SKIP: {reason} [bench --backend cuda / --calibrate ran only their no-driver paths]"
+    ])
+}
+
+#[test]
+#[cfg_attr(kvoffload_gpu, ignore = "checks the no-driver path: a driver is here")]
+fn bench_on_the_cuda_backend_without_a_driver_is_one_line_and_writes_nothing() {
+    let Some(reason) = cuda_unavailable() else {
+        println!("SKIP: a driver is present [the no-driver path of bench --backend cuda]");
+        return;
+    };
+    let table = tmp("calibrated-no-driver.json");
+    let _ = std::fs::remove_file(&table);
+    let line = format!("kvoffload bench: cuda backend unavailable: {reason}\n");
+    for o in [&kvoffload(&CUDA_BENCH), &calibrate_into(&table)] {
+        assert_eq!(o.status.code(), Some(2));
+        assert_eq!(text(&o.stderr), line);
+        assert!(o.stdout.is_empty());
+    }
+    assert!(!table.exists(), "nothing written without a GPU");
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_gpu),
+    ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
+)]
+fn gpu_bench_on_the_cuda_backend_and_calibrate() {
+    if gpu_missing("gpu_bench_on_the_cuda_backend_and_calibrate").is_some() {
+        return;
+    }
+    let table = tmp("calibrated.json");
+    let _ = std::fs::remove_file(&table);
+    let out = kvoffload(&CUDA_BENCH);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rows.len(), 8, "4 strategies x 2 directions");
+    for r in &rows {
+        assert_eq!(r["backend"], "cuda");
+        let g = r["gbps"].as_f64().unwrap();
+        let c = r["ceiling_gbps"].as_f64().unwrap();
+        assert!(g > 0.0 && c > 0.0, "{r}");
+        let f = r["fraction_of_ceiling"].as_f64().unwrap();
+        assert!((f - g / c).abs() < 1e-9);
+    }
+    for s in ["dma", "batch_dma", "kernel", "kernel_graph"] {
+        for d in ["store", "load"] {
+            assert!(
+                rows.iter()
+                    .any(|r| r["strategy"] == s && r["direction"] == d)
             );
         }
-        None => {
-            assert!(out.status.success(), "{}", text(&out.stderr));
-            let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
-            assert_eq!(rows.len(), 8, "4 strategies x 2 directions");
-            for r in &rows {
-                assert_eq!(r["backend"], "cuda");
-                let g = r["gbps"].as_f64().unwrap();
-                let c = r["ceiling_gbps"].as_f64().unwrap();
-                assert!(g > 0.0 && c > 0.0, "{r}");
-                let f = r["fraction_of_ceiling"].as_f64().unwrap();
-                assert!((f - g / c).abs() < 1e-9);
-            }
-            for s in ["dma", "batch_dma", "kernel", "kernel_graph"] {
-                for d in ["store", "load"] {
-                    assert!(
-                        rows.iter()
-                            .any(|r| r["strategy"] == s && r["direction"] == d)
-                    );
-                }
-            }
-            assert!(calibrate.status.success(), "{}", text(&calibrate.stderr));
-            let t = kvoffload::worker::cuda::StrategyTable::load(&table).unwrap();
-            assert!(!t.rules.is_empty());
-        }
     }
+    let calibrate = calibrate_into(&table);
+    assert!(calibrate.status.success(), "{}", text(&calibrate.stderr));
+    let t = kvoffload::worker::cuda::StrategyTable::load(&table).unwrap();
+    assert!(!t.rules.is_empty());
+}
+
+#[test]
+fn calibration_with_the_host_backend_is_refused() {
     // Calibration measures CUDA: with --backend host it is refused.
     let out = kvoffload(&["bench", "--backend", "host", "--calibrate"]);
     assert_eq!(out.status.code(), Some(2));

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use cudarc::driver::CudaContext;
 
 use crate::worker::cuda::{
-    CudaBackend, CudaBackendOptions, CudaError, DeviceBuffer, PinnedBuffer, StrategyTable,
+    CudaBackend, CudaBackendOptions, CudaError, DeviceBuffer, PinnedBuffer, SharedStrategyTable,
     context::guarded, error::driver, open_context,
 };
 use crate::worker::{
@@ -35,14 +35,15 @@ impl WorkerPool {
     /// `world_size` workers on CUDA backends, each with `gpu_blocks` device
     /// blocks of `block_bytes` (cross-layer pages), sharing a pinned host pool
     /// of `num_chunks` rows of `blocks_per_chunk` blocks per worker; jobs choose
-    /// their copy strategy from `strategies`.
+    /// their copy strategy from `strategies`, one table all the workers read
+    /// (replace it through the same handle while they run).
     pub fn cuda(
         world_size: u32,
         gpu_blocks: u32,
         block_bytes: u64,
         blocks_per_chunk: u32,
         num_chunks: u32,
-        strategies: StrategyTable,
+        strategies: Arc<SharedStrategyTable>,
     ) -> Result<Self, PoolError> {
         let world = world_size.max(1);
         let first = open_context(0).map_err(PoolError::CudaUnavailable)?;
@@ -78,7 +79,7 @@ impl WorkerPool {
                 num_chunks,
             )?;
             let options = CudaBackendOptions {
-                strategies: strategies.clone(),
+                strategies: Arc::clone(&strategies),
                 ..CudaBackendOptions::default()
             };
             me.spawn(rank, (dev, Arc::clone(&pool)), move || {
@@ -107,7 +108,10 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore)]
     fn without_a_driver_the_pool_is_unavailable_not_a_panic() {
-        match WorkerPool::cuda(2, 16, 4096, 1, 8, StrategyTable::default()) {
+        let table = Arc::new(SharedStrategyTable::new(
+            crate::worker::cuda::StrategyTable::default(),
+        ));
+        match WorkerPool::cuda(2, 16, 4096, 1, 8, table) {
             Ok(p) => {
                 assert_eq!(p.world_size(), 2);
                 println!("SKIP: a CUDA device is present");

@@ -208,7 +208,9 @@ impl Sim {
                 opts.block_bytes,
                 cfg.blocks_per_chunk,
                 num_chunks,
-                strategies.clone(),
+                std::sync::Arc::new(crate::worker::cuda::SharedStrategyTable::new(
+                    strategies.clone(),
+                )),
             )?,
         };
         let tpb = u64::from(cfg.tokens_per_block.max(1));

@@ -19,10 +19,11 @@ use super::context::guarded;
 use super::dma::{self, BatchCopy};
 use super::error::{CudaError, driver};
 use super::kernel::{CopyKernels, LaunchShape, TableRing, split_descs};
+use super::shared_table::SharedStrategyTable;
 use super::strategy::{Strategy, StrategyTable};
 
 /// Options of the CUDA backend.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct CudaBackendOptions {
     /// Kernel grid: the SM budget.
     pub shape: LaunchShape,
@@ -32,8 +33,10 @@ pub struct CudaBackendOptions {
     pub ring_slots: usize,
     /// Kernel descriptors are split into pieces of at most this many bytes.
     pub kernel_split_bytes: u64,
-    /// The strategy table.
-    pub strategies: StrategyTable,
+    /// The strategy table, read on every submit; shared with other backends
+    /// (a pool's workers) and replaceable while they run
+    /// ([`SharedStrategyTable::replace`]).
+    pub strategies: Arc<SharedStrategyTable>,
 }
 
 impl Default for CudaBackendOptions {
@@ -43,7 +46,7 @@ impl Default for CudaBackendOptions {
             capacities: vec![64, 256, 1024, 4096, 16384, 65536],
             ring_slots: 2,
             kernel_split_bytes: 64 << 10,
-            strategies: StrategyTable::default(),
+            strategies: Arc::new(SharedStrategyTable::new(StrategyTable::default())),
         }
     }
 }
@@ -78,9 +81,11 @@ pub struct CudaBackend {
     compute: Arc<CudaStream>,
     compute_event: CudaEvent,
     streams: [Arc<CudaStream>; 2],
+    // Fields drop in declaration order: the rings' graph execs launch the
+    // kernels' functions, so they go before the module is unloaded.
+    rings: Vec<TableRing>,
     kernels: Option<CopyKernels>,
     batch: BatchCopy,
-    rings: Vec<TableRing>,
     queues: [VecDeque<InFlight>; 2],
     ids: HashSet<JobId>,
     events: Vec<CudaEvent>,
@@ -89,6 +94,8 @@ pub struct CudaBackend {
     options: CudaBackendOptions,
     forced: Option<Strategy>,
     stats: CudaBackendStats,
+    /// The event timing call failed once (warned once, durations read 0).
+    elapsed_warned: bool,
 }
 
 impl CudaBackend {
@@ -148,6 +155,7 @@ impl CudaBackend {
                 options,
                 forced: None,
                 stats: CudaBackendStats::default(),
+                elapsed_warned: false,
             })
         })
     }
@@ -347,7 +355,24 @@ impl TransferBackend for CudaBackend {
                 self.ids.remove(&f.job);
                 let (success, duration) = match done {
                     Ok(_) => {
-                        let ms = f.start.elapsed_ms(&f.end).unwrap_or(0.0);
+                        // cudarc's elapsed-time call needs a 12.8+ driver and
+                        // panics without it: guarded, a transfer without a
+                        // duration rather than a dead worker thread.
+                        let ms = guarded("cuEventElapsedTime", || {
+                            f.start
+                                .elapsed_ms(&f.end)
+                                .map_err(driver("cuEventElapsedTime"))
+                        });
+                        let ms = match ms {
+                            Ok(ms) => ms,
+                            Err(e) => {
+                                if !self.elapsed_warned {
+                                    self.elapsed_warned = true;
+                                    tracing::warn!(error = %e, "no transfer durations: the event timing call failed");
+                                }
+                                0.0
+                            }
+                        };
                         (true, Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
                     }
                     Err(e) => {

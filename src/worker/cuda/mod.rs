@@ -10,6 +10,7 @@ pub mod dma;
 pub mod error;
 pub mod kernel;
 pub mod memory;
+pub mod shared_table;
 pub mod strategy;
 
 pub use backend::{CudaBackend, CudaBackendOptions, CudaBackendStats};
@@ -17,4 +18,5 @@ pub use context::{borrowed_stream, driver_present, open_context};
 pub use error::CudaError;
 pub use kernel::LaunchShape;
 pub use memory::{DeviceBuffer, PinnedBuffer, PinnedKind};
+pub use shared_table::SharedStrategyTable;
 pub use strategy::{Strategy, StrategyFileError, StrategyRule, StrategyTable, StrategyTableError};
