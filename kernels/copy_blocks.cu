@@ -34,6 +34,18 @@ __device__ __forceinline__ void store16(uint4* p, uint4 v) {
     }
 }
 
+// The same hints for 8-byte words (runs aligned to 8 but not to 16).
+__device__ __forceinline__ unsigned long long load8(const unsigned long long* p) { return __ldcs(p); }
+
+template <bool kGather>
+__device__ __forceinline__ void store8(unsigned long long* p, unsigned long long v) {
+    if (kGather) {
+        __stcs(p, v);
+    } else {
+        *p = v;
+    }
+}
+
 template <bool kGather>
 __device__ void copy_one(const CopyDesc d, unsigned lane) {
     const unsigned long long bytes = d.bytes;
@@ -54,6 +66,14 @@ __device__ void copy_one(const CopyDesc d, unsigned lane) {
         }
         for (; i < n16; i += 32ull) store16<kGather>(t + i, load16(s + i));
         done = n16 << 4;
+    } else if (((d.src | d.dst) & 7ull) == 0) {
+        // 8-byte aligned (an odd number of 8-byte words before it, say):
+        // words, not bytes.
+        const unsigned long long* s = reinterpret_cast<const unsigned long long*>(d.src);
+        unsigned long long* t = reinterpret_cast<unsigned long long*>(d.dst);
+        const unsigned long long n8 = bytes >> 3;
+        for (unsigned long long i = lane; i < n8; i += 32ull) store8<kGather>(t + i, load8(s + i));
+        done = n8 << 3;
     }
     const unsigned char* sb = reinterpret_cast<const unsigned char*>(d.src);
     unsigned char* tb = reinterpret_cast<unsigned char*>(d.dst);
@@ -80,6 +100,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) kv_gather(const CopyDesc* _
 extern "C" __global__ void __launch_bounds__(256, 1) kv_scatter(const CopyDesc* __restrict__ descs, uint32_t n) {
     copy_table<false>(descs, n);
 }
+
+// The plain entry points (a count argument, no table header) are kept for
+// tools and direct launches; the backend launches the table variants below.
 
 // Table variants for persistent tables and CUDA graphs: `table[0].bytes` holds the
 // descriptor count (written by the same memcpy that refreshes the descriptors), the

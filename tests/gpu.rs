@@ -118,7 +118,7 @@ impl Pair {
         let dev_gpu = DeviceBuffer::new(ctx, gbytes)?;
         let pool = match pinned {
             PinnedKind::HostAlloc => PinnedBuffer::host_alloc(ctx, pbytes)?,
-            PinnedKind::Registered => PinnedBuffer::registered(ctx, pbytes, 1 << 20)?,
+            PinnedKind::Registered => PinnedBuffer::registered(ctx, pbytes, 1 << 20, row as usize)?,
         };
         let ref_gpu = Arc::new(HostBuffer::new(gbytes).unwrap());
         let ref_pool = Arc::new(HostBuffer::new(pbytes).unwrap());

@@ -349,10 +349,10 @@ pub fn calibrated_table(points: &[CudaPoint]) -> StrategyTable {
                 let Some(best) = best else { continue };
                 rules.push(StrategyRule {
                     direction: Some(dir),
-                    min_bytes_per_block: if si == 0 { 0 } else { size },
-                    max_bytes_per_block: sizes.get(si + 1).map(|n| n - 1),
-                    min_blocks: if ci == 0 { 0 } else { count as usize },
-                    max_blocks: counts.get(ci + 1).map(|&n| n as usize - 1),
+                    min_bytes_per_descriptor: if si == 0 { 0 } else { size },
+                    max_bytes_per_descriptor: sizes.get(si + 1).map(|n| n - 1),
+                    min_descriptors: if ci == 0 { 0 } else { count as usize },
+                    max_descriptors: counts.get(ci + 1).map(|&n| n as usize - 1),
                     strategy: best.strategy,
                 });
             }

@@ -18,7 +18,7 @@ use crate::worker::{
 use super::context::guarded;
 use super::dma::{self, BatchCopy};
 use super::error::{CudaError, driver};
-use super::kernel::{CopyKernels, LaunchShape, TableRing, split_descs};
+use super::kernel::{CopyKernels, LaunchShape, TableRing, piece_bytes, split_descs};
 use super::shared_table::SharedStrategyTable;
 use super::strategy::{Strategy, StrategyTable};
 
@@ -31,7 +31,9 @@ pub struct CudaBackendOptions {
     pub capacities: Vec<usize>,
     /// Tables per capacity and direction (a ring; staging is reused round-robin).
     pub ring_slots: usize,
-    /// Kernel descriptors are split into pieces of at most this many bytes.
+    /// Kernel descriptors are split into pieces of at most this many bytes
+    /// (fewer where a job needs more pieces to keep every warp busy:
+    /// `kernel::piece_bytes`).
     pub kernel_split_bytes: u64,
     /// The strategy table, read on every submit; shared with other backends
     /// (a pool's workers) and replaceable while they run
@@ -44,7 +46,7 @@ impl Default for CudaBackendOptions {
         Self {
             shape: LaunchShape::default(),
             capacities: vec![64, 256, 1024, 4096, 16384, 65536],
-            ring_slots: 2,
+            ring_slots: 4,
             kernel_split_bytes: 64 << 10,
             strategies: Arc::new(SharedStrategyTable::new(StrategyTable::default())),
         }
@@ -71,6 +73,8 @@ struct InFlight {
     end: CudaEvent,
     bytes: u64,
     range: InFlightRange,
+    /// Queueing failed part way: reported failed when `end` completes.
+    failed: bool,
 }
 
 /// The CUDA backend. See the module docs.
@@ -215,13 +219,21 @@ impl CudaBackend {
         }
         let bytes = self.table.bytes;
         let _submit = profiling::phase(JobPhase::Submit, dir, job, bytes);
-        let per_block = bytes / self.table.descs.len().max(1) as u64;
+        // Chosen on descriptors (the copies a DMA submit makes), not blocks.
+        let descriptors = self.table.descs.len();
+        let per_descriptor = bytes / descriptors.max(1) as u64;
         let strategy = self.forced.unwrap_or_else(|| {
             self.options
                 .strategies
-                .choose(dir, per_block, self.table.blocks)
+                .choose(dir, per_descriptor, descriptors)
         });
-        let (start, end) = guarded("submit", || self.enqueue(dir, strategy))?;
+        let (start, end, failed) = guarded("submit", || self.enqueue(dir, strategy))?;
+        if let Some(e) = &failed {
+            // Copies queued before the failure still run: the job stays in
+            // flight, failed, until its end event says they are done, so its
+            // host chunk is not reused while one may still be written.
+            tracing::error!(%job, %dir, error = %e, "CUDA transfer failed while being queued");
+        }
         self.ids.insert(job);
         self.queues[dir.index()].push_back(InFlight {
             job,
@@ -229,15 +241,20 @@ impl CudaBackend {
             end,
             bytes,
             range: profiling::in_flight(dir, job, bytes),
+            failed: failed.is_some(),
         });
         Ok(())
     }
 
+    /// Queues the job: `(start, end, None)`, or `(start, end, Some(error))`
+    /// when queueing failed after some of its copies were queued (the end
+    /// event follows them: the job ends, failed, when they have run). An
+    /// `Err` means nothing of the job can still run.
     fn enqueue(
         &mut self,
         dir: Direction,
         strategy: Strategy,
-    ) -> Result<(CudaEvent, CudaEvent), CudaError> {
+    ) -> Result<(CudaEvent, CudaEvent, Option<CudaError>), CudaError> {
         self.ctx
             .bind_to_thread()
             .map_err(driver("cuCtxSetCurrent"))?;
@@ -252,12 +269,30 @@ impl CudaBackend {
             .map_err(driver("cuStreamWaitEvent"))?;
         let start = self.timing_event()?;
         start.record(&stream).map_err(driver("cuEventRecord"))?;
-        let used = self.enqueue_copy(&stream, dir, strategy)?;
+        let end = self.timing_event()?;
+        let copied = guarded("enqueue copies", || {
+            self.enqueue_copy(&stream, dir, strategy)
+        });
+        let used = match copied {
+            Ok(used) => used,
+            Err(e) => {
+                // Some copies may be queued: the end event goes behind them.
+                if end.record(&stream).is_ok() {
+                    return Ok((start, end, Some(e)));
+                }
+                // Not even an event: wait for the stream (a context in an
+                // error state returns at once), so that nothing queued can
+                // still write when the job is refused.
+                if let Err(sync) = stream.synchronize() {
+                    tracing::error!(error = ?sync, "synchronising a copy stream after a failed submit");
+                }
+                return Err(e);
+            }
+        };
         self.stats.jobs_by_strategy[Strategy::ALL.iter().position(|s| *s == used).unwrap_or(0)] +=
             1;
-        let end = self.timing_event()?;
         end.record(&stream).map_err(driver("cuEventRecord"))?;
-        Ok((start, end))
+        Ok((start, end, None))
     }
 
     /// Enqueues the job's copies; returns the strategy actually used.
@@ -279,13 +314,12 @@ impl CudaBackend {
             Strategy::Kernel | Strategy::KernelGraph => {
                 if let Some(k) = &self.kernels {
                     self.split.clear();
-                    split_descs(
-                        &self.table.descs,
-                        self.options.kernel_split_bytes,
-                        &mut self.split,
-                    );
-                    let n = self.split.len();
                     let shape = self.options.shape;
+                    let warps = u64::from(shape.ctas) * u64::from(shape.threads / 32);
+                    let piece =
+                        piece_bytes(self.table.bytes, warps, self.options.kernel_split_bytes);
+                    split_descs(&self.table.descs, piece, &mut self.split);
+                    let n = self.split.len();
                     if let Some(slot) = self.rings.get_mut(dir.index()).and_then(|r| r.acquire(n)) {
                         if slot.fill(&self.split)? {
                             self.stats.staging_waits += 1;
@@ -354,6 +388,7 @@ impl TransferBackend for CudaBackend {
                 f.range.end();
                 self.ids.remove(&f.job);
                 let (success, duration) = match done {
+                    Ok(_) if f.failed => (false, Duration::ZERO),
                     Ok(_) => {
                         // cudarc's elapsed-time call needs a 12.8+ driver and
                         // panics without it: guarded, a transfer without a

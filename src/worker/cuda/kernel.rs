@@ -96,9 +96,11 @@ pub fn launch_table(
 }
 
 /// Splits descriptors into pieces of at most `max` bytes (so one warp never
-/// owns a huge run while others idle); appends to `out`.
+/// owns a huge run while others idle); appends to `out`. `max` is rounded
+/// down to a multiple of 16 (at least 16): every piece after a 16-byte
+/// aligned start stays aligned, and the kernel's 16-byte path takes it.
 pub fn split_descs(descs: &[CopyDesc], max: u64, out: &mut Vec<CopyDesc>) {
-    let max = max.max(16);
+    let max = (max & !15).max(16);
     for d in descs {
         let mut off = 0;
         while off < d.bytes {
@@ -111,6 +113,21 @@ pub fn split_descs(descs: &[CopyDesc], max: u64, out: &mut Vec<CopyDesc>) {
             off += n;
         }
     }
+}
+
+/// Smallest piece [`piece_bytes`] chooses: below it a warp's pieces cost
+/// more in descriptor reads than they gain in spread.
+pub const MIN_PIECE_BYTES: u64 = 4 << 10;
+
+/// The piece size for a kernel job of `total` bytes on a grid of `warps`
+/// warps: small enough that the job splits into at least twice as many
+/// pieces as there are warps (few large blocks would otherwise leave most
+/// warps idle: 8 blocks of 128 KiB in 64 KiB pieces keep 16 of 64 busy),
+/// at least [`MIN_PIECE_BYTES`], at most `max`, a multiple of 16.
+pub fn piece_bytes(total: u64, warps: u64, max: u64) -> u64 {
+    let max = (max & !15).max(16);
+    let target = total.div_ceil(2 * warps.max(1)).next_multiple_of(16);
+    target.clamp(MIN_PIECE_BYTES.min(max), max)
 }
 
 /// A captured graph, owned by one slot of one backend.
@@ -127,7 +144,9 @@ impl std::fmt::Debug for SlotGraph {
 }
 
 /// One persistent table: pinned staging, device copy, a graph once captured,
-/// and an event telling when the device has consumed the staging.
+/// and an event telling when the device has consumed the staging (recorded
+/// right after the refresh copy on the direct path; after the whole graph,
+/// whose copy and kernel are one launch, on the graph path).
 #[derive(Debug)]
 pub struct TableSlot {
     capacity: usize,
@@ -217,8 +236,12 @@ impl TableSlot {
         shape: LaunchShape,
     ) -> Result<(), CudaError> {
         self.enqueue_refresh(stream, n)?;
-        launch_table(stream, f, self.device.addr(), self.capacity as u32, shape)?;
-        self.mark_used(stream)
+        // The staging is free again once the refresh has read it: the event
+        // goes between the copy and the kernel, so the next fill of this slot
+        // waits for the copy, not for the kernel (the device table itself is
+        // rewritten only by this stream's next refresh, after the kernel).
+        self.mark_used(stream)?;
+        launch_table(stream, f, self.device.addr(), self.capacity as u32, shape)
     }
 
     /// Replays the slot's graph (capturing it on first use): full-capacity
@@ -323,5 +346,36 @@ mod tests {
         assert_eq!(out[2].src, 96);
         assert_eq!(out[2].dst, 1096);
         assert_eq!(table_bytes(2), 72);
+    }
+
+    #[test]
+    fn a_split_size_off_16_is_rounded_down_so_pieces_stay_aligned() {
+        let d = [CopyDesc {
+            src: 4096,
+            dst: 8192,
+            bytes: 1000,
+        }];
+        let mut out = Vec::new();
+        split_descs(&d, 100, &mut out);
+        assert!(out.iter().all(|p| p.src % 16 == 0 && p.dst % 16 == 0));
+        assert_eq!(out[0].bytes, 96);
+        assert_eq!(out.iter().map(|d| d.bytes).sum::<u64>(), 1000);
+    }
+
+    #[test]
+    fn pieces_outnumber_the_warps_twice_when_the_job_allows() {
+        let warps = 8 * 256 / 32;
+        // 8 blocks of 128 KiB: 1 MiB in 8 KiB pieces, 128 pieces for 64 warps.
+        let p = piece_bytes(8 << 17, warps, 64 << 10);
+        assert_eq!(p, 8 << 10);
+        assert!((8u64 << 17).div_ceil(p) >= 2 * warps);
+        // Large jobs keep the configured maximum; tiny ones the minimum.
+        assert_eq!(piece_bytes(1 << 30, warps, 64 << 10), 64 << 10);
+        assert_eq!(piece_bytes(4096, warps, 64 << 10), MIN_PIECE_BYTES);
+        // Always a multiple of 16, never above the maximum.
+        for total in [1u64, 17, 1000, 123_457, 9 << 20] {
+            let p = piece_bytes(total, warps, 60_000);
+            assert!(p.is_multiple_of(16) && p <= 60_000, "{total}: {p}");
+        }
     }
 }

@@ -13,6 +13,17 @@ use super::error::{CudaError, check, driver};
 /// one registration of hundreds of GiB fails on some hosts).
 pub const MAX_REGISTER_PIECE: usize = 64 << 30;
 
+/// The bytes of one registration: at most `piece` (clamped to 4 KiB ..
+/// [`MAX_REGISTER_PIECE`]), page-aligned, a whole number of `row_bytes` rows
+/// (one row where a row is larger; `row_bytes` 0 or not page-aligned: pages).
+pub fn register_piece(piece: usize, row_bytes: usize) -> usize {
+    let piece = piece.clamp(4096, MAX_REGISTER_PIECE) & !4095;
+    if row_bytes == 0 || !row_bytes.is_multiple_of(4096) {
+        return piece;
+    }
+    (piece / row_bytes).max(1) * row_bytes
+}
+
 /// How a pinned buffer was made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PinnedKind {
@@ -65,8 +76,17 @@ impl PinnedBuffer {
 
     /// `len` zeroed, page-aligned bytes registered (PORTABLE | DEVICEMAP) in
     /// pieces of at most `piece` bytes (faster to create than `host_alloc` for
-    /// large pools).
-    pub fn registered(ctx: &Arc<CudaContext>, len: usize, piece: usize) -> Result<Self, CudaError> {
+    /// large pools). Each piece holds whole rows of `row_bytes` (a host
+    /// chunk, page-padded: [`crate::worker::HostRowLayout::row_bytes`]), so
+    /// that no copy into or out of a row crosses from one registration into
+    /// the next (where a driver may treat it as pageable memory); a row
+    /// larger than `piece` gets a piece of its own size.
+    pub fn registered(
+        ctx: &Arc<CudaContext>,
+        len: usize,
+        piece: usize,
+        row_bytes: usize,
+    ) -> Result<Self, CudaError> {
         ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))?;
         let layout = Layout::from_size_align(len.max(1), 4096).map_err(|_| CudaError::Driver {
             op: "alloc",
@@ -87,7 +107,7 @@ impl PinnedBuffer {
             kind: PinnedKind::Registered,
             pieces: Vec::new(),
         };
-        let piece = piece.clamp(4096, MAX_REGISTER_PIECE) & !4095;
+        let piece = register_piece(piece, row_bytes);
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         let mut off = 0;
         while off < len.max(1) {
@@ -310,5 +330,22 @@ impl Drop for DeviceBuffer {
         if r != sys::CUresult::CUDA_SUCCESS {
             tracing::error!(?r, "cuMemFree failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::register_piece;
+
+    #[test]
+    fn register_pieces_hold_whole_rows() {
+        // 1 MiB pieces of 12 KiB rows: 85 rows, never one split.
+        assert_eq!(register_piece(1 << 20, 12 << 10), 85 * (12 << 10));
+        // A row larger than the piece gets a piece of its own.
+        assert_eq!(register_piece(1 << 20, 3 << 20), 3 << 20);
+        // Exact multiples stay; no row size: whole pages.
+        assert_eq!(register_piece(1 << 20, 64 << 10), 1 << 20);
+        assert_eq!(register_piece((1 << 20) + 5, 0), 1 << 20);
+        assert_eq!(register_piece(10, 4096), 4096);
     }
 }

@@ -54,8 +54,13 @@ impl SharedStrategyTable {
     }
 
     /// The strategy for a job ([`StrategyTable::choose`] on the current table).
-    pub fn choose(&self, direction: Direction, bytes_per_block: u64, blocks: usize) -> Strategy {
-        self.read(|t, _| t.choose(direction, bytes_per_block, blocks))
+    pub fn choose(
+        &self,
+        direction: Direction,
+        bytes_per_descriptor: u64,
+        descriptors: usize,
+    ) -> Strategy {
+        self.read(|t, _| t.choose(direction, bytes_per_descriptor, descriptors))
     }
 
     /// A copy of the current table.
@@ -151,10 +156,10 @@ mod tests {
             let mut t = StrategyTable::always(strategy_of(version));
             t.rules.push(super::super::strategy::StrategyRule {
                 direction: None,
-                min_bytes_per_block: 0,
-                max_bytes_per_block: None,
-                min_blocks: 0,
-                max_blocks: None,
+                min_bytes_per_descriptor: 0,
+                max_bytes_per_descriptor: None,
+                min_descriptors: 0,
+                max_descriptors: None,
                 strategy: strategy_of(version),
             });
             t

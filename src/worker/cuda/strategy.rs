@@ -51,31 +51,34 @@ pub struct StrategyRule {
     /// Direction it applies to (None: both).
     #[serde(default)]
     pub direction: Option<Direction>,
-    /// Smallest average descriptor size (bytes), inclusive.
-    #[serde(default)]
-    pub min_bytes_per_block: u64,
+    /// Smallest average descriptor size (bytes), inclusive (read also as
+    /// `min_bytes_per_block`, its name before descriptors were counted).
+    #[serde(default, alias = "min_bytes_per_block")]
+    pub min_bytes_per_descriptor: u64,
     /// Largest average descriptor size (bytes), inclusive (None: no limit).
-    #[serde(default)]
-    pub max_bytes_per_block: Option<u64>,
-    /// Smallest block count, inclusive.
-    #[serde(default)]
-    pub min_blocks: usize,
-    /// Largest block count, inclusive (None: no limit).
-    #[serde(default)]
-    pub max_blocks: Option<usize>,
+    #[serde(default, alias = "max_bytes_per_block")]
+    pub max_bytes_per_descriptor: Option<u64>,
+    /// Smallest descriptor count (copies after coalescing: a block is one
+    /// per tensor, so 2 × layers with per-layer caches), inclusive (read
+    /// also as `min_blocks`).
+    #[serde(default, alias = "min_blocks")]
+    pub min_descriptors: usize,
+    /// Largest descriptor count, inclusive (None: no limit; `max_blocks`).
+    #[serde(default, alias = "max_blocks")]
+    pub max_descriptors: Option<usize>,
     /// The strategy.
     pub strategy: Strategy,
 }
 
 impl StrategyRule {
-    fn matches(&self, direction: Direction, bytes_per_block: u64, blocks: usize) -> bool {
+    fn matches(&self, direction: Direction, bytes_per_descriptor: u64, descriptors: usize) -> bool {
         self.direction.is_none_or(|d| d == direction)
-            && bytes_per_block >= self.min_bytes_per_block
+            && bytes_per_descriptor >= self.min_bytes_per_descriptor
             && self
-                .max_bytes_per_block
-                .is_none_or(|m| bytes_per_block <= m)
-            && blocks >= self.min_blocks
-            && self.max_blocks.is_none_or(|m| blocks <= m)
+                .max_bytes_per_descriptor
+                .is_none_or(|m| bytes_per_descriptor <= m)
+            && descriptors >= self.min_descriptors
+            && self.max_descriptors.is_none_or(|m| descriptors <= m)
     }
 }
 
@@ -124,8 +127,10 @@ pub enum StrategyFileError {
 /// A strategy table whose rules are inconsistent.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum StrategyTableError {
-    /// `min_bytes_per_block > max_bytes_per_block`.
-    #[error("rule {rule}: min_bytes_per_block = {min} is above max_bytes_per_block = {max}")]
+    /// `min_bytes_per_descriptor > max_bytes_per_descriptor`.
+    #[error(
+        "rule {rule}: min_bytes_per_descriptor = {min} is above max_bytes_per_descriptor = {max}"
+    )]
     BytesRange {
         /// Index of the rule (0-based).
         rule: usize,
@@ -134,9 +139,9 @@ pub enum StrategyTableError {
         /// The maximum.
         max: u64,
     },
-    /// `min_blocks > max_blocks`.
-    #[error("rule {rule}: min_blocks = {min} is above max_blocks = {max}")]
-    BlocksRange {
+    /// `min_descriptors > max_descriptors`.
+    #[error("rule {rule}: min_descriptors = {min} is above max_descriptors = {max}")]
+    DescriptorsRange {
         /// Index of the rule (0-based).
         rule: usize,
         /// The minimum.
@@ -147,35 +152,36 @@ pub enum StrategyTableError {
 }
 
 impl Default for StrategyTable {
-    /// Defaults from published figures (see docs/dataplane.md): few blocks go to
-    /// DMA (no launch to amortise), large runs to batched DMA (copy engines reach
-    /// the link's ceiling without SMs), many small blocks to the graph-replayed
-    /// kernel (per-descriptor DMA is slow below ~28 KiB).
+    /// Defaults from published figures (see docs/dataplane.md): few
+    /// descriptors go to DMA (no launch to amortise), large runs to batched
+    /// DMA (copy engines reach the link's ceiling without SMs), many small
+    /// descriptors to the graph-replayed kernel (per-descriptor DMA is slow
+    /// below ~28 KiB).
     fn default() -> Self {
         Self {
             rules: vec![
                 StrategyRule {
                     direction: None,
-                    min_bytes_per_block: 0,
-                    max_bytes_per_block: None,
-                    min_blocks: 0,
-                    max_blocks: Some(7),
+                    min_bytes_per_descriptor: 0,
+                    max_bytes_per_descriptor: None,
+                    min_descriptors: 0,
+                    max_descriptors: Some(7),
                     strategy: Strategy::Dma,
                 },
                 StrategyRule {
                     direction: None,
-                    min_bytes_per_block: 256 << 10,
-                    max_bytes_per_block: None,
-                    min_blocks: 0,
-                    max_blocks: None,
+                    min_bytes_per_descriptor: 256 << 10,
+                    max_bytes_per_descriptor: None,
+                    min_descriptors: 0,
+                    max_descriptors: None,
                     strategy: Strategy::BatchDma,
                 },
                 StrategyRule {
                     direction: None,
-                    min_bytes_per_block: 0,
-                    max_bytes_per_block: Some((256 << 10) - 1),
-                    min_blocks: 8,
-                    max_blocks: None,
+                    min_bytes_per_descriptor: 0,
+                    max_bytes_per_descriptor: Some((256 << 10) - 1),
+                    min_descriptors: 8,
+                    max_descriptors: None,
                     strategy: Strategy::KernelGraph,
                 },
             ],
@@ -193,32 +199,40 @@ impl StrategyTable {
         }
     }
 
-    /// The strategy for a job.
-    pub fn choose(&self, direction: Direction, bytes_per_block: u64, blocks: usize) -> Strategy {
+    /// The strategy for a job of `descriptors` copies (after coalescing) of
+    /// `bytes_per_descriptor` on average: what a DMA submit costs is one call
+    /// per descriptor, which a block count understates `2 × layers` times
+    /// with per-layer caches.
+    pub fn choose(
+        &self,
+        direction: Direction,
+        bytes_per_descriptor: u64,
+        descriptors: usize,
+    ) -> Strategy {
         self.rules
             .iter()
-            .find(|r| r.matches(direction, bytes_per_block, blocks))
+            .find(|r| r.matches(direction, bytes_per_descriptor, descriptors))
             .map_or(self.fallback, |r| r.strategy)
     }
 
     /// Checks that every rule can match (each minimum at most its maximum).
     pub fn validate(&self) -> Result<(), StrategyTableError> {
         for (rule, r) in self.rules.iter().enumerate() {
-            if let Some(max) = r.max_bytes_per_block
-                && r.min_bytes_per_block > max
+            if let Some(max) = r.max_bytes_per_descriptor
+                && r.min_bytes_per_descriptor > max
             {
                 return Err(StrategyTableError::BytesRange {
                     rule,
-                    min: r.min_bytes_per_block,
+                    min: r.min_bytes_per_descriptor,
                     max,
                 });
             }
-            if let Some(max) = r.max_blocks
-                && r.min_blocks > max
+            if let Some(max) = r.max_descriptors
+                && r.min_descriptors > max
             {
-                return Err(StrategyTableError::BlocksRange {
+                return Err(StrategyTableError::DescriptorsRange {
                     rule,
-                    min: r.min_blocks,
+                    min: r.min_descriptors,
                     max,
                 });
             }
@@ -273,6 +287,36 @@ mod tests {
     use super::*;
 
     #[test]
+    fn files_with_the_block_names_still_load() {
+        let old: StrategyTable = serde_json::from_str(
+            r#"{"rules":[{"min_bytes_per_block":4096,"max_bytes_per_block":8191,"min_blocks":2,"max_blocks":7,"strategy":"dma"}],"fallback":"kernel"}"#,
+        )
+        .unwrap();
+        let r = &old.rules[0];
+        assert_eq!(
+            (
+                r.min_bytes_per_descriptor,
+                r.max_bytes_per_descriptor,
+                r.min_descriptors,
+                r.max_descriptors
+            ),
+            (4096, Some(8191), 2, Some(7))
+        );
+    }
+
+    #[test]
+    fn the_default_counts_descriptors_not_blocks() {
+        // Seven blocks of a 32-layer per-layer cache are 448 descriptors of
+        // 16 KiB: the kernel, not 448 DMA calls.
+        let t = StrategyTable::default();
+        assert_eq!(t.choose(Direction::Store, 16 << 10, 7), Strategy::Dma);
+        assert_eq!(
+            t.choose(Direction::Store, 16 << 10, 7 * 2 * 32),
+            Strategy::KernelGraph
+        );
+    }
+
+    #[test]
     fn defaults_route_by_size_and_count() {
         let t = StrategyTable::default();
         assert_eq!(t.choose(Direction::Load, 16 << 10, 4), Strategy::Dma);
@@ -292,10 +336,10 @@ mod tests {
         let mut t = StrategyTable::default();
         t.rules.push(StrategyRule {
             direction: Some(Direction::Load),
-            min_bytes_per_block: 1,
-            max_bytes_per_block: Some(2),
-            min_blocks: 3,
-            max_blocks: None,
+            min_bytes_per_descriptor: 1,
+            max_bytes_per_descriptor: Some(2),
+            min_descriptors: 3,
+            max_descriptors: None,
             strategy: Strategy::Kernel,
         });
         let json = serde_json::to_string(&t).unwrap();
@@ -303,7 +347,7 @@ mod tests {
         let back: StrategyTable = serde_json::from_str(&json).unwrap();
         assert_eq!(back, t);
         let partial: StrategyTable = serde_json::from_str(
-            r#"{"rules":[{"strategy":"dma","max_blocks":3}],"fallback":"kernel"}"#,
+            r#"{"rules":[{"strategy":"dma","max_descriptors":3}],"fallback":"kernel"}"#,
         )
         .unwrap();
         assert_eq!(partial.choose(Direction::Store, 10, 2), Strategy::Dma);
@@ -324,10 +368,10 @@ mod tests {
             0,
             StrategyRule {
                 direction: Some(Direction::Store),
-                min_bytes_per_block: 4096,
-                max_bytes_per_block: Some(16383),
-                min_blocks: 64,
-                max_blocks: Some(255),
+                min_bytes_per_descriptor: 4096,
+                max_bytes_per_descriptor: Some(16383),
+                min_descriptors: 64,
+                max_descriptors: Some(255),
                 strategy: Strategy::Kernel,
             },
         );
@@ -366,7 +410,7 @@ mod tests {
             ("no-fallback.json", r#"{"rules":[]}"#, "fallback"),
             (
                 "negative.json",
-                r#"{"rules":[{"min_blocks":-1,"strategy":"dma"}],"fallback":"dma"}"#,
+                r#"{"rules":[{"min_descriptors":-1,"strategy":"dma"}],"fallback":"dma"}"#,
                 "-1",
             ),
         ] {
@@ -380,7 +424,7 @@ mod tests {
         let path = tmp("inverted.json");
         std::fs::write(
             &path,
-            r#"{"rules":[{"strategy":"dma"},{"min_blocks":9,"max_blocks":3,"strategy":"kernel"}],"fallback":"dma"}"#,
+            r#"{"rules":[{"strategy":"dma"},{"min_descriptors":9,"max_descriptors":3,"strategy":"kernel"}],"fallback":"dma"}"#,
         )
         .unwrap();
         let e = StrategyTable::load(&path).unwrap_err();
@@ -388,7 +432,7 @@ mod tests {
             matches!(
                 e,
                 StrategyFileError::Invalid {
-                    source: StrategyTableError::BlocksRange {
+                    source: StrategyTableError::DescriptorsRange {
                         rule: 1,
                         min: 9,
                         max: 3
@@ -400,15 +444,15 @@ mod tests {
         );
         assert!(
             e.to_string()
-                .contains("min_blocks = 9 is above max_blocks = 3")
+                .contains("min_descriptors = 9 is above max_descriptors = 3")
         );
         let bad = StrategyTable {
             rules: vec![StrategyRule {
                 direction: None,
-                min_bytes_per_block: 10,
-                max_bytes_per_block: Some(1),
-                min_blocks: 0,
-                max_blocks: None,
+                min_bytes_per_descriptor: 10,
+                max_bytes_per_descriptor: Some(1),
+                min_descriptors: 0,
+                max_descriptors: None,
                 strategy: Strategy::Dma,
             }],
             fallback: Strategy::Dma,
