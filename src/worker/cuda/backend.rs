@@ -39,6 +39,10 @@ pub struct CudaBackendOptions {
     /// (a pool's workers) and replaceable while they run
     /// ([`SharedStrategyTable::replace`]).
     pub strategies: Arc<SharedStrategyTable>,
+    /// Batched copies ask the driver to overlap with compute
+    /// (`CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE`); off by default until
+    /// measured on a GPU (docs/dataplane.md).
+    pub batch_prefer_overlap: bool,
 }
 
 impl Default for CudaBackendOptions {
@@ -49,6 +53,7 @@ impl Default for CudaBackendOptions {
             ring_slots: 4,
             kernel_split_bytes: 64 << 10,
             strategies: Arc::new(SharedStrategyTable::new(StrategyTable::default())),
+            batch_prefer_overlap: false,
         }
     }
 }
@@ -144,7 +149,11 @@ impl CudaBackend {
             };
             Ok(Self {
                 compute_event: ctx.new_event(None).map_err(driver("cuEventCreate"))?,
-                batch: BatchCopy::resolve(),
+                batch: {
+                    let mut b = BatchCopy::resolve();
+                    b.set_prefer_overlap(options.batch_prefer_overlap);
+                    b
+                },
                 ctx: ctx.clone(),
                 layout,
                 compute,
