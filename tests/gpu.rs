@@ -101,6 +101,8 @@ fn finish<B: TransferBackend>(b: &mut B, job: JobId) -> TransferResult {
 struct Pair {
     cuda: CudaBackend,
     host: HostBackend,
+    /// The compute stream the CUDA backend orders its copies after.
+    compute: Arc<cudarc::driver::CudaStream>,
     dev_gpu: DeviceBuffer,
     pool: PinnedBuffer,
     ref_gpu: Arc<HostBuffer>,
@@ -109,6 +111,15 @@ struct Pair {
 
 impl Pair {
     fn new(ctx: &Arc<CudaContext>, s: Shape, pinned: PinnedKind) -> Result<Self, CudaError> {
+        Self::with_options(ctx, s, pinned, CudaBackendOptions::default())
+    }
+
+    fn with_options(
+        ctx: &Arc<CudaContext>,
+        s: Shape,
+        pinned: PinnedKind,
+        options: CudaBackendOptions,
+    ) -> Result<Self, CudaError> {
         let gbytes = gpu_bytes(s);
         let row =
             HostRowLayout::uniform(s.bpc, 2, &vec![s.page; if s.cross { 1 } else { s.layers }])
@@ -132,8 +143,8 @@ impl Pair {
             CudaBackend::new(
                 ctx.clone(),
                 layout(s, dev_gpu.addr(), pool.addr()),
-                compute,
-                CudaBackendOptions::default(),
+                compute.clone(),
+                options,
             )?
         };
         let host = HostBackend::new(
@@ -149,6 +160,7 @@ impl Pair {
             ref_pool,
             cuda,
             host,
+            compute,
         })
     }
 
@@ -162,6 +174,61 @@ impl Pair {
             self.pool.write(0, &p);
             self.ref_pool.write(0, &p);
         }
+        Ok(())
+    }
+
+    /// Runs every job on both backends at once (all submitted before any is
+    /// waited for), then compares both sides in full.
+    fn check_many(
+        &mut self,
+        dir: Direction,
+        jobs: &[(JobId, TransferSpec)],
+        what: &str,
+    ) -> Result<(), CudaError> {
+        for b in [&mut self.cuda as &mut dyn TransferBackend, &mut self.host] {
+            for (job, spec) in jobs {
+                match dir {
+                    Direction::Store => b.submit_store(*job, spec).unwrap(),
+                    Direction::Load => b.submit_load(*job, spec).unwrap(),
+                }
+            }
+        }
+        let ids: Vec<JobId> = jobs.iter().map(|j| j.0).collect();
+        for b in [&mut self.cuda as &mut dyn TransferBackend, &mut self.host] {
+            b.wait(&ids, LONG).unwrap();
+            let mut out = Vec::new();
+            for _ in 0..10_000 {
+                b.poll(&mut out);
+                if out.len() == ids.len() {
+                    break;
+                }
+            }
+            assert_eq!(out.len(), ids.len(), "{what}: not every job reported");
+            assert!(out.iter().all(|r| r.success), "{what}: a job failed");
+        }
+        self.compare(what)
+    }
+
+    /// Both sides of both backends are byte for byte the same.
+    fn compare(&self, what: &str) -> Result<(), CudaError> {
+        // SAFETY: no job in flight on either backend (the callers waited).
+        let (pool, ref_pool) = unsafe {
+            (
+                self.pool.read(0, self.pool.len()),
+                self.ref_pool.read(0, self.ref_pool.len()),
+            )
+        };
+        assert!(
+            pool == ref_pool,
+            "{what}: host pool differs from the reference"
+        );
+        let dev = self.dev_gpu.download(0, self.dev_gpu.len())?;
+        // SAFETY: as above.
+        let reference = unsafe { self.ref_gpu.read(0, self.ref_gpu.len()) };
+        assert!(
+            dev == reference,
+            "{what}: GPU cache differs from the reference"
+        );
         Ok(())
     }
 
@@ -394,6 +461,161 @@ fn without_a_driver_everything_is_a_typed_error() {
                 e,
                 CudaError::NoDriver | CudaError::NoDevice(_) | CudaError::Panicked { .. }
             ));
+        }
+    }
+}
+
+/// Jobs of `n` scattered blocks each, on distinct blocks and chunks.
+fn disjoint_jobs(rng: &mut Rng, s: Shape, jobs: usize, n: usize) -> Vec<(JobId, TransferSpec)> {
+    let blocks = rng.distinct(jobs * n, 1, s.blocks);
+    let per_job_chunks = n.div_ceil(s.bpc as usize);
+    let chunks = rng.distinct(jobs * per_job_chunks, 0, s.chunks);
+    (0..jobs)
+        .map(|j| {
+            let b = &blocks[j * n..(j + 1) * n];
+            let c = &chunks[j * per_job_chunks..(j + 1) * per_job_chunks];
+            (JobId(500 + j as u64), TransferSpec::new(b, 0, c))
+        })
+        .collect()
+}
+
+#[test]
+#[cfg_attr(miri, ignore)]
+#[cfg_attr(
+    not(kvoffload_gpu),
+    ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
+)]
+fn gpu_a_store_waits_for_the_kv_written_on_the_compute_stream() {
+    let Some(ctx) = gpu_or_skip("gpu_a_store_waits_for_the_kv_written_on_the_compute_stream")
+    else {
+        return;
+    };
+    let s = shapes()[0];
+    let mut p = Pair::new(&ctx, s, PinnedKind::HostAlloc).unwrap();
+    let mut rng = Rng(0x5eed_c0de);
+    p.randomise(&mut rng).unwrap();
+    // Keep the compute stream busy first (memsets of a large scratch buffer),
+    // then write the whole KV cache there: a store submitted at once must
+    // copy these bytes, not the ones before.
+    let scratch = DeviceBuffer::new(&ctx, 512 << 20).unwrap();
+    let stream = p.compute.cu_stream();
+    for round in 0..8u8 {
+        // SAFETY: `scratch` holds 512 MiB of device memory and outlives the
+        // stream's work (synchronised below before it drops).
+        let r = unsafe {
+            cudarc::driver::sys::cuMemsetD8Async(scratch.addr(), round, 512 << 20, stream)
+        };
+        assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    }
+    // SAFETY: the device buffer holds `len` bytes; no copy job is in flight.
+    let r = unsafe {
+        cudarc::driver::sys::cuMemsetD8Async(p.dev_gpu.addr(), 0xab, p.dev_gpu.len(), stream)
+    };
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    // SAFETY: no job in flight on the host backend.
+    unsafe { p.ref_gpu.write(0, &vec![0xab; p.ref_gpu.len()]) };
+    let spec = spec(&mut rng, s, 32, false, 0);
+    p.check(Direction::Store, JobId(1), &spec, "store after compute")
+        .unwrap();
+    p.compute.synchronize().unwrap();
+}
+
+#[test]
+#[cfg_attr(miri, ignore)]
+#[cfg_attr(
+    not(kvoffload_gpu),
+    ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
+)]
+fn gpu_kernel_jobs_in_flight_together_reuse_ring_slots_without_corruption() {
+    let Some(ctx) =
+        gpu_or_skip("gpu_kernel_jobs_in_flight_together_reuse_ring_slots_without_corruption")
+    else {
+        return;
+    };
+    let s = shapes()[0];
+    for strategy in [Strategy::Kernel, Strategy::KernelGraph] {
+        let options = CudaBackendOptions {
+            ring_slots: 2,
+            ..CudaBackendOptions::default()
+        };
+        let mut p = Pair::with_options(&ctx, s, PinnedKind::HostAlloc, options).unwrap();
+        if !p.cuda.has_kernels() {
+            println!("SKIP: kernels not built [{strategy:?} ring reuse]");
+            return;
+        }
+        p.cuda.force_strategy(Some(strategy));
+        let mut rng = Rng(0x0dd_ba11 + strategy as u64);
+        p.randomise(&mut rng).unwrap();
+        // Three times as many jobs as ring slots, one bucket, one direction,
+        // all in flight before any is waited for; then loads back.
+        let stores = disjoint_jobs(&mut rng, s, 6, 12);
+        p.check_many(Direction::Store, &stores, &format!("{strategy:?} stores"))
+            .unwrap();
+        let loads: Vec<(JobId, TransferSpec)> = stores
+            .iter()
+            .map(|(j, sp)| (JobId(j.0 + 100), sp.clone()))
+            .collect();
+        p.check_many(Direction::Load, &loads, &format!("{strategy:?} loads"))
+            .unwrap();
+    }
+}
+
+#[test]
+#[cfg_attr(miri, ignore)]
+#[cfg_attr(
+    not(kvoffload_gpu),
+    ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
+)]
+fn gpu_a_kernel_job_past_the_largest_table_falls_back_to_dma_with_the_same_bytes() {
+    let Some(ctx) = gpu_or_skip(
+        "gpu_a_kernel_job_past_the_largest_table_falls_back_to_dma_with_the_same_bytes",
+    ) else {
+        return;
+    };
+    let s = shapes()[0];
+    let options = CudaBackendOptions {
+        capacities: vec![64],
+        ..CudaBackendOptions::default()
+    };
+    let mut p = Pair::with_options(&ctx, s, PinnedKind::Registered, options).unwrap();
+    p.cuda.force_strategy(Some(Strategy::KernelGraph));
+    let mut rng = Rng(0xb16_b00c);
+    p.randomise(&mut rng).unwrap();
+    // 4 layers x 40 blocks: 160 descriptors, past a 64-entry table.
+    let spec = spec(&mut rng, s, 40, false, 0);
+    p.check(Direction::Store, JobId(7), &spec, "past the largest table")
+        .unwrap();
+    assert!(p.cuda.stats().fallbacks >= 1, "{:?}", p.cuda.stats());
+}
+
+#[test]
+#[cfg_attr(miri, ignore)]
+#[cfg_attr(
+    not(kvoffload_gpu),
+    ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
+)]
+fn gpu_the_registered_pool_with_kernel_and_batch_strategies_matches_the_host_backend() {
+    let Some(ctx) = gpu_or_skip(
+        "gpu_the_registered_pool_with_kernel_and_batch_strategies_matches_the_host_backend",
+    ) else {
+        return;
+    };
+    for s in shapes() {
+        let mut p = Pair::new(&ctx, s, PinnedKind::Registered).unwrap();
+        let mut rng = Rng(0xfee1_900d ^ s.page);
+        p.randomise(&mut rng).unwrap();
+        for (i, strategy) in [Strategy::BatchDma, Strategy::Kernel, Strategy::KernelGraph]
+            .into_iter()
+            .enumerate()
+        {
+            p.cuda.force_strategy(Some(strategy));
+            let n = (s.blocks as usize / 4).min(24);
+            let sp = spec(&mut rng, s, n, false, 0);
+            let what = format!("registered pool, {strategy:?}, page {}", s.page);
+            p.check(Direction::Store, JobId(10 + i as u64), &sp, &what)
+                .unwrap();
+            p.check(Direction::Load, JobId(20 + i as u64), &sp, &what)
+                .unwrap();
         }
     }
 }
