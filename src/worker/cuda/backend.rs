@@ -139,7 +139,7 @@ impl CudaBackend {
                 ctx.new_stream().map_err(driver("cuStreamCreate"))?,
                 ctx.new_stream().map_err(driver("cuStreamCreate"))?,
             ];
-            let rings = if kernels.is_some() {
+            let mut rings = if kernels.is_some() {
                 vec![
                     TableRing::new(&ctx, &options.capacities, options.ring_slots)?,
                     TableRing::new(&ctx, &options.capacities, options.ring_slots)?,
@@ -147,6 +147,20 @@ impl CudaBackend {
             } else {
                 Vec::new()
             };
+            // Every graph is captured now, not on the submit path (a capture
+            // and its upload take far longer than a replay).
+            let mut graphs_captured = 0;
+            if let Some(k) = &kernels {
+                for dir in Direction::ALL {
+                    if let Some(ring) = rings.get_mut(dir.index()) {
+                        graphs_captured += ring.capture_all(
+                            &streams[dir.index()],
+                            k.table_function(dir),
+                            options.shape,
+                        )?;
+                    }
+                }
+            }
             Ok(Self {
                 compute_event: ctx.new_event(None).map_err(driver("cuEventCreate"))?,
                 batch: {
@@ -167,7 +181,10 @@ impl CudaBackend {
                 split: Vec::new(),
                 options,
                 forced: None,
-                stats: CudaBackendStats::default(),
+                stats: CudaBackendStats {
+                    graphs_captured,
+                    ..CudaBackendStats::default()
+                },
                 elapsed_warned: false,
             })
         })

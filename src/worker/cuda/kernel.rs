@@ -244,34 +244,47 @@ impl TableSlot {
         launch_table(stream, f, self.device.addr(), self.capacity as u32, shape)
     }
 
-    /// Replays the slot's graph (capturing it on first use): full-capacity
-    /// refresh from staging, then the kernel, which reads the count from the table.
+    /// Captures the slot's graph now, if it has none (the backend does it at
+    /// construction, so that no capture lands on a submit). Returns whether
+    /// it captured.
+    pub fn capture(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        f: &CudaFunction,
+        shape: LaunchShape,
+    ) -> Result<bool, CudaError> {
+        if self.graph.is_some() {
+            return Ok(false);
+        }
+        stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(driver("cuStreamBeginCapture"))?;
+        let body = self.enqueue_refresh(stream, self.capacity).and_then(|()| {
+            launch_table(stream, f, self.device.addr(), self.capacity as u32, shape)
+        });
+        let end = stream
+            .end_capture(sys::CUgraphInstantiate_flags(0))
+            .map_err(driver("cuStreamEndCapture"));
+        body?;
+        let graph = end?.ok_or(CudaError::Driver {
+            op: "cuStreamEndCapture",
+            message: "empty graph".into(),
+        })?;
+        graph.upload().map_err(driver("cuGraphUpload"))?;
+        self.graph = Some(SlotGraph(graph));
+        Ok(true)
+    }
+
+    /// Replays the slot's graph (capturing it first if it has none):
+    /// full-capacity refresh from staging, then the kernel, which reads the
+    /// count from the table.
     pub fn enqueue_graph(
         &mut self,
         stream: &Arc<CudaStream>,
         f: &CudaFunction,
         shape: LaunchShape,
     ) -> Result<bool, CudaError> {
-        let mut captured = false;
-        if self.graph.is_none() {
-            stream
-                .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(driver("cuStreamBeginCapture"))?;
-            let body = self.enqueue_refresh(stream, self.capacity).and_then(|()| {
-                launch_table(stream, f, self.device.addr(), self.capacity as u32, shape)
-            });
-            let end = stream
-                .end_capture(sys::CUgraphInstantiate_flags(0))
-                .map_err(driver("cuStreamEndCapture"));
-            body?;
-            let graph = end?.ok_or(CudaError::Driver {
-                op: "cuStreamEndCapture",
-                message: "empty graph".into(),
-            })?;
-            graph.upload().map_err(driver("cuGraphUpload"))?;
-            self.graph = Some(SlotGraph(graph));
-            captured = true;
-        }
+        let captured = self.capture(stream, f, shape)?;
         if let Some(g) = &self.graph {
             g.0.launch().map_err(driver("cuGraphLaunch"))?;
         }
@@ -320,6 +333,22 @@ impl TableRing {
         let i = *next;
         *next = (i + 1) % ring.len();
         ring.get_mut(i)
+    }
+
+    /// Captures every slot's graph that is not captured yet; returns how many.
+    pub fn capture_all(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        f: &CudaFunction,
+        shape: LaunchShape,
+    ) -> Result<u64, CudaError> {
+        let mut n = 0;
+        for (_, ring, _) in &mut self.buckets {
+            for slot in ring {
+                n += u64::from(slot.capture(stream, f, shape)?);
+            }
+        }
+        Ok(n)
     }
 
     /// Largest capacity.
