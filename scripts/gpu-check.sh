@@ -12,7 +12,12 @@
 #   bash scripts/gpu-check.sh run             # full sweep
 #   bash scripts/gpu-check.sh run --quick     # short sweep)
 #
-# `run` executes every carried test binary with `--nocapture --test-threads=1`,
+# Carried: the library's unit tests, tests/gpu.rs and tests/cli.rs (the CPU
+# suites run in CI), the kvoffload binary and the Python binding.
+# `run` gives every step its own timeout (about 8 minutes in all at most),
+# shows every step's output, fails on any failed or timed-out step, and ends
+# with a summary of the steps and one table of the copies. It executes every
+# carried test binary with `--nocapture --test-threads=1`,
 # then its `gpu_*` tests, which binaries built without a driver #[ignore]
 # (`--ignored gpu_`; they print SKIP where no device opens), then
 #   kvoffload bench --backend cuda --json --calibrate $OUT/strategy-table.json
@@ -52,7 +57,12 @@ for line in sys.stdin:
     except ValueError:
         continue
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
-        print(m["target"]["kind"][0] + "-" + m["target"]["name"] + "\t" + m["executable"])
+        name = m["target"]["kind"][0] + "-" + m["target"]["name"]
+        # Only what touches CUDA: the library unit tests (the CUDA modules),
+        # tests/gpu.rs and tests/cli.rs (sim and bench on the CUDA backend);
+        # the CPU suites run in CI.
+        if name in ("lib-kvoffload", "test-gpu", "test-cli"):
+            print(name + "\t" + m["executable"])
 ' | while IFS=$'\t' read -r name exe; do
         cp "$exe" "$carry/tests/$name"
         echo "carried test binary: $name"
@@ -95,45 +105,75 @@ run() {
     echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
     local status=0
+    local summary=()
+    # One step: its own timeout, its output shown, its status kept (a failed
+    # or timed-out step fails the check, never hidden); the summary at the end.
+    local budget=450   # seconds: steps that would start later are not run
+    step() {
+        local name=$1 limit=$2
+        shift 2
+        if (( SECONDS > budget )); then
+            status=1
+            summary+=("$(printf '%-44s %-14s' "$name" "NOT RUN: past the ${budget}s budget")")
+            return
+        fi
+        echo "=== [$name] (timeout ${limit}s) $*"
+        local t0=$SECONDS rc=0
+        timeout --kill-after=10 "$limit" "$@" || rc=$?
+        local verdict=ok
+        if [[ $rc -eq 124 || $rc -eq 137 ]]; then verdict="TIMEOUT"; elif [[ $rc -ne 0 ]]; then verdict="FAILED rc=$rc"; fi
+        [[ $verdict == ok ]] || status=1
+        summary+=("$(printf '%-44s %-14s %4ss' "$name" "$verdict" "$((SECONDS - t0))")")
+    }
     export KVOFFLOAD_BIN="$carry/kvoffload"   # tests/cli.rs runs the carried binary
+    local t
     for t in "$carry"/tests/*; do
-        echo "=== $(basename "$t")"
-        "$t" --nocapture --test-threads=1 || status=1
+        step "$(basename "$t")" 90 "$t" --nocapture --test-threads=1
         # The GPU tests (gpu_*) are #[ignore]d in binaries built without a
         # driver (here: built on the dev machine); this is where they run.
         if [ "$("$t" --list --ignored 2>/dev/null | grep -c '^gpu_\|::gpu_')" -gt 0 ]; then
-            echo "=== $(basename "$t") --ignored gpu_"
-            "$t" --ignored gpu_ --nocapture --test-threads=1 || status=1
+            step "$(basename "$t") --ignored gpu_" 150 "$t" --ignored gpu_ --nocapture --test-threads=1
         fi
     done
     local out="${OUT:-$carry}"
     local table="$out/strategy-table.json"
     local quick="" requests=2000
     if [[ "${2:-}" == "--quick" ]]; then quick="--quick"; requests=300; fi
-    "$carry/kvoffload" info || status=1
-    echo "=== kvoffload bench --backend cuda --json $quick --calibrate $table"
-    "$carry/kvoffload" bench --backend cuda --json $quick --calibrate "$table" \
-        --csv "$out/bench-cuda.csv" >"$out/bench-cuda.json" || status=1
-    python3 - "$out/bench-cuda.json" <<'PY' || true
+    step "kvoffload info" 30 "$carry/kvoffload" info
+    # shellcheck disable=SC2016  # expanded by the inner shell
+    step "bench --backend cuda --calibrate" 150 bash -c \
+        '"$1" bench --backend cuda --json $2 --calibrate "$3" --csv "$4" > "$5"' _ \
+        "$carry/kvoffload" "$quick" "$table" "$out/bench-cuda.csv" "$out/bench-cuda.json"
+    if command -v python3 >/dev/null; then
+        step "binding_roundtrip.py --backend cuda" 60 env PYTHONPATH="$carry/python" \
+            python3 "$carry/python/binding_roundtrip.py" --backend cuda
+    else
+        summary+=("$(printf '%-44s %-14s' "binding_roundtrip.py --backend cuda" "SKIP: no python3")")
+    fi
+    step "sim --backend cuda --requests $requests" 90 \
+        "$carry/kvoffload" sim --backend cuda --requests "$requests" --report "$out/sim-cuda.json"
+    if [[ -f "$table" ]]; then
+        step "sim --backend cuda (calibrated table)" 90 \
+            "$carry/kvoffload" sim --backend cuda --requests "$requests" --strategy-table "$table" \
+            --report "$out/sim-cuda-calibrated.json"
+    fi
+    echo
+    echo "=== summary: steps"
+    printf '%s\n' "${summary[@]}"
+    echo
+    echo "=== summary: copies (bench --backend cuda; bytes verified by the gpu_* tests above)"
+    if [[ -s "$out/bench-cuda.json" ]] && command -v python3 >/dev/null; then
+        python3 - "$out/bench-cuda.json" <<'PY' || status=1
 import json, sys
 rows = json.load(open(sys.argv[1]))
-print(f"{'dir':<6} {'block':>9} {'blocks':>6} {'strategy':<13} {'GB/s':>8} {'frac':>6} {'submit_us':>9}")
-for r in rows:
-    print(f"{r['direction']:<6} {r['block_bytes']:>9} {r['blocks']:>6} {r['strategy']:<13} {r['gbps']:>8.2f} {r['fraction_of_ceiling']:>6.2f} {r.get('submit_us', 0):>9.1f}")
+print(f"{'strategy':<13} {'dir':<6} {'block':>9} {'blocks':>6} {'GB/s':>8} {'of ceiling':>10} {'submit_us':>9}")
+for r in sorted(rows, key=lambda r: (r["strategy"], r["direction"], r["block_bytes"], r["blocks"])):
+    print(f"{r['strategy']:<13} {r['direction']:<6} {r['block_bytes']:>9} {r['blocks']:>6} {r['gbps']:>8.2f} {r['fraction_of_ceiling']:>10.2f} {r.get('submit_us', 0):>9.1f}")
 PY
-    echo "=== the vLLM connector's binding on CUDA: binding_roundtrip.py --backend cuda"
-    if command -v python3 >/dev/null; then
-        PYTHONPATH="$carry/python" python3 "$carry/python/binding_roundtrip.py" --backend cuda || status=1
     else
-        echo "SKIP: binding round trip: no python3 on this machine"
+        echo "no bench rows (the bench step failed)"
     fi
-    echo "=== kvoffload sim --backend cuda --requests $requests"
-    "$carry/kvoffload" sim --backend cuda --requests "$requests" --report "$out/sim-cuda.json" || status=1
-    if [[ -f "$table" ]]; then
-        echo "=== kvoffload sim --backend cuda --requests $requests --strategy-table $table"
-        "$carry/kvoffload" sim --backend cuda --requests "$requests" --strategy-table "$table" \
-            --report "$out/sim-cuda-calibrated.json" || status=1
-    fi
+    echo "gpu-check: $([[ $status -eq 0 ]] && echo PASS || echo FAIL)"
     exit $status
 }
 
