@@ -251,25 +251,7 @@ impl Pair {
         assert!(rc.success, "{what}: CUDA job failed");
         assert_eq!(rc.bytes, rh.bytes, "{what}");
         assert_eq!(rc.direction, dir);
-        // SAFETY: both jobs finished.
-        let (pool, ref_pool) = unsafe {
-            (
-                self.pool.read(0, self.pool.len()),
-                self.ref_pool.read(0, self.ref_pool.len()),
-            )
-        };
-        assert!(
-            pool == ref_pool,
-            "{what}: host pool differs from the reference"
-        );
-        let dev = self.dev_gpu.download(0, self.dev_gpu.len())?;
-        // SAFETY: both jobs finished.
-        let reference = unsafe { self.ref_gpu.read(0, self.ref_gpu.len()) };
-        assert!(
-            dev == reference,
-            "{what}: GPU cache differs from the reference"
-        );
-        Ok(())
+        self.compare(what)
     }
 }
 
