@@ -16,11 +16,14 @@ use std::process::Command;
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(kvoffload_kernels)");
     println!("cargo::rustc-check-cfg=cfg(kvoffload_gpu)");
+    println!("cargo::rustc-check-cfg=cfg(kvoffload_redis)");
     gpu_tests_cfg();
+    redis_tests_cfg();
     println!("cargo::rerun-if-changed=kernels");
     println!("cargo::rerun-if-changed=build.rs");
     for var in [
         "KVOFFLOAD_GPU_TESTS",
+        "KVOFFLOAD_REDIS_TESTS",
         "LD_LIBRARY_PATH",
         "NVCC",
         "CUDA_HOME",
@@ -131,6 +134,33 @@ fn gpu_tests_cfg() {
     if on {
         println!("cargo:rustc-cfg=kvoffload_gpu");
     }
+}
+
+/// `cfg(kvoffload_redis)` where `redis-server` and `redis-cli` are on PATH
+/// (the remote tier's tests start real servers; without them those tests
+/// are ignored, with their reason). `KVOFFLOAD_REDIS_TESTS=1` or `=0`
+/// overrides the detection.
+fn redis_tests_cfg() {
+    let on = match env::var("KVOFFLOAD_REDIS_TESTS").as_deref() {
+        Ok("1") => true,
+        Ok("0") => false,
+        _ => ["redis-server", "redis-cli"]
+            .iter()
+            .all(|b| find_on_path(b).is_some()),
+    };
+    if on {
+        println!("cargo:rustc-cfg=kvoffload_redis");
+    }
+    if let Some(p) = find_on_path("redis-server") {
+        println!("cargo::rerun-if-changed={}", p.display());
+    }
+}
+
+fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path = env::var_os("PATH")?;
+    env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
 }
 
 fn driver_library_present() -> bool {

@@ -6,7 +6,8 @@
 //! - the control plane ([`manager`] and [`scheduler`]): which chunks live on
 //!   the host tier, which to load, store, flush or evict, and which transfers
 //!   stalled; [`replay`] drives it from a trace file;
-//! - the data plane (the worker): moving blocks between GPU pages and host chunks.
+//! - the data plane (the worker): moving blocks between GPU pages and host chunks;
+//! - the remote tier ([`remote`]): chunks shared across nodes through Redis.
 //!
 //! Time is always injected through a [`clock::Clock`].
 
@@ -20,6 +21,7 @@ pub mod key;
 pub mod manager;
 pub mod metrics;
 pub mod profiling;
+pub mod remote;
 pub mod replay;
 pub mod scheduler;
 pub mod sim;

@@ -1,0 +1,500 @@
+//! [`RemoteStore`] on Redis ≥ 7 (or any RESP server such as Valkey),
+//! standalone or Redis Cluster, through the `redis` crate's blocking client.
+//!
+//! Batches are pipelined: one round trip for a standalone server; in a
+//! cluster, the crate's cluster pipeline sends each command to the master of
+//! its slot. When a cluster batch fails as a whole (a master is down), the
+//! batch is retried key by key, so that the keys of the healthy masters are
+//! still served and only the dead master's keys fail.
+//!
+//! The client retries a command once at most (the cluster client reconnects
+//! to a node whose connection broke); anything longer is the tier's job
+//! (backoff), so a dead node never holds the I/O thread for more than about
+//! one connect timeout per command.
+
+use std::sync::Once;
+
+use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConnection};
+use redis::{Client, Connection, ErrorKind, IntoConnectionInfo, RedisError, Value};
+
+use super::config::{RemoteTierConfig, Secret};
+use super::store::{ItemResult, RemoteStore, StoreConnector, StoreError};
+
+/// Opens [`RedisStore`] connections for a [`RemoteTierConfig`].
+pub struct RedisConnector {
+    cfg: RemoteTierConfig,
+    password: Option<Secret>,
+    username: Option<String>,
+}
+
+impl std::fmt::Debug for RedisConnector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisConnector")
+            .field("url", &self.cfg.redacted_url())
+            .field("cluster", &self.cfg.cluster)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisConnector {
+    /// A connector for `cfg` (validated here; credentials resolved from the
+    /// config, then the environment).
+    pub fn new(cfg: &RemoteTierConfig) -> Result<Self, StoreError> {
+        cfg.validate()
+            .map_err(|e| StoreError::Config(e.to_string()))?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            password: cfg.effective_password(),
+            username: cfg.effective_username(),
+        })
+    }
+
+    fn connection_info(&self, url: &str) -> Result<redis::ConnectionInfo, StoreError> {
+        let info = url
+            .into_connection_info()
+            .map_err(|e| StoreError::Config(self.scrub(&e)))?;
+        let mut settings = info.redis_settings().clone();
+        if let Some(u) = &self.username {
+            settings = settings.set_username(u);
+        }
+        if let Some(p) = &self.password {
+            settings = settings.set_password(p.expose());
+        }
+        Ok(info.set_redis_settings(settings))
+    }
+
+    fn tls_certs(&self) -> Result<Option<redis::TlsCertificates>, StoreError> {
+        let Some(path) = &self.cfg.tls_ca_file else {
+            return Ok(None);
+        };
+        let pem = std::fs::read(path).map_err(|e| {
+            StoreError::Config(format!("cannot read tls_ca_file {}: {e}", path.display()))
+        })?;
+        Ok(Some(redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(pem),
+        }))
+    }
+
+    fn connect_standalone(&self) -> Result<Conn, StoreError> {
+        let urls = self.cfg.seed_urls();
+        let info = self.connection_info(urls[0])?;
+        let client = match self.tls_certs()? {
+            Some(certs) => Client::build_with_tls(info, certs),
+            None => Client::open(info),
+        }
+        .map_err(|e| classify(&e, self.scrub(&e)))?;
+        let conn = client
+            .get_connection_with_timeout(self.cfg.connect_timeout())
+            .map_err(|e| classify(&e, self.scrub(&e)))?;
+        let timeout = Some(self.cfg.response_timeout());
+        conn.set_read_timeout(timeout)
+            .and_then(|()| conn.set_write_timeout(timeout))
+            .map_err(|e| classify(&e, self.scrub(&e)))?;
+        Ok(Conn::Single(Box::new(conn)))
+    }
+
+    fn connect_cluster(&self) -> Result<Conn, StoreError> {
+        let mut nodes = Vec::new();
+        for u in self.cfg.seed_urls() {
+            nodes.push(self.connection_info(u)?);
+        }
+        let mut b: ClusterClientBuilder = ClusterClient::builder(nodes)
+            .connection_timeout(self.cfg.connect_timeout())
+            .response_timeout(self.cfg.response_timeout())
+            // One retry: after a broken connection (a master restarted) the
+            // client reconnects to that node and sends again; waits between
+            // tries stay short, so a dead node holds the I/O thread for at
+            // most about one connect timeout per command.
+            .retries(1)
+            .min_retry_wait(5)
+            .max_retry_wait(50);
+        if let Some(u) = &self.username {
+            b = b.username(u);
+        }
+        if let Some(p) = &self.password {
+            b = b.password(p.expose());
+        }
+        if let Some(certs) = self.tls_certs()? {
+            b = b.certs(certs);
+        }
+        let client = b.build().map_err(|e| classify(&e, self.scrub(&e)))?;
+        let conn = client
+            .get_connection()
+            .map_err(|e| classify(&e, self.scrub(&e)))?;
+        Ok(Conn::Cluster {
+            client: Box::new(client),
+            conn: Box::new(conn),
+            dirty: false,
+        })
+    }
+
+    /// The error's text with the password (if any) removed.
+    fn scrub(&self, e: &RedisError) -> String {
+        scrub_text(&e.to_string(), self.password.as_ref(), &self.cfg)
+    }
+}
+
+impl StoreConnector for RedisConnector {
+    fn connect(&mut self) -> Result<Box<dyn RemoteStore>, StoreError> {
+        if self.cfg.tls() {
+            install_crypto_provider();
+        }
+        let conn = if self.cfg.cluster {
+            self.connect_cluster()?
+        } else {
+            self.connect_standalone()?
+        };
+        let mut store = RedisStore {
+            conn,
+            password: self.password.clone(),
+            cfg: self.cfg.clone(),
+        };
+        // A connection that cannot answer (or whose credentials are refused
+        // on first use) is not a connection.
+        store.ping()?;
+        Ok(Box::new(store))
+    }
+
+    fn describe(&self) -> String {
+        let mode = if self.cfg.cluster {
+            "cluster"
+        } else {
+            "standalone"
+        };
+        format!("redis {mode} {}", self.cfg.redacted_url())
+    }
+}
+
+/// Installs rustls' ring provider as the process default, once (rustls
+/// needs one before its first TLS connection).
+fn install_crypto_provider() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // Another part of the process may have installed one already: keep it.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+enum Conn {
+    Single(Box<Connection>),
+    Cluster {
+        client: Box<ClusterClient>,
+        conn: Box<ClusterConnection>,
+        /// A batch failed on this connection: it may hold unread replies
+        /// of the failed commands (the cluster client does not drain them),
+        /// so the next batch starts on a fresh connection.
+        dirty: bool,
+    },
+}
+
+/// One connection to Redis (standalone or cluster).
+pub struct RedisStore {
+    conn: Conn,
+    password: Option<Secret>,
+    cfg: RemoteTierConfig,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("url", &self.cfg.redacted_url())
+            .finish_non_exhaustive()
+    }
+}
+
+/// One command of a batch.
+enum Op<'a> {
+    Set(&'a str, &'a [u8]),
+    Get(&'a str),
+    Exists(&'a str),
+}
+
+impl Op<'_> {
+    fn cmd(&self) -> redis::Cmd {
+        match *self {
+            Op::Set(k, v) => {
+                let mut c = redis::cmd("SET");
+                c.arg(k).arg(v);
+                c
+            }
+            Op::Get(k) => {
+                let mut c = redis::cmd("GET");
+                c.arg(k);
+                c
+            }
+            Op::Exists(k) => {
+                let mut c = redis::cmd("EXISTS");
+                c.arg(k);
+                c
+            }
+        }
+    }
+}
+
+impl RedisStore {
+    /// Runs `ops` as one pipeline; one answer per op (a connection-level
+    /// failure fails every op).
+    fn run(&mut self, ops: &[Op<'_>]) -> Vec<ItemResult<Value>> {
+        if ops.is_empty() {
+            return Vec::new();
+        }
+        let answers = match &mut self.conn {
+            Conn::Single(c) => {
+                let mut p = redis::pipe();
+                p.ignore_errors();
+                for op in ops {
+                    p.add_command(op.cmd());
+                }
+                p.query::<Vec<redis::RedisResult<Value>>>(c.as_mut())
+            }
+            Conn::Cluster {
+                client,
+                conn,
+                dirty,
+            } => {
+                if *dirty {
+                    match client.get_connection() {
+                        Ok(fresh) => {
+                            **conn = fresh;
+                            *dirty = false;
+                        }
+                        Err(e) => {
+                            let e = classify(
+                                &e,
+                                scrub_text(&e.to_string(), self.password.as_ref(), &self.cfg),
+                            );
+                            return ops.iter().map(|_| Err(e.clone())).collect();
+                        }
+                    }
+                }
+                let mut p = redis::cluster::cluster_pipe();
+                for op in ops {
+                    p.add_command(op.cmd());
+                }
+                match p.query::<Vec<Value>>(conn.as_mut()) {
+                    Ok(v) => Ok(v.into_iter().map(Ok).collect()),
+                    // Some node failed the batch: key by key on a fresh
+                    // connection, so that the other masters' keys are still
+                    // served.
+                    Err(e) => match client.get_connection() {
+                        Ok(fresh) => {
+                            **conn = fresh;
+                            let v: Vec<redis::RedisResult<Value>> = ops
+                                .iter()
+                                .map(|op| op.cmd().query::<Value>(conn.as_mut()))
+                                .collect();
+                            *dirty = v.iter().any(Result::is_err);
+                            Ok(v)
+                        }
+                        Err(_) => {
+                            *dirty = true;
+                            Err(e)
+                        }
+                    },
+                }
+            }
+        };
+        let (password, cfg) = (self.password.as_ref(), &self.cfg);
+        let err = |e: &RedisError| classify(e, scrub_text(&e.to_string(), password, cfg));
+        match answers {
+            Ok(v) if v.len() == ops.len() => v
+                .into_iter()
+                .map(|r| match r {
+                    Ok(Value::ServerError(se)) => {
+                        let e: RedisError = se.into();
+                        Err(err(&e))
+                    }
+                    Ok(v) => Ok(v),
+                    Err(e) => Err(err(&e)),
+                })
+                .collect(),
+            Ok(v) => {
+                let msg = format!("{} answers to {} commands", v.len(), ops.len());
+                ops.iter()
+                    .map(|_| Err(StoreError::Refused(msg.clone())))
+                    .collect()
+            }
+            Err(e) => {
+                let e = err(&e);
+                ops.iter().map(|_| Err(e.clone())).collect()
+            }
+        }
+    }
+}
+
+impl RemoteStore for RedisStore {
+    fn put_many(&mut self, items: &[(&str, &[u8])]) -> Vec<ItemResult<()>> {
+        let ops: Vec<Op<'_>> = items.iter().map(|&(k, v)| Op::Set(k, v)).collect();
+        self.run(&ops)
+            .into_iter()
+            .map(|r| match r? {
+                Value::Okay => Ok(()),
+                Value::SimpleString(s) if s == "OK" => Ok(()),
+                other => Err(StoreError::Refused(format!("SET answered {other:?}"))),
+            })
+            .collect()
+    }
+
+    fn get_many(&mut self, keys: &[&str]) -> Vec<ItemResult<Option<Vec<u8>>>> {
+        let ops: Vec<Op<'_>> = keys.iter().map(|&k| Op::Get(k)).collect();
+        self.run(&ops)
+            .into_iter()
+            .map(|r| match r? {
+                Value::Nil => Ok(None),
+                Value::BulkString(b) => Ok(Some(b)),
+                other => Err(StoreError::Refused(format!(
+                    "GET answered a {}",
+                    value_kind(&other)
+                ))),
+            })
+            .collect()
+    }
+
+    fn exists_many(&mut self, keys: &[&str]) -> Vec<ItemResult<bool>> {
+        let ops: Vec<Op<'_>> = keys.iter().map(|&k| Op::Exists(k)).collect();
+        self.run(&ops)
+            .into_iter()
+            .map(|r| match r? {
+                Value::Int(n) => Ok(n > 0),
+                other => Err(StoreError::Refused(format!(
+                    "EXISTS answered a {}",
+                    value_kind(&other)
+                ))),
+            })
+            .collect()
+    }
+
+    fn ping(&mut self) -> Result<(), StoreError> {
+        let (password, cfg) = (self.password.as_ref(), &self.cfg);
+        let err = |e: &RedisError| classify(e, scrub_text(&e.to_string(), password, cfg));
+        let r = match &mut self.conn {
+            Conn::Single(c) => redis::cmd("PING").query::<Value>(c.as_mut()),
+            // The cluster answers if a fresh connection can be made: at
+            // least one seed answers and gives the slot map (one master
+            // down is a partial outage, not an unreachable store).
+            Conn::Cluster {
+                client,
+                conn,
+                dirty,
+            } => client.get_connection().map(|fresh| {
+                **conn = fresh;
+                *dirty = false;
+                Value::Okay
+            }),
+        };
+        r.map(|_| ()).map_err(|e| err(&e))
+    }
+}
+
+fn value_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Nil => "nil",
+        Value::Int(_) => "integer",
+        Value::BulkString(_) => "string",
+        Value::Array(_) => "array",
+        Value::SimpleString(_) => "status",
+        Value::Okay => "OK",
+        _ => "value of another type",
+    }
+}
+
+/// The store error for a client error (`text`: its message, scrubbed).
+fn classify(e: &RedisError, text: String) -> StoreError {
+    let auth = matches!(e.kind(), ErrorKind::AuthenticationFailed)
+        || matches!(e.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
+        || text.contains("WRONGPASS")
+        || text.contains("NOAUTH");
+    if auth {
+        return StoreError::Auth(text);
+    }
+    if matches!(e.kind(), ErrorKind::InvalidClientConfig) {
+        return StoreError::Config(text);
+    }
+    let down = e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_cluster_error()
+        || matches!(e.kind(), ErrorKind::ClusterConnectionNotFound)
+        || matches!(
+            e.code(),
+            Some("CLUSTERDOWN" | "MASTERDOWN" | "TRYAGAIN" | "LOADING" | "MOVED" | "ASK")
+        );
+    if down {
+        StoreError::Unavailable(text)
+    } else {
+        StoreError::Refused(text)
+    }
+}
+
+/// `text` with every occurrence of the password, and of any password in the
+/// configured URLs, replaced by `***`.
+fn scrub_text(text: &str, password: Option<&Secret>, cfg: &RemoteTierConfig) -> String {
+    let mut out = text.to_string();
+    let mut secrets: Vec<String> = password
+        .map(|p| p.expose().to_string())
+        .into_iter()
+        .collect();
+    for u in cfg.seed_urls() {
+        if let Some(p) = url_password(u) {
+            secrets.push(p);
+        }
+    }
+    for s in secrets.iter().filter(|s| !s.is_empty()) {
+        out = out.replace(s.as_str(), "***");
+    }
+    out
+}
+
+/// The password of a URL's `user:password@` part.
+fn url_password(url: &str) -> Option<String> {
+    let rest = &url[url.find("://")? + 3..];
+    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+    let userinfo = &authority[..authority.rfind('@')?];
+    Some(match userinfo.find(':') {
+        Some(c) => userinfo[c + 1..].to_string(),
+        None => userinfo.to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scrubbing_removes_config_and_url_passwords() {
+        let cfg = RemoteTierConfig::for_url("redis://u:urlpass@h:1");
+        let s = Secret::new("cfgpass");
+        let t = scrub_text("a cfgpass b urlpass c", Some(&s), &cfg);
+        assert_eq!(t, "a *** b *** c");
+        assert_eq!(url_password("redis://h:1"), None);
+        assert_eq!(url_password("redis://pw@h:1").as_deref(), Some("pw"));
+    }
+
+    #[test]
+    fn a_refused_connection_is_unavailable_not_fatal() {
+        // Port 1 on loopback: nothing listens there.
+        let cfg = RemoteTierConfig {
+            connect_timeout_ms: 200,
+            ..RemoteTierConfig::for_url("redis://127.0.0.1:1")
+        };
+        let mut c = RedisConnector::new(&cfg).unwrap();
+        match c.connect() {
+            Err(StoreError::Unavailable(_)) => {}
+            Err(e) => panic!("expected unavailable, got {e}"),
+            Ok(_) => panic!("connected to port 1"),
+        }
+        assert_eq!(c.describe(), "redis standalone redis://127.0.0.1:1");
+    }
+
+    #[test]
+    fn a_missing_ca_file_is_a_config_error() {
+        let cfg = RemoteTierConfig {
+            tls_ca_file: Some("/nonexistent/ca.pem".into()),
+            ..RemoteTierConfig::for_url("rediss://127.0.0.1:1")
+        };
+        let mut c = RedisConnector::new(&cfg).unwrap();
+        assert!(matches!(c.connect(), Err(StoreError::Config(_))));
+    }
+}

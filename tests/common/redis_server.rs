@@ -1,0 +1,306 @@
+//! Real `redis-server` processes on loopback for the remote tier's tests:
+//! one server, or a cluster of masters made with `redis-cli --cluster
+//! create`. Each listens on a free port in its own temporary folder and is
+//! killed (and the folder removed) on drop.
+//!
+//! Waiting here is for a server to answer (bounded by [`START_LIMIT`]),
+//! never for a timer of the code under test.
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a server may take to answer after it is started.
+pub const START_LIMIT: Duration = Duration::from_secs(20);
+
+static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
+
+/// One `redis-server` process.
+pub struct RedisServer {
+    pub port: u16,
+    dir: PathBuf,
+    args: Vec<String>,
+    child: Option<Child>,
+    owns_dir: bool,
+}
+
+fn free_port() -> u16 {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    l.local_addr().expect("local addr").port()
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let n = NEXT_DIR.fetch_add(1, Ordering::SeqCst);
+    let d = std::env::temp_dir().join(format!("kvoffload-redis-{}-{tag}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("create the server's folder");
+    d
+}
+
+/// `redis-cli -p PORT ARGS...` (with `-a PASSWORD` when given): its stdout.
+pub fn cli(port: u16, password: Option<&str>, args: &[&str]) -> Result<String, String> {
+    let mut c = Command::new("redis-cli");
+    c.arg("-p").arg(port.to_string());
+    if let Some(p) = password {
+        c.arg("--no-auth-warning").arg("-a").arg(p);
+    }
+    let out = c
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("redis-cli: {e}"))?;
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+impl RedisServer {
+    /// A server with `extra` arguments (for example `--requirepass x`),
+    /// persistence off.
+    pub fn start(extra: &[&str]) -> Self {
+        let dir = temp_dir("single");
+        Self::start_in(dir, extra, true)
+    }
+
+    fn start_in(dir: PathBuf, extra: &[&str], owns_dir: bool) -> Self {
+        let mut last_err = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let mut args: Vec<String> = vec![
+                "--port".into(),
+                port.to_string(),
+                "--bind".into(),
+                "127.0.0.1".into(),
+                "--save".into(),
+                String::new(),
+                "--appendonly".into(),
+                "no".into(),
+                "--dir".into(),
+                dir.display().to_string(),
+                "--logfile".into(),
+                dir.join("redis.log").display().to_string(),
+            ];
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let mut s = Self {
+                port,
+                dir: dir.clone(),
+                args,
+                child: None,
+                owns_dir,
+            };
+            match s.launch() {
+                Ok(()) => return s,
+                Err(e) => last_err = e,
+            }
+        }
+        panic!("redis-server did not start: {last_err}");
+    }
+
+    fn launch(&mut self) -> Result<(), String> {
+        let child = Command::new("redis-server")
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot run redis-server: {e}"))?;
+        self.child = Some(child);
+        let t0 = Instant::now();
+        let password = self.password();
+        while t0.elapsed() < START_LIMIT {
+            if let Some(c) = self.child.as_mut()
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                self.child = None;
+                let log = std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default();
+                return Err(format!("exited with {status}: {log}"));
+            }
+            if cli(self.port, password.as_deref(), &["PING"]).is_ok_and(|o| o.contains("PONG")) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Err("no PONG within the start limit".into())
+    }
+
+    fn password(&self) -> Option<String> {
+        let i = self.args.iter().position(|a| a == "--requirepass")?;
+        self.args.get(i + 1).cloned()
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (SIGKILL: as a crash).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the killed server again on the same port, folder and arguments.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "restart of a running server");
+        let mut last = String::new();
+        for _ in 0..50 {
+            match self.launch() {
+                Ok(()) => return,
+                // The port may linger for a moment after the kill.
+                Err(e) => last = e,
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("redis-server did not restart on port {}: {last}", self.port);
+    }
+
+    /// `redis-cli` against this server.
+    pub fn cli(&self, args: &[&str]) -> String {
+        cli(self.port, self.password().as_deref(), args).expect("redis-cli")
+    }
+
+    /// The server's folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        if self.owns_dir {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// A Redis Cluster of masters (no replicas) on loopback.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+    dir: PathBuf,
+}
+
+impl RedisCluster {
+    /// `masters` servers with `--cluster-enabled yes`, a 1 s node timeout and
+    /// `cluster-require-full-coverage no` (the setting docs/remote-tier.md
+    /// recommends: the other masters keep serving when one is down), joined
+    /// by `redis-cli --cluster create`.
+    pub fn start(masters: usize) -> Self {
+        let dir = temp_dir("cluster");
+        let mut nodes = Vec::new();
+        for i in 0..masters {
+            let d = dir.join(format!("node{i}"));
+            std::fs::create_dir_all(&d).expect("node folder");
+            nodes.push(RedisServer::start_in(
+                d,
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "1000",
+                    "--cluster-require-full-coverage",
+                    "no",
+                ],
+                false,
+            ));
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let mut args: Vec<&str> = vec!["--cluster", "create"];
+        args.extend(addrs.iter().map(String::as_str));
+        args.extend(["--cluster-replicas", "0", "--cluster-yes"]);
+        cli(nodes[0].port, None, &args).expect("redis-cli --cluster create");
+        let c = Self { nodes, dir };
+        c.wait_ok();
+        c
+    }
+
+    /// Waits until every running node reports `cluster_state:ok` and knows
+    /// every master.
+    pub fn wait_ok(&self) {
+        let t0 = Instant::now();
+        let want = self.nodes.len();
+        loop {
+            let ok = self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
+                let info = cli(n.port, None, &["CLUSTER", "INFO"]).unwrap_or_default();
+                let known = info
+                    .lines()
+                    .find_map(|l| l.strip_prefix("cluster_known_nodes:"))
+                    .and_then(|v| v.trim().parse::<usize>().ok());
+                info.contains("cluster_state:ok") && known == Some(want)
+            });
+            if ok {
+                return;
+            }
+            assert!(t0.elapsed() < START_LIMIT, "cluster did not become ok");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The seed URLs, comma-separated.
+    pub fn url(&self) -> String {
+        self.nodes
+            .iter()
+            .map(RedisServer::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Keys held by each master (`DBSIZE`).
+    pub fn key_counts(&self) -> Vec<u64> {
+        self.nodes
+            .iter()
+            .map(|n| n.cli(&["DBSIZE"]).trim().parse().unwrap_or(0))
+            .collect()
+    }
+
+    /// Which node holds `key` (by `CLUSTER KEYSLOT` and each node's slots).
+    pub fn node_of(&self, key: &str) -> usize {
+        let slot: u64 = self.nodes[0]
+            .cli(&["CLUSTER", "KEYSLOT", key])
+            .trim()
+            .parse()
+            .expect("a slot");
+        let owner = self.nodes[0].cli(&["CLUSTER", "SLOTS"]);
+        // Plain-text CLUSTER SLOTS from redis-cli: start, end, ip, port, id per range.
+        let fields: Vec<&str> = owner.lines().map(str::trim).collect();
+        let mut i = 0;
+        while i + 3 < fields.len() {
+            if let (Ok(start), Ok(end)) = (fields[i].parse::<u64>(), fields[i + 1].parse::<u64>())
+                && fields[i + 2] == "127.0.0.1"
+                && let Ok(port) = fields[i + 3].parse::<u16>()
+            {
+                if (start..=end).contains(&slot) {
+                    return self
+                        .nodes
+                        .iter()
+                        .position(|n| n.port == port)
+                        .expect("a node of this cluster");
+                }
+                i += 4;
+                continue;
+            }
+            i += 1;
+        }
+        panic!("no owner for slot {slot}");
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            n.kill();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

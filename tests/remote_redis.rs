@@ -1,0 +1,503 @@
+//! The remote tier against real Redis servers on loopback (Debian's
+//! `redis-server`, started and stopped by the tests on free ports): one
+//! server, a 3-master Redis Cluster, a master killed mid-run and restarted,
+//! values corrupted, foreign or evicted, refused credentials.
+//!
+//! Without `redis-server` these tests are ignored with their reason (see
+//! `build.rs`, `cfg(kvoffload_redis)`); `scripts/test.sh` installs it.
+
+#[path = "common/redis_server.rs"]
+mod redis_server;
+
+use std::time::Duration;
+
+use kvoffload::remote::value::{self, ValueIdentity, ValueRejected};
+use kvoffload::remote::{
+    Answer, MissReason, Namespace, NamespaceParts, PutOutcome, RedisConnector, RemoteError,
+    RemoteTier, RemoteTierConfig, Secret, StoreError, Ticket,
+};
+use kvoffload::{ChunkKey, ManualClock};
+use redis_server::{RedisCluster, RedisServer};
+
+/// Real-time bound on one answer (the answers are what the tests wait for).
+const LIMIT: Duration = Duration::from_secs(20);
+
+fn namespace(model: &str) -> Namespace {
+    Namespace::new(&NamespaceParts {
+        model: model.into(),
+        layout: "cross_layer".into(),
+        tokens_per_block: 16,
+        blocks_per_chunk: 1,
+        bytes_per_block: 4096,
+        world_size: 1,
+    })
+}
+
+fn config(url: &str, cluster: bool) -> RemoteTierConfig {
+    RemoteTierConfig {
+        cluster,
+        connect_timeout_ms: 500,
+        response_timeout_ms: 2_000,
+        op_timeout_ms: 10_000,
+        backoff_initial_ms: 100,
+        backoff_max_ms: 1_000,
+        ..RemoteTierConfig::for_url(url)
+    }
+}
+
+fn start(cfg: &RemoteTierConfig, ns: Namespace, clock: &ManualClock) -> RemoteTier {
+    let connector = RedisConnector::new(cfg).expect("a valid config");
+    RemoteTier::start(Box::new(connector), cfg, ns, 1, clock.shared()).expect("the tier starts")
+}
+
+fn row(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn wait(t: &mut RemoteTier, ticket: Ticket) -> Answer {
+    let mut others = Vec::new();
+    let a = t
+        .wait(ticket, LIMIT, &mut others)
+        .expect("answered in time");
+    assert!(others.is_empty(), "unexpected answers: {others:?}");
+    a
+}
+
+/// The answers of `tickets`, in their order (they may come in any order).
+fn wait_all(t: &mut RemoteTier, tickets: &[Ticket]) -> Vec<Answer> {
+    let mut got: std::collections::HashMap<Ticket, Answer> = std::collections::HashMap::new();
+    for &tk in tickets {
+        if got.contains_key(&tk) {
+            continue;
+        }
+        let mut others = Vec::new();
+        let a = t.wait(tk, LIMIT, &mut others).expect("answered in time");
+        got.insert(tk, a);
+        got.extend(others);
+    }
+    tickets
+        .iter()
+        .map(|tk| got.remove(tk).expect("every ticket answered"))
+        .collect()
+}
+
+/// Every put queued so far is written once a later lookup is answered.
+fn flush(t: &mut RemoteTier) {
+    let tk = t.lookup(&[]);
+    assert_eq!(wait(t, tk), Answer::Present(vec![]));
+}
+
+fn fetch(t: &mut RemoteTier, key: u64, bytes: usize) -> Answer {
+    let tk = t.fetch(ChunkKey(key), 0, Some(bytes));
+    wait(t, tk)
+}
+
+fn fetched(a: &Answer) -> Option<&[u8]> {
+    match a {
+        Answer::Fetched(p) => Some(p.bytes()),
+        _ => None,
+    }
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn one_server_round_trips_rows_of_every_size() {
+    let server = RedisServer::start(&[]);
+    let clock = ManualClock::new();
+    let mut t = start(&config(&server.url(), false), namespace("m"), &clock);
+    assert!(t.is_connected());
+    let sizes = [1usize, 4096, 65_536, 1 << 20];
+    for (i, &n) in sizes.iter().enumerate() {
+        assert_eq!(
+            t.put(ChunkKey(i as u64), 0, &row(i as u64, n)),
+            PutOutcome::Queued
+        );
+    }
+    flush(&mut t);
+    let keys: Vec<ChunkKey> = (0..5).map(ChunkKey).collect();
+    let tk = t.lookup(&keys);
+    assert_eq!(
+        wait(&mut t, tk),
+        Answer::Present(vec![true, true, true, true, false])
+    );
+    for (i, &n) in sizes.iter().enumerate() {
+        let a = fetch(&mut t, i as u64, n);
+        assert_eq!(fetched(&a), Some(&row(i as u64, n)[..]), "size {n}");
+    }
+    assert_eq!(fetch(&mut t, 4, 1), Answer::Miss(MissReason::Absent));
+    let s = t.stats();
+    assert_eq!(
+        (s.hits, s.misses, s.puts_written, s.get_errors),
+        (4, 1, 4, 0)
+    );
+    let stored: u64 = sizes.iter().map(|&n| value::encoded_len(n) as u64).sum();
+    assert_eq!(s.bytes_put, stored);
+    assert_eq!(server.cli(&["DBSIZE"]).trim(), "4");
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn corrupt_foreign_and_vanished_values_are_misses() {
+    let server = RedisServer::start(&[]);
+    let clock = ManualClock::new();
+    let ns = namespace("m");
+    let mut t = start(&config(&server.url(), false), ns.clone(), &clock);
+    for k in 0..4 {
+        t.put(ChunkKey(k), 0, &row(k, 4096));
+    }
+    flush(&mut t);
+    let mut plain = redis::Client::open(server.url())
+        .and_then(|c| c.get_connection())
+        .expect("a plain client");
+    // Corrupt chunk 0's payload in place (SETRANGE inside the payload).
+    let _: () = redis::cmd("SETRANGE")
+        .arg(ns.key(0, 0))
+        .arg(100)
+        .arg(b"garbage".as_slice())
+        .query(&mut plain)
+        .expect("SETRANGE");
+    // Chunk 1's value cut short.
+    let _: () = redis::cmd("SET")
+        .arg(ns.key(1, 0))
+        .arg(vec![0x4Bu8; 20])
+        .query(&mut plain)
+        .expect("SET");
+    // Chunk 2: another deployment's (valid) value under our key.
+    let foreign = namespace("another-model");
+    let v = value::encode(
+        ValueIdentity {
+            namespace: foreign.fingerprint(),
+            key: 2,
+            rank: 0,
+        },
+        &row(2, 4096),
+    );
+    let _: () = redis::cmd("SET")
+        .arg(ns.key(2, 0))
+        .arg(v)
+        .query(&mut plain)
+        .expect("SET");
+    // Chunk 3 evicted between the lookup and the fetch.
+    let tk = t.lookup(&[ChunkKey(3)]);
+    assert_eq!(wait(&mut t, tk), Answer::Present(vec![true]));
+    let _: () = redis::cmd("DEL")
+        .arg(ns.key(3, 0))
+        .query(&mut plain)
+        .expect("DEL");
+
+    assert_eq!(
+        fetch(&mut t, 0, 4096),
+        Answer::Miss(MissReason::Rejected(ValueRejected::Checksum))
+    );
+    assert!(matches!(
+        fetch(&mut t, 1, 4096),
+        Answer::Miss(MissReason::Rejected(ValueRejected::Truncated { .. }))
+    ));
+    assert_eq!(
+        fetch(&mut t, 2, 4096),
+        Answer::Miss(MissReason::Rejected(ValueRejected::Namespace {
+            found: foreign.fingerprint()
+        }))
+    );
+    assert_eq!(fetch(&mut t, 3, 4096), Answer::Miss(MissReason::Absent));
+    let s = t.stats();
+    assert_eq!(
+        (s.rejected_values, s.misses, s.hits, s.get_errors),
+        (3, 4, 0, 0)
+    );
+    // The other deployment never sees our keys at all.
+    let mut other = start(&config(&server.url(), false), foreign, &clock);
+    let tk = other.lookup(&[ChunkKey(0), ChunkKey(1)]);
+    assert_eq!(wait(&mut other, tk), Answer::Present(vec![false, false]));
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn keys_evicted_by_redis_are_misses_not_errors() {
+    // 4 MiB of memory and allkeys-lru: Redis evicts on its own.
+    let server = RedisServer::start(&["--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru"]);
+    let clock = ManualClock::new();
+    let mut t = start(&config(&server.url(), false), namespace("m"), &clock);
+    let n = 200u64;
+    for k in 0..n {
+        t.put(ChunkKey(k), 0, &row(k, 65_536));
+        if k % 16 == 15 {
+            flush(&mut t);
+        }
+    }
+    flush(&mut t);
+    let (mut hits, mut absent) = (0, 0);
+    for k in 0..n {
+        match fetch(&mut t, k, 65_536) {
+            Answer::Fetched(p) => {
+                assert_eq!(p.bytes(), &row(k, 65_536)[..]);
+                hits += 1;
+            }
+            Answer::Miss(MissReason::Absent) => absent += 1,
+            other => panic!("chunk {k}: {other:?}"),
+        }
+    }
+    assert!(hits > 0 && absent > 0, "hits {hits}, evicted {absent}");
+    let s = t.stats();
+    assert_eq!((s.get_errors, s.rejected_values), (0, 0));
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn a_server_killed_and_restarted_degrades_then_resumes() {
+    let mut server = RedisServer::start(&[]);
+    let clock = ManualClock::new();
+    let mut t = start(&config(&server.url(), false), namespace("m"), &clock);
+    t.put(ChunkKey(1), 0, &row(1, 4096));
+    flush(&mut t);
+    server.kill();
+    assert_eq!(
+        fetch(&mut t, 1, 4096),
+        Answer::Miss(MissReason::Unavailable)
+    );
+    assert!(!t.is_connected());
+    assert_eq!(
+        t.put(ChunkKey(2), 0, &row(2, 4096)),
+        PutOutcome::DroppedUnavailable
+    );
+    let tk = t.lookup(&[ChunkKey(1)]);
+    assert_eq!(wait(&mut t, tk), Answer::Present(vec![false]));
+    server.restart();
+    // Not before the backoff has passed on the tier's clock.
+    let tk = t.lookup(&[ChunkKey(1)]);
+    wait(&mut t, tk);
+    assert!(!t.is_connected());
+    clock.advance(Duration::from_millis(100));
+    let tk = t.lookup(&[]);
+    wait(&mut t, tk);
+    assert!(t.is_connected(), "reconnected after the backoff");
+    // The restarted server has no data (persistence off): write again.
+    assert_eq!(fetch(&mut t, 1, 4096), Answer::Miss(MissReason::Absent));
+    assert_eq!(t.put(ChunkKey(1), 0, &row(1, 4096)), PutOutcome::Queued);
+    flush(&mut t);
+    assert_eq!(fetched(&fetch(&mut t, 1, 4096)), Some(&row(1, 4096)[..]));
+    let s = t.stats();
+    assert_eq!(s.outages, 1);
+    assert_eq!(s.puts_dropped_unavailable, 1);
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn an_unreachable_server_at_start_is_not_fatal() {
+    let mut server = RedisServer::start(&[]);
+    let url = server.url();
+    server.kill();
+    let clock = ManualClock::new();
+    let mut t = start(&config(&url, false), namespace("m"), &clock);
+    assert!(!t.is_connected());
+    assert_eq!(fetch(&mut t, 1, 64), Answer::Miss(MissReason::Unavailable));
+    server.restart();
+    clock.advance(Duration::from_millis(100));
+    let tk = t.lookup(&[]);
+    wait(&mut t, tk);
+    assert!(t.is_connected());
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn a_wrong_password_fails_the_start_and_is_never_shown() {
+    let server = RedisServer::start(&["--requirepass", "right-pw-4f9a"]);
+    let clock = ManualClock::new();
+    let wrong = "wrong-pw-7c2e";
+    let cfg = RemoteTierConfig {
+        password: Some(Secret::new(wrong)),
+        ..config(&server.url(), false)
+    };
+    let connector = RedisConnector::new(&cfg).expect("valid config");
+    let shown_connector = format!("{connector:?}");
+    let err = RemoteTier::start(Box::new(connector), &cfg, namespace("m"), 1, clock.shared())
+        .expect_err("a wrong password must fail the start");
+    assert!(
+        matches!(
+            err,
+            RemoteError::Store {
+                source: StoreError::Auth(_),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let shown = format!("{err} | {err:?} | {cfg:?} | {shown_connector}");
+    assert!(!shown.contains(wrong), "password shown: {shown}");
+    assert!(shown.contains("credentials"), "{shown}");
+    // The same password in the URL: still never shown.
+    let cfg = config(
+        &format!("redis://default:{wrong}@127.0.0.1:{}", server.port),
+        false,
+    );
+    let err = RemoteTier::start(
+        Box::new(RedisConnector::new(&cfg).expect("valid config")),
+        &cfg,
+        namespace("m"),
+        1,
+        clock.shared(),
+    )
+    .expect_err("a wrong password must fail the start");
+    let shown = format!("{err} | {err:?} | {cfg:?}");
+    assert!(!shown.contains(wrong), "password shown: {shown}");
+    // The right one, and an ACL user.
+    server.cli(&[
+        "ACL",
+        "SETUSER",
+        "kvo",
+        "on",
+        ">kvo-pw-1b3d",
+        "~kvo:*",
+        "+@all",
+    ]);
+    let cfg = RemoteTierConfig {
+        username: Some("kvo".into()),
+        password: Some(Secret::new("kvo-pw-1b3d")),
+        ..config(&server.url(), false)
+    };
+    let mut t = start(&cfg, namespace("m"), &clock);
+    t.put(ChunkKey(5), 0, &row(5, 100));
+    flush(&mut t);
+    assert_eq!(fetched(&fetch(&mut t, 5, 100)), Some(&row(5, 100)[..]));
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn a_three_master_cluster_spreads_and_serves_chunks() {
+    let cluster = RedisCluster::start(3);
+    let clock = ManualClock::new();
+    let ns = namespace("m");
+    let mut t = start(&config(&cluster.url(), true), ns.clone(), &clock);
+    let n = 96u64;
+    for k in 0..n {
+        assert_eq!(t.put(ChunkKey(k), 0, &row(k, 8192)), PutOutcome::Queued);
+    }
+    flush(&mut t);
+    let counts = cluster.key_counts();
+    assert_eq!(counts.iter().sum::<u64>(), n);
+    assert!(
+        counts.iter().all(|&c| c > 0),
+        "keys on every master: {counts:?}"
+    );
+    let keys: Vec<ChunkKey> = (0..n + 4).map(ChunkKey).collect();
+    let tk = t.lookup(&keys);
+    let mut want = vec![true; n as usize];
+    want.extend([false; 4]);
+    assert_eq!(wait(&mut t, tk), Answer::Present(want));
+    // One pipelined batch of fetches across all masters.
+    let tickets: Vec<Ticket> = (0..n)
+        .map(|k| t.fetch(ChunkKey(k), 0, Some(8192)))
+        .collect();
+    for (k, a) in wait_all(&mut t, &tickets).iter().enumerate() {
+        assert_eq!(fetched(a), Some(&row(k as u64, 8192)[..]), "chunk {k}");
+    }
+    assert_eq!(t.stats().get_errors, 0);
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn a_cluster_master_killed_mid_run_then_restarted() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("kvoffload=debug")
+        .with_test_writer()
+        .try_init();
+    let mut cluster = RedisCluster::start(3);
+    let clock = ManualClock::new();
+    let ns = namespace("m");
+    let mut t = start(&config(&cluster.url(), true), ns.clone(), &clock);
+    let n = 60u64;
+    for k in 0..n {
+        t.put(ChunkKey(k), 0, &row(k, 4096));
+    }
+    flush(&mut t);
+    let owner: Vec<usize> = (0..n).map(|k| cluster.node_of(&ns.key(k, 0))).collect();
+    let victim = 1;
+    assert!(owner.contains(&victim));
+    cluster.nodes[victim].kill();
+
+    // The dead master's chunks miss; the others are still served.
+    let tickets: Vec<Ticket> = (0..n)
+        .map(|k| t.fetch(ChunkKey(k), 0, Some(4096)))
+        .collect();
+    let answers = wait_all(&mut t, &tickets);
+    for (k, a) in answers.iter().enumerate() {
+        if owner[k] == victim {
+            assert_eq!(
+                *a,
+                Answer::Miss(MissReason::Unavailable),
+                "chunk {k} on the dead master"
+            );
+        } else {
+            assert_eq!(
+                fetched(a),
+                Some(&row(k as u64, 4096)[..]),
+                "chunk {k} on a live master"
+            );
+        }
+    }
+    // Writes to the live masters go on.
+    for k in n..n + 30 {
+        t.put(ChunkKey(k), 0, &row(k, 4096));
+    }
+    flush(&mut t);
+    let s = t.stats();
+    assert!(s.puts_written > n, "{s:?}");
+
+    cluster.nodes[victim].restart();
+    cluster.wait_ok();
+    clock.advance(Duration::from_millis(1_000));
+    // Every chunk written again (the restarted master lost its keys) is
+    // served again, from every master.
+    for k in 0..n + 30 {
+        t.put(ChunkKey(k), 0, &row(k, 4096));
+    }
+    flush(&mut t);
+    let keys: Vec<ChunkKey> = (0..n + 30).map(ChunkKey).collect();
+    let tk = t.lookup(&keys);
+    assert_eq!(
+        wait(&mut t, tk),
+        Answer::Present(vec![true; (n + 30) as usize]),
+        "{:?}",
+        t.stats()
+    );
+    for k in 0..n + 30 {
+        assert_eq!(
+            fetched(&fetch(&mut t, k, 4096)),
+            Some(&row(k, 4096)[..]),
+            "chunk {k} after the restart"
+        );
+    }
+    assert!(t.is_connected());
+}
