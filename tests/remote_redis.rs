@@ -501,3 +501,63 @@ fn a_cluster_master_killed_mid_run_then_restarted() {
     }
     assert!(t.is_connected());
 }
+
+fn kvoffload(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_kvoffload"))
+        .args(args)
+        .output()
+        .expect("run kvoffload")
+}
+
+#[test]
+fn bench_remote_needs_its_url_and_names_a_bad_one() {
+    let out = kvoffload(&["bench", "--backend", "remote"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--remote-tier"));
+    let out = kvoffload(&[
+        "bench",
+        "--backend",
+        "remote",
+        "--remote-tier",
+        "http://u:pw-9z@h:1",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("url") && !err.contains("pw-9z"), "{err}");
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn bench_remote_measures_the_tier_against_a_plain_client() {
+    let server = RedisServer::start(&[]);
+    let out = kvoffload(&[
+        "bench",
+        "--backend",
+        "remote",
+        "--remote-tier",
+        &server.url(),
+        "--block-bytes",
+        "4096,65536",
+        "--bytes-per-point",
+        "1048576",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON rows");
+    let rows = rows.as_array().expect("an array");
+    assert_eq!(rows.len(), 4, "put and get per size");
+    for r in rows {
+        assert_eq!(r["backend"], "remote");
+        assert!(r["gbps"].as_f64().is_some_and(|g| g > 0.0), "{r}");
+        assert!(r["ceiling_gbps"].as_f64().is_some_and(|g| g > 0.0), "{r}");
+    }
+    // The bench leaves nothing behind.
+    assert_eq!(server.cli(&["DBSIZE"]).trim(), "0");
+}

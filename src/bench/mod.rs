@@ -1,11 +1,13 @@
 //! `kvoffload bench`: transfer throughput per backend, strategy, direction,
 //! block size and block count, against a ceiling measured in the same run
 //! (a plain memcpy of the same bytes on the host backend, one large pinned
-//! `cuMemcpyAsync` on the CUDA backend).
+//! `cuMemcpyAsync` on the CUDA backend, a plain `redis` client loop for the
+//! remote tier).
 
 pub mod cuda;
 pub mod host;
 pub mod plot;
+pub mod remote;
 
 use std::fmt::Write;
 
@@ -14,6 +16,7 @@ use serde::Serialize;
 pub use cuda::{CudaBenchError, CudaPoint, CudaSweep, CudaSweepOutput, calibrated_table, run_cuda};
 pub use host::{HostSweep, run_host};
 pub use plot::svg;
+pub use remote::{RemoteBenchError, RemoteSweep, run_remote};
 
 /// One measured point.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -30,6 +30,8 @@ pub(crate) struct Counters {
     pub bytes_got: AtomicU64,
     pub puts_written: AtomicU64,
     pub puts_failed: AtomicU64,
+    /// Puts queued and not yet handled by the I/O thread (a gauge).
+    pub puts_queued: AtomicU64,
     pub puts_dropped_queue_full: AtomicU64,
     pub puts_dropped_unavailable: AtomicU64,
     pub puts_dropped_too_large: AtomicU64,
@@ -62,6 +64,7 @@ impl Default for Counters {
             bytes_got: z(),
             puts_written: z(),
             puts_failed: z(),
+            puts_queued: z(),
             puts_dropped_queue_full: z(),
             puts_dropped_unavailable: z(),
             puts_dropped_too_large: z(),
@@ -102,6 +105,7 @@ impl Counters {
             bytes_got: g(&self.bytes_got),
             puts_written: g(&self.puts_written),
             puts_failed: g(&self.puts_failed),
+            puts_queued: g(&self.puts_queued),
             puts_dropped_queue_full: g(&self.puts_dropped_queue_full),
             puts_dropped_unavailable: g(&self.puts_dropped_unavailable),
             puts_dropped_too_large: g(&self.puts_dropped_too_large),
@@ -141,6 +145,8 @@ pub struct RemoteStats {
     pub puts_written: u64,
     /// Writes the store refused or failed.
     pub puts_failed: u64,
+    /// Puts waiting in the queue now (a gauge).
+    pub puts_queued: u64,
     /// Puts dropped because the queue was full.
     pub puts_dropped_queue_full: u64,
     /// Puts dropped because the store was unreachable.
@@ -227,6 +233,12 @@ impl RemoteStats {
             "Times the remote store became unreachable.",
             self.outages,
         );
+        let _ = writeln!(
+            o,
+            "# HELP kvoffload_remote_queued_puts Puts waiting for the I/O thread."
+        );
+        let _ = writeln!(o, "# TYPE kvoffload_remote_queued_puts gauge");
+        let _ = writeln!(o, "kvoffload_remote_queued_puts {}", self.puts_queued);
         let _ = writeln!(
             o,
             "# HELP kvoffload_remote_connected Whether the remote store is reachable (1) or not (0)."

@@ -15,7 +15,7 @@
 use std::sync::Once;
 
 use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConnection};
-use redis::{Client, Connection, ErrorKind, IntoConnectionInfo, RedisError, Value};
+use redis::{Client, Connection, ConnectionLike, ErrorKind, IntoConnectionInfo, RedisError, Value};
 
 use super::config::{RemoteTierConfig, Secret};
 use super::store::{ItemResult, RemoteStore, StoreConnector, StoreError};
@@ -129,6 +129,27 @@ impl RedisConnector {
         })
     }
 
+    /// A plain `redis` connection with the same address, credentials and
+    /// timeouts (standalone or cluster), for comparing the tier with a plain
+    /// client loop (`kvoffload bench --backend remote`).
+    pub fn plain_connection(&self) -> Result<Box<dyn ConnectionLike + Send>, StoreError> {
+        if self.cfg.tls() {
+            install_crypto_provider();
+        }
+        Ok(match self.connect_standalone_or_cluster()? {
+            Conn::Single(c) => c,
+            Conn::Cluster { conn, .. } => conn,
+        })
+    }
+
+    fn connect_standalone_or_cluster(&self) -> Result<Conn, StoreError> {
+        if self.cfg.cluster {
+            self.connect_cluster()
+        } else {
+            self.connect_standalone()
+        }
+    }
+
     /// The error's text with the password (if any) removed.
     fn scrub(&self, e: &RedisError) -> String {
         scrub_text(&e.to_string(), self.password.as_ref(), &self.cfg)
@@ -140,15 +161,13 @@ impl StoreConnector for RedisConnector {
         if self.cfg.tls() {
             install_crypto_provider();
         }
-        let conn = if self.cfg.cluster {
-            self.connect_cluster()?
-        } else {
-            self.connect_standalone()?
-        };
+        let conn = self.connect_standalone_or_cluster()?;
         let mut store = RedisStore {
             conn,
             password: self.password.clone(),
             cfg: self.cfg.clone(),
+            broken: false,
+            packed: Vec::new(),
         };
         // A connection that cannot answer (or whose credentials are refused
         // on first use) is not a connection.
@@ -193,6 +212,12 @@ pub struct RedisStore {
     conn: Conn,
     password: Option<Secret>,
     cfg: RemoteTierConfig,
+    /// A standalone batch failed at the connection level: replies may be
+    /// left unread, so the connection is never used again (the tier
+    /// reconnects).
+    broken: bool,
+    /// The standalone pipeline's packed commands, kept between batches.
+    packed: Vec<u8>,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -232,6 +257,37 @@ impl Op<'_> {
     }
 }
 
+/// The standalone pipeline buffer is given back beyond this size.
+const KEPT_PACKED_BYTES: usize = 64 << 20;
+
+impl Op<'_> {
+    /// Appends the command in RESP (an array of bulk strings).
+    fn pack(&self, out: &mut Vec<u8>) {
+        let (name, key, value): (&[u8], &str, Option<&[u8]>) = match *self {
+            Op::Set(k, v) => (b"SET", k, Some(v)),
+            Op::Get(k) => (b"GET", k, None),
+            Op::Exists(k) => (b"EXISTS", k, None),
+        };
+        let bulk = |out: &mut Vec<u8>, b: &[u8]| {
+            out.push(b'$');
+            out.extend_from_slice(b.len().to_string().as_bytes());
+            out.extend_from_slice(b"\r\n");
+            out.extend_from_slice(b);
+            out.extend_from_slice(b"\r\n");
+        };
+        out.extend_from_slice(if value.is_some() {
+            b"*3\r\n"
+        } else {
+            b"*2\r\n"
+        });
+        bulk(out, name);
+        bulk(out, key.as_bytes());
+        if let Some(v) = value {
+            bulk(out, v);
+        }
+    }
+}
+
 impl RedisStore {
     /// Runs `ops` as one pipeline; one answer per op (a connection-level
     /// failure fails every op).
@@ -241,12 +297,29 @@ impl RedisStore {
         }
         let answers = match &mut self.conn {
             Conn::Single(c) => {
-                let mut p = redis::pipe();
-                p.ignore_errors();
-                for op in ops {
-                    p.add_command(op.cmd());
+                if self.broken {
+                    let e =
+                        StoreError::Unavailable("connection dropped after a failed batch".into());
+                    return ops.iter().map(|_| Err(e.clone())).collect();
                 }
-                p.query::<Vec<redis::RedisResult<Value>>>(c.as_mut())
+                // Packed here into one buffer kept between batches: one copy
+                // of each value (the crate's pipeline makes two, into a
+                // fresh buffer each time).
+                self.packed.clear();
+                for op in ops {
+                    op.pack(&mut self.packed);
+                }
+                let r = c.req_packed_commands(&self.packed, 0, ops.len());
+                if self.packed.capacity() > KEPT_PACKED_BYTES {
+                    self.packed = Vec::new();
+                }
+                match r {
+                    Ok(v) => Ok(v.into_iter().map(Ok).collect()),
+                    Err(e) => {
+                        self.broken = true;
+                        Err(e)
+                    }
+                }
             }
             Conn::Cluster {
                 client,
@@ -369,6 +442,11 @@ impl RemoteStore for RedisStore {
         let (password, cfg) = (self.password.as_ref(), &self.cfg);
         let err = |e: &RedisError| classify(e, scrub_text(&e.to_string(), password, cfg));
         let r = match &mut self.conn {
+            Conn::Single(_) if self.broken => {
+                return Err(StoreError::Unavailable(
+                    "connection dropped after a failed batch".into(),
+                ));
+            }
             Conn::Single(c) => redis::cmd("PING").query::<Value>(c.as_mut()),
             // The cluster answers if a fresh connection can be made: at
             // least one seed answers and gives the slot map (one master

@@ -145,6 +145,21 @@ enum Request {
     Probe,
 }
 
+impl Request {
+    /// Value bytes the request moves (expected, for a fetch).
+    fn bytes(&self) -> usize {
+        match self {
+            Request::Put { value, .. } => value.len(),
+            Request::Fetch { payload_bytes, .. } => payload_bytes.unwrap_or(0),
+            Request::Lookup { .. } | Request::Probe => 0,
+        }
+    }
+}
+
+/// Value bytes after which a batch is sent without waiting for more
+/// operations.
+const MAX_BATCH_BYTES: usize = 1 << 20;
+
 struct Done {
     ticket: u64,
     answer: Answer,
@@ -270,6 +285,11 @@ impl RemoteTier {
         self.counters.snapshot()
     }
 
+    /// Puts queued and not yet handled by the I/O thread.
+    pub fn queued_puts(&self) -> u64 {
+        self.counters.puts_queued.load(Ordering::Relaxed)
+    }
+
     /// Lookups and fetches not answered yet.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len() + self.ready.len()
@@ -296,7 +316,13 @@ impl RemoteTier {
             rank,
             value: v,
         };
-        match self.tx.as_ref().map(|tx| tx.try_send(req)) {
+        // Counted before the send, so that the thread never takes it below 0.
+        Counters::add(&c.puts_queued, 1);
+        let sent = self.tx.as_ref().map(|tx| tx.try_send(req));
+        if !matches!(sent, Some(Ok(()))) {
+            c.puts_queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        match sent {
             Some(Ok(())) => PutOutcome::Queued,
             Some(Err(TrySendError::Full(_))) => {
                 Counters::add(&c.puts_dropped_queue_full, 1);
@@ -487,9 +513,16 @@ impl IoThread {
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return,
             }
-            while batch.len() < self.max_batch {
+            // A batch ends at `max_batch` operations or about
+            // `MAX_BATCH_BYTES` of values, so that large values stream
+            // through instead of piling up in buffers on both sides.
+            let mut bytes: usize = batch.iter().map(Request::bytes).sum();
+            while batch.len() < self.max_batch && bytes < MAX_BATCH_BYTES {
                 match self.rx.try_recv() {
-                    Ok(r) => batch.push(r),
+                    Ok(r) => {
+                        bytes += r.bytes();
+                        batch.push(r);
+                    }
                     Err(_) => break,
                 }
             }
@@ -567,7 +600,11 @@ impl IoThread {
                 Request::Probe => {}
             }
         }
+        let handled = puts.len() as u64;
         self.run_puts(puts);
+        self.counters
+            .puts_queued
+            .fetch_sub(handled, Ordering::Relaxed);
         self.run_lookups(lookups);
         self.run_fetches(fetches);
     }

@@ -5,7 +5,10 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, ValueEnum};
-use kvoffload::bench::{self, BenchRow, CudaSweep, HostSweep, calibrated_table, cuda};
+use kvoffload::bench::{
+    self, BenchRow, CudaSweep, HostSweep, RemoteSweep, calibrated_table, cuda, run_remote,
+};
+use kvoffload::remote::RemoteTierConfig;
 
 /// Which backends `bench` measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -16,6 +19,9 @@ enum BenchBackend {
     Cuda,
     /// Host, then CUDA where a driver and a device are present.
     All,
+    /// The remote tier (`--remote-tier URL`): put and get through
+    /// kvoffload's tier against a plain redis client loop of SET and GET.
+    Remote,
 }
 
 /// Arguments of `kvoffload bench`.
@@ -50,6 +56,14 @@ pub struct BenchArgs {
     /// (`kvoffload sim --strategy-table FILE`). Needs a GPU.
     #[arg(long, value_name = "FILE", num_args = 0..=1, default_missing_value = "strategy-table.json")]
     calibrate: Option<PathBuf>,
+    /// The remote store for `--backend remote`: `redis://host:port` or
+    /// `rediss://...` (a comma-separated list with --remote-cluster). The
+    /// password comes from the URL or KVOFFLOAD_REMOTE_PASSWORD.
+    #[arg(long, value_name = "URL")]
+    remote_tier: Option<String>,
+    /// The remote store is a Redis Cluster.
+    #[arg(long)]
+    remote_cluster: bool,
 }
 
 fn fail(msg: impl std::fmt::Display, code: u8) -> ExitCode {
@@ -70,11 +84,17 @@ pub fn run(a: BenchArgs) -> ExitCode {
             2,
         );
     }
+    if (backend == BenchBackend::Remote) != a.remote_tier.is_some() {
+        return fail("--backend remote and --remote-tier URL go together", 2);
+    }
     if a.block_bytes.as_ref().is_some_and(|b| b.contains(&0)) {
         return fail("block_bytes = 0 is out of range: allowed 1..", 2);
     }
     if a.blocks.as_ref().is_some_and(|b| b.contains(&0)) {
         return fail("blocks = 0 is out of range: allowed 1..", 2);
+    }
+    if backend == BenchBackend::Remote {
+        return run_remote_bench(&a);
     }
     // Open the device first: `--backend cuda` without one stops before any work.
     let ctx = if backend == BenchBackend::Host {
@@ -152,21 +172,56 @@ pub fn run(a: BenchArgs) -> ExitCode {
             );
         }
     }
+    output(&a, &rows)
+}
+
+/// `--backend remote`: the remote tier against a plain client loop.
+fn run_remote_bench(a: &BenchArgs) -> ExitCode {
+    let cfg = RemoteTierConfig {
+        cluster: a.remote_cluster,
+        ..RemoteTierConfig::for_url(a.remote_tier.clone().unwrap_or_default())
+    };
+    if let Err(e) = cfg.validate() {
+        return fail(e, 2);
+    }
+    let mut sweep = RemoteSweep::default();
+    if a.quick {
+        sweep.bytes_per_point = 8 << 20;
+    }
+    if let Some(b) = &a.block_bytes {
+        sweep.value_bytes.clone_from(b);
+    }
+    if let Some(p) = a.bytes_per_point {
+        sweep.bytes_per_point = p;
+    }
+    eprintln!(
+        "remote: {} ({}): each value once through the tier and once with a plain SET/GET loop, best of 3",
+        cfg.redacted_url(),
+        if cfg.cluster { "cluster" } else { "standalone" }
+    );
+    match run_remote(&cfg, &sweep) {
+        Ok(rows) => output(a, &rows),
+        Err(e) => fail(e, 1),
+    }
+}
+
+/// Prints the rows (table or JSON) and writes the CSV and SVG asked for.
+fn output(a: &BenchArgs, rows: &[BenchRow]) -> ExitCode {
     if a.json {
         match serde_json::to_string_pretty(&rows) {
             Ok(j) => println!("{j}"),
             Err(e) => return fail(e, 1),
         }
     } else {
-        print!("{}", bench::table(&rows));
+        print!("{}", bench::table(rows));
     }
     if let Some(p) = &a.csv
-        && let Err(e) = std::fs::write(p, bench::csv(&rows))
+        && let Err(e) = std::fs::write(p, bench::csv(rows))
     {
         return fail(format!("{}: {e}", p.display()), 1);
     }
     if let Some(p) = &a.plot
-        && let Err(e) = std::fs::write(p, bench::svg(&rows))
+        && let Err(e) = std::fs::write(p, bench::svg(rows))
     {
         return fail(format!("{}: {e}", p.display()), 1);
     }
