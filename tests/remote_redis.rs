@@ -561,3 +561,52 @@ fn bench_remote_measures_the_tier_against_a_plain_client() {
     // The bench leaves nothing behind.
     assert_eq!(server.cli(&["DBSIZE"]).trim(), "0");
 }
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn tls_rediss_round_trips_and_checks_the_server_certificate() {
+    let (server, certs) = RedisServer::start_tls().expect("openssl makes the test certificates");
+    let clock = ManualClock::new();
+    assert!(server.url().starts_with("rediss://"));
+    let cfg = RemoteTierConfig {
+        tls_ca_file: Some(certs.ca.clone()),
+        ..config(&server.url(), false)
+    };
+    let mut t = start(&cfg, namespace("m"), &clock);
+    assert!(t.is_connected());
+    t.put(ChunkKey(3), 0, &row(3, 65_536));
+    flush(&mut t);
+    assert_eq!(
+        fetched(&fetch(&mut t, 3, 65_536)),
+        Some(&row(3, 65_536)[..])
+    );
+    // Without the CA the server's certificate is not trusted: a clear error
+    // at start (retrying could not help).
+    let cfg = config(&server.url(), false);
+    let err = RemoteTier::start(
+        Box::new(RedisConnector::new(&cfg).expect("valid config")),
+        &cfg,
+        namespace("m"),
+        1,
+        clock.shared(),
+    )
+    .expect_err("an untrusted certificate fails the start");
+    assert!(
+        matches!(
+            err,
+            RemoteError::Store {
+                source: StoreError::Config(_),
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("tls_ca_file"), "{err}");
+    // Plain redis:// to a TLS port: no connection either.
+    let cfg = config(&format!("redis://127.0.0.1:{}", server.port), false);
+    let t = start(&cfg, namespace("m"), &clock);
+    assert!(!t.is_connected());
+}

@@ -477,8 +477,32 @@ fn value_kind(v: &Value) -> &'static str {
     }
 }
 
+/// Whether the error is a TLS certificate the client does not trust (a
+/// deployment mistake: retrying cannot help).
+fn untrusted_certificate(e: &RedisError, text: &str) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(rustls::Error::InvalidCertificate(_)) = err.downcast_ref::<rustls::Error>() {
+            return true;
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && let Some(rustls::Error::InvalidCertificate(_)) =
+                io.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>())
+        {
+            return true;
+        }
+        cur = err.source();
+    }
+    text.contains("invalid peer certificate")
+}
+
 /// The store error for a client error (`text`: its message, scrubbed).
 fn classify(e: &RedisError, text: String) -> StoreError {
+    if untrusted_certificate(e, &text) {
+        return StoreError::Config(format!(
+            "{text} (the server's TLS certificate is not trusted: set tls_ca_file to its CA)"
+        ));
+    }
     let auth = matches!(e.kind(), ErrorKind::AuthenticationFailed)
         || matches!(e.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
         || text.contains("WRONGPASS")

@@ -25,6 +25,81 @@ pub struct RedisServer {
     args: Vec<String>,
     child: Option<Child>,
     owns_dir: bool,
+    /// TLS only: the CA file redis-cli trusts.
+    tls_ca: Option<PathBuf>,
+}
+
+/// Certificates made by `openssl` for a TLS server on 127.0.0.1.
+pub struct TestCerts {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// A CA and a server certificate for `IP:127.0.0.1`, in `dir`; `None` where
+/// `openssl` cannot make them (its error printed).
+pub fn make_certs(dir: &Path) -> Option<TestCerts> {
+    let run = |args: &[&str]| -> bool {
+        match Command::new("openssl").args(args).current_dir(dir).output() {
+            Ok(o) if o.status.success() => true,
+            Ok(o) => {
+                eprintln!("openssl {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+                false
+            }
+            Err(e) => {
+                eprintln!("openssl: {e}");
+                false
+            }
+        }
+    };
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").ok()?;
+    let ok = run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvoffload-test-ca",
+    ]) && run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]) && run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    ]);
+    ok.then(|| TestCerts {
+        ca: dir.join("ca.pem"),
+        cert: dir.join("server.pem"),
+        key: dir.join("server.key"),
+    })
 }
 
 fn free_port() -> u16 {
@@ -42,8 +117,20 @@ fn temp_dir(tag: &str) -> PathBuf {
 
 /// `redis-cli -p PORT ARGS...` (with `-a PASSWORD` when given): its stdout.
 pub fn cli(port: u16, password: Option<&str>, args: &[&str]) -> Result<String, String> {
+    cli_with(port, password, None, args)
+}
+
+fn cli_with(
+    port: u16,
+    password: Option<&str>,
+    tls_ca: Option<&Path>,
+    args: &[&str],
+) -> Result<String, String> {
     let mut c = Command::new("redis-cli");
     c.arg("-p").arg(port.to_string());
+    if let Some(ca) = tls_ca {
+        c.arg("--tls").arg("--cacert").arg(ca);
+    }
     if let Some(p) = password {
         c.arg("--no-auth-warning").arg("-a").arg(p);
     }
@@ -63,16 +150,44 @@ impl RedisServer {
     /// persistence off.
     pub fn start(extra: &[&str]) -> Self {
         let dir = temp_dir("single");
-        Self::start_in(dir, extra, true)
+        Self::start_in(dir, extra, true, None)
     }
 
-    fn start_in(dir: PathBuf, extra: &[&str], owns_dir: bool) -> Self {
+    /// A server speaking TLS only (its plain port off), with certificates
+    /// made by [`make_certs`] in its folder; `None` where openssl cannot.
+    pub fn start_tls() -> Option<(Self, TestCerts)> {
+        let dir = temp_dir("tls");
+        let certs = make_certs(&dir)?;
+        let extra = [
+            "--tls-cert-file".to_string(),
+            certs.cert.display().to_string(),
+            "--tls-key-file".to_string(),
+            certs.key.display().to_string(),
+            "--tls-ca-cert-file".to_string(),
+            certs.ca.display().to_string(),
+            "--tls-auth-clients".to_string(),
+            "no".to_string(),
+        ];
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let s = Self::start_in(dir, &extra, true, Some(certs.ca.clone()));
+        Some((s, certs))
+    }
+
+    fn start_in(dir: PathBuf, extra: &[&str], owns_dir: bool, tls_ca: Option<PathBuf>) -> Self {
         let mut last_err = String::new();
         for _ in 0..5 {
             let port = free_port();
+            let (plain, tls) = if tls_ca.is_some() {
+                (
+                    "0".to_string(),
+                    vec!["--tls-port".to_string(), port.to_string()],
+                )
+            } else {
+                (port.to_string(), Vec::new())
+            };
             let mut args: Vec<String> = vec![
                 "--port".into(),
-                port.to_string(),
+                plain,
                 "--bind".into(),
                 "127.0.0.1".into(),
                 "--save".into(),
@@ -84,6 +199,7 @@ impl RedisServer {
                 "--logfile".into(),
                 dir.join("redis.log").display().to_string(),
             ];
+            args.extend(tls);
             args.extend(extra.iter().map(|s| s.to_string()));
             let mut s = Self {
                 port,
@@ -91,6 +207,7 @@ impl RedisServer {
                 args,
                 child: None,
                 owns_dir,
+                tls_ca: tls_ca.clone(),
             };
             match s.launch() {
                 Ok(()) => return s,
@@ -119,7 +236,14 @@ impl RedisServer {
                 let log = std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default();
                 return Err(format!("exited with {status}: {log}"));
             }
-            if cli(self.port, password.as_deref(), &["PING"]).is_ok_and(|o| o.contains("PONG")) {
+            if cli_with(
+                self.port,
+                password.as_deref(),
+                self.tls_ca.as_deref(),
+                &["PING"],
+            )
+            .is_ok_and(|o| o.contains("PONG"))
+            {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(20));
@@ -132,9 +256,14 @@ impl RedisServer {
         self.args.get(i + 1).cloned()
     }
 
-    /// `redis://127.0.0.1:PORT`.
+    /// `redis://127.0.0.1:PORT` (`rediss://` for a TLS server).
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls_ca.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     /// Kills the server (SIGKILL: as a crash).
@@ -162,7 +291,13 @@ impl RedisServer {
 
     /// `redis-cli` against this server.
     pub fn cli(&self, args: &[&str]) -> String {
-        cli(self.port, self.password().as_deref(), args).expect("redis-cli")
+        cli_with(
+            self.port,
+            self.password().as_deref(),
+            self.tls_ca.as_deref(),
+            args,
+        )
+        .expect("redis-cli")
     }
 
     /// The server's folder.
@@ -210,6 +345,7 @@ impl RedisCluster {
                     "no",
                 ],
                 false,
+                None,
             ));
         }
         let addrs: Vec<String> = nodes
