@@ -610,3 +610,146 @@ fn tls_rediss_round_trips_and_checks_the_server_certificate() {
     let t = start(&cfg, namespace("m"), &clock);
     assert!(!t.is_connected());
 }
+
+/// The sim's summary without what depends on the machine's speed or on the
+/// remote tier: what the engine decided.
+fn decisions(s: &kvoffload::sim::SimSummary) -> serde_json::Value {
+    let mut v = serde_json::to_value(s).expect("a summary serializes");
+    let o = v.as_object_mut().expect("an object");
+    for k in ["wall_s", "step_time", "remote"] {
+        o.remove(k);
+    }
+    if let Some(t) = o.get_mut("transfers").and_then(|t| t.as_object_mut()) {
+        t.remove("store_gbps");
+        t.remove("load_gbps");
+    }
+    v
+}
+
+fn sim_opts(remote: Option<RemoteTierConfig>) -> kvoffload::sim::SimOptions {
+    kvoffload::sim::SimOptions {
+        requests: 150,
+        remote,
+        ..kvoffload::sim::SimOptions::default()
+    }
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn the_sim_writes_through_and_decides_exactly_as_without_the_tier() {
+    use kvoffload::sim::{Sim, default_config};
+    let server = RedisServer::start(&[]);
+    let run = |remote| {
+        Sim::new(default_config(), sim_opts(remote))
+            .expect("a sim")
+            .run(&mut |_| {})
+            .expect("the sim runs to the end")
+            .summary
+    };
+    let with = run(Some(RemoteTierConfig::for_url(server.url())));
+    let without = run(None);
+    assert_eq!(decisions(&with), decisions(&without));
+    assert_eq!(with.leaks.total, 0);
+    let r = with.remote.expect("remote counts");
+    assert!(r.puts_written > 0, "{r:?}");
+    assert_eq!(
+        (r.puts_failed, r.puts_queued, r.outages),
+        (0, 0, 0),
+        "{r:?}"
+    );
+    assert_eq!(r.connected_workers, with.world_size);
+    let keys: u64 = server.cli(&["DBSIZE"]).trim().parse().expect("a count");
+    assert!(keys > 0 && keys <= r.puts_written, "{keys} keys for {r:?}");
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn the_sim_serves_on_when_the_store_is_down_or_a_master_dies() {
+    use kvoffload::sim::{Sim, default_config};
+    // Unreachable from the start: every put dropped, nothing else changes.
+    let mut dead = RedisServer::start(&[]);
+    let url = dead.url();
+    dead.kill();
+    let out = Sim::new(
+        default_config(),
+        sim_opts(Some(RemoteTierConfig::for_url(url))),
+    )
+    .expect("an unreachable store does not stop the start")
+    .run(&mut |_| {})
+    .expect("the sim runs to the end");
+    let s = out.summary;
+    assert_eq!(s.leaks.total, 0);
+    assert_eq!(s.work.finished, s.work.requests);
+    let r = s.remote.expect("remote counts");
+    assert_eq!((r.puts_written, r.connected_workers), (0, 0), "{r:?}");
+    assert!(r.puts_dropped > 0, "{r:?}");
+
+    // A cluster master killed mid-run, then restarted.
+    let cluster = std::cell::RefCell::new(RedisCluster::start(3));
+    let cfg = RemoteTierConfig {
+        cluster: true,
+        connect_timeout_ms: 200,
+        ..RemoteTierConfig::for_url(cluster.borrow().url())
+    };
+    let mut killed = false;
+    let mut restarted = false;
+    let out = Sim::new(default_config(), sim_opts(Some(cfg)))
+        .expect("a sim")
+        .run(&mut |p| {
+            if p.step >= 300 && !killed {
+                cluster.borrow_mut().nodes[1].kill();
+                killed = true;
+            } else if p.step >= 600 && !restarted {
+                cluster.borrow_mut().nodes[1].restart();
+                restarted = true;
+            }
+        })
+        .expect("the sim runs to the end");
+    assert!(
+        killed && restarted,
+        "the run was long enough to kill and restart"
+    );
+    let s = out.summary;
+    assert_eq!(s.leaks.total, 0);
+    assert_eq!(s.work.finished, s.work.requests);
+    let r = s.remote.expect("remote counts");
+    assert!(r.puts_written > 0, "{r:?}");
+    assert!(r.puts_failed > 0, "the dead master's puts failed: {r:?}");
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn the_sim_cli_prints_the_remote_line_and_refuses_a_wrong_password() {
+    let server = RedisServer::start(&["--requirepass", "sim-pw-8e1f"]);
+    let url = format!("redis://:sim-pw-8e1f@127.0.0.1:{}", server.port);
+    let out = kvoffload(&["sim", "--requests", "60", "--remote-tier", &url]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("remote tier (write-through)"), "{stdout}");
+    assert!(!stdout.contains("sim-pw-8e1f"), "{stdout}");
+    let wrong = format!("redis://:wrong-pw-3c9a@127.0.0.1:{}", server.port);
+    let out = kvoffload(&["sim", "--requests", "60", "--remote-tier", &wrong]);
+    assert_eq!(out.status.code(), Some(2));
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        all.contains("credentials") && !all.contains("wrong-pw-3c9a"),
+        "{all}"
+    );
+}

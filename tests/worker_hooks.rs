@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvoffload::ChunkKey;
 use kvoffload::ids::{JobId, RequestId};
 use kvoffload::worker::{
     Fault, GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, LoadJob,
@@ -55,6 +56,7 @@ fn store(job: u64, block: u32, chunk: u32) -> StoreJob {
     StoreJob {
         job: JobId(job),
         spec: TransferSpec::new(&[block], 0, &[chunk]),
+        keys: vec![ChunkKey(1000 + u64::from(chunk))],
     }
 }
 
@@ -288,4 +290,123 @@ fn a_cancelled_stalled_load_is_forgotten_by_the_worker_and_its_backend() {
         assert_eq!(r.worker.backend().in_flight(), 0);
     }
     assert!(r.worker.get_finished().completed.is_empty());
+}
+
+/// A worker writing through to an in-memory remote store.
+fn remote_rig(
+    fail_job: Option<u64>,
+) -> (
+    Rig,
+    Arc<kvoffload::remote::MemoryState>,
+    kvoffload::remote::Namespace,
+) {
+    use kvoffload::remote::{
+        MemoryConnector, MemoryState, Namespace, RemoteTier, RemoteTierConfig,
+    };
+    let mut r = rig(true);
+    let state = MemoryState::new();
+    let ns = Namespace::from_fingerprint(0x51);
+    let clock = kvoffload::ManualClock::new();
+    let tier = RemoteTier::start(
+        Box::new(MemoryConnector::new(state.clone())),
+        &RemoteTierConfig::default(),
+        ns.clone(),
+        1,
+        clock.shared(),
+    )
+    .unwrap();
+    let Rig { gpu, pool, worker } = r;
+    let mut worker = worker.with_remote_tier(tier, 3);
+    if let Some(j) = fail_job {
+        worker.backend_mut().set_fault(JobId(j), Fault::Fail);
+    }
+    r = Rig { gpu, pool, worker };
+    (r, state, ns)
+}
+
+/// Every queued put written: a lookup answered after them.
+fn flush_remote(w: &OffloadWorker<HostBackend>, state: &kvoffload::remote::MemoryState, puts: u64) {
+    let t = w.remote_tier().expect("a tier");
+    let t0 = std::time::Instant::now();
+    while t.stats().puts_written + t.stats().puts_failed < puts {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "puts not written: {:?}",
+            t.stats()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let _ = state;
+}
+
+#[test]
+fn completed_stores_are_written_through_with_the_row_bytes() {
+    use kvoffload::remote::value::{ValueIdentity, decode};
+    let (mut r, state, ns) = remote_rig(None);
+    step(
+        &mut r.worker,
+        StepPlan {
+            stores: vec![store(1, 5, 2), store(2, 6, 3)],
+            ..Default::default()
+        },
+    );
+    let early = step(&mut r.worker, StepPlan::default());
+    let report = drain(
+        &mut r.worker,
+        &[JobId(1), JobId(2)],
+        2 - early.completed.len(),
+    );
+    assert_eq!(early.completed.len() + report.completed.len(), 2);
+    assert!(early.failed.is_empty() && report.failed.is_empty());
+    assert_eq!(r.worker.pending_remote_writes(), 0);
+    flush_remote(&r.worker, &state, 2);
+    for (chunk, block, key) in [(2u32, 5u8, 1002u64), (3, 6, 1003)] {
+        let v = state
+            .get_raw(&ns.key(key, 3))
+            .expect("written through under rank 3");
+        let id = ValueIdentity {
+            namespace: ns.fingerprint(),
+            key,
+            rank: 3,
+        };
+        // This worker's share of the row: its slot, the block's page.
+        let payload = decode(&v, id, Some(PAGE as usize)).expect("a valid value");
+        assert_eq!(payload, &vec![block; PAGE as usize][..]);
+        assert_eq!(chunk_byte(&r, chunk), block);
+    }
+    assert_eq!(state.len(), 2);
+}
+
+#[test]
+fn failed_or_cancelled_stores_are_not_written_through() {
+    let (mut r, state, _) = remote_rig(Some(1));
+    step(
+        &mut r.worker,
+        StepPlan {
+            stores: vec![store(1, 5, 2)],
+            ..Default::default()
+        },
+    );
+    let early = step(&mut r.worker, StepPlan::default());
+    let report = drain(&mut r.worker, &[JobId(1)], 1 - early.completed.len());
+    let failed: Vec<JobId> = early.failed.into_iter().chain(report.failed).collect();
+    assert_eq!(failed, vec![JobId(1)]);
+    assert_eq!(r.worker.pending_remote_writes(), 0);
+    // A stalled store the backend cancels is forgotten, with its write.
+    r.worker.backend_mut().set_fault(JobId(2), Fault::Stall);
+    step(
+        &mut r.worker,
+        StepPlan {
+            stores: vec![store(2, 6, 3)],
+            ..Default::default()
+        },
+    );
+    step(&mut r.worker, StepPlan::default());
+    assert_eq!(r.worker.pending_remote_writes(), 1);
+    assert!(r.worker.backend_mut().cancel_stalled(JobId(2)));
+    assert!(r.worker.forget_job(JobId(2)));
+    assert_eq!(r.worker.pending_remote_writes(), 0);
+    let t = r.worker.remote_tier().unwrap();
+    assert_eq!(t.stats().puts_written + t.queued_puts(), 0);
+    assert!(state.is_empty());
 }

@@ -38,7 +38,7 @@ pub fn encode_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32, out
             .map(|j| (j.job, Some(j.req), spec_parts(j, blocks_per_chunk))),
         plan.stores
             .iter()
-            .map(|j| (j.job, spec_parts(j, blocks_per_chunk))),
+            .map(|j| (j.job, spec_parts(j, blocks_per_chunk), j.keys.as_slice())),
         &plan.flush,
         out,
     );
@@ -62,6 +62,7 @@ pub fn to_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32) -> work
             .map(|j| StoreJob {
                 job: j.job,
                 spec: spec(j, blocks_per_chunk),
+                keys: j.keys.to_vec(),
             })
             .collect(),
         flush: plan.flush.clone(),

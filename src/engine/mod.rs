@@ -7,4 +7,4 @@ pub mod cuda_workers;
 pub mod workers;
 
 pub use adapter::{encode_worker_plan, merge_reports, to_worker_plan};
-pub use workers::{HostWorkerPool, PoolError, PoolStep, WorkerCommand, WorkerPool};
+pub use workers::{HostWorkerPool, PoolError, PoolStep, RemoteAttach, WorkerCommand, WorkerPool};

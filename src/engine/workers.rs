@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+use crate::clock::SharedClock;
 use crate::ids::JobId;
+use crate::remote::{Namespace, RedisConnector, RemoteStats, RemoteTier, RemoteTierConfig};
 use crate::worker::cuda::CudaError;
 use crate::worker::{
     Fault, FaultControl, FaultInjector, GpuLayout, HostBackend, HostBackendOptions, HostBuffer,
@@ -49,6 +51,15 @@ pub enum PoolError {
         #[source]
         source: CudaError,
     },
+    /// A worker's remote tier could not start (refused credentials, a
+    /// configuration the store cannot use).
+    #[error("worker {worker}: {message}")]
+    Remote {
+        /// The worker's rank.
+        worker: u32,
+        /// What went wrong (never a password).
+        message: String,
+    },
     /// A worker hook failed, or a worker thread is gone.
     #[error("worker {worker}: {message}")]
     Worker {
@@ -71,6 +82,22 @@ pub struct WorkerCommand {
     /// Stalled jobs the backend cancels now: they never copy nor report, and
     /// the worker forgets them (applied before `release` and the plan).
     pub cancel: Vec<JobId>,
+    /// After the step, wait (boundedly) until the worker's remote tier has
+    /// written every queued put, and report its stats.
+    pub report_remote: bool,
+}
+
+/// What each worker needs to write its stored chunks through to a remote
+/// tier: every worker opens its own connection, as each GPU worker process
+/// would.
+#[derive(Debug, Clone)]
+pub struct RemoteAttach {
+    /// Where the store is.
+    pub config: RemoteTierConfig,
+    /// The deployment's namespace.
+    pub namespace: Namespace,
+    /// The clock of the tiers' deadlines and backoff.
+    pub clock: SharedClock,
 }
 
 /// What the pool returns for one step.
@@ -86,8 +113,12 @@ pub struct PoolStep {
     pub cancelled: Vec<JobId>,
     /// Per-job entries the workers hold after the step, all workers together:
     /// jobs submitted and not reported (stalled ones included), pending loads,
-    /// injected faults not applied yet. Zero once everything has drained.
+    /// injected faults not applied yet, remote writes waiting for their
+    /// store. Zero once everything has drained.
     pub tracked_jobs: u64,
+    /// Each worker's remote tier stats, by rank (when the command asked and
+    /// the worker has a tier).
+    pub remote: Vec<RemoteStats>,
 }
 
 struct Reply {
@@ -96,6 +127,7 @@ struct Reply {
     released: Vec<JobId>,
     cancelled: Vec<JobId>,
     tracked_jobs: u64,
+    remote: Option<RemoteStats>,
 }
 
 /// Worker threads (one per simulated GPU), each owning its backend.
@@ -191,6 +223,30 @@ impl WorkerPool {
             blocks_per_chunk,
             num_chunks,
             false,
+            None,
+        )
+    }
+
+    /// As [`Self::new`] (`wrapped`: as [`Self::host_with_fault_injector`]),
+    /// each worker writing its stored chunks through to its own
+    /// [`RemoteTier`] on `remote` (under its rank).
+    pub fn host_with_remote(
+        world_size: u32,
+        gpu_blocks: u32,
+        block_bytes: u64,
+        blocks_per_chunk: u32,
+        num_chunks: u32,
+        wrapped: bool,
+        remote: RemoteAttach,
+    ) -> Result<Self, PoolError> {
+        Self::host(
+            world_size,
+            gpu_blocks,
+            block_bytes,
+            blocks_per_chunk,
+            num_chunks,
+            wrapped,
+            Some(remote),
         )
     }
 
@@ -211,9 +267,11 @@ impl WorkerPool {
             blocks_per_chunk,
             num_chunks,
             true,
+            None,
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn host(
         world_size: u32,
         gpu_blocks: u32,
@@ -221,6 +279,7 @@ impl WorkerPool {
         blocks_per_chunk: u32,
         num_chunks: u32,
         wrapped: bool,
+        remote: Option<RemoteAttach>,
     ) -> Result<Self, PoolError> {
         let world = world_size.max(1);
         let row = HostRowLayout::uniform(blocks_per_chunk.max(1), world, &[block_bytes])?;
@@ -245,14 +304,17 @@ impl WorkerPool {
                 vec![gpu, Arc::clone(&pool)],
                 HostBackendOptions::default(),
             )?;
+            let remote = remote.clone();
             if wrapped {
                 me.spawn(rank, (), move || {
-                    Ok(OffloadWorker::new(FaultInjector::new(backend), true)
-                        .with_wait_timeout(Some(STEP_WAIT)))
+                    let w = OffloadWorker::new(FaultInjector::new(backend), true)
+                        .with_wait_timeout(Some(STEP_WAIT));
+                    attach_remote(w, rank, world, remote)
                 })?;
             } else {
                 me.spawn(rank, (), move || {
-                    Ok(OffloadWorker::new(backend, true).with_wait_timeout(Some(STEP_WAIT)))
+                    let w = OffloadWorker::new(backend, true).with_wait_timeout(Some(STEP_WAIT));
+                    attach_remote(w, rank, world, remote)
                 })?;
             }
         }
@@ -280,6 +342,7 @@ impl WorkerPool {
             out.released.extend(reply.released);
             out.cancelled.extend(reply.cancelled);
             out.tracked_jobs += reply.tracked_jobs;
+            out.remote.extend(reply.remote);
             let report = reply.report.map_err(|message| PoolError::Worker {
                 worker: i as u32,
                 message,
@@ -301,6 +364,42 @@ impl Drop for WorkerPool {
     }
 }
 
+/// Bound on waiting for a worker's remote tier to write its queued puts.
+const REMOTE_FLUSH_WAIT: Duration = Duration::from_secs(30);
+
+/// `w` writing through to its own tier on `remote` (if any), as `rank` of
+/// `world` ranks.
+fn attach_remote<B: TransferBackend>(
+    w: OffloadWorker<B>,
+    rank: u32,
+    world: u32,
+    remote: Option<RemoteAttach>,
+) -> Result<OffloadWorker<B>, PoolError> {
+    let Some(r) = remote else {
+        return Ok(w);
+    };
+    let err = |message: String| PoolError::Remote {
+        worker: rank,
+        message,
+    };
+    let connector = RedisConnector::new(&r.config).map_err(|e| err(e.to_string()))?;
+    let tier = RemoteTier::start(Box::new(connector), &r.config, r.namespace, world, r.clock)
+        .map_err(|e| err(e.to_string()))?;
+    Ok(w.with_remote_tier(tier, rank))
+}
+
+/// The worker's remote stats once its queued puts are written (or the wait
+/// bound passed: the stats then show them as queued).
+fn remote_report<B: TransferBackend>(w: &OffloadWorker<B>) -> Option<RemoteStats> {
+    let tier = w.remote_tier()?;
+    let t0 = std::time::Instant::now();
+    while tier.queued_puts() > 0 && t0.elapsed() < REMOTE_FLUSH_WAIT {
+        // Waiting for the I/O thread to write (not a timer of the engine).
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Some(tier.stats())
+}
+
 fn worker_loop<B: TransferBackend + FaultControl>(
     mut w: OffloadWorker<B>,
     rx: Receiver<WorkerCommand>,
@@ -314,6 +413,7 @@ fn worker_loop<B: TransferBackend + FaultControl>(
             faults,
             release,
             cancel,
+            report_remote,
         } = cmd;
         // A cancelled job never reports: everything kept for it goes now.
         let mut cancelled = Vec::new();
@@ -362,8 +462,14 @@ fn worker_loop<B: TransferBackend + FaultControl>(
         let tracked_jobs = (known.len()
             + stall_set.len()
             + w.pending_loads()
+            + w.pending_remote_writes()
             + w.backend().in_flight()
             + w.backend().pending_faults()) as u64;
+        let remote = if report_remote {
+            remote_report(&w)
+        } else {
+            None
+        };
         if tx
             .send(Reply {
                 report,
@@ -371,6 +477,7 @@ fn worker_loop<B: TransferBackend + FaultControl>(
                 released,
                 cancelled,
                 tracked_jobs,
+                remote,
             })
             .is_err()
         {

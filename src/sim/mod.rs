@@ -94,6 +94,9 @@ pub struct SimOptions {
     pub progress_limit_steps: Option<u64>,
     /// The workers' transfer backend.
     pub backend: SimBackend,
+    /// A remote tier every worker writes its stored chunks through to (host
+    /// backends only); `None`: no remote tier.
+    pub remote: Option<crate::remote::RemoteTierConfig>,
 }
 
 impl Default for SimOptions {
@@ -113,6 +116,7 @@ impl Default for SimOptions {
             shape: WorkloadShape::default(),
             progress_limit_steps: None,
             backend: SimBackend::Host,
+            remote: None,
         }
     }
 }

@@ -252,6 +252,30 @@ pub struct SimSummary {
     pub step_time: StepTimes,
     /// The invariant violation found at the end, if any.
     pub invariant_error: Option<String>,
+    /// The remote tier's write-through, all workers together (with a tier).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remote: Option<RemoteCounts>,
+}
+
+/// What the workers wrote through to the remote tier (sums over workers).
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct RemoteCounts {
+    /// The store, password removed.
+    pub target: String,
+    /// Chunk shares written.
+    pub puts_written: u64,
+    /// Value bytes written.
+    pub bytes_put: u64,
+    /// Writes the store failed.
+    pub puts_failed: u64,
+    /// Puts dropped (queue full, store unreachable, too large).
+    pub puts_dropped: u64,
+    /// Puts still queued when the run ended (0 unless the store hung).
+    pub puts_queued: u64,
+    /// Times a worker found the store unreachable.
+    pub outages: u64,
+    /// Workers connected at the end.
+    pub connected_workers: u32,
 }
 
 /// Percentile (nearest rank) of sorted values.
@@ -382,6 +406,24 @@ impl SimSummary {
             ),
         );
         row("resets with requests running", f.resets.to_string());
+        if let Some(r) = &self.remote {
+            row(
+                "remote tier (write-through)",
+                format!(
+                    "{} chunk shares ({}) written to {}; {} failed, {} dropped, {} still queued; \
+                     {} outages, {}/{} workers connected at the end",
+                    r.puts_written,
+                    gb(r.bytes_put),
+                    r.target,
+                    r.puts_failed,
+                    r.puts_dropped,
+                    r.puts_queued,
+                    r.outages,
+                    r.connected_workers,
+                    self.world_size
+                ),
+            );
+        }
         row(
             "leaks after drain",
             if l.total == 0 {

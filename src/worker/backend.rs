@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::JobId;
+use crate::ids::{ChunkId, JobId};
 
 use super::error::BackendError;
 use super::layout::TransferSpec;
@@ -76,4 +76,26 @@ pub trait TransferBackend: Send {
 
     /// Jobs submitted and not yet reported by `poll`.
     fn in_flight(&self) -> usize;
+
+    /// Where this worker's share of host chunk `chunk` lives in host memory,
+    /// for reading it outside a transfer (the remote tier's write-through);
+    /// `None` where the backend does not expose its host pool (the default)
+    /// or the chunk is out of range.
+    fn host_share(&self, chunk: ChunkId) -> Option<HostShare> {
+        let _ = chunk;
+        None
+    }
+}
+
+/// A worker's share of one host chunk row: `len` bytes at `addr`.
+///
+/// Reading it is sound only while no transfer writes it: after the store that
+/// filled it has finished and before the worker reports that store (until
+/// then the scheduler gives the chunk to no other job).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostShare {
+    /// Address of the first byte.
+    pub addr: u64,
+    /// Bytes of the share.
+    pub len: usize,
 }

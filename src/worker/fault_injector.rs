@@ -14,9 +14,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use crate::ids::JobId;
+use crate::ids::{ChunkId, JobId};
 
-use super::backend::{Direction, TransferBackend, TransferResult};
+use super::backend::{Direction, HostShare, TransferBackend, TransferResult};
 use super::error::BackendError;
 use super::fault::Fault;
 use super::host_backend::HostBackend;
@@ -259,6 +259,10 @@ impl<B: TransferBackend> TransferBackend for FaultInjector<B> {
 
     fn in_flight(&self) -> usize {
         self.held.len() + self.queues.iter().map(VecDeque::len).sum::<usize>()
+    }
+
+    fn host_share(&self, chunk: ChunkId) -> Option<HostShare> {
+        self.inner.host_share(chunk)
     }
 }
 

@@ -22,10 +22,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
-use crate::ids::JobId;
+use crate::ids::{ChunkId, JobId};
 use crate::profiling::{self, InFlightRange, JobPhase};
 
-use super::backend::{Direction, TransferBackend, TransferResult};
+use super::backend::{Direction, HostShare, TransferBackend, TransferResult};
 use super::descriptors::{CopyDesc, DescriptorTable, plan};
 use super::error::{BackendError, LayoutError};
 use super::fault::Fault;
@@ -466,6 +466,10 @@ impl TransferBackend for HostBackend {
 
     fn in_flight(&self) -> usize {
         self.ids.len()
+    }
+
+    fn host_share(&self, chunk: ChunkId) -> Option<HostShare> {
+        self.layout.host_share(chunk)
     }
 }
 

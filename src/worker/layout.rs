@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::HOST_PAGE_BYTES;
 use crate::ids::{ChunkId, GpuBlockId};
 
+use super::backend::HostShare;
 use super::error::{LayoutError, SpecError};
 
 /// One GPU tensor: `num_blocks` pages at `base + block * block_stride`.
@@ -374,6 +375,25 @@ impl WorkerLayout {
     /// Chunk rows in the pool.
     pub fn num_chunks(&self) -> u32 {
         self.num_chunks
+    }
+
+    /// Where this worker's share of chunk row `chunk` lies (`None` past the
+    /// pool's rows).
+    pub fn host_share(&self, chunk: ChunkId) -> Option<HostShare> {
+        if chunk.0 >= self.num_chunks {
+            return None;
+        }
+        let slot = self.slot();
+        let addr = self
+            .row
+            .row_bytes
+            .checked_mul(u64::from(chunk.0))
+            .and_then(|o| o.checked_add(slot.offset))
+            .and_then(|o| o.checked_add(self.host_base))?;
+        Some(HostShare {
+            addr,
+            len: usize::try_from(slot.bytes).ok()?,
+        })
     }
 
     /// `[start, end)` of the whole host pool.

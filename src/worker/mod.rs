@@ -22,7 +22,7 @@ pub mod plan;
 pub mod plan_wire;
 pub mod worker_hooks;
 
-pub use backend::{Direction, TransferBackend, TransferResult};
+pub use backend::{Direction, HostShare, TransferBackend, TransferResult};
 pub use descriptors::{CopyDesc, DescriptorTable, plan as plan_descriptors};
 pub use error::{BackendError, LayoutError, SpecError};
 pub use fault::Fault;

@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::ids::{JobId, RequestId};
+use crate::key::ChunkKey;
 
 use super::backend::Direction;
 use super::layout::TransferSpec;
@@ -29,6 +30,10 @@ pub struct StoreJob {
     pub job: JobId,
     /// What to copy.
     pub spec: TransferSpec,
+    /// The chunk key of each of `spec.chunks` (same order): what a worker
+    /// writes through to the remote tier once the copy is done.
+    #[serde(default)]
+    pub keys: Vec<ChunkKey>,
 }
 
 /// What every worker receives for one step.

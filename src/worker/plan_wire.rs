@@ -4,9 +4,9 @@
 //! little-endian integers, no field names, a magic and a version in front.
 //!
 //! ```text
-//! "KVOP" u16 version=1
+//! "KVOP" u16 version=2
 //! u32 loads   { u64 job, u8 has_request, u64 request, spec }*
-//! u32 stores  { u64 job, spec }*
+//! u32 stores  { u64 job, spec, u32 k, u64 key*k }*
 //! u32 flushes { u64 job }*
 //! spec = u32 first_block_index, u32 n, u32 gpu_block*n, u32 m, u32 chunk*m
 //! ```
@@ -17,13 +17,14 @@
 use thiserror::Error;
 
 use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
+use crate::key::ChunkKey;
 
 use super::layout::TransferSpec;
 use super::plan::{LoadJob, StepPlan, StoreJob};
 
 const MAGIC: &[u8; 4] = b"KVOP";
 /// The encoding's version.
-pub const PLAN_WIRE_VERSION: u16 = 1;
+pub const PLAN_WIRE_VERSION: u16 = 2;
 
 /// Bytes that are not an encoded plan.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -99,7 +100,7 @@ pub fn encode_plan(plan: &StepPlan, out: &mut Vec<u8>) {
             .map(|l| (l.job, l.request, SpecParts::from(&l.spec))),
         plan.stores
             .iter()
-            .map(|s| (s.job, SpecParts::from(&s.spec))),
+            .map(|s| (s.job, SpecParts::from(&s.spec), s.keys.as_slice())),
         &plan.flush,
         out,
     );
@@ -107,10 +108,10 @@ pub fn encode_plan(plan: &StepPlan, out: &mut Vec<u8>) {
 
 /// Encodes a plan given as its parts, the same bytes as [`encode_plan`] of
 /// the [`StepPlan`] they make: loads as `(job, request, spec)`, stores as
-/// `(job, spec)`, then the flushed jobs (`out` is cleared first).
+/// `(job, spec, keys)`, then the flushed jobs (`out` is cleared first).
 pub fn encode_plan_parts<'a>(
     loads: impl ExactSizeIterator<Item = (JobId, Option<RequestId>, SpecParts<'a>)>,
-    stores: impl ExactSizeIterator<Item = (JobId, SpecParts<'a>)>,
+    stores: impl ExactSizeIterator<Item = (JobId, SpecParts<'a>, &'a [ChunkKey])>,
     flush: &[JobId],
     out: &mut Vec<u8>,
 ) {
@@ -125,9 +126,13 @@ pub fn encode_plan_parts<'a>(
         put_spec(out, spec);
     }
     put_len(out, stores.len());
-    for (job, spec) in stores {
+    for (job, spec, keys) in stores {
         put_u64(out, job.0);
         put_spec(out, spec);
+        put_len(out, keys.len());
+        for k in keys {
+            put_u64(out, k.0);
+        }
     }
     put_len(out, flush.len());
     for j in flush {
@@ -215,7 +220,7 @@ pub fn decode_plan(buf: &[u8]) -> Result<StepPlan, PlanWireError> {
     if version != PLAN_WIRE_VERSION {
         return Err(PlanWireError::Version(version));
     }
-    // The smallest load is 8 + 1 + 8 + 12 bytes, a store 8 + 12, a flush 8.
+    // The smallest load is 8 + 1 + 8 + 12 bytes, a store 8 + 12 + 4, a flush 8.
     let n = r.len(29)?;
     let mut loads = Vec::with_capacity(n);
     for _ in 0..n {
@@ -228,14 +233,17 @@ pub fn decode_plan(buf: &[u8]) -> Result<StepPlan, PlanWireError> {
             spec: r.spec()?,
         });
     }
-    let n = r.len(20)?;
+    let n = r.len(24)?;
     let mut stores = Vec::with_capacity(n);
     for _ in 0..n {
         let job = JobId(r.u64()?);
-        stores.push(StoreJob {
-            job,
-            spec: r.spec()?,
-        });
+        let spec = r.spec()?;
+        let k = r.len(8)?;
+        let mut keys = Vec::with_capacity(k);
+        for _ in 0..k {
+            keys.push(ChunkKey(r.u64()?));
+        }
+        stores.push(StoreJob { job, spec, keys });
     }
     let n = r.len(8)?;
     let mut flush = Vec::with_capacity(n);
@@ -274,6 +282,7 @@ mod tests {
             stores: vec![StoreJob {
                 job: JobId(u64::MAX),
                 spec: TransferSpec::new(&[u32::MAX], 0, &[0]),
+                keys: vec![ChunkKey(u64::MAX)],
             }],
             flush: vec![JobId(1), JobId(2)],
         }
@@ -303,9 +312,9 @@ mod tests {
         trailing.push(0);
         assert_eq!(decode_plan(&trailing), Err(PlanWireError::Trailing(1)));
         assert_eq!(decode_plan(b"nope"), Err(PlanWireError::BadMagic));
-        let mut v2 = buf.clone();
-        v2[4] = 2;
-        assert_eq!(decode_plan(&v2), Err(PlanWireError::Version(2)));
+        let mut v1 = buf.clone();
+        v1[4] = 1;
+        assert_eq!(decode_plan(&v1), Err(PlanWireError::Version(1)));
         // A huge count is caught before allocating.
         let mut huge = buf.clone();
         huge[6..10].copy_from_slice(&u32::MAX.to_le_bytes());

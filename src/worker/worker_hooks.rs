@@ -1,13 +1,17 @@
 //! The worker's per-step hooks (vLLM's `OffloadingConnectorWorker`, reference
 //! section A.6): flush on preemption, start transfers, queue stores for the next
-//! step, collect completions.
+//! step, collect completions; with a remote tier attached
+//! ([`OffloadWorker::with_remote_tier`]), every store that completes is also
+//! written through to it (asynchronously: the tier queues and never blocks).
 
 use std::collections::HashMap;
 use std::time::Duration;
 
 use thiserror::Error;
 
-use crate::ids::{JobId, RequestId};
+use crate::ids::{ChunkId, JobId, RequestId};
+use crate::key::ChunkKey;
+use crate::remote::RemoteTier;
 
 use super::backend::{Direction, TransferBackend, TransferResult};
 use super::error::BackendError;
@@ -21,6 +25,16 @@ pub enum WorkerError {
     Wait(#[source] BackendError),
 }
 
+/// The remote tier a worker writes its stored chunks through to.
+#[derive(Debug)]
+struct RemoteWrite {
+    tier: RemoteTier,
+    /// This worker's rank: its share of each chunk is stored under it.
+    rank: u32,
+    /// Stores submitted and not reported yet: their keys and chunks.
+    pending: HashMap<JobId, Vec<(ChunkKey, ChunkId)>>,
+}
+
 /// One worker (one GPU, or one simulated rank) driving a transfer backend.
 #[derive(Debug)]
 pub struct OffloadWorker<B> {
@@ -31,6 +45,7 @@ pub struct OffloadWorker<B> {
     unsubmitted: Vec<StoreJob>,
     report: WorkerReport,
     results: Vec<TransferResult>,
+    remote: Option<RemoteWrite>,
 }
 
 impl<B: TransferBackend> OffloadWorker<B> {
@@ -45,7 +60,32 @@ impl<B: TransferBackend> OffloadWorker<B> {
             unsubmitted: Vec::new(),
             report: WorkerReport::default(),
             results: Vec::new(),
+            remote: None,
         }
+    }
+
+    /// Writes every chunk this worker stores through to `tier` as well, under
+    /// `rank` (this worker's share of the chunk), once its copy is done. The
+    /// backend must expose its host pool ([`TransferBackend::host_share`]);
+    /// chunks it does not expose are not written (counted nowhere: a backend
+    /// without a host pool view, such as the CUDA one today, writes nothing).
+    pub fn with_remote_tier(mut self, tier: RemoteTier, rank: u32) -> Self {
+        self.remote = Some(RemoteWrite {
+            tier,
+            rank,
+            pending: HashMap::new(),
+        });
+        self
+    }
+
+    /// The remote tier written through to, if any.
+    pub fn remote_tier(&self) -> Option<&RemoteTier> {
+        self.remote.as_ref().map(|r| &r.tier)
+    }
+
+    /// Stores whose write-through waits for their copy to finish.
+    pub fn pending_remote_writes(&self) -> usize {
+        self.remote.as_ref().map_or(0, |r| r.pending.len())
     }
 
     /// Bounds the flush and sync-load waits (default: none, as vLLM).
@@ -77,7 +117,11 @@ impl<B: TransferBackend> OffloadWorker<B> {
     /// The backend cancelled `job`, which will never be reported: forgets it
     /// (a load's request). Returns whether the worker was tracking it.
     pub fn forget_job(&mut self, job: JobId) -> bool {
-        self.load_jobs.remove(&job).is_some()
+        let remote = self
+            .remote
+            .as_mut()
+            .is_some_and(|r| r.pending.remove(&job).is_some());
+        self.load_jobs.remove(&job).is_some() || remote
     }
 
     /// Stores queued for the next step.
@@ -153,6 +197,13 @@ impl<B: TransferBackend> OffloadWorker<B> {
     pub fn get_finished(&mut self) -> WorkerReport {
         self.backend.poll(&mut self.results);
         for r in self.results.drain(..) {
+            if r.direction == Direction::Store
+                && let Some(rw) = self.remote.as_mut()
+                && let Some(items) = rw.pending.remove(&r.job)
+                && r.success
+            {
+                write_through(&self.backend, rw, &items);
+            }
             *self.report.completed.entry(r.job).or_insert(0) += 1;
             let request = match r.direction {
                 Direction::Load => self.load_jobs.remove(&r.job).flatten(),
@@ -188,9 +239,21 @@ impl<B: TransferBackend> OffloadWorker<B> {
 
     fn submit_queued_stores(&mut self) {
         for s in std::mem::take(&mut self.unsubmitted) {
-            if let Err(e) = self.backend.submit_store(s.job, &s.spec) {
-                tracing::warn!(job = %s.job, error = %e, "store refused; reported as failed");
-                self.fail(s.job, None);
+            match self.backend.submit_store(s.job, &s.spec) {
+                Ok(()) => {
+                    if let Some(rw) = self.remote.as_mut() {
+                        if s.keys.len() == s.spec.chunks.len() {
+                            let items = s.keys.iter().copied().zip(s.spec.chunks.iter().copied());
+                            rw.pending.insert(s.job, items.collect());
+                        } else {
+                            tracing::debug!(job = %s.job, "store without its chunk keys: not written through");
+                        }
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(job = %s.job, error = %e, "store refused; reported as failed");
+                    self.fail(s.job, None);
+                }
             }
         }
     }
@@ -201,5 +264,28 @@ impl<B: TransferBackend> OffloadWorker<B> {
         if let Some(req) = request {
             self.report.failed_loads.push(req);
         }
+    }
+}
+
+/// Puts this worker's share of each stored chunk to the remote tier. Called
+/// when the store's copy has finished and before the worker reports it.
+fn write_through<B: TransferBackend>(
+    backend: &B,
+    rw: &mut RemoteWrite,
+    items: &[(ChunkKey, ChunkId)],
+) {
+    for &(key, chunk) in items {
+        let Some(share) = backend.host_share(chunk) else {
+            continue;
+        };
+        // SAFETY: the share lies in the backend's host pool, which is valid
+        // for reads as long as the backend lives (its constructor's contract).
+        // The store that wrote it has finished (reported by `poll`, which
+        // synchronizes with the copy), and until this worker reports that
+        // store, the scheduler gives the chunk to no other job: nothing writes
+        // these bytes while they are read, and `put` copies them before
+        // returning.
+        let bytes = unsafe { std::slice::from_raw_parts(share.addr as *const u8, share.len) };
+        rw.tier.put(key, rw.rank, bytes);
     }
 }

@@ -8,6 +8,7 @@ use clap::Args;
 use kvoffload::OffloadConfig;
 use kvoffload::engine::PoolError;
 use kvoffload::metrics::{MetricsServer, SharedMetricsText};
+use kvoffload::remote::RemoteTierConfig;
 use kvoffload::sim::{
     Progress, Sim, SimBackend, SimError, SimOptions, config_from_path, default_config,
 };
@@ -58,6 +59,14 @@ pub struct SimArgs {
     /// Serve Prometheus metrics on http://ADDR/metrics while running (e.g. 127.0.0.1:9400).
     #[arg(long)]
     metrics_addr: Option<String>,
+    /// Write every stored chunk through to this remote tier: `redis://host:port`
+    /// or `rediss://...` (a comma-separated list with --remote-cluster). The
+    /// password comes from the URL or KVOFFLOAD_REMOTE_PASSWORD.
+    #[arg(long, value_name = "URL")]
+    remote_tier: Option<String>,
+    /// The remote tier is a Redis Cluster.
+    #[arg(long)]
+    remote_cluster: bool,
 }
 
 fn fail(msg: impl std::fmt::Display, code: u8) -> ExitCode {
@@ -105,9 +114,17 @@ pub fn run(a: SimArgs) -> ExitCode {
             );
         }
     };
+    if a.remote_cluster && a.remote_tier.is_none() {
+        return fail("--remote-cluster needs --remote-tier URL", 2);
+    }
+    let remote = a.remote_tier.as_ref().map(|url| RemoteTierConfig {
+        cluster: a.remote_cluster,
+        ..RemoteTierConfig::for_url(url.clone())
+    });
     let mut opts = SimOptions {
         seed: a.seed,
         backend,
+        remote,
         ..SimOptions::default()
     };
     if let Some(r) = a.requests {
@@ -131,6 +148,8 @@ pub fn run(a: SimArgs) -> ExitCode {
         Err(e @ SimError::Options(_)) => return fail(e, 2),
         // One line: `cuda backend unavailable: <reason>`.
         Err(SimError::Pool(e @ PoolError::CudaUnavailable(_))) => return fail(e, 2),
+        // Refused credentials, an untrusted certificate: a configuration error.
+        Err(SimError::Pool(e @ PoolError::Remote { .. })) => return fail(e, 2),
         Err(e) => return fail(e, 1),
     };
     if let Some(p) = &a.record {

@@ -13,10 +13,13 @@ use thiserror::Error;
 
 use crate::clock::ManualClock;
 use crate::config::{ConfigError, OffloadConfig};
-use crate::engine::{PoolError, WorkerCommand, WorkerPool, merge_reports, to_worker_plan};
+use crate::engine::{
+    PoolError, RemoteAttach, WorkerCommand, WorkerPool, merge_reports, to_worker_plan,
+};
 use crate::ids::{GpuBlockId, JobId, RequestId};
 use crate::key::BlockHash;
 use crate::metrics::{OffloadMetrics, SharedMetricsText};
+use crate::remote::{Namespace, NamespaceParts};
 use crate::scheduler::{JobKind, Scheduler, SchedulerError, StepInput};
 use crate::worker::Fault;
 
@@ -187,22 +190,56 @@ impl Sim {
         let num_chunks = cfg.num_chunks()?;
         let clock = ManualClock::new();
         let sched = Scheduler::new(&cfg, clock.shared())?;
-        let pool = match &opts.backend {
-            SimBackend::Host => WorkerPool::new(
+        let remote = match &opts.remote {
+            None => None,
+            Some(rc) => {
+                rc.validate()?;
+                Some(RemoteAttach {
+                    config: rc.clone(),
+                    namespace: Namespace::new(&NamespaceParts {
+                        model: "kvoffload-sim".into(),
+                        layout: "cross_layer".into(),
+                        tokens_per_block: cfg.tokens_per_block,
+                        blocks_per_chunk: cfg.blocks_per_chunk,
+                        bytes_per_block: opts.block_bytes,
+                        world_size: cfg.world_size,
+                    }),
+                    clock: clock.shared(),
+                })
+            }
+        };
+        let pool = match (&opts.backend, remote) {
+            (SimBackend::Host | SimBackend::HostInjected, Some(r)) => WorkerPool::host_with_remote(
+                cfg.world_size,
+                opts.gpu_blocks,
+                opts.block_bytes,
+                cfg.blocks_per_chunk,
+                num_chunks,
+                opts.backend == SimBackend::HostInjected,
+                r,
+            )?,
+            (SimBackend::Cuda { .. }, Some(_)) => {
+                return Err(SimError::Options(
+                    "the remote tier needs a host backend: the CUDA backend does not expose \
+                     its pinned pool to the write-through yet"
+                        .into(),
+                ));
+            }
+            (SimBackend::Host, None) => WorkerPool::new(
                 cfg.world_size,
                 opts.gpu_blocks,
                 opts.block_bytes,
                 cfg.blocks_per_chunk,
                 num_chunks,
             )?,
-            SimBackend::HostInjected => WorkerPool::host_with_fault_injector(
+            (SimBackend::HostInjected, None) => WorkerPool::host_with_fault_injector(
                 cfg.world_size,
                 opts.gpu_blocks,
                 opts.block_bytes,
                 cfg.blocks_per_chunk,
                 num_chunks,
             )?,
-            SimBackend::Cuda { strategies } => WorkerPool::cuda(
+            (SimBackend::Cuda { strategies }, None) => WorkerPool::cuda(
                 cfg.world_size,
                 opts.gpu_blocks,
                 opts.block_bytes,
@@ -329,8 +366,46 @@ impl Sim {
             }
         }
         self.publish();
+        self.remote_report()?;
         self.summary.wall_s = wall.elapsed().as_secs_f64();
         self.finish()
+    }
+
+    /// With a remote tier: one more worker step with nothing planned, in
+    /// which every worker waits until its queued puts are written, and the
+    /// summary's remote counts.
+    fn remote_report(&mut self) -> Result<(), SimError> {
+        let Some(rc) = &self.opts.remote else {
+            return Ok(());
+        };
+        let target = rc.redacted_url();
+        let world = self.pool.world_size() as usize;
+        let cmds = vec![
+            WorkerCommand {
+                report_remote: true,
+                ..WorkerCommand::default()
+            };
+            world
+        ];
+        let out = self.pool.step(cmds)?;
+        self.worker_jobs = out.tracked_jobs;
+        let merged = merge_reports(&out.reports);
+        self.deliver(merged, true)?;
+        let mut r = super::summary::RemoteCounts {
+            target,
+            ..Default::default()
+        };
+        for s in &out.remote {
+            r.puts_written += s.puts_written;
+            r.bytes_put += s.bytes_put;
+            r.puts_failed += s.puts_failed;
+            r.puts_dropped += s.puts_dropped();
+            r.puts_queued += s.puts_queued;
+            r.outages += s.outages;
+            r.connected_workers += u32::from(s.connected);
+        }
+        self.summary.remote = Some(r);
+        Ok(())
     }
 
     fn publish(&mut self) {
@@ -445,6 +520,7 @@ impl Sim {
                 faults,
                 release,
                 cancel,
+                report_remote: false,
             })
             .collect();
         let out = self.pool.step(cmds)?;
