@@ -639,9 +639,8 @@ fn sim_opts(remote: Option<RemoteTierConfig>) -> kvoffload::sim::SimOptions {
     not(kvoffload_redis),
     ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
 )]
-fn the_sim_writes_through_and_decides_exactly_as_without_the_tier() {
+fn the_sim_with_a_remote_tier_is_reproducible_and_a_second_node_hits_more() {
     use kvoffload::sim::{Sim, default_config};
-    let server = RedisServer::start(&[]);
     let run = |remote| {
         Sim::new(default_config(), sim_opts(remote))
             .expect("a sim")
@@ -649,20 +648,41 @@ fn the_sim_writes_through_and_decides_exactly_as_without_the_tier() {
             .expect("the sim runs to the end")
             .summary
     };
-    let with = run(Some(RemoteTierConfig::for_url(server.url())));
-    let without = run(None);
-    assert_eq!(decisions(&with), decisions(&without));
-    assert_eq!(with.leaks.total, 0);
-    let r = with.remote.expect("remote counts");
-    assert!(r.puts_written > 0, "{r:?}");
+    // Node A on two fresh stores: the same decisions (the sim waits for the
+    // tier's answers each step, so thread timing does not matter).
+    let (s1, s2) = (RedisServer::start(&[]), RedisServer::start(&[]));
+    let a1 = run(Some(RemoteTierConfig::for_url(s1.url())));
+    let a2 = run(Some(RemoteTierConfig::for_url(s2.url())));
+    assert_eq!(decisions(&a1), decisions(&a2));
+    let (r1, r2) = (a1.remote.clone().unwrap(), a2.remote.clone().unwrap());
     assert_eq!(
-        (r.puts_failed, r.puts_queued, r.outages),
-        (0, 0, 0),
-        "{r:?}"
+        (r1.lookups, r1.chunks_fetched, r1.puts_written),
+        (r2.lookups, r2.chunks_fetched, r2.puts_written)
     );
-    assert_eq!(r.connected_workers, with.world_size);
-    let keys: u64 = server.cli(&["DBSIZE"]).trim().parse().expect("a count");
-    assert!(keys > 0 && keys <= r.puts_written, "{keys} keys for {r:?}");
+    assert!(r1.puts_written > 0, "{r1:?}");
+    assert_eq!(
+        (r1.puts_failed, r1.puts_queued, r1.outages, r1.probes_left),
+        (0, 0, 0, 0)
+    );
+    assert_eq!(r1.connected_workers, a1.world_size);
+    // Node B on node A's store, same workload: it finds A's prefixes.
+    let b = run(Some(RemoteTierConfig::for_url(s1.url())));
+    let alone = run(None);
+    assert!(alone.remote.is_none());
+    let rb = b.remote.clone().unwrap();
+    assert!(rb.chunks_fetched > r1.chunks_fetched, "{rb:?} vs {r1:?}");
+    assert!(
+        b.hit_rate_with_offload > alone.hit_rate_with_offload,
+        "node B {} vs alone {}",
+        b.hit_rate_with_offload,
+        alone.hit_rate_with_offload
+    );
+    for s in [&a1, &a2, &b, &alone] {
+        assert_eq!(s.leaks.total, 0, "{:?}", s.leaks);
+        assert_eq!(s.work.finished, s.work.requests);
+    }
+    let keys: u64 = s1.cli(&["DBSIZE"]).trim().parse().expect("a count");
+    assert!(keys > 0);
 }
 
 #[test]
@@ -740,6 +760,31 @@ fn the_sim_cli_prints_the_remote_line_and_refuses_a_wrong_password() {
     );
     assert!(stdout.contains("remote tier (write-through)"), "{stdout}");
     assert!(!stdout.contains("sim-pw-8e1f"), "{stdout}");
+    // Two nodes over the same workload and store: one summary each, then
+    // their hit rates side by side; without a store, refused.
+    let out = kvoffload(&[
+        "sim",
+        "--requests",
+        "60",
+        "--nodes",
+        "2",
+        "--remote-tier",
+        &url,
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("node 2 of 2"), "{stdout}");
+    assert!(
+        stdout.contains("prefix hit rate with offload, by node: node 1 "),
+        "{stdout}"
+    );
+    let out = kvoffload(&["sim", "--nodes", "2"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--remote-tier"));
     let wrong = format!("redis://:wrong-pw-3c9a@127.0.0.1:{}", server.port);
     let out = kvoffload(&["sim", "--requests", "60", "--remote-tier", &wrong]);
     assert_eq!(out.status.code(), Some(2));

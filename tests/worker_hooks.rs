@@ -300,11 +300,20 @@ fn remote_rig(
     Arc<kvoffload::remote::MemoryState>,
     kvoffload::remote::Namespace,
 ) {
-    use kvoffload::remote::{
-        MemoryConnector, MemoryState, Namespace, RemoteTier, RemoteTierConfig,
-    };
+    remote_rig_on(fail_job, kvoffload::remote::MemoryState::new())
+}
+
+/// [`remote_rig`] on an existing store (another worker's view of it).
+fn remote_rig_on(
+    fail_job: Option<u64>,
+    state: Arc<kvoffload::remote::MemoryState>,
+) -> (
+    Rig,
+    Arc<kvoffload::remote::MemoryState>,
+    kvoffload::remote::Namespace,
+) {
+    use kvoffload::remote::{MemoryConnector, Namespace, RemoteTier, RemoteTierConfig};
     let mut r = rig(true);
-    let state = MemoryState::new();
     let ns = Namespace::from_fingerprint(0x51);
     let clock = kvoffload::ManualClock::new();
     let tier = RemoteTier::start(
@@ -324,8 +333,8 @@ fn remote_rig(
     (r, state, ns)
 }
 
-/// Every queued put written: a lookup answered after them.
-fn flush_remote(w: &OffloadWorker<HostBackend>, state: &kvoffload::remote::MemoryState, puts: u64) {
+/// Waits until `puts` puts are written (or failed) by the worker's tier.
+fn flush_remote(w: &OffloadWorker<HostBackend>, puts: u64) {
     let t = w.remote_tier().expect("a tier");
     let t0 = std::time::Instant::now();
     while t.stats().puts_written + t.stats().puts_failed < puts {
@@ -336,7 +345,6 @@ fn flush_remote(w: &OffloadWorker<HostBackend>, state: &kvoffload::remote::Memor
         );
         std::thread::sleep(Duration::from_millis(1));
     }
-    let _ = state;
 }
 
 #[test]
@@ -359,7 +367,7 @@ fn completed_stores_are_written_through_with_the_row_bytes() {
     assert_eq!(early.completed.len() + report.completed.len(), 2);
     assert!(early.failed.is_empty() && report.failed.is_empty());
     assert_eq!(r.worker.pending_remote_writes(), 0);
-    flush_remote(&r.worker, &state, 2);
+    flush_remote(&r.worker, 2);
     for (chunk, block, key) in [(2u32, 5u8, 1002u64), (3, 6, 1003)] {
         let v = state
             .get_raw(&ns.key(key, 3))
@@ -409,4 +417,56 @@ fn failed_or_cancelled_stores_are_not_written_through() {
     let t = r.worker.remote_tier().unwrap();
     assert_eq!(t.stats().puts_written + t.queued_puts(), 0);
     assert!(state.is_empty());
+}
+
+#[test]
+fn fetches_read_shares_written_by_another_worker_into_host_slots() {
+    use kvoffload::ids::ChunkId;
+    use kvoffload::worker::FetchJob;
+    // Worker A stores block 5 into its chunk 2 and writes it through (key 1002).
+    let (mut a, state, _) = remote_rig(None);
+    step(
+        &mut a.worker,
+        StepPlan {
+            stores: vec![store(1, 5, 2)],
+            ..Default::default()
+        },
+    );
+    let early = step(&mut a.worker, StepPlan::default());
+    drain(&mut a.worker, &[JobId(1)], 1 - early.completed.len());
+    flush_remote(&a.worker, 1);
+    // Worker B (its own buffers, the same store and rank) fetches key 1002
+    // into its slot 7, then a key nobody wrote into slot 8.
+    let (mut b, _, _) = remote_rig_on(None, state);
+    // SAFETY: no job touches B's slot 7 yet.
+    assert_ne!(chunk_byte(&b, 7), 5);
+    let fetch = |job: u64, key: u64, chunk: u32| FetchJob {
+        job: JobId(job),
+        keys: vec![ChunkKey(key)],
+        chunks: vec![ChunkId(chunk)],
+    };
+    let plan = StepPlan {
+        fetches: vec![fetch(10, 1002, 7), fetch(11, 4242, 8)],
+        ..Default::default()
+    };
+    b.worker.start_transfers(&plan).unwrap();
+    assert_eq!(b.worker.pending_fetches(), 2);
+    b.worker.wait_fetches(Duration::from_secs(30));
+    let report = b.worker.get_finished();
+    assert_eq!(report.completed.len(), 2, "{report:?}");
+    assert_eq!(
+        report.failed,
+        vec![JobId(11)],
+        "the absent key fails its job"
+    );
+    assert_eq!(b.worker.pending_fetches(), 0);
+    // The share came through: B's slot 7 holds A's block 5.
+    // SAFETY: the fetch job is reported; nothing else touches slot 7.
+    let got = unsafe { b.pool.read(4096 * 7, PAGE as usize) };
+    assert_eq!(got, vec![5u8; PAGE as usize]);
+    // A worker without a tier fails a fetch at once.
+    let mut plain = rig(true);
+    plain.worker.start_transfers(&plan).unwrap();
+    let report = plain.worker.get_finished();
+    assert_eq!(report.failed, vec![JobId(10), JobId(11)]);
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use crate::ids::JobId;
 use crate::scheduler::{self, TransferJob};
-use crate::worker::{self, LoadJob, SpecParts, StoreJob, TransferSpec};
+use crate::worker::{self, FetchJob, LoadJob, SpecParts, StoreJob, TransferSpec};
 
 fn spec_parts(job: &TransferJob, blocks_per_chunk: u32) -> SpecParts<'_> {
     let bpc = blocks_per_chunk.max(1) as usize;
@@ -40,6 +40,9 @@ pub fn encode_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32, out
             .iter()
             .map(|j| (j.job, spec_parts(j, blocks_per_chunk), j.keys.as_slice())),
         &plan.flush,
+        plan.fetches
+            .iter()
+            .map(|j| (j.job, j.keys.as_slice(), j.chunk_ids.as_slice())),
         out,
     );
 }
@@ -66,6 +69,15 @@ pub fn to_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32) -> work
             })
             .collect(),
         flush: plan.flush.clone(),
+        fetches: plan
+            .fetches
+            .iter()
+            .map(|j| FetchJob {
+                job: j.job,
+                keys: j.keys.to_vec(),
+                chunks: j.chunk_ids.to_vec(),
+            })
+            .collect(),
     }
 }
 
@@ -138,6 +150,7 @@ mod tests {
                 stores: vec![job(3, &[1, 2, 3, 4], &[8, 9]), job(4, &[11], &[1])],
                 flush: vec![JobId(1), JobId(3)],
                 failed_loads: vec![RequestId(5)],
+                fetches: vec![job(5, &[], &[6, 7])],
             },
         ];
         for plan in &plans {

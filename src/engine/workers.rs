@@ -452,6 +452,7 @@ fn worker_loop<B: TransferBackend + FaultControl>(
         }
         known.extend(plan.loads.iter().map(|l| l.job));
         known.extend(plan.stores.iter().map(|s| s.job));
+        known.extend(plan.fetches.iter().map(|f| f.job));
         let report = run_step(&mut w, &mut plan, &known);
         if let Ok(r) = &report {
             for job in r.completed.keys() {
@@ -463,6 +464,7 @@ fn worker_loop<B: TransferBackend + FaultControl>(
             + stall_set.len()
             + w.pending_loads()
             + w.pending_remote_writes()
+            + w.pending_fetches()
             + w.backend().in_flight()
             + w.backend().pending_faults()) as u64;
         let remote = if report_remote {
@@ -500,6 +502,9 @@ fn run_step<B: TransferBackend + FaultControl>(
     w.backend_mut()
         .wait(&ids, Some(STEP_WAIT))
         .map_err(|e| e.to_string())?;
+    // Remote fetches too: a step reports what its plan started, whatever the
+    // threads' timing (the tier answers or gives up, as a miss).
+    w.wait_fetches(STEP_WAIT);
     Ok(w.get_finished())
 }
 

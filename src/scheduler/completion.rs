@@ -265,6 +265,9 @@ impl Scheduler {
                 );
             }
         }
+        if e.kind == JobKind::Store {
+            self.remote_job_ended(job, ending == Ending::Reported { failed: false });
+        }
         if let Some(rs) = self.requests.get_mut(&req) {
             rs.jobs.retain(|j| *j != job);
             if rs.finished_signaled && rs.jobs.is_empty() {

@@ -134,6 +134,20 @@ impl Scheduler {
         if scan.defer {
             return Ok((LookupOutcome::Defer, true));
         }
+        // The host tier misses from chunk `first` on: the remote tier, if
+        // one is attached, is asked about the rest (`remote.rs`).
+        let first = start + scan.hits;
+        if self.remote.is_some() && first < end {
+            let keys: Vec<ChunkKey> = (first..end)
+                .map(|i| rs.key(i, g.blocks_per_chunk))
+                .collect();
+            if let Some(outcome) = self.remote_lookup(req, first, &keys) {
+                return Ok((outcome, true));
+            }
+        }
+        let Some(rs) = self.requests.get(&req) else {
+            return Err(SchedulerError::UnknownRequest(req));
+        };
         let covered = g
             .tokens_per_chunk
             .saturating_mul((start + scan.hits) as u64)

@@ -21,6 +21,7 @@ mod lookup;
 mod loom_models;
 mod metrics;
 mod preempt;
+mod remote;
 mod request;
 mod request_table;
 mod stall;
@@ -53,6 +54,7 @@ pub use latch::{JobLatch, ReportEffect};
 pub use watchdog::WatchdogHandle;
 
 pub use metrics::{LOOKUP_DELAY_BUCKETS, LookupDelays, SchedulerMetrics};
+pub use remote::RemoteLookupStats;
 pub use types::{
     JobBlocks, JobKeys, JobKind, JobSlots, LookupOutcome, ScanOutcome, ScheduledRequest,
     SchedulerError, SchedulerState, StepInput, StepPlan, TransferJob, WorkerOutcome, WorkerReport,
@@ -83,6 +85,8 @@ pub(crate) struct FencedReset {
 #[derive(Debug, Default)]
 pub(crate) struct Batch {
     loads: Vec<TransferJob>,
+    /// Remote fetch jobs created by this step's lookups.
+    fetches: Vec<TransferJob>,
     flush: Vec<JobId>,
     allocated: allocated::AllocatedBlocks,
     /// Deadlines of the jobs created in this step, published to the watchdog
@@ -125,6 +129,8 @@ pub struct Scheduler {
     scratch_idx: Vec<usize>,
     scratch_pos: Vec<u64>,
     scratch_keys: Vec<ChunkKey>,
+    /// The remote tier behind the host tier, if one is attached.
+    remote: Option<Box<remote::RemoteSide>>,
 }
 
 impl Scheduler {
@@ -173,6 +179,7 @@ impl Scheduler {
             scratch_idx: Vec::new(),
             scratch_pos: Vec::new(),
             scratch_keys: Vec::new(),
+            remote: None,
         }
     }
 
@@ -270,6 +277,7 @@ impl Scheduler {
         computed_tokens: u64,
     ) -> Result<(), SchedulerError> {
         self.apply_stalls();
+        self.remote_forget(req);
         let now = self.now_ns();
         let info = FinishInfo {
             aborted,

@@ -150,6 +150,7 @@ impl Scheduler {
             s.load_quarantined = true;
         }
         self.manager.reset();
+        self.remote_reset();
         for rs in self.requests.values_mut() {
             rs.next_stored_chunk = 0;
             rs.jobs.clear();

@@ -96,6 +96,7 @@ impl Scheduler {
             stores,
             flush,
             failed_loads,
+            fetches: std::mem::take(&mut self.batch.fetches),
         };
         // 6. Finished requests: the manager hears it once, after their last store.
         for &req in &input.finished {
@@ -117,6 +118,7 @@ impl Scheduler {
             mut stores,
             mut flush,
             mut failed_loads,
+            fetches: _,
         } = plan;
         if stores.capacity() > self.batch.spare_stores.capacity() {
             stores.clear();

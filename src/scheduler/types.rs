@@ -99,6 +99,10 @@ pub struct StepPlan {
     /// Requests whose load stalled since the last step: the backend must recompute
     /// those tokens (sorted, unique).
     pub failed_loads: Vec<RequestId>,
+    /// Remote fetch jobs created since the last step (a remote tier attached):
+    /// each worker reads its share of each chunk from the remote tier into
+    /// the job's host slots (no GPU blocks).
+    pub fetches: Vec<TransferJob>,
 }
 
 /// Completions from the workers, summed over workers (vLLM's worker metadata, aggregated).

@@ -123,13 +123,16 @@ pub struct Leaks {
     pub sim_jobs: u64,
     /// Invariant violations found by `check_invariants` (0 or 1).
     pub invariant_violations: u64,
+    /// Remote-tier state the scheduler still holds (probes, lookups and
+    /// fetches of gone requests; 0 without a remote tier).
+    pub remote_state: u64,
     /// The sum of the above.
     pub total: u64,
 }
 
 impl Leaks {
     /// Every count with its name (the total left out).
-    pub(crate) fn fields(&self) -> [(&'static str, u64); 13] {
+    pub(crate) fn fields(&self) -> [(&'static str, u64); 14] {
         [
             ("jobs", self.jobs),
             ("requests", self.requests),
@@ -144,6 +147,7 @@ impl Leaks {
             ("worker job entries", self.worker_jobs),
             ("sim job entries", self.sim_jobs),
             ("invariant violations", self.invariant_violations),
+            ("remote-tier entries", self.remote_state),
         ]
     }
 }
@@ -276,6 +280,18 @@ pub struct RemoteCounts {
     pub outages: u64,
     /// Workers connected at the end.
     pub connected_workers: u32,
+    /// Remote lookups the scheduler sent (host-tier misses).
+    pub lookups: u64,
+    /// Chunks they found.
+    pub chunks_found: u64,
+    /// Chunks fetched into the host tier.
+    pub chunks_fetched: u64,
+    /// Value bytes the workers read back (all fetches, accepted or not).
+    pub bytes_fetched: u64,
+    /// Fetch jobs that missed or failed (their requests recomputed).
+    pub fetches_failed: u64,
+    /// Remote state the scheduler still held at the end (a leak: 0).
+    pub probes_left: u64,
 }
 
 /// Percentile (nearest rank) of sorted values.
@@ -407,6 +423,19 @@ impl SimSummary {
         );
         row("resets with requests running", f.resets.to_string());
         if let Some(r) = &self.remote {
+            row(
+                "remote tier (reads)",
+                format!(
+                    "{} lookups found {} chunks; {} chunks ({}) fetched into the host tier, \
+                     {} fetches failed; {} left held",
+                    r.lookups,
+                    r.chunks_found,
+                    r.chunks_fetched,
+                    gb(r.bytes_fetched),
+                    r.fetches_failed,
+                    r.probes_left
+                ),
+            );
             row(
                 "remote tier (write-through)",
                 format!(

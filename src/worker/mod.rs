@@ -32,6 +32,8 @@ pub use host_buffer::{HostBuffer, HostBufferError};
 pub use layout::{
     GpuLayout, GpuLayoutKind, GpuRegion, HostRowLayout, SlotLayout, TransferSpec, WorkerLayout,
 };
-pub use plan::{DirectionStats, LoadJob, StepPlan, StoreJob, TransferStats, WorkerReport};
+pub use plan::{
+    DirectionStats, FetchJob, LoadJob, StepPlan, StoreJob, TransferStats, WorkerReport,
+};
 pub use plan_wire::{PlanWireError, SpecParts, decode_plan, encode_plan, encode_plan_parts};
 pub use worker_hooks::{OffloadWorker, WorkerError};

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{JobId, RequestId};
+use crate::ids::{ChunkId, JobId, RequestId};
 use crate::key::ChunkKey;
 
 use super::backend::Direction;
@@ -36,6 +36,19 @@ pub struct StoreJob {
     pub keys: Vec<ChunkKey>,
 }
 
+/// A remote fetch: each worker reads its share of each chunk from the remote
+/// tier into the chunk's host slot (which the scheduler allocated for it, as
+/// for a store), then reports the job (failed if any chunk missed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FetchJob {
+    /// The job.
+    pub job: JobId,
+    /// The chunk keys.
+    pub keys: Vec<ChunkKey>,
+    /// Their host slots (same order).
+    pub chunks: Vec<ChunkId>,
+}
+
 /// What every worker receives for one step.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct StepPlan {
@@ -45,6 +58,9 @@ pub struct StepPlan {
     pub stores: Vec<StoreJob>,
     /// Jobs that must be finished before this step's compute reuses their blocks.
     pub flush: Vec<JobId>,
+    /// Remote fetches to start this step.
+    #[serde(default)]
+    pub fetches: Vec<FetchJob>,
 }
 
 /// Transfer statistics of one direction.

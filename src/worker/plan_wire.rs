@@ -8,6 +8,7 @@
 //! u32 loads   { u64 job, u8 has_request, u64 request, spec }*
 //! u32 stores  { u64 job, spec, u32 k, u64 key*k }*
 //! u32 flushes { u64 job }*
+//! u32 fetches { u64 job, u32 k, u64 key*k, u32 m, u32 chunk*m }*
 //! spec = u32 first_block_index, u32 n, u32 gpu_block*n, u32 m, u32 chunk*m
 //! ```
 //!
@@ -20,7 +21,7 @@ use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
 use crate::key::ChunkKey;
 
 use super::layout::TransferSpec;
-use super::plan::{LoadJob, StepPlan, StoreJob};
+use super::plan::{FetchJob, LoadJob, StepPlan, StoreJob};
 
 const MAGIC: &[u8; 4] = b"KVOP";
 /// The encoding's version.
@@ -102,17 +103,22 @@ pub fn encode_plan(plan: &StepPlan, out: &mut Vec<u8>) {
             .iter()
             .map(|s| (s.job, SpecParts::from(&s.spec), s.keys.as_slice())),
         &plan.flush,
+        plan.fetches
+            .iter()
+            .map(|f| (f.job, f.keys.as_slice(), f.chunks.as_slice())),
         out,
     );
 }
 
 /// Encodes a plan given as its parts, the same bytes as [`encode_plan`] of
 /// the [`StepPlan`] they make: loads as `(job, request, spec)`, stores as
-/// `(job, spec, keys)`, then the flushed jobs (`out` is cleared first).
+/// `(job, spec, keys)`, the flushed jobs, then the fetches as `(job, keys,
+/// chunks)` (`out` is cleared first).
 pub fn encode_plan_parts<'a>(
     loads: impl ExactSizeIterator<Item = (JobId, Option<RequestId>, SpecParts<'a>)>,
     stores: impl ExactSizeIterator<Item = (JobId, SpecParts<'a>, &'a [ChunkKey])>,
     flush: &[JobId],
+    fetches: impl ExactSizeIterator<Item = (JobId, &'a [ChunkKey], &'a [ChunkId])>,
     out: &mut Vec<u8>,
 ) {
     out.clear();
@@ -137,6 +143,18 @@ pub fn encode_plan_parts<'a>(
     put_len(out, flush.len());
     for j in flush {
         put_u64(out, j.0);
+    }
+    put_len(out, fetches.len());
+    for (job, keys, chunks) in fetches {
+        put_u64(out, job.0);
+        put_len(out, keys.len());
+        for k in keys {
+            put_u64(out, k.0);
+        }
+        put_len(out, chunks.len());
+        for c in chunks {
+            put_u32(out, c.0);
+        }
     }
 }
 
@@ -250,6 +268,23 @@ pub fn decode_plan(buf: &[u8]) -> Result<StepPlan, PlanWireError> {
     for _ in 0..n {
         flush.push(JobId(r.u64()?));
     }
+    // The smallest fetch is 8 + 4 + 4 bytes.
+    let n = r.len(16)?;
+    let mut fetches = Vec::with_capacity(n);
+    for _ in 0..n {
+        let job = JobId(r.u64()?);
+        let k = r.len(8)?;
+        let mut keys = Vec::with_capacity(k);
+        for _ in 0..k {
+            keys.push(ChunkKey(r.u64()?));
+        }
+        let m = r.len(4)?;
+        let mut chunks = Vec::with_capacity(m);
+        for _ in 0..m {
+            chunks.push(ChunkId(r.u32()?));
+        }
+        fetches.push(FetchJob { job, keys, chunks });
+    }
     let left = buf.len() - r.at;
     if left > 0 {
         return Err(PlanWireError::Trailing(left));
@@ -258,6 +293,7 @@ pub fn decode_plan(buf: &[u8]) -> Result<StepPlan, PlanWireError> {
         loads,
         stores,
         flush,
+        fetches,
     })
 }
 
@@ -285,6 +321,11 @@ mod tests {
                 keys: vec![ChunkKey(u64::MAX)],
             }],
             flush: vec![JobId(1), JobId(2)],
+            fetches: vec![FetchJob {
+                job: JobId(9),
+                keys: vec![ChunkKey(5), ChunkKey(6)],
+                chunks: vec![ChunkId(1), ChunkId(u32::MAX)],
+            }],
         }
     }
 
@@ -295,9 +336,9 @@ mod tests {
             encode_plan(&plan, &mut buf);
             assert_eq!(decode_plan(&buf).unwrap(), plan);
         }
-        // 6 header + 3 counts of 4 bytes for an empty plan.
+        // 6 header + 4 counts of 4 bytes for an empty plan.
         encode_plan(&StepPlan::default(), &mut buf);
-        assert_eq!(buf.len(), 18);
+        assert_eq!(buf.len(), 22);
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! section A.6): flush on preemption, start transfers, queue stores for the next
 //! step, collect completions; with a remote tier attached
 //! ([`OffloadWorker::with_remote_tier`]), every store that completes is also
-//! written through to it (asynchronously: the tier queues and never blocks).
+//! written through to it (asynchronously: the tier queues and never blocks),
+//! and the plan's remote fetches read chunk shares from it into host slots.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -11,11 +12,11 @@ use thiserror::Error;
 
 use crate::ids::{ChunkId, JobId, RequestId};
 use crate::key::ChunkKey;
-use crate::remote::RemoteTier;
+use crate::remote::{Answer, RemoteTier, Ticket};
 
 use super::backend::{Direction, TransferBackend, TransferResult};
 use super::error::BackendError;
-use super::plan::{StepPlan, StoreJob, WorkerReport};
+use super::plan::{FetchJob, StepPlan, StoreJob, WorkerReport};
 
 /// An error of a worker hook.
 #[derive(Debug, Error)]
@@ -33,6 +34,17 @@ struct RemoteWrite {
     rank: u32,
     /// Stores submitted and not reported yet: their keys and chunks.
     pending: HashMap<JobId, Vec<(ChunkKey, ChunkId)>>,
+    /// Fetch jobs in flight: chunks still to come, and whether one missed.
+    fetching: HashMap<JobId, FetchProgress>,
+    /// Fetches asked of the tier -> their job and host slot.
+    tickets: HashMap<Ticket, (JobId, ChunkId)>,
+    answers: Vec<(Ticket, Answer)>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct FetchProgress {
+    remaining: usize,
+    failed: bool,
 }
 
 /// One worker (one GPU, or one simulated rank) driving a transfer backend.
@@ -74,8 +86,42 @@ impl<B: TransferBackend> OffloadWorker<B> {
             tier,
             rank,
             pending: HashMap::new(),
+            fetching: HashMap::new(),
+            tickets: HashMap::new(),
+            answers: Vec::new(),
         });
         self
+    }
+
+    /// Fetch jobs started and not reported yet.
+    pub fn pending_fetches(&self) -> usize {
+        self.remote.as_ref().map_or(0, |r| r.fetching.len())
+    }
+
+    /// Waits (at most `limit`, in real time) until every fetch job in flight
+    /// has its answers, and queues their reports for [`Self::get_finished`].
+    /// A fetch the tier gives up (its `op_timeout_ms`) is a miss, so this
+    /// ends once the tier answers or gives up.
+    pub fn wait_fetches(&mut self, limit: Duration) {
+        let start = std::time::Instant::now();
+        loop {
+            self.poll_fetches();
+            let Some(rw) = self.remote.as_mut() else {
+                return;
+            };
+            let Some(&ticket) = rw.tickets.keys().next() else {
+                return;
+            };
+            let left = limit.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return;
+            }
+            let mut others = Vec::new();
+            if let Some(a) = rw.tier.wait(ticket, left, &mut others) {
+                rw.answers.push((ticket, a));
+            }
+            rw.answers.append(&mut others);
+        }
     }
 
     /// The remote tier written through to, if any.
@@ -117,10 +163,11 @@ impl<B: TransferBackend> OffloadWorker<B> {
     /// The backend cancelled `job`, which will never be reported: forgets it
     /// (a load's request). Returns whether the worker was tracking it.
     pub fn forget_job(&mut self, job: JobId) -> bool {
-        let remote = self
-            .remote
-            .as_mut()
-            .is_some_and(|r| r.pending.remove(&job).is_some());
+        let remote = self.remote.as_mut().is_some_and(|r| {
+            r.tickets.retain(|_, (j, _)| *j != job);
+            let fetch = r.fetching.remove(&job).is_some();
+            r.pending.remove(&job).is_some() || fetch
+        });
         self.load_jobs.remove(&job).is_some() || remote
     }
 
@@ -153,6 +200,13 @@ impl<B: TransferBackend> OffloadWorker<B> {
             self.queue_store(s);
         }
         self.submit_queued_stores();
+        let fetch_flushed = self
+            .remote
+            .as_ref()
+            .is_some_and(|r| plan.flush.iter().any(|j| r.fetching.contains_key(j)));
+        if fetch_flushed {
+            self.wait_fetches(self.wait_timeout.unwrap_or(FETCH_FLUSH_WAIT));
+        }
         self.backend
             .wait(&plan.flush, self.wait_timeout)
             .map_err(WorkerError::Wait)
@@ -162,6 +216,9 @@ impl<B: TransferBackend> OffloadWorker<B> {
     /// step's loads; synchronous loads (no request) are waited for.
     pub fn start_transfers(&mut self, plan: &StepPlan) -> Result<(), WorkerError> {
         self.submit_queued_stores();
+        for f in &plan.fetches {
+            self.start_fetch(f);
+        }
         let mut sync = Vec::new();
         for l in &plan.loads {
             match self.backend.submit_load(l.job, &l.spec) {
@@ -195,6 +252,7 @@ impl<B: TransferBackend> OffloadWorker<B> {
 
     /// Step hook 4: everything that finished since the last call.
     pub fn get_finished(&mut self) -> WorkerReport {
+        self.poll_fetches();
         self.backend.poll(&mut self.results);
         for r in self.results.drain(..) {
             if r.direction == Direction::Store
@@ -227,6 +285,96 @@ impl<B: TransferBackend> OffloadWorker<B> {
             }
         }
         std::mem::take(&mut self.report)
+    }
+
+    /// Asks the tier for each chunk share of fetch job `f`; a worker without
+    /// a tier, or a slot outside its host pool view, fails it.
+    fn start_fetch(&mut self, f: &FetchJob) {
+        let Some(rw) = self.remote.as_mut() else {
+            tracing::warn!(job = %f.job, "remote fetch without a remote tier; reported as failed");
+            self.fail(f.job, None);
+            return;
+        };
+        let mut progress = FetchProgress {
+            remaining: 0,
+            failed: f.keys.len() != f.chunks.len() || f.keys.is_empty(),
+        };
+        if !progress.failed {
+            for (&key, &chunk) in f.keys.iter().zip(&f.chunks) {
+                match self.backend.host_share(chunk) {
+                    Some(share) => {
+                        let t = rw.tier.fetch(key, rw.rank, Some(share.len));
+                        rw.tickets.insert(t, (f.job, chunk));
+                        progress.remaining += 1;
+                    }
+                    None => progress.failed = true,
+                }
+            }
+        }
+        if progress.remaining == 0 {
+            self.end_fetch(f.job, progress.failed);
+        } else {
+            rw.fetching.insert(f.job, progress);
+        }
+    }
+
+    /// Applies the tier's answers: a fetched share is copied into its host
+    /// slot; a job whose answers are all in is reported.
+    fn poll_fetches(&mut self) {
+        let Some(rw) = self.remote.as_mut() else {
+            return;
+        };
+        rw.tier.poll(&mut rw.answers);
+        let mut ended = Vec::new();
+        for (ticket, answer) in rw.answers.drain(..) {
+            let Some((job, chunk)) = rw.tickets.remove(&ticket) else {
+                continue;
+            };
+            let ok = match answer {
+                Answer::Fetched(p) => match self.backend.host_share(chunk) {
+                    Some(share) if share.len == p.bytes().len() => {
+                        // SAFETY: the share lies in the backend's host pool,
+                        // valid for writes while the backend lives (its
+                        // constructor's contract). The scheduler allocated
+                        // this slot to this fetch job alone (as for a store):
+                        // no transfer reads or writes it until the job is
+                        // reported, which happens after this copy; the
+                        // source is the fetched value, a separate buffer.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                p.bytes().as_ptr(),
+                                share.addr as *mut u8,
+                                share.len,
+                            );
+                        }
+                        true
+                    }
+                    _ => false,
+                },
+                _ => false,
+            };
+            if let Some(progress) = rw.fetching.get_mut(&job) {
+                progress.remaining = progress.remaining.saturating_sub(1);
+                progress.failed |= !ok;
+                if progress.remaining == 0 {
+                    ended.push((job, progress.failed));
+                }
+            }
+        }
+        for (job, failed) in ended {
+            if let Some(rw) = self.remote.as_mut() {
+                rw.fetching.remove(&job);
+            }
+            self.end_fetch(job, failed);
+        }
+    }
+
+    fn end_fetch(&mut self, job: JobId, failed: bool) {
+        *self.report.completed.entry(job).or_insert(0) += 1;
+        if failed {
+            tracing::debug!(%job, "remote fetch missed; reported as failed");
+            self.report.failed.push(job);
+        }
     }
 
     fn queue_store(&mut self, s: StoreJob) {
@@ -266,6 +414,9 @@ impl<B: TransferBackend> OffloadWorker<B> {
         }
     }
 }
+
+/// Bound on waiting for flushed fetches when the worker has no wait timeout.
+const FETCH_FLUSH_WAIT: Duration = Duration::from_secs(60);
 
 /// Puts this worker's share of each stored chunk to the remote tier. Called
 /// when the store's copy has finished and before the worker reports it.

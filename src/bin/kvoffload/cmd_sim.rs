@@ -10,7 +10,7 @@ use kvoffload::engine::PoolError;
 use kvoffload::metrics::{MetricsServer, SharedMetricsText};
 use kvoffload::remote::RemoteTierConfig;
 use kvoffload::sim::{
-    Progress, Sim, SimBackend, SimError, SimOptions, config_from_path, default_config,
+    Progress, Sim, SimBackend, SimError, SimOptions, SimSummary, config_from_path, default_config,
 };
 use kvoffload::worker::cuda::StrategyTable;
 
@@ -67,6 +67,12 @@ pub struct SimArgs {
     /// The remote tier is a Redis Cluster.
     #[arg(long)]
     remote_cluster: bool,
+    /// Serving nodes sharing the remote tier (needs --remote-tier): each its
+    /// own scheduler, host tier and workers, running the same seeded workload
+    /// one after the other, so that later nodes find the prefixes earlier
+    /// ones computed. One summary per node, then their hit rates side by side.
+    #[arg(long, default_value_t = 1)]
+    nodes: u32,
 }
 
 fn fail(msg: impl std::fmt::Display, code: u8) -> ExitCode {
@@ -117,6 +123,21 @@ pub fn run(a: SimArgs) -> ExitCode {
     if a.remote_cluster && a.remote_tier.is_none() {
         return fail("--remote-cluster needs --remote-tier URL", 2);
     }
+    if a.nodes == 0 || a.nodes > 64 {
+        return fail(
+            format!("nodes = {} is out of range: allowed 1..=64", a.nodes),
+            2,
+        );
+    }
+    if a.nodes > 1 && a.remote_tier.is_none() {
+        return fail(
+            "--nodes above 1 needs --remote-tier URL (the nodes share it)",
+            2,
+        );
+    }
+    if a.nodes > 1 && (a.record.is_some() || a.metrics_addr.is_some()) {
+        return fail("--record and --metrics-addr run with one node only", 2);
+    }
     let remote = a.remote_tier.as_ref().map(|url| RemoteTierConfig {
         cluster: a.remote_cluster,
         ..RemoteTierConfig::for_url(url.clone())
@@ -142,20 +163,69 @@ pub fn run(a: SimArgs) -> ExitCode {
     if let Some(kb) = cfg.kv_bytes_per_block {
         opts.block_bytes = kb;
     }
+    let mut summaries = Vec::new();
+    for node in 0..a.nodes {
+        let s = match run_node(&a, cfg.clone(), opts.clone()) {
+            Ok(s) => s,
+            Err(code) => return code,
+        };
+        if a.nodes > 1 {
+            println!("kvoffload sim summary, node {} of {}", node + 1, a.nodes);
+        } else {
+            println!("kvoffload sim summary");
+        }
+        print!("{}", s.render());
+        summaries.push(s);
+    }
+    if a.nodes > 1 {
+        let rates: Vec<String> = summaries
+            .iter()
+            .enumerate()
+            .map(|(i, s)| format!("node {} {:.1}%", i + 1, s.hit_rate_with_offload * 100.0))
+            .collect();
+        println!(
+            "prefix hit rate with offload, by node: {}",
+            rates.join(", ")
+        );
+    }
+    if let Some(p) = &a.report {
+        let json = if a.nodes > 1 {
+            serde_json::to_string_pretty(&summaries)
+        } else {
+            serde_json::to_string_pretty(&summaries[0])
+        };
+        let json = match json {
+            Ok(j) => j,
+            Err(e) => return fail(e, 1),
+        };
+        if let Err(e) = std::fs::write(p, json + "\n") {
+            return fail(format!("{}: {e}", p.display()), 1);
+        }
+    }
+    for s in &summaries {
+        if s.leaks.total != 0 {
+            return fail(format!("leaks after drain: {:?}", s.leaks), 1);
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// One node's run: its summary, or the exit code of its error (printed).
+fn run_node(a: &SimArgs, cfg: OffloadConfig, opts: SimOptions) -> Result<SimSummary, ExitCode> {
     let mut sim = match Sim::new(cfg, opts) {
         Ok(s) => s,
-        Err(SimError::Config(e)) => return fail(e, 2),
-        Err(e @ SimError::Options(_)) => return fail(e, 2),
+        Err(SimError::Config(e)) => return Err(fail(e, 2)),
+        Err(e @ SimError::Options(_)) => return Err(fail(e, 2)),
         // One line: `cuda backend unavailable: <reason>`.
-        Err(SimError::Pool(e @ PoolError::CudaUnavailable(_))) => return fail(e, 2),
+        Err(SimError::Pool(e @ PoolError::CudaUnavailable(_))) => return Err(fail(e, 2)),
         // Refused credentials, an untrusted certificate: a configuration error.
-        Err(SimError::Pool(e @ PoolError::Remote { .. })) => return fail(e, 2),
-        Err(e) => return fail(e, 1),
+        Err(SimError::Pool(e @ PoolError::Remote { .. })) => return Err(fail(e, 2)),
+        Err(e) => return Err(fail(e, 1)),
     };
     if let Some(p) = &a.record {
         match std::fs::File::create(p) {
             Ok(f) => sim.record_to(Box::new(std::io::BufWriter::new(f))),
-            Err(e) => return fail(format!("{}: {e}", p.display()), 1),
+            Err(e) => return Err(fail(format!("{}: {e}", p.display()), 1)),
         }
     }
     let _server = match &a.metrics_addr {
@@ -167,7 +237,7 @@ pub fn run(a: SimArgs) -> ExitCode {
                     eprintln!("metrics: http://{}/metrics", s.local_addr());
                     Some(s)
                 }
-                Err(e) => return fail(format!("metrics address {addr}: {e}"), 2),
+                Err(e) => return Err(fail(format!("metrics address {addr}: {e}"), 2)),
             }
         }
         None => None,
@@ -196,25 +266,10 @@ pub fn run(a: SimArgs) -> ExitCode {
     };
     let out = match sim.run(&mut progress) {
         Ok(o) => o,
-        Err(e) => return fail(e, 1),
+        Err(e) => return Err(fail(e, 1)),
     };
     if tty {
         eprintln!();
     }
-    let s = &out.summary;
-    println!("kvoffload sim summary");
-    print!("{}", s.render());
-    if let Some(p) = &a.report {
-        let json = match serde_json::to_string_pretty(s) {
-            Ok(j) => j,
-            Err(e) => return fail(e, 1),
-        };
-        if let Err(e) = std::fs::write(p, json + "\n") {
-            return fail(format!("{}: {e}", p.display()), 1);
-        }
-    }
-    if s.leaks.total != 0 {
-        return fail(format!("leaks after drain: {:?}", s.leaks), 1);
-    }
-    ExitCode::SUCCESS
+    Ok(out.summary)
 }

@@ -135,7 +135,11 @@ impl Sim {
             }
         }
         for j in &good.failed {
-            if self.jobs.get(j).is_some_and(|i| i.kind == JobKind::Store) {
+            if self
+                .jobs
+                .get(j)
+                .is_some_and(|i| i.kind == JobKind::Store && !i.fetch)
+            {
                 self.summary.faults.failed_stores += 1;
             }
         }

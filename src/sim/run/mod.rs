@@ -19,7 +19,7 @@ use crate::engine::{
 use crate::ids::{GpuBlockId, JobId, RequestId};
 use crate::key::BlockHash;
 use crate::metrics::{OffloadMetrics, SharedMetricsText};
-use crate::remote::{Namespace, NamespaceParts};
+use crate::remote::{Namespace, NamespaceParts, RedisConnector, RemoteTier};
 use crate::scheduler::{JobKind, Scheduler, SchedulerError, StepInput};
 use crate::worker::Fault;
 
@@ -31,6 +31,9 @@ use super::step_times::StepTimeHistogram;
 use super::summary::{Held, SimSummary};
 use super::workload::{Conversation, Workload};
 use super::{SimBackend, SimOptions};
+
+/// Bound on waiting for the scheduler's remote lookups at the end of a step.
+const REMOTE_WAIT: Duration = Duration::from_secs(30);
 
 /// Why a simulation could not run to the end.
 #[derive(Debug, Error)]
@@ -115,6 +118,8 @@ struct SimJob {
     kind: JobKind,
     /// A late report was injected into it (it may pass the stall timeout).
     late: bool,
+    /// A remote fetch (a store into the host tier from the remote tier).
+    fetch: bool,
 }
 
 #[derive(Debug)]
@@ -189,7 +194,7 @@ impl Sim {
         }
         let num_chunks = cfg.num_chunks()?;
         let clock = ManualClock::new();
-        let sched = Scheduler::new(&cfg, clock.shared())?;
+        let mut sched = Scheduler::new(&cfg, clock.shared())?;
         let remote = match &opts.remote {
             None => None,
             Some(rc) => {
@@ -208,6 +213,29 @@ impl Sim {
                 })
             }
         };
+        if let Some(r) = &remote {
+            // The scheduler's own connection, for lookups.
+            let connector = RedisConnector::new(&r.config).map_err(|e| {
+                SimError::Pool(PoolError::Remote {
+                    worker: u32::MAX,
+                    message: e.to_string(),
+                })
+            })?;
+            let tier = RemoteTier::start(
+                Box::new(connector),
+                &r.config,
+                r.namespace.clone(),
+                cfg.world_size,
+                r.clock.clone(),
+            )
+            .map_err(|e| {
+                SimError::Pool(PoolError::Remote {
+                    worker: u32::MAX,
+                    message: format!("scheduler: {e}"),
+                })
+            })?;
+            sched.attach_remote(tier);
+        }
         let pool = match (&opts.backend, remote) {
             (SimBackend::Host | SimBackend::HostInjected, Some(r)) => WorkerPool::host_with_remote(
                 cfg.world_size,
@@ -395,8 +423,16 @@ impl Sim {
             target,
             ..Default::default()
         };
+        if let Some(l) = self.sched.remote_lookup_stats() {
+            r.lookups = l.lookups;
+            r.chunks_found = l.chunks_found;
+            r.chunks_fetched = l.chunks_fetched;
+            r.fetches_failed = l.fetches_failed;
+        }
+        r.probes_left = self.sched.remote_probes() as u64;
         for s in &out.remote {
             r.puts_written += s.puts_written;
+            r.bytes_fetched += s.bytes_got;
             r.bytes_put += s.bytes_put;
             r.puts_failed += s.puts_failed;
             r.puts_dropped += s.puts_dropped();
@@ -488,7 +524,14 @@ impl Sim {
         let mut faults: Vec<Vec<(JobId, Fault)>> = vec![Vec::new(); world];
         for (kind, jobs) in [(JobKind::Load, &plan.loads), (JobKind::Store, &plan.stores)] {
             for j in jobs {
-                self.jobs.insert(j.job, SimJob { kind, late: false });
+                self.jobs.insert(
+                    j.job,
+                    SimJob {
+                        kind,
+                        late: false,
+                        fetch: false,
+                    },
+                );
                 if draining {
                     continue;
                 }
@@ -509,6 +552,18 @@ impl Sim {
                 }
             }
         }
+        // Remote fetches: no faults (the workers run them on the remote
+        // tier, not on the backend).
+        for j in &plan.fetches {
+            self.jobs.insert(
+                j.job,
+                SimJob {
+                    kind: JobKind::Store,
+                    late: false,
+                    fetch: true,
+                },
+            );
+        }
         let wplan = to_worker_plan(&plan, self.cfg.blocks_per_chunk);
         let cancels = std::mem::replace(&mut self.cancels, vec![Vec::new(); world]);
         let cmds: Vec<WorkerCommand> = faults
@@ -520,10 +575,16 @@ impl Sim {
                 faults,
                 release,
                 cancel,
-                report_remote: false,
+                // With a remote tier, each step waits for the workers' puts
+                // and (below) the scheduler's lookups: the run's decisions
+                // then depend on the store's contents, not on thread timing.
+                report_remote: self.opts.remote.is_some(),
             })
             .collect();
         let out = self.pool.step(cmds)?;
+        if self.opts.remote.is_some() {
+            self.sched.wait_remote_lookups(REMOTE_WAIT);
+        }
         self.worker_jobs = out.tracked_jobs;
         self.summary.faults.released += out.released.len() as u64;
         for job in &out.released_by_flush {

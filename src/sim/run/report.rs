@@ -94,6 +94,7 @@ impl Sim {
                 + self.open_stalls.len()
                 + self.due.len()) as u64,
             invariant_violations: u64::from(invariant.is_some()),
+            remote_state: self.sched.remote_probes() as u64,
             total: 0,
         };
         l.total = l.fields().iter().map(|&(_, n)| n).sum();

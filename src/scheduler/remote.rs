@@ -1,0 +1,357 @@
+//! The remote tier behind the host tier (`docs/remote-tier.md`): a lookup
+//! that misses the host tier asks the remote tier about the rest of the
+//! request's prefix, answering "not yet" (vLLM's deferred lookup) until the
+//! answer comes; a remote hit becomes a **fetch job**: host slots are
+//! allocated for the chunks found (as a store's are), every worker reads its
+//! share from the remote tier into them, and the job completes as a store
+//! does. The next lookup finds the chunks in the host tier, and the normal
+//! load takes them to the GPU. A fetch that misses, fails, times out or
+//! stalls ends like a failed store: the slots are freed (or quarantined), and
+//! the request's next lookup answers from the host tier alone (it recomputes
+//! the rest).
+//!
+//! Without a remote tier attached nothing here runs: the scheduler's
+//! behaviour is vLLM's, exactly (`tests/conformance`).
+
+use std::collections::HashMap;
+
+use crate::ids::{JobId, RequestId};
+use crate::key::ChunkKey;
+use crate::remote::{Answer, RemoteTier, Ticket};
+
+use super::Scheduler;
+use super::jobs::JobEntry;
+use super::types::{JobBlocks, JobKeys, JobSlots, LookupOutcome, TransferJob};
+
+/// Remote fetch attempts per request position before it stops asking (so
+/// that a host tier evicting fetched chunks before their load cannot make a
+/// request ask for ever).
+const MAX_ATTEMPTS: u8 = 2;
+
+/// Where a request stands with the remote tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Probe {
+    /// Asked which chunks from `first` on the remote tier holds.
+    Asked { first: usize, ticket: Ticket },
+    /// Fetching `count` chunks from `first` on into the host tier.
+    Fetching { first: usize, count: usize },
+    /// Chunks from `first_absent` on are not to be had remotely (absent, or
+    /// the fetch failed): lookups answer from the host tier alone.
+    Known { first_absent: usize },
+}
+
+#[derive(Debug, Clone, Copy)]
+struct RequestProbe {
+    probe: Probe,
+    attempts: u8,
+}
+
+/// What the remote side of the scheduler did (cumulative).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RemoteLookupStats {
+    /// Remote lookups sent (one per request position).
+    pub lookups: u64,
+    /// Chunks those lookups found.
+    pub chunks_found: u64,
+    /// Fetch jobs created.
+    pub fetch_jobs: u64,
+    /// Chunks fetched into the host tier (jobs that succeeded).
+    pub chunks_fetched: u64,
+    /// Fetch jobs that failed or stalled (their requests recompute).
+    pub fetches_failed: u64,
+    /// Host-tier allocations refused for a fetch (no room).
+    pub allocation_failures: u64,
+}
+
+/// The scheduler's remote side: its tier connection (lookups only; the
+/// workers fetch and write through on their own connections) and each
+/// request's probe.
+#[derive(Debug)]
+pub(crate) struct RemoteSide {
+    tier: RemoteTier,
+    probes: HashMap<RequestId, RequestProbe>,
+    /// Lookups in flight -> their request.
+    asked: HashMap<Ticket, RequestId>,
+    /// Answers that came, until their request looks up again.
+    answered: HashMap<Ticket, Answer>,
+    /// Fetch jobs in flight -> their request.
+    fetch_jobs: HashMap<JobId, RequestId>,
+    scratch: Vec<(Ticket, Answer)>,
+    stats: RemoteLookupStats,
+}
+
+impl RemoteSide {
+    fn poll(&mut self) {
+        self.tier.poll(&mut self.scratch);
+        for (t, a) in self.scratch.drain(..) {
+            if self.asked.contains_key(&t) {
+                self.answered.insert(t, a);
+            }
+        }
+    }
+}
+
+impl Scheduler {
+    /// Puts `tier` behind the host tier: lookups that miss the host tier ask
+    /// it, and remote hits become fetch jobs ([`super::StepPlan::fetches`]),
+    /// which the workers execute with their own connections
+    /// ([`crate::worker::OffloadWorker::with_remote_tier`]).
+    pub fn attach_remote(&mut self, tier: RemoteTier) {
+        self.remote = Some(Box::new(RemoteSide {
+            tier,
+            probes: HashMap::new(),
+            asked: HashMap::new(),
+            answered: HashMap::new(),
+            fetch_jobs: HashMap::new(),
+            scratch: Vec::new(),
+            stats: RemoteLookupStats::default(),
+        }));
+    }
+
+    /// The attached remote tier (its connection state and stats).
+    pub fn remote_tier(&self) -> Option<&RemoteTier> {
+        self.remote.as_ref().map(|r| &r.tier)
+    }
+
+    /// What the remote side did, if a tier is attached.
+    pub fn remote_lookup_stats(&self) -> Option<RemoteLookupStats> {
+        self.remote.as_ref().map(|r| r.stats)
+    }
+
+    /// Requests the remote side still holds state for (a leak check: 0 once
+    /// every request has finished).
+    pub fn remote_probes(&self) -> usize {
+        self.remote.as_ref().map_or(0, |r| {
+            r.probes.len() + r.asked.len() + r.answered.len() + r.fetch_jobs.len()
+        })
+    }
+
+    /// Waits (at most `limit`, in real time) until every remote lookup in
+    /// flight is answered, so that the next lookups see the answers: for
+    /// simulations and tests that must not depend on the I/O thread's timing
+    /// (a serving engine never calls it; its lookups answer "not yet").
+    pub fn wait_remote_lookups(&mut self, limit: std::time::Duration) {
+        let Some(r) = self.remote.as_mut() else {
+            return;
+        };
+        let start = std::time::Instant::now();
+        let mut others = Vec::new();
+        loop {
+            r.poll();
+            let pending = r
+                .asked
+                .keys()
+                .find(|t| !r.answered.contains_key(t))
+                .copied();
+            let Some(t) = pending else {
+                return;
+            };
+            let left = limit.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return;
+            }
+            if let Some(a) = r.tier.wait(t, left, &mut others) {
+                r.answered.insert(t, a);
+            }
+            for (t, a) in others.drain(..) {
+                if r.asked.contains_key(&t) {
+                    r.answered.insert(t, a);
+                }
+            }
+        }
+    }
+
+    /// The remote side's answer for a lookup of `req` whose host scan stopped
+    /// at chunk `first` (keys `keys`: chunks `first..` up to the lookup's
+    /// end): `Some(Defer)` while asking or fetching, `None` to answer from
+    /// the host tier.
+    pub(crate) fn remote_lookup(
+        &mut self,
+        req: RequestId,
+        first: usize,
+        keys: &[ChunkKey],
+    ) -> Option<LookupOutcome> {
+        let r = self.remote.as_mut()?;
+        r.poll();
+        let entry = r.probes.get(&req).copied();
+        match entry.map(|e| e.probe) {
+            Some(Probe::Known { first_absent }) if first_absent == first => return None,
+            Some(Probe::Fetching { .. }) => return Some(LookupOutcome::Defer),
+            Some(Probe::Asked { first: f, ticket }) if f == first => {
+                let Some(answer) = r.answered.remove(&ticket) else {
+                    return Some(LookupOutcome::Defer);
+                };
+                r.asked.remove(&ticket);
+                let found = match answer {
+                    Answer::Present(p) => p.iter().take_while(|&&x| x).count(),
+                    _ => 0,
+                };
+                r.stats.chunks_found += found as u64;
+                let attempts = entry.map_or(0, |e| e.attempts);
+                if found == 0 {
+                    r.probes.insert(
+                        req,
+                        RequestProbe {
+                            probe: Probe::Known {
+                                first_absent: first,
+                            },
+                            attempts,
+                        },
+                    );
+                    return None;
+                }
+                return self.start_fetch(req, first, &keys[..found.min(keys.len())], attempts);
+            }
+            _ => {}
+        }
+        // A new position (or a stale answer): ask, within the attempts. A
+        // lookup still in flight for another position is dropped with its
+        // answer.
+        if let Some(RequestProbe {
+            probe: Probe::Asked { ticket, .. },
+            ..
+        }) = entry
+        {
+            r.asked.remove(&ticket);
+            r.answered.remove(&ticket);
+        }
+        let attempts = entry.map_or(0, |e| e.attempts);
+        if attempts >= MAX_ATTEMPTS || keys.is_empty() {
+            r.probes.insert(
+                req,
+                RequestProbe {
+                    probe: Probe::Known {
+                        first_absent: first,
+                    },
+                    attempts,
+                },
+            );
+            return None;
+        }
+        let ticket = r.tier.lookup(keys);
+        r.asked.insert(ticket, req);
+        r.stats.lookups += 1;
+        r.probes.insert(
+            req,
+            RequestProbe {
+                probe: Probe::Asked { first, ticket },
+                attempts: attempts + 1,
+            },
+        );
+        Some(LookupOutcome::Defer)
+    }
+
+    /// Allocates host slots for `keys` (found remotely, chunks `first..`)
+    /// and creates their fetch job; `None` (answer from the host tier) when
+    /// the tier has no room.
+    fn start_fetch(
+        &mut self,
+        req: RequestId,
+        first: usize,
+        keys: &[ChunkKey],
+        attempts: u8,
+    ) -> Option<LookupOutcome> {
+        let prepared = self.manager.prepare_store(keys, None);
+        let r = self.remote.as_mut()?;
+        let Some(out) = prepared.filter(|o| !o.keys_to_store.is_empty()) else {
+            r.stats.allocation_failures += 1;
+            r.probes.insert(
+                req,
+                RequestProbe {
+                    probe: Probe::Known {
+                        first_absent: first,
+                    },
+                    attempts,
+                },
+            );
+            return None;
+        };
+        let count = out.keys_to_store.len();
+        let job = self.new_job_id();
+        let now = self.now_ns();
+        let deadline = self.jobs.deadline_for(now);
+        let latch = super::latch::JobLatch::new(self.geo.world_size);
+        let entry = JobEntry::store(
+            req,
+            now,
+            latch,
+            JobKeys::from_slice(&out.keys_to_store),
+            &[],
+            false,
+        );
+        self.jobs.insert(job, entry);
+        self.watch.track(job, deadline);
+        if let Some(rs) = self.requests.get_mut(&req) {
+            rs.jobs.push(job);
+        }
+        self.batch.fetches.push(TransferJob {
+            job,
+            req,
+            block_ids: JobBlocks::new(),
+            chunk_ids: JobSlots::from_slice(&out.chunk_ids),
+            keys: JobKeys::from_slice(&out.keys_to_store),
+        });
+        if let Some(r) = self.remote.as_mut() {
+            r.fetch_jobs.insert(job, req);
+            r.stats.fetch_jobs += 1;
+            r.probes.insert(
+                req,
+                RequestProbe {
+                    probe: Probe::Fetching { first, count },
+                    attempts,
+                },
+            );
+        }
+        Some(LookupOutcome::Defer)
+    }
+
+    /// A job ended: if it was a fetch, its request's probe learns how.
+    pub(crate) fn remote_job_ended(&mut self, job: JobId, success: bool) {
+        let Some(r) = self.remote.as_mut() else {
+            return;
+        };
+        let Some(req) = r.fetch_jobs.remove(&job) else {
+            return;
+        };
+        let Some(p) = r.probes.get_mut(&req) else {
+            return;
+        };
+        if let Probe::Fetching { first, count } = p.probe {
+            p.probe = if success {
+                r.stats.chunks_fetched += count as u64;
+                Probe::Known {
+                    first_absent: first + count,
+                }
+            } else {
+                r.stats.fetches_failed += 1;
+                Probe::Known {
+                    first_absent: first,
+                }
+            };
+        }
+    }
+
+    /// The request is gone: its probe and any lookup answer go too.
+    pub(crate) fn remote_forget(&mut self, req: RequestId) {
+        let Some(r) = self.remote.as_mut() else {
+            return;
+        };
+        if let Some(p) = r.probes.remove(&req)
+            && let Probe::Asked { ticket, .. } = p.probe
+        {
+            r.asked.remove(&ticket);
+            r.answered.remove(&ticket);
+        }
+    }
+
+    /// A reset: every probe and fetch is forgotten (the host tier is empty;
+    /// late lookup answers are dropped when they come).
+    pub(crate) fn remote_reset(&mut self) {
+        if let Some(r) = self.remote.as_mut() {
+            r.probes.clear();
+            r.asked.clear();
+            r.answered.clear();
+            r.fetch_jobs.clear();
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! The control plane with a remote tier behind the host tier
+//! (`docs/remote-tier.md`), over the in-memory store: a host miss asks the
+//! remote tier and defers; a remote hit becomes a fetch job whose completion
+//! makes the chunks host hits; a miss, a failed fetch or a stalled one makes
+//! the request answer from the host tier alone; nothing is held once the
+//! requests are gone. Manual clocks; no test sleeps.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{hashes, key, r};
+use kvoffload::remote::value::{ValueIdentity, encode};
+use kvoffload::remote::{MemoryConnector, MemoryState, Namespace, RemoteTier, RemoteTierConfig};
+use kvoffload::scheduler::{LookupOutcome, Scheduler, StepInput, StepPlan, WorkerReport};
+use kvoffload::{ChunkKey, JobId, ManualClock, OffloadConfig};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+struct Rig {
+    s: Scheduler,
+    state: Arc<MemoryState>,
+    ns: Namespace,
+    clock: ManualClock,
+}
+
+/// A scheduler (4 tokens a block, one block a chunk, 16 host chunks, 2
+/// workers) with a remote tier on an in-memory store.
+fn rig() -> Rig {
+    let cfg = OffloadConfig {
+        tokens_per_block: 4,
+        world_size: 2,
+        stall_timeout_ms: 1_000,
+        ..OffloadConfig::with_chunks(16)
+    };
+    let clock = ManualClock::new();
+    let mut s = Scheduler::new(&cfg, clock.shared()).expect("scheduler");
+    let state = MemoryState::new();
+    let ns = Namespace::from_fingerprint(0xC0DE);
+    let tier = RemoteTier::start(
+        Box::new(MemoryConnector::new(state.clone())),
+        &RemoteTierConfig::default(),
+        ns.clone(),
+        2,
+        clock.shared(),
+    )
+    .expect("tier");
+    s.attach_remote(tier);
+    Rig {
+        s,
+        state,
+        ns,
+        clock,
+    }
+}
+
+impl Rig {
+    /// Both workers' shares of `k` in the store, as write-through leaves them.
+    fn put(&self, k: ChunkKey) {
+        for rank in 0..2 {
+            let id = ValueIdentity {
+                namespace: self.ns.fingerprint(),
+                key: k.0,
+                rank,
+            };
+            self.state
+                .insert_raw(&self.ns.key(k.0, rank), encode(id, &[rank as u8; 64]));
+        }
+    }
+
+    fn lookup(&mut self, req: u64) -> LookupOutcome {
+        self.s.lookup(r(req), 0).expect("lookup")
+    }
+
+    /// A step with nothing scheduled: the plan (the lookups' fetch jobs).
+    fn step(&mut self) -> StepPlan {
+        self.s.build_step(&StepInput::default()).expect("step")
+    }
+
+    /// Every worker reports `job` (failed or not).
+    fn report(&mut self, job: JobId, failed: bool) {
+        let out = self.s.on_worker_output(&WorkerReport {
+            completed: vec![(job, 2)],
+            failed: if failed { vec![job] } else { vec![] },
+        });
+        assert!(out.rejected.is_empty(), "{:?}", out.rejected);
+    }
+}
+
+#[test]
+fn a_remote_hit_is_fetched_into_the_host_tier_then_loaded() {
+    let mut t = rig();
+    // A 5-block prompt: 4 full chunks to look up (the last token is computed).
+    t.s.add_request(r(1), 20, &hashes(1, 0..5)).unwrap();
+    for c in 0..3 {
+        t.put(key(1, c, 1));
+    }
+    // The host tier misses: the remote tier is asked; not yet.
+    assert_eq!(t.lookup(1), LookupOutcome::Defer);
+    t.s.wait_remote_lookups(WAIT);
+    // The answer: chunks 0..3 are there (3 is not): a fetch job for them.
+    assert_eq!(t.lookup(1), LookupOutcome::Defer);
+    let plan = t.step();
+    assert_eq!(plan.fetches.len(), 1);
+    let f = &plan.fetches[0];
+    assert_eq!(
+        f.keys.to_vec(),
+        (0..3).map(|c| key(1, c, 1)).collect::<Vec<_>>()
+    );
+    assert_eq!(f.chunk_ids.len(), 3);
+    assert!(f.block_ids.is_empty(), "a fetch moves no GPU block");
+    // Deferred while the fetch is in flight (the request's own job).
+    assert_eq!(t.lookup(1), LookupOutcome::Defer);
+    t.report(f.job, false);
+    // The chunks are host hits now: 3 chunks of 4 tokens, no second ask.
+    assert_eq!(t.lookup(1), LookupOutcome::Hit(12));
+    let st = t.s.remote_lookup_stats().unwrap();
+    assert_eq!(
+        (
+            st.lookups,
+            st.chunks_found,
+            st.fetch_jobs,
+            st.chunks_fetched
+        ),
+        (1, 3, 1, 3)
+    );
+    t.s.request_finished(r(1), &[], true, 0).unwrap();
+    t.step();
+    assert_eq!(t.s.remote_probes(), 0);
+    assert!(t.s.check_invariants().is_ok());
+}
+
+#[test]
+fn a_remote_miss_answers_from_the_host_tier_and_asks_once() {
+    let mut t = rig();
+    t.s.add_request(r(1), 20, &hashes(1, 0..5)).unwrap();
+    assert_eq!(t.lookup(1), LookupOutcome::Defer);
+    t.s.wait_remote_lookups(WAIT);
+    assert_eq!(t.lookup(1), LookupOutcome::Hit(0));
+    // Known absent: no second ask.
+    assert_eq!(t.lookup(1), LookupOutcome::Hit(0));
+    assert_eq!(t.s.remote_lookup_stats().unwrap().lookups, 1);
+    assert!(t.step().fetches.is_empty());
+    t.s.request_finished(r(1), &[], true, 0).unwrap();
+    assert_eq!(t.s.remote_probes(), 0);
+}
+
+#[test]
+fn a_failed_or_stalled_fetch_makes_the_request_recompute() {
+    let mut t = rig();
+    t.s.add_request(r(1), 20, &hashes(1, 0..5)).unwrap();
+    t.s.add_request(r(2), 20, &hashes(2, 0..5)).unwrap();
+    for c in 0..2 {
+        t.put(key(1, c, 1));
+        t.put(key(2, c, 1));
+    }
+    assert_eq!(t.lookup(1), LookupOutcome::Defer);
+    assert_eq!(t.lookup(2), LookupOutcome::Defer);
+    t.s.wait_remote_lookups(WAIT);
+    assert_eq!(t.lookup(1), LookupOutcome::Defer);
+    assert_eq!(t.lookup(2), LookupOutcome::Defer);
+    let plan = t.step();
+    assert_eq!(plan.fetches.len(), 2);
+    // Request 1's fetch fails on a worker (a key evicted, a corrupt value).
+    t.report(plan.fetches[0].job, true);
+    assert_eq!(t.lookup(1), LookupOutcome::Hit(0), "recomputes");
+    // Request 2's fetch stalls past the stall timeout.
+    t.clock.advance(Duration::from_millis(1_001));
+    t.s.scan_now();
+    assert_eq!(t.lookup(2), LookupOutcome::Hit(0), "recomputes");
+    let st = t.s.remote_lookup_stats().unwrap();
+    assert_eq!(st.fetches_failed, 2);
+    // The stalled fetch's late reports still arrive and free its slots.
+    t.report(plan.fetches[1].job, false);
+    for q in [1, 2] {
+        t.s.request_finished(r(q), &[], true, 0).unwrap();
+    }
+    t.step();
+    assert_eq!(t.s.remote_probes(), 0);
+    assert!(!t.s.has_pending_work());
+    assert!(t.s.check_invariants().is_ok());
+    let st = t.s.state();
+    assert_eq!((st.jobs, st.stalled_jobs, st.quarantined_chunks), (0, 0, 0));
+}
+
+#[test]
+fn a_reset_forgets_every_probe_and_fetch() {
+    let mut t = rig();
+    t.s.add_request(r(1), 20, &hashes(1, 0..5)).unwrap();
+    t.put(key(1, 0, 1));
+    assert_eq!(t.lookup(1), LookupOutcome::Defer);
+    t.s.wait_remote_lookups(WAIT);
+    assert_eq!(t.lookup(1), LookupOutcome::Defer);
+    let plan = t.step();
+    let job = plan.fetches[0].job;
+    t.s.reset().unwrap();
+    // The fetch's reports count down the reset fence.
+    t.report(job, false);
+    assert_eq!(t.s.remote_probes(), 0);
+    t.s.request_finished(r(1), &[], true, 0).unwrap();
+    t.step();
+    assert!(!t.s.has_pending_work());
+    assert!(t.s.check_invariants().is_ok());
+}
