@@ -116,7 +116,12 @@ pub enum ConfigError {
     },
 }
 
-fn out_of_range(field: &'static str, value: impl ToString, allowed: &'static str) -> ConfigError {
+/// The [`ConfigError::OutOfRange`] of `field`.
+pub(crate) fn out_of_range(
+    field: &'static str,
+    value: impl ToString,
+    allowed: &'static str,
+) -> ConfigError {
     ConfigError::OutOfRange {
         field,
         value: value.to_string(),

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::ConfigError;
+use crate::config::{ConfigError, out_of_range};
 
 /// Environment variable read for the password when the config has none.
 pub const PASSWORD_ENV: &str = "KVOFFLOAD_REMOTE_PASSWORD";
@@ -125,14 +125,6 @@ impl std::fmt::Debug for RemoteTierConfig {
             .field("backoff_initial_ms", &self.backoff_initial_ms)
             .field("backoff_max_ms", &self.backoff_max_ms)
             .finish()
-    }
-}
-
-fn out_of_range(field: &'static str, value: impl ToString, allowed: &'static str) -> ConfigError {
-    ConfigError::OutOfRange {
-        field,
-        value: value.to_string(),
-        allowed,
     }
 }
 

@@ -81,6 +81,14 @@ pub(crate) struct RemoteSide {
 }
 
 impl RemoteSide {
+    /// Chunks from `first` on are not to be had remotely for `req`.
+    fn known_absent(&mut self, req: RequestId, first: usize, attempts: u8) {
+        let probe = Probe::Known {
+            first_absent: first,
+        };
+        self.probes.insert(req, RequestProbe { probe, attempts });
+    }
+
     fn poll(&mut self) {
         self.tier.poll(&mut self.scratch);
         for (t, a) in self.scratch.drain(..) {
@@ -189,15 +197,7 @@ impl Scheduler {
                 r.stats.chunks_found += found as u64;
                 let attempts = entry.map_or(0, |e| e.attempts);
                 if found == 0 {
-                    r.probes.insert(
-                        req,
-                        RequestProbe {
-                            probe: Probe::Known {
-                                first_absent: first,
-                            },
-                            attempts,
-                        },
-                    );
+                    r.known_absent(req, first, attempts);
                     return None;
                 }
                 return self.start_fetch(req, first, &keys[..found.min(keys.len())], attempts);
@@ -217,15 +217,7 @@ impl Scheduler {
         }
         let attempts = entry.map_or(0, |e| e.attempts);
         if attempts >= MAX_ATTEMPTS || keys.is_empty() {
-            r.probes.insert(
-                req,
-                RequestProbe {
-                    probe: Probe::Known {
-                        first_absent: first,
-                    },
-                    attempts,
-                },
-            );
+            r.known_absent(req, first, attempts);
             return None;
         }
         let ticket = r.tier.lookup(keys);
@@ -255,15 +247,7 @@ impl Scheduler {
         let r = self.remote.as_mut()?;
         let Some(out) = prepared.filter(|o| !o.keys_to_store.is_empty()) else {
             r.stats.allocation_failures += 1;
-            r.probes.insert(
-                req,
-                RequestProbe {
-                    probe: Probe::Known {
-                        first_absent: first,
-                    },
-                    attempts,
-                },
-            );
+            r.known_absent(req, first, attempts);
             return None;
         };
         let count = out.keys_to_store.len();
