@@ -798,3 +798,40 @@ fn the_sim_cli_prints_the_remote_line_and_refuses_a_wrong_password() {
         "{all}"
     );
 }
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn on_eviction_the_sim_writes_only_evicted_chunks_and_still_drains_clean() {
+    use kvoffload::remote::WritePolicy;
+    use kvoffload::sim::{Sim, default_config};
+    // A small host tier (64 chunks), so that it evicts.
+    let cfg = || {
+        let mut c = default_config();
+        c.num_cpu_chunks = Some(64);
+        c.cpu_bytes_to_use = None;
+        c
+    };
+    let run = |remote: RemoteTierConfig| {
+        Sim::new(cfg(), sim_opts(Some(remote)))
+            .expect("a sim")
+            .run(&mut |_| {})
+            .expect("the sim runs to the end")
+            .summary
+    };
+    let (s1, s2) = (RedisServer::start(&[]), RedisServer::start(&[]));
+    let through = run(RemoteTierConfig::for_url(s1.url()));
+    let evicting = run(RemoteTierConfig {
+        write: WritePolicy::OnEviction,
+        ..RemoteTierConfig::for_url(s2.url())
+    });
+    let (rt, re) = (through.remote.unwrap(), evicting.remote.unwrap());
+    assert!(re.puts_written > 0, "the small tier evicts: {re:?}");
+    // Every evicted chunk is written, but not one the remote tier gave back.
+    assert!(re.puts_written <= rt.puts_written, "{re:?} vs {rt:?}");
+    assert!(re.chunks_fetched > 0, "evicted chunks come back: {re:?}");
+    assert_eq!(evicting.leaks.total, 0, "{:?}", evicting.leaks);
+    assert_eq!(evicting.work.finished, evicting.work.requests);
+}

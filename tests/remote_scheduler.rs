@@ -10,9 +10,11 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{hashes, key, r};
+use common::{b, hashes, key, r};
 use kvoffload::remote::value::{ValueIdentity, encode};
-use kvoffload::remote::{MemoryConnector, MemoryState, Namespace, RemoteTier, RemoteTierConfig};
+use kvoffload::remote::{
+    MemoryConnector, MemoryState, Namespace, RemoteTier, RemoteTierConfig, WritePolicy,
+};
 use kvoffload::scheduler::{LookupOutcome, Scheduler, StepInput, StepPlan, WorkerReport};
 use kvoffload::{ChunkKey, JobId, ManualClock, OffloadConfig};
 
@@ -28,11 +30,16 @@ struct Rig {
 /// A scheduler (4 tokens a block, one block a chunk, 16 host chunks, 2
 /// workers) with a remote tier on an in-memory store.
 fn rig() -> Rig {
+    rig_with(16, WritePolicy::Through)
+}
+
+/// [`rig`] with `chunks` host chunks and the tier written by `write`.
+fn rig_with(chunks: u64, write: WritePolicy) -> Rig {
     let cfg = OffloadConfig {
         tokens_per_block: 4,
         world_size: 2,
         stall_timeout_ms: 1_000,
-        ..OffloadConfig::with_chunks(16)
+        ..OffloadConfig::with_chunks(chunks)
     };
     let clock = ManualClock::new();
     let mut s = Scheduler::new(&cfg, clock.shared()).expect("scheduler");
@@ -40,7 +47,10 @@ fn rig() -> Rig {
     let ns = Namespace::from_fingerprint(0xC0DE);
     let tier = RemoteTier::start(
         Box::new(MemoryConnector::new(state.clone())),
-        &RemoteTierConfig::default(),
+        &RemoteTierConfig {
+            write,
+            ..RemoteTierConfig::default()
+        },
         ns.clone(),
         2,
         clock.shared(),
@@ -202,4 +212,88 @@ fn a_reset_forgets_every_probe_and_fetch() {
     t.step();
     assert!(!t.s.has_pending_work());
     assert!(t.s.check_invariants().is_ok());
+}
+
+/// Fetches 2 chunks for each of requests 1 and 2 into a 2-chunk host tier:
+/// the second fetch evicts the first's chunks. Returns the second plan.
+fn evict_through_fetches(t: &mut Rig) -> StepPlan {
+    for q in [1, 2] {
+        t.s.add_request(r(q), 12, &hashes(q, 0..3)).unwrap();
+        for c in 0..2 {
+            t.put(key(q, c, 1));
+        }
+        assert_eq!(t.lookup(q), LookupOutcome::Defer);
+        t.s.wait_remote_lookups(WAIT);
+        assert_eq!(t.lookup(q), LookupOutcome::Defer);
+        let plan = t.step();
+        assert_eq!(plan.fetches.len(), 1);
+        t.report(plan.fetches[0].job, false);
+        if q == 2 {
+            return plan;
+        }
+        assert!(plan.evictions.is_empty(), "nothing evicted yet");
+    }
+    unreachable!()
+}
+
+/// Stores the 2 chunks of request `q` (8 tokens, blocks `blocks`) into the
+/// host tier; returns the step's plan (its store and evictions).
+fn store_request(t: &mut Rig, q: u64, blocks: [u32; 2]) -> StepPlan {
+    use kvoffload::scheduler::ScheduledRequest;
+    t.s.add_request(r(q), 8, &hashes(q, 0..2)).unwrap();
+    // Nothing remote: asked once, then the host answer.
+    assert_eq!(t.lookup(q), LookupOutcome::Defer);
+    t.s.wait_remote_lookups(WAIT);
+    assert_eq!(t.lookup(q), LookupOutcome::Hit(0));
+    let ids = b(blocks);
+    assert_eq!(t.s.on_alloc(r(q), &ids, 0).unwrap(), None);
+    let plan =
+        t.s.build_step(&StepInput {
+            scheduled: vec![ScheduledRequest {
+                req: r(q),
+                new_block_ids: ids,
+                computed_tokens: 0,
+                scheduled_tokens: 8,
+                full_table: true,
+            }],
+            ..StepInput::default()
+        })
+        .unwrap();
+    assert_eq!(plan.stores.len(), 1, "{plan:?}");
+    t.report(plan.stores[0].job, false);
+    plan
+}
+
+#[test]
+fn on_eviction_the_plan_lists_evicted_chunks_with_their_slots() {
+    let mut t = rig_with(2, WritePolicy::OnEviction);
+    let first = store_request(&mut t, 1, [1, 2]);
+    assert!(first.evictions.is_empty(), "nothing evicted yet");
+    // Request 2's store evicts request 1's chunks: listed with their slots,
+    // which request 2's store reuses.
+    let plan = store_request(&mut t, 2, [3, 4]);
+    let mut evicted: Vec<ChunkKey> = plan.evictions.iter().map(|&(k, _)| k).collect();
+    evicted.sort_unstable();
+    assert_eq!(evicted, vec![key(1, 0, 1), key(1, 1, 1)]);
+    let mut slots: Vec<u32> = plan.evictions.iter().map(|&(_, c)| c.0).collect();
+    let mut reused: Vec<u32> = plan.stores[0].chunk_ids.iter().map(|c| c.0).collect();
+    slots.sort_unstable();
+    reused.sort_unstable();
+    assert_eq!(slots, reused);
+    // Write-through lists none.
+    let mut t = rig_with(2, WritePolicy::Through);
+    store_request(&mut t, 1, [1, 2]);
+    assert!(store_request(&mut t, 2, [3, 4]).evictions.is_empty());
+}
+
+#[test]
+fn on_eviction_chunks_the_remote_tier_gave_are_not_written_back() {
+    let mut t = rig_with(2, WritePolicy::OnEviction);
+    let plan = evict_through_fetches(&mut t);
+    assert_eq!(plan.fetches.len(), 1);
+    assert!(
+        plan.evictions.is_empty(),
+        "request 1's fetched chunks are in the remote tier already: {:?}",
+        plan.evictions
+    );
 }

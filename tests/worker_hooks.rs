@@ -312,13 +312,30 @@ fn remote_rig_on(
     Arc<kvoffload::remote::MemoryState>,
     kvoffload::remote::Namespace,
 ) {
-    use kvoffload::remote::{MemoryConnector, Namespace, RemoteTier, RemoteTierConfig};
+    remote_rig_with(
+        fail_job,
+        state,
+        kvoffload::remote::RemoteTierConfig::default(),
+    )
+}
+
+/// [`remote_rig_on`] with the tier configured by `cfg`.
+fn remote_rig_with(
+    fail_job: Option<u64>,
+    state: Arc<kvoffload::remote::MemoryState>,
+    cfg: kvoffload::remote::RemoteTierConfig,
+) -> (
+    Rig,
+    Arc<kvoffload::remote::MemoryState>,
+    kvoffload::remote::Namespace,
+) {
+    use kvoffload::remote::{MemoryConnector, Namespace, RemoteTier};
     let mut r = rig(true);
     let ns = Namespace::from_fingerprint(0x51);
     let clock = kvoffload::ManualClock::new();
     let tier = RemoteTier::start(
         Box::new(MemoryConnector::new(state.clone())),
-        &RemoteTierConfig::default(),
+        &cfg,
         ns.clone(),
         1,
         clock.shared(),
@@ -469,4 +486,54 @@ fn fetches_read_shares_written_by_another_worker_into_host_slots() {
     plain.worker.start_transfers(&plan).unwrap();
     let report = plain.worker.get_finished();
     assert_eq!(report.failed, vec![JobId(10), JobId(11)]);
+}
+
+#[test]
+fn on_eviction_chunks_are_written_when_evicted_not_when_stored() {
+    use kvoffload::ids::ChunkId;
+    use kvoffload::remote::{MemoryState, RemoteTierConfig, WritePolicy};
+    let cfg = RemoteTierConfig {
+        write: WritePolicy::OnEviction,
+        ..RemoteTierConfig::default()
+    };
+    let (mut r, state, ns) = remote_rig_with(None, MemoryState::new(), cfg);
+    step(
+        &mut r.worker,
+        StepPlan {
+            stores: vec![store(1, 5, 2)],
+            ..Default::default()
+        },
+    );
+    let early = step(&mut r.worker, StepPlan::default());
+    drain(&mut r.worker, &[JobId(1)], 1 - early.completed.len());
+    assert_eq!(
+        r.worker.pending_remote_writes(),
+        0,
+        "nothing kept for write-through"
+    );
+    // The host tier evicts chunk 2's key (1002), whose slot a store of the
+    // same plan reuses (block 6): the share is written before that store runs.
+    let plan = StepPlan {
+        evictions: vec![(ChunkKey(1002), ChunkId(2))],
+        stores: vec![store(2, 6, 2)],
+        flush: vec![JobId(2)],
+        ..Default::default()
+    };
+    step(&mut r.worker, plan);
+    flush_remote(&r.worker, 1);
+    let v = state
+        .get_raw(&ns.key(1002, 3))
+        .expect("written on eviction");
+    let id = kvoffload::remote::value::ValueIdentity {
+        namespace: ns.fingerprint(),
+        key: 1002,
+        rank: 3,
+    };
+    let payload = kvoffload::remote::value::decode(&v, id, Some(PAGE as usize)).unwrap();
+    assert_eq!(
+        payload,
+        &vec![5u8; PAGE as usize][..],
+        "the evicted bytes, not the new store's"
+    );
+    assert_eq!(state.len(), 1, "the stores themselves are not written");
 }

@@ -43,6 +43,7 @@ pub fn encode_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32, out
         plan.fetches
             .iter()
             .map(|j| (j.job, j.keys.as_slice(), j.chunk_ids.as_slice())),
+        &plan.evictions,
         out,
     );
 }
@@ -78,6 +79,7 @@ pub fn to_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32) -> work
                 chunks: j.chunk_ids.to_vec(),
             })
             .collect(),
+        evictions: plan.evictions.clone(),
     }
 }
 
@@ -151,6 +153,7 @@ mod tests {
                 flush: vec![JobId(1), JobId(3)],
                 failed_loads: vec![RequestId(5)],
                 fetches: vec![job(5, &[], &[6, 7])],
+                evictions: vec![(ChunkKey(70), ChunkId(3))],
             },
         ];
         for plan in &plans {

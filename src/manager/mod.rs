@@ -149,6 +149,10 @@ pub struct OffloadManager {
     scratch_store: Vec<ChunkKey>,
     scratch_ids: Vec<ChunkId>,
     scratch_evicted: Vec<ChunkKey>,
+    /// Evicted chunks with the slot they held, kept while
+    /// [`Self::track_evicted_slots`] is on (a remote tier written on
+    /// eviction), until [`Self::take_evicted_slots`].
+    evicted_slots: Option<Vec<(ChunkKey, ChunkId)>>,
 }
 
 impl OffloadManager {
@@ -190,6 +194,7 @@ impl OffloadManager {
             scratch_store: Vec::new(),
             scratch_ids: Vec::new(),
             scratch_evicted: Vec::new(),
+            evicted_slots: None,
         })
     }
 
@@ -610,6 +615,9 @@ impl OffloadManager {
         for &s in &victims {
             let key = self.slots[s as usize].key;
             evicted.push(key);
+            if let Some(t) = self.evicted_slots.as_mut() {
+                t.push((key, ChunkId(s)));
+            }
             self.index.remove(key, key_of(&self.slots));
             self.slots[s as usize] = EMPTY_SLOT;
             self.counters.ready -= 1;
@@ -857,6 +865,19 @@ impl OffloadManager {
     /// Events waiting to be drained.
     pub fn pending_events(&self) -> usize {
         self.events.len()
+    }
+
+    /// Keeps every evicted chunk's key and former slot (off by default), so
+    /// that its bytes can be written elsewhere before the slot is reused.
+    pub fn track_evicted_slots(&mut self, on: bool) {
+        self.evicted_slots = on.then(Vec::new);
+    }
+
+    /// Moves the evicted chunks kept since the last call into `out`.
+    pub fn take_evicted_slots(&mut self, out: &mut Vec<(ChunkKey, ChunkId)>) {
+        if let Some(t) = self.evicted_slots.as_mut() {
+            out.append(t);
+        }
     }
 
     /// Whether the tier has background work of its own (never, for host memory).

@@ -18,6 +18,18 @@ pub const PASSWORD_ENV: &str = "KVOFFLOAD_REMOTE_PASSWORD";
 /// Environment variable read for the ACL user name when the config has none.
 pub const USERNAME_ENV: &str = "KVOFFLOAD_REMOTE_USERNAME";
 
+/// When the workers write a chunk to the remote tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WritePolicy {
+    /// As soon as its store completes (write-through): every stored chunk.
+    #[default]
+    Through,
+    /// When the host tier evicts it: only chunks that leave the host tier,
+    /// fewer writes, and the remote tier holds what the host tier does not.
+    OnEviction,
+}
+
 /// A password: printed as `***` by `Debug` and `Display`.
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(transparent)]
@@ -86,6 +98,9 @@ pub struct RemoteTierConfig {
     pub backoff_initial_ms: u64,
     /// Longest wait between reconnection tries (milliseconds).
     pub backoff_max_ms: u64,
+    /// When chunks are written: `through` (every stored chunk) or
+    /// `on_eviction` (chunks the host tier evicts).
+    pub write: WritePolicy,
 }
 
 impl Default for RemoteTierConfig {
@@ -104,6 +119,7 @@ impl Default for RemoteTierConfig {
             max_value_bytes: 64 << 20,
             backoff_initial_ms: 100,
             backoff_max_ms: 5_000,
+            write: WritePolicy::Through,
         }
     }
 }
@@ -124,6 +140,7 @@ impl std::fmt::Debug for RemoteTierConfig {
             .field("max_value_bytes", &self.max_value_bytes)
             .field("backoff_initial_ms", &self.backoff_initial_ms)
             .field("backoff_max_ms", &self.backoff_max_ms)
+            .field("write", &self.write)
             .finish()
     }
 }

@@ -25,7 +25,7 @@ pub mod store;
 pub mod tier;
 pub mod value;
 
-pub use config::{RemoteTierConfig, Secret};
+pub use config::{RemoteTierConfig, Secret, WritePolicy};
 pub use memory_store::{MemoryConnector, MemoryState, MemoryStore};
 pub use metrics::RemoteStats;
 pub use namespace::{Namespace, NamespaceParts};

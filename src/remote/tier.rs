@@ -265,6 +265,11 @@ impl RemoteTier {
         })
     }
 
+    /// When the workers write chunks to this tier.
+    pub fn write_policy(&self) -> super::config::WritePolicy {
+        self.cfg.write
+    }
+
     /// The store this tier uses, with any password removed.
     pub fn target(&self) -> &str {
         &self.target

@@ -191,6 +191,10 @@ impl Scheduler {
     ) -> Option<(JobKind, RequestId)> {
         let e = self.jobs.remove(job)?;
         let req = e.req;
+        if e.kind == JobKind::Store {
+            // A remote fetch's probe learns how it ended (`remote.rs`).
+            self.remote_job_ended(job, &e.keys, ending == Ending::Reported { failed: false });
+        }
         match (e.kind, ending) {
             (JobKind::Store, Ending::Reported { failed }) => {
                 let outcome = if failed {
@@ -264,9 +268,6 @@ impl Scheduler {
                     },
                 );
             }
-        }
-        if e.kind == JobKind::Store {
-            self.remote_job_ended(job, ending == Ending::Reported { failed: false });
         }
         if let Some(rs) = self.requests.get_mut(&req) {
             rs.jobs.retain(|j| *j != job);

@@ -15,9 +15,9 @@
 
 use std::collections::HashMap;
 
-use crate::ids::{JobId, RequestId};
+use crate::ids::{ChunkId, JobId, RequestId};
 use crate::key::ChunkKey;
-use crate::remote::{Answer, RemoteTier, Ticket};
+use crate::remote::{Answer, RemoteTier, Ticket, WritePolicy};
 
 use super::Scheduler;
 use super::jobs::JobEntry;
@@ -74,8 +74,11 @@ pub(crate) struct RemoteSide {
     asked: HashMap<Ticket, RequestId>,
     /// Answers that came, until their request looks up again.
     answered: HashMap<Ticket, Answer>,
-    /// Fetch jobs in flight -> their request.
+    /// Fetch jobs in flight -> their request and keys.
     fetch_jobs: HashMap<JobId, RequestId>,
+    /// Chunks in the host tier that came from the remote tier (written on
+    /// eviction: not written back, the remote tier has them).
+    from_remote: std::collections::HashSet<ChunkKey>,
     scratch: Vec<(Ticket, Answer)>,
     stats: RemoteLookupStats,
 }
@@ -104,13 +107,20 @@ impl Scheduler {
     /// it, and remote hits become fetch jobs ([`super::StepPlan::fetches`]),
     /// which the workers execute with their own connections
     /// ([`crate::worker::OffloadWorker::with_remote_tier`]).
+    ///
+    /// With [`crate::remote::WritePolicy::OnEviction`] (the tier's config),
+    /// every chunk the host tier evicts is listed with its slot in the next
+    /// plan ([`super::StepPlan::evictions`]) for the workers to write.
     pub fn attach_remote(&mut self, tier: RemoteTier) {
+        self.manager
+            .track_evicted_slots(tier.write_policy() == WritePolicy::OnEviction);
         self.remote = Some(Box::new(RemoteSide {
             tier,
             probes: HashMap::new(),
             asked: HashMap::new(),
             answered: HashMap::new(),
             fetch_jobs: HashMap::new(),
+            from_remote: std::collections::HashSet::new(),
             scratch: Vec::new(),
             stats: RemoteLookupStats::default(),
         }));
@@ -289,14 +299,28 @@ impl Scheduler {
         Some(LookupOutcome::Defer)
     }
 
-    /// A job ended: if it was a fetch, its request's probe learns how.
-    pub(crate) fn remote_job_ended(&mut self, job: JobId, success: bool) {
+    /// The evicted chunks to write to the remote tier (written on eviction):
+    /// those taken from the manager, less the ones the remote tier gave.
+    pub(crate) fn remote_evictions(&mut self, out: &mut Vec<(ChunkKey, ChunkId)>) {
+        let Some(r) = self.remote.as_mut() else {
+            return;
+        };
+        self.manager.take_evicted_slots(out);
+        out.retain(|(k, _)| !r.from_remote.remove(k));
+    }
+
+    /// A job ended: if it was a fetch, its request's probe learns how (and,
+    /// written on eviction, its chunks are remembered as the remote tier's).
+    pub(crate) fn remote_job_ended(&mut self, job: JobId, keys: &[ChunkKey], success: bool) {
         let Some(r) = self.remote.as_mut() else {
             return;
         };
         let Some(req) = r.fetch_jobs.remove(&job) else {
             return;
         };
+        if success && r.tier.write_policy() == WritePolicy::OnEviction {
+            r.from_remote.extend(keys.iter().copied());
+        }
         let Some(p) = r.probes.get_mut(&req) else {
             return;
         };
@@ -336,6 +360,7 @@ impl Scheduler {
             r.asked.clear();
             r.answered.clear();
             r.fetch_jobs.clear();
+            r.from_remote.clear();
         }
     }
 }

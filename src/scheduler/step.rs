@@ -91,12 +91,15 @@ impl Scheduler {
         failed_loads.sort_unstable();
         failed_loads.dedup();
         self.batch.last_stores = stores.len();
+        let mut evictions = Vec::new();
+        self.remote_evictions(&mut evictions);
         let plan = StepPlan {
             loads: std::mem::take(&mut self.batch.loads),
             stores,
             flush,
             failed_loads,
             fetches: std::mem::take(&mut self.batch.fetches),
+            evictions,
         };
         // 6. Finished requests: the manager hears it once, after their last store.
         for &req in &input.finished {
@@ -119,6 +122,7 @@ impl Scheduler {
             mut flush,
             mut failed_loads,
             fetches: _,
+            evictions: _,
         } = plan;
         if stores.capacity() > self.batch.spare_stores.capacity() {
             stores.clear();

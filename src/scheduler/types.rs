@@ -103,6 +103,10 @@ pub struct StepPlan {
     /// each worker reads its share of each chunk from the remote tier into
     /// the job's host slots (no GPU blocks).
     pub fetches: Vec<TransferJob>,
+    /// Chunks the host tier evicted since the last step, with the slot each
+    /// held (a remote tier written on eviction): every worker writes its
+    /// share of each to the remote tier before any job of this plan runs.
+    pub evictions: Vec<(ChunkKey, ChunkId)>,
 }
 
 /// Completions from the workers, summed over workers (vLLM's worker metadata, aggregated).

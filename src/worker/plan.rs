@@ -61,6 +61,11 @@ pub struct StepPlan {
     /// Remote fetches to start this step.
     #[serde(default)]
     pub fetches: Vec<FetchJob>,
+    /// Chunks the host tier evicted, with their slots: a worker whose tier
+    /// is written on eviction writes its share of each before this plan's
+    /// jobs run (the first hook).
+    #[serde(default)]
+    pub evictions: Vec<(ChunkKey, ChunkId)>,
 }
 
 /// Transfer statistics of one direction.

@@ -9,6 +9,7 @@
 //! u32 stores  { u64 job, spec, u32 k, u64 key*k }*
 //! u32 flushes { u64 job }*
 //! u32 fetches { u64 job, u32 k, u64 key*k, u32 m, u32 chunk*m }*
+//! u32 evictions { u64 key, u32 chunk }*
 //! spec = u32 first_block_index, u32 n, u32 gpu_block*n, u32 m, u32 chunk*m
 //! ```
 //!
@@ -106,19 +107,21 @@ pub fn encode_plan(plan: &StepPlan, out: &mut Vec<u8>) {
         plan.fetches
             .iter()
             .map(|f| (f.job, f.keys.as_slice(), f.chunks.as_slice())),
+        &plan.evictions,
         out,
     );
 }
 
 /// Encodes a plan given as its parts, the same bytes as [`encode_plan`] of
 /// the [`StepPlan`] they make: loads as `(job, request, spec)`, stores as
-/// `(job, spec, keys)`, the flushed jobs, then the fetches as `(job, keys,
-/// chunks)` (`out` is cleared first).
+/// `(job, spec, keys)`, the flushed jobs, the fetches as `(job, keys,
+/// chunks)`, then the evicted chunks (`out` is cleared first).
 pub fn encode_plan_parts<'a>(
     loads: impl ExactSizeIterator<Item = (JobId, Option<RequestId>, SpecParts<'a>)>,
     stores: impl ExactSizeIterator<Item = (JobId, SpecParts<'a>, &'a [ChunkKey])>,
     flush: &[JobId],
     fetches: impl ExactSizeIterator<Item = (JobId, &'a [ChunkKey], &'a [ChunkId])>,
+    evictions: &[(ChunkKey, ChunkId)],
     out: &mut Vec<u8>,
 ) {
     out.clear();
@@ -155,6 +158,11 @@ pub fn encode_plan_parts<'a>(
         for c in chunks {
             put_u32(out, c.0);
         }
+    }
+    put_len(out, evictions.len());
+    for (k, c) in evictions {
+        put_u64(out, k.0);
+        put_u32(out, c.0);
     }
 }
 
@@ -285,6 +293,12 @@ pub fn decode_plan(buf: &[u8]) -> Result<StepPlan, PlanWireError> {
         }
         fetches.push(FetchJob { job, keys, chunks });
     }
+    let n = r.len(12)?;
+    let mut evictions = Vec::with_capacity(n);
+    for _ in 0..n {
+        let k = ChunkKey(r.u64()?);
+        evictions.push((k, ChunkId(r.u32()?)));
+    }
     let left = buf.len() - r.at;
     if left > 0 {
         return Err(PlanWireError::Trailing(left));
@@ -294,6 +308,7 @@ pub fn decode_plan(buf: &[u8]) -> Result<StepPlan, PlanWireError> {
         stores,
         flush,
         fetches,
+        evictions,
     })
 }
 
@@ -326,6 +341,7 @@ mod tests {
                 keys: vec![ChunkKey(5), ChunkKey(6)],
                 chunks: vec![ChunkId(1), ChunkId(u32::MAX)],
             }],
+            evictions: vec![(ChunkKey(3), ChunkId(4))],
         }
     }
 
@@ -336,9 +352,9 @@ mod tests {
             encode_plan(&plan, &mut buf);
             assert_eq!(decode_plan(&buf).unwrap(), plan);
         }
-        // 6 header + 4 counts of 4 bytes for an empty plan.
+        // 6 header + 5 counts of 4 bytes for an empty plan.
         encode_plan(&StepPlan::default(), &mut buf);
-        assert_eq!(buf.len(), 22);
+        assert_eq!(buf.len(), 26);
     }
 
     #[test]

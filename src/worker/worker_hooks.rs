@@ -12,7 +12,7 @@ use thiserror::Error;
 
 use crate::ids::{ChunkId, JobId, RequestId};
 use crate::key::ChunkKey;
-use crate::remote::{Answer, RemoteTier, Ticket};
+use crate::remote::{Answer, RemoteTier, Ticket, WritePolicy};
 
 use super::backend::{Direction, TransferBackend, TransferResult};
 use super::error::BackendError;
@@ -179,7 +179,14 @@ impl<B: TransferBackend> OffloadWorker<B> {
     /// Step hook 1, before the step's inputs are prepared: every flushed store of
     /// this step's plan is taken out of `plan.stores` and queued, all queued stores
     /// are submitted, then the flushed jobs (stores or loads) are waited for.
+    ///
+    /// With a tier written on eviction, the plan's evicted chunks are written
+    /// first (before any of this plan's jobs may reuse their slots).
     pub fn handle_preemptions(&mut self, plan: &mut StepPlan) -> Result<(), WorkerError> {
+        if !plan.evictions.is_empty() {
+            self.write_evicted(&plan.evictions);
+            plan.evictions.clear();
+        }
         if plan.flush.is_empty() {
             return Ok(());
         }
@@ -259,6 +266,7 @@ impl<B: TransferBackend> OffloadWorker<B> {
                 && let Some(rw) = self.remote.as_mut()
                 && let Some(items) = rw.pending.remove(&r.job)
                 && r.success
+                && rw.tier.write_policy() == WritePolicy::Through
             {
                 write_through(&self.backend, rw, &items);
             }
@@ -369,6 +377,19 @@ impl<B: TransferBackend> OffloadWorker<B> {
         }
     }
 
+    /// Writes this worker's share of each evicted chunk (its slot still
+    /// holds it: nothing of this plan has run yet) when the tier is written
+    /// on eviction.
+    fn write_evicted(&mut self, evictions: &[(ChunkKey, ChunkId)]) {
+        let Some(rw) = self.remote.as_mut() else {
+            return;
+        };
+        if rw.tier.write_policy() != WritePolicy::OnEviction {
+            return;
+        }
+        write_through(&self.backend, rw, evictions);
+    }
+
     fn end_fetch(&mut self, job: JobId, failed: bool) {
         *self.report.completed.entry(job).or_insert(0) += 1;
         if failed {
@@ -389,7 +410,11 @@ impl<B: TransferBackend> OffloadWorker<B> {
         for s in std::mem::take(&mut self.unsubmitted) {
             match self.backend.submit_store(s.job, &s.spec) {
                 Ok(()) => {
-                    if let Some(rw) = self.remote.as_mut() {
+                    if let Some(rw) = self
+                        .remote
+                        .as_mut()
+                        .filter(|rw| rw.tier.write_policy() == WritePolicy::Through)
+                    {
                         if s.keys.len() == s.spec.chunks.len() {
                             let items = s.keys.iter().copied().zip(s.spec.chunks.iter().copied());
                             rw.pending.insert(s.job, items.collect());
@@ -418,8 +443,9 @@ impl<B: TransferBackend> OffloadWorker<B> {
 /// Bound on waiting for flushed fetches when the worker has no wait timeout.
 const FETCH_FLUSH_WAIT: Duration = Duration::from_secs(60);
 
-/// Puts this worker's share of each stored chunk to the remote tier. Called
-/// when the store's copy has finished and before the worker reports it.
+/// Puts this worker's share of each chunk to the remote tier: a stored chunk
+/// when its copy has finished and before the worker reports it, or an
+/// evicted one before any job of the plan that evicted it runs.
 fn write_through<B: TransferBackend>(
     backend: &B,
     rw: &mut RemoteWrite,
@@ -431,10 +457,12 @@ fn write_through<B: TransferBackend>(
         };
         // SAFETY: the share lies in the backend's host pool, which is valid
         // for reads as long as the backend lives (its constructor's contract).
-        // The store that wrote it has finished (reported by `poll`, which
-        // synchronizes with the copy), and until this worker reports that
-        // store, the scheduler gives the chunk to no other job: nothing writes
-        // these bytes while they are read, and `put` copies them before
+        // Nothing writes it while it is read: a stored chunk's store has
+        // finished (reported by `poll`, which synchronizes with the copy) and
+        // until this worker reports it the scheduler gives the slot to no
+        // other job; an evicted chunk's slot is reused only by jobs of the
+        // plan that evicted it, none of which has been submitted yet (this
+        // runs in the plan's first hook). `put` copies the bytes before
         // returning.
         let bytes = unsafe { std::slice::from_raw_parts(share.addr as *const u8, share.len) };
         rw.tier.put(key, rw.rank, bytes);

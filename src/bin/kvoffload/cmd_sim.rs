@@ -8,7 +8,7 @@ use clap::Args;
 use kvoffload::OffloadConfig;
 use kvoffload::engine::PoolError;
 use kvoffload::metrics::{MetricsServer, SharedMetricsText};
-use kvoffload::remote::RemoteTierConfig;
+use kvoffload::remote::{RemoteTierConfig, WritePolicy};
 use kvoffload::sim::{
     Progress, Sim, SimBackend, SimError, SimOptions, SimSummary, config_from_path, default_config,
 };
@@ -67,6 +67,10 @@ pub struct SimArgs {
     /// The remote tier is a Redis Cluster.
     #[arg(long)]
     remote_cluster: bool,
+    /// When workers write chunks to the remote tier: through (every stored
+    /// chunk, the default) or on_eviction (chunks the host tier evicts).
+    #[arg(long, value_name = "WHEN")]
+    remote_write: Option<String>,
     /// Serving nodes sharing the remote tier (needs --remote-tier): each its
     /// own scheduler, host tier and workers, running the same seeded workload
     /// one after the other, so that later nodes find the prefixes earlier
@@ -138,8 +142,22 @@ pub fn run(a: SimArgs) -> ExitCode {
     if a.nodes > 1 && (a.record.is_some() || a.metrics_addr.is_some()) {
         return fail("--record and --metrics-addr run with one node only", 2);
     }
+    let write = match a.remote_write.as_deref() {
+        None | Some("through") => WritePolicy::Through,
+        Some("on_eviction") => WritePolicy::OnEviction,
+        Some(other) => {
+            return fail(
+                format!("remote_write = {other:?} is not allowed: allowed through, on_eviction"),
+                2,
+            );
+        }
+    };
+    if a.remote_write.is_some() && a.remote_tier.is_none() {
+        return fail("--remote-write needs --remote-tier URL", 2);
+    }
     let remote = a.remote_tier.as_ref().map(|url| RemoteTierConfig {
         cluster: a.remote_cluster,
+        write,
         ..RemoteTierConfig::for_url(url.clone())
     });
     let mut opts = SimOptions {
