@@ -288,6 +288,10 @@ pub struct RemoteCounts {
     pub chunks_fetched: u64,
     /// Value bytes the workers read back (all fetches, accepted or not).
     pub bytes_fetched: u64,
+    /// Seconds the workers' put batches took (all workers together).
+    pub put_seconds: f64,
+    /// Seconds the workers' get batches took (all workers together).
+    pub get_seconds: f64,
     /// Fetch jobs that missed or failed (their requests recomputed).
     pub fetches_failed: u64,
     /// Remote state the scheduler still held at the end (a leak: 0).
@@ -301,6 +305,15 @@ pub fn percentile(sorted: &[u64], p: f64) -> u64 {
     }
     let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
     sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// GB/s of `bytes` over `secs` (0 when no time was measured).
+fn rate(bytes: u64, secs: f64) -> f64 {
+    if secs > 0.0 {
+        bytes as f64 / secs / 1e9
+    } else {
+        0.0
+    }
 }
 
 fn gb(bytes: u64) -> String {
@@ -426,12 +439,13 @@ impl SimSummary {
             row(
                 "remote tier (reads)",
                 format!(
-                    "{} lookups found {} chunks; {} chunks ({}) fetched into the host tier, \
-                     {} fetches failed; {} left held",
+                    "{} lookups found {} chunks; {} chunks ({}, {:.2} GB/s) fetched into the \
+                     host tier, {} fetches failed; {} left held",
                     r.lookups,
                     r.chunks_found,
                     r.chunks_fetched,
                     gb(r.bytes_fetched),
+                    rate(r.bytes_fetched, r.get_seconds),
                     r.fetches_failed,
                     r.probes_left
                 ),
@@ -439,10 +453,11 @@ impl SimSummary {
             row(
                 "remote tier (write-through)",
                 format!(
-                    "{} chunk shares ({}) written to {}; {} failed, {} dropped, {} still queued; \
-                     {} outages, {}/{} workers connected at the end",
+                    "{} chunk shares ({}, {:.2} GB/s) written to {}; {} failed, {} dropped, {} \
+                     still queued; {} outages, {}/{} workers connected at the end",
                     r.puts_written,
                     gb(r.bytes_put),
+                    rate(r.bytes_put, r.put_seconds),
                     r.target,
                     r.puts_failed,
                     r.puts_dropped,

@@ -209,7 +209,10 @@ impl Sim {
                         bytes_per_block: opts.block_bytes,
                         world_size: cfg.world_size,
                     }),
-                    clock: clock.shared(),
+                    // The workers' tiers time their batches in real time, as
+                    // the workers' copies are; the scheduler's lookups run on
+                    // the sim's clock (below).
+                    clock: crate::clock::MonotonicClock::shared(),
                 })
             }
         };
@@ -226,7 +229,7 @@ impl Sim {
                 &r.config,
                 r.namespace.clone(),
                 cfg.world_size,
-                r.clock.clone(),
+                clock.shared(),
             )
             .map_err(|e| {
                 SimError::Pool(PoolError::Remote {
@@ -433,6 +436,8 @@ impl Sim {
         for s in &out.remote {
             r.puts_written += s.puts_written;
             r.bytes_fetched += s.bytes_got;
+            r.put_seconds += s.put_latency.sum();
+            r.get_seconds += s.get_latency.sum();
             r.bytes_put += s.bytes_put;
             r.puts_failed += s.puts_failed;
             r.puts_dropped += s.puts_dropped();
