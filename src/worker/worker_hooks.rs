@@ -78,9 +78,9 @@ impl<B: TransferBackend> OffloadWorker<B> {
 
     /// Writes every chunk this worker stores through to `tier` as well, under
     /// `rank` (this worker's share of the chunk), once its copy is done. The
-    /// backend must expose its host pool ([`TransferBackend::host_share`]);
-    /// chunks it does not expose are not written (counted nowhere: a backend
-    /// without a host pool view, such as the CUDA one today, writes nothing).
+    /// backend must expose its host pool ([`TransferBackend::host_share`]: the
+    /// host and CUDA backends do); with one that does not, nothing is written
+    /// and fetches fail (their requests recompute).
     pub fn with_remote_tier(mut self, tier: RemoteTier, rank: u32) -> Self {
         self.remote = Some(RemoteWrite {
             tier,

@@ -251,8 +251,8 @@ impl Sim {
             )?,
             (SimBackend::Cuda { .. }, Some(_)) => {
                 return Err(SimError::Options(
-                    "the remote tier needs a host backend: the CUDA backend does not expose \
-                     its pinned pool to the write-through yet"
+                    "the sim attaches a remote tier to host-backend workers only (its CUDA \
+                     worker pool does not take one yet)"
                         .into(),
                 ));
             }

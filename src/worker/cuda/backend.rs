@@ -477,6 +477,14 @@ impl TransferBackend for CudaBackend {
     fn in_flight(&self) -> usize {
         self.ids.len()
     }
+
+    /// The pinned pool is mapped host memory (the constructor's contract):
+    /// a store's bytes are there once its completion event has been seen
+    /// (which `poll` waits for), and bytes written here before a load is
+    /// submitted are what the load's DMA reads. Compiled, not run on a GPU.
+    fn host_share(&self, chunk: crate::ids::ChunkId) -> Option<crate::worker::HostShare> {
+        self.layout.host_share(chunk)
+    }
 }
 
 impl Drop for CudaBackend {
