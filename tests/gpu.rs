@@ -608,3 +608,40 @@ fn gpu_the_registered_pool_with_kernel_and_batch_strategies_matches_the_host_bac
         }
     }
 }
+
+#[test]
+#[cfg_attr(miri, ignore)]
+#[cfg_attr(
+    not(kvoffload_gpu),
+    ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
+)]
+fn gpu_host_share_reads_the_pinned_rows_a_store_wrote() {
+    let Some(ctx) = gpu_or_skip("gpu_host_share_reads_the_pinned_rows_a_store_wrote") else {
+        return;
+    };
+    let mut rng = Rng(0x5EA7);
+    let s = shapes()[0];
+    let mut p = Pair::new(&ctx, s, PinnedKind::HostAlloc).expect("setup");
+    p.randomise(&mut rng).expect("randomise");
+    let sp = spec(&mut rng, s, 8.min(s.blocks as usize - 2), false, 0);
+    p.check(Direction::Store, JobId(1), &sp, "store for host_share")
+        .expect("check");
+    // What the remote tier's write-through reads: the same bytes from the
+    // CUDA backend's pinned pool as from the host backend's reference pool.
+    for &c in &sp.chunks {
+        let (a, b) = (
+            p.cuda.host_share(c).expect("a CUDA share"),
+            p.host.host_share(c).expect("a host share"),
+        );
+        assert_eq!(a.len, b.len);
+        // SAFETY: both stores finished (checked above) and no job is in
+        // flight; both shares lie in pools that live as long as `p`.
+        let (x, y) = unsafe {
+            (
+                std::slice::from_raw_parts(a.addr as *const u8, a.len),
+                std::slice::from_raw_parts(b.addr as *const u8, b.len),
+            )
+        };
+        assert_eq!(x, y, "chunk {c:?}");
+    }
+}
