@@ -219,7 +219,8 @@ impl SchedulerCore {
         let address = key.as_ptr() as usize;
         let full = lists.has_resumed && lists.resumed.contains(key.to_owned())?;
         let computed = int_u64(list_item(lists.computed, i)?)?;
-        let groups = lists.blocks.get_item(i)?;
+        // Borrowed (no reference taken); its tuple's item is read at once.
+        let groups = list_item(lists.blocks, i)?;
         let new_blocks = if groups.is_none() {
             Vec::new()
         } else {
@@ -674,32 +675,35 @@ impl SchedulerCore {
         };
         let last = std::mem::replace(&mut self.last_counters, now);
         let d = PyDict::new(py);
-        d.set_item("usage", st.usage)?;
-        d.set_item("write_usage", st.write_usage)?;
-        d.set_item("read_usage", st.read_usage)?;
-        d.set_item("stalled_jobs", m.stalled_jobs)?;
-        d.set_item("quarantined_chunks", m.quarantined_chunks)?;
+        d.set_item(intern!(py, "usage"), st.usage)?;
+        d.set_item(intern!(py, "write_usage"), st.write_usage)?;
+        d.set_item(intern!(py, "read_usage"), st.read_usage)?;
+        d.set_item(intern!(py, "stalled_jobs"), m.stalled_jobs)?;
+        d.set_item(intern!(py, "quarantined_chunks"), m.quarantined_chunks)?;
         let delta = |a: u64, b: u64| a.saturating_sub(b);
         d.set_item(
-            "allocation_failures",
+            intern!(py, "allocation_failures"),
             delta(now.allocation_failures, last.allocation_failures),
         )?;
         d.set_item(
-            "stores_skipped",
+            intern!(py, "stores_skipped"),
             delta(now.stores_skipped, last.stores_skipped),
         )?;
         d.set_item(
-            "stalled_stores",
+            intern!(py, "stalled_stores"),
             delta(now.stalled_stores, last.stalled_stores),
         )?;
         d.set_item(
-            "stalled_loads",
+            intern!(py, "stalled_loads"),
             delta(now.stalled_loads, last.stalled_loads),
         )?;
-        d.set_item("late_reports", delta(now.late_reports, last.late_reports))?;
-        d.set_item("allocation_sizes", sizes)?;
-        d.set_item("lookup_sync_delays", sync)?;
-        d.set_item("lookup_async_delays", asynchronous)?;
+        d.set_item(
+            intern!(py, "late_reports"),
+            delta(now.late_reports, last.late_reports),
+        )?;
+        d.set_item(intern!(py, "allocation_sizes"), sizes)?;
+        d.set_item(intern!(py, "lookup_sync_delays"), sync)?;
+        d.set_item(intern!(py, "lookup_async_delays"), asynchronous)?;
         Ok(d)
     }
 
