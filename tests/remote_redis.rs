@@ -33,10 +33,12 @@ fn namespace(model: &str) -> Namespace {
     })
 }
 
+/// The tier's config for a test server. Timeouts leave room for a loaded CI
+/// machine (a refused connection to a killed server still fails at once).
 fn config(url: &str, cluster: bool) -> RemoteTierConfig {
     RemoteTierConfig {
         cluster,
-        connect_timeout_ms: 500,
+        connect_timeout_ms: 2_000,
         response_timeout_ms: 2_000,
         op_timeout_ms: 10_000,
         backoff_initial_ms: 100,
@@ -571,9 +573,18 @@ fn tls_rediss_round_trips_and_checks_the_server_certificate() {
     let (server, certs) = RedisServer::start_tls().expect("openssl makes the test certificates");
     let clock = ManualClock::new();
     assert!(server.url().starts_with("rediss://"));
+    // The TLS handshake runs in this unoptimized test build, beside the
+    // other tests' servers and sims on a small CI machine: give it the
+    // time a loaded machine needs (CI once took over 500 ms), so that the
+    // check below is about TLS, not about the machine's load.
+    let tls_config = |url: &str| RemoteTierConfig {
+        connect_timeout_ms: 10_000,
+        response_timeout_ms: 10_000,
+        ..config(url, false)
+    };
     let cfg = RemoteTierConfig {
         tls_ca_file: Some(certs.ca.clone()),
-        ..config(&server.url(), false)
+        ..tls_config(&server.url())
     };
     let mut t = start(&cfg, namespace("m"), &clock);
     assert!(t.is_connected());
@@ -585,7 +596,7 @@ fn tls_rediss_round_trips_and_checks_the_server_certificate() {
     );
     // Without the CA the server's certificate is not trusted: a clear error
     // at start (retrying could not help).
-    let cfg = config(&server.url(), false);
+    let cfg = tls_config(&server.url());
     let err = RemoteTier::start(
         Box::new(RedisConnector::new(&cfg).expect("valid config")),
         &cfg,
