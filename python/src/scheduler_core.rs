@@ -54,6 +54,16 @@ pub(crate) struct SchedulerCore {
     /// while tracked, so the address is theirs), with the number of block
     /// hashes given to the scheduler (the per-step check reads only this).
     by_address: FxHashMap<usize, (RequestId, usize)>,
+    /// The last step's cached requests by position in vLLM's list: the key
+    /// object's address (0: none), the request and the block hashes the
+    /// scheduler had of it. vLLM lists its running requests in the same order
+    /// step after step, so the request at a position is usually the one found
+    /// there last time: matched by address without a hash lookup. Only
+    /// addresses in `by_address` are kept (a tracked request's key object is
+    /// alive, so its address is its own); a forgotten request's are cleared.
+    /// The hash count may lag behind (a hook between steps gave more): a
+    /// lower count only makes the step look at the request's hashes again.
+    positions: Vec<(usize, RequestId, usize)>,
     /// Finished requests the scheduler may still track (jobs in flight):
     /// forgotten once it no longer does.
     finishing: Vec<RequestId>,
@@ -91,16 +101,18 @@ impl SchedulerCore {
     /// or the request's end reads it). Store planning needs no fresher count:
     /// a chunk is stored only up to the hashed blocks, which the count sent
     /// with them already covers.
-    fn sync(&mut self, py: Python<'_>, id: RequestId, force: bool) -> PyResult<()> {
+    /// Returns the number of hashes the scheduler has of the request then (0
+    /// for one the connector does not track).
+    fn sync(&mut self, py: Python<'_>, id: RequestId, force: bool) -> PyResult<usize> {
         let Some(t) = self.tracked.get_mut(&id) else {
-            return Ok(());
+            return Ok(0);
         };
         let req = t.request.bind(py);
         let list = req.getattr(intern!(py, "block_hashes"))?;
         let list = list.cast::<PyList>()?;
         let sent = t.hashes.len();
         if list.len() == sent && !force {
-            return Ok(());
+            return Ok(sent);
         }
         for i in sent..list.len() {
             t.hashes
@@ -112,7 +124,8 @@ impl SchedulerCore {
         let num_tokens: u64 = req.getattr(intern!(py, "num_tokens"))?.extract()?;
         self.s
             .update_request(id, num_tokens, &t.hashes[sent..])
-            .map_err(value_error)
+            .map_err(value_error)?;
+        Ok(t.hashes.len())
     }
 
     /// The request a scheduler-output key names: by the key object's
@@ -137,39 +150,45 @@ impl SchedulerCore {
 
     /// [`Self::sync`] when a block ending at or before `tokens` may have
     /// been hashed since the last one, `sent` hashes given so far (else
-    /// nothing is read).
+    /// nothing is read). Returns the hashes the scheduler has then (`sent`
+    /// when nothing was read).
     fn sync_until(
         &mut self,
         py: Python<'_>,
         id: RequestId,
         sent: usize,
         tokens: u64,
-    ) -> PyResult<()> {
+    ) -> PyResult<usize> {
         let tpb = u64::from(self.cfg.tokens_per_block);
         if sent != usize::MAX && (sent as u64 + 1).saturating_mul(tpb) > tokens {
-            return Ok(());
+            return Ok(sent);
         }
         self.sync(py, id, false)
     }
 
+    /// Forgets the key object at `address` (its request is forgotten or
+    /// replaced): out of `by_address` and of `positions`.
+    fn forget_address(&mut self, address: usize) {
+        self.by_address.remove(&address);
+        for p in self.positions.iter_mut().filter(|p| p.0 == address) {
+            p.0 = 0;
+        }
+    }
+
     /// Forgets the finished requests the scheduler no longer tracks.
     fn forget_finished(&mut self) {
-        let (s, tracked, names, by_address) = (
-            &self.s,
-            &mut self.tracked,
-            &mut self.names,
-            &mut self.by_address,
-        );
-        self.finishing.retain(|&id| {
-            let gone = !s.has_request(id);
+        let mut finishing = std::mem::take(&mut self.finishing);
+        finishing.retain(|&id| {
+            let gone = !self.s.has_request(id);
             if gone {
-                if let Some(t) = tracked.remove(&id) {
-                    by_address.remove(&(t.name.as_ptr() as usize));
+                if let Some(t) = self.tracked.remove(&id) {
+                    self.forget_address(t.name.as_ptr() as usize);
                 }
-                names.forget(id);
+                self.names.forget(id);
             }
             !gone
         });
+        self.finishing = finishing;
     }
 
     /// Records vLLM's hash bytes of the keys a store job writes: the job's
@@ -227,6 +246,65 @@ impl SchedulerCore {
             block_list(&groups.get_item(0)?)?
         };
         Ok(Some((address, id, sent, new_blocks, full, computed)))
+    }
+
+    /// Adds cached request `i`, whose key is `key` (it is the next one
+    /// `num_scheduled` lists, `n` tokens), to the step's input: the lockstep
+    /// path of [`Self::build_step_with`], found by position when it is where
+    /// it was last step (see `positions`).
+    fn schedule_cached(
+        &mut self,
+        py: Python<'_>,
+        input: &mut StepInput,
+        lists: &CachedLists<'_, '_>,
+        i: usize,
+        key: Borrowed<'_, '_, PyAny>,
+        n: Borrowed<'_, '_, PyAny>,
+    ) -> PyResult<()> {
+        // Borrowed reads (`crate::borrowed`): the key and the count are read
+        // before any Python code may run (the set's comparison gets its own
+        // reference of the key).
+        let address = key.as_ptr() as usize;
+        let scheduled_tokens = int_u64(n)?;
+        let (id, sent, registered) = match self.positions.get(i) {
+            Some(&(a, id, sent)) if a == address => (id, sent, true),
+            _ => match self.resolve_with_hashes(&key)? {
+                // Found by address (`sent` known): a tracked key object.
+                Some((id, sent)) => (id, sent, sent != usize::MAX),
+                None => return Ok(()),
+            },
+        };
+        let full_table = lists.has_resumed && lists.resumed.contains(key.to_owned())?;
+        let computed_tokens = int_u64(list_item(lists.computed, i)?)?;
+        // Borrowed (no reference taken); its tuple's item is read at once.
+        let groups = list_item(lists.blocks, i)?;
+        let new_block_ids = if groups.is_none() {
+            Vec::new()
+        } else {
+            block_list(&groups.get_item(0)?)?
+        };
+        // Store planning this step reads hashes up to the tokens computed by
+        // its end: a block completed past them can wait.
+        let sent = self.sync_until(
+            py,
+            id,
+            sent,
+            computed_tokens.saturating_add(scheduled_tokens),
+        )?;
+        if registered {
+            if self.positions.len() <= i {
+                self.positions.resize(i + 1, (0, RequestId(0), 0));
+            }
+            self.positions[i] = (address, id, sent);
+        }
+        input.scheduled.push(ScheduledRequest {
+            req: id,
+            new_block_ids,
+            computed_tokens,
+            scheduled_tokens,
+            full_table,
+        });
+        Ok(())
     }
 
     /// Adds a scheduled request (its part, `n` tokens) to the step's input,
@@ -306,8 +384,7 @@ impl SchedulerCore {
                     && list_item(lists.ids, next_cached)?.as_ptr() as usize == address
                 {
                     next_cached += 1;
-                    let part = self.cached_part(&lists, next_cached - 1)?;
-                    return self.schedule(py, input, part, n);
+                    return self.schedule_cached(py, input, &lists, next_cached - 1, key, n);
                 }
                 slow = true;
                 for i in next_cached..lists.ids.len() {
@@ -411,6 +488,7 @@ impl SchedulerCore {
             names: Names::default(),
             tracked: FxHashMap::default(),
             by_address: FxHashMap::default(),
+            positions: Vec::new(),
             finishing: Vec::new(),
             key_bytes: FxHashMap::default(),
             kv_events,
@@ -454,10 +532,10 @@ impl SchedulerCore {
             },
         );
         if let Some(old) = old {
-            self.by_address.remove(&(old.name.as_ptr() as usize));
+            self.forget_address(old.name.as_ptr() as usize);
         }
         self.by_address.insert(address, (id, 0));
-        self.sync(py, id, true)
+        self.sync(py, id, true).map(|_| ())
     }
 
     /// Tokens beyond `computed_tokens` the host tier can supply, or `None`:
