@@ -15,6 +15,7 @@ pub mod bench;
 pub mod clock;
 pub mod config;
 pub mod engine;
+pub mod histogram;
 pub mod ids;
 pub mod kernels;
 pub mod key;

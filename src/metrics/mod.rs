@@ -2,7 +2,6 @@
 //! metrics (`vllm:kv_offload_*`), plus kvoffload's stall metrics; and a tiny
 //! HTTP server exposing them ([`server`]).
 
-pub mod histogram;
 pub mod server;
 
 use std::fmt::Write;
@@ -11,7 +10,7 @@ use crate::manager::ManagerStats;
 use crate::scheduler::{LookupDelays, SchedulerMetrics};
 use crate::worker::TransferStats;
 
-pub use histogram::Histogram;
+pub use crate::histogram::Histogram;
 pub use server::{MetricsServer, SharedMetricsText};
 
 /// Bucket bounds of the transfer size histograms (bytes), as vLLM's.

@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use crate::metrics::histogram::Histogram;
+use crate::histogram::Histogram;
 
 /// Latency bucket bounds (seconds): 50 µs to 5 s.
 const LATENCY_BOUNDS: [f64; 12] = [

@@ -7,17 +7,8 @@ use crate::manager::StoreOutcome;
 use super::Scheduler;
 use super::latch::ReportEffect;
 use super::stall::StalledJob;
+use super::types::{Ending, JobKind, SchedulerError, WorkerOutcome, WorkerReport};
 use super::types::{JobBlocks, JobSlots};
-use super::types::{JobKind, SchedulerError, WorkerOutcome, WorkerReport};
-
-/// How a job ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Ending {
-    /// Every worker reported; `failed` if one reported a failed transfer.
-    Reported { failed: bool },
-    /// The watchdog declared it stalled.
-    Stalled,
-}
 
 /// Where a worker report for a job goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

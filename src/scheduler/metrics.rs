@@ -1,7 +1,7 @@
 //! Scheduler counters and gauges (plain values; exported by the metrics layer),
 //! and the lookup delay histograms.
 
-use crate::metrics::Histogram;
+use crate::histogram::Histogram;
 
 /// Bucket bounds (seconds) of the lookup delay histograms: a synchronous
 /// lookup takes microseconds, a deferred one up to a stall timeout.

@@ -4,9 +4,8 @@
 use crate::ids::{JobId, RequestId};
 
 use super::Scheduler;
-use super::completion::Ending;
+use super::types::{Ending, JobKind, ScanOutcome, SchedulerError};
 use super::types::{JobBlocks, JobKeys, JobSlots};
-use super::types::{JobKind, ScanOutcome, SchedulerError};
 
 /// A stalled job whose late reports are still due.
 #[derive(Debug, Clone)]

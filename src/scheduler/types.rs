@@ -238,3 +238,13 @@ pub(crate) fn copy_small<T: Copy, const N: usize>(items: &[T]) -> SmallVec<[T; N
         _ => SmallVec::from_slice(items),
     }
 }
+
+/// How a job ended (the one completion path, `completion.rs`, takes it; the
+/// stall path, `stall.rs`, ends jobs as stalled).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// Every worker reported; `failed` if one reported a failed transfer.
+    Reported { failed: bool },
+    /// The watchdog declared it stalled.
+    Stalled,
+}

@@ -1,4 +1,5 @@
-//! A cumulative Prometheus histogram with fixed bucket bounds.
+//! A cumulative Prometheus histogram with fixed bucket bounds: a leaf that
+//! the scheduler, the remote tier and the metrics module all use.
 
 use std::fmt::Write;
 
