@@ -1,15 +1,16 @@
 //! Host backend: the right bytes for every layout, round trips, FIFO order,
-//! fault injection and typed errors. Expected addresses are recomputed here
-//! from first principles (reference section C), not with the library's helpers.
+//! fault injection (the host backend wrapped in a [`FaultInjector`]) and typed
+//! errors. Expected addresses are recomputed here from first principles
+//! (reference section C), not with the library's helpers.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvoffload::ids::JobId;
 use kvoffload::worker::{
-    BackendError, Direction, Fault, GpuLayout, HostBackend, HostBackendOptions, HostBuffer,
-    HostRowLayout, LayoutError, SpecError, TransferBackend, TransferResult, TransferSpec,
-    WorkerLayout,
+    BackendError, Direction, Fault, FaultControl, FaultInjector, GpuLayout, HostBackend,
+    HostBackendOptions, HostBuffer, HostRowLayout, LayoutError, SpecError, TransferBackend,
+    TransferResult, TransferSpec, WorkerLayout,
 };
 
 const POISON: u8 = 0xAB;
@@ -54,10 +55,12 @@ enum Kind {
     Cross { block: u64, stride: u64 },
 }
 
-struct Fixture {
+/// Buffers, a backend over them (the host backend, or it in a fault injector:
+/// [`Fixture::faulty`]) and the expected layout.
+struct Fixture<B = HostBackend> {
     gpu: Arc<HostBuffer>,
     pool: Arc<HostBuffer>,
-    backend: HostBackend,
+    backend: B,
     /// (offset of region in `gpu`, stride, page) per tensor.
     regions: Vec<(usize, usize, usize)>,
     bpc: usize,
@@ -141,6 +144,23 @@ impl Fixture {
         }
     }
 
+    /// The same fixture, its backend wrapped in a fault injector.
+    fn faulty(self) -> Fixture<FaultInjector<HostBackend>> {
+        Fixture {
+            gpu: self.gpu,
+            pool: self.pool,
+            backend: FaultInjector::new(self.backend),
+            regions: self.regions,
+            bpc: self.bpc,
+            row: self.row,
+            slot_offset: self.slot_offset,
+            num_blocks: self.num_blocks,
+            num_chunks: self.num_chunks,
+        }
+    }
+}
+
+impl<B> Fixture<B> {
     /// (gpu offset, pool offset, bytes) of every page the spec moves.
     fn pages(&self, spec: &TransferSpec) -> Vec<(usize, usize, usize)> {
         let skip = spec.first_block_index as usize % self.bpc;
@@ -218,8 +238,8 @@ impl Fixture {
     }
 }
 
-fn run(
-    backend: &mut HostBackend,
+fn run<B: TransferBackend>(
+    backend: &mut B,
     dir: Direction,
     job: JobId,
     spec: &TransferSpec,
@@ -403,7 +423,8 @@ fn delay_holds_the_job_and_those_behind_it_for_n_polls() {
         1,
         0,
         32,
-    );
+    )
+    .faulty();
     let a = f.random_spec(&mut rng, 2, false, 0);
     let b = f.random_spec(&mut rng, 2, false, 0);
     f.backend.set_fault(JobId(1), Fault::DelayPolls(3));
@@ -447,7 +468,8 @@ fn stall_never_reports_until_released_and_moves_no_bytes() {
         1,
         0,
         32,
-    );
+    )
+    .faulty();
     f.poison_and_randomise(&mut rng, &f.pool, &f.gpu);
     let stalled = f.random_spec(&mut rng, 3, false, 1);
     f.backend.set_fault(JobId(1), Fault::Stall);
@@ -483,7 +505,7 @@ fn stall_never_reports_until_released_and_moves_no_bytes() {
     f.check_partial(&stalled);
 }
 
-impl Fixture {
+impl<B> Fixture<B> {
     /// The spec's destination pages in the pool equal the GPU source pages.
     fn check_partial(&self, spec: &TransferSpec) {
         for (g, h, n) in self.pages(spec) {
@@ -507,7 +529,8 @@ fn fail_reports_failure_and_copies_nothing() {
         1,
         0,
         32,
-    );
+    )
+    .faulty();
     f.poison_and_randomise(&mut rng, &f.gpu, &f.pool);
     let spec = f.random_spec(&mut rng, 4, true, 0);
     f.backend.set_fault(JobId(5), Fault::Fail);
@@ -572,7 +595,9 @@ fn bad_input_gives_typed_errors() {
         SpecError::Empty
     );
     assert_eq!(b.in_flight(), 0);
-    // Duplicate ids in flight.
+    // Duplicate ids in flight (one held by a stall, in the fault injector).
+    let mut f = f.faulty();
+    let b = &mut f.backend;
     b.set_fault(JobId(9), Fault::Stall);
     b.submit_store(JobId(9), &TransferSpec::new(&[1], 0, &[0]))
         .unwrap();
@@ -669,7 +694,8 @@ fn cancelled_stalls_are_forgotten_and_never_report_nor_move_bytes() {
         1,
         0,
         32,
-    );
+    )
+    .faulty();
     f.poison_and_randomise(&mut rng, &f.pool, &f.gpu);
     // Many stalled jobs, all cancelled: the backend keeps nothing of them.
     for i in 0..200u64 {

@@ -1,4 +1,5 @@
-//! Worker step hooks over the host backend (reference section A.6).
+//! Worker step hooks over the host backend (reference section A.6), wrapped in
+//! the fault injector, as every worker that injects faults is.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -6,18 +7,22 @@ use std::time::Duration;
 use kvoffload::ChunkKey;
 use kvoffload::ids::{JobId, RequestId};
 use kvoffload::worker::{
-    Fault, GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, LoadJob,
-    OffloadWorker, StepPlan, StoreJob, TransferBackend, TransferSpec, WorkerLayout, WorkerReport,
+    Fault, FaultControl, FaultInjector, GpuLayout, HostBackend, HostBackendOptions, HostBuffer,
+    HostRowLayout, LoadJob, OffloadWorker, StepPlan, StoreJob, TransferBackend, TransferSpec,
+    WorkerLayout, WorkerReport,
 };
 
 const PAGE: u64 = 1024;
 const BLOCKS: u32 = 32;
 const CHUNKS: u32 = 16;
 
+/// The workers' backend: the host backend, faults injected by the wrapper.
+type Backend = FaultInjector<HostBackend>;
+
 struct Rig {
     gpu: Arc<HostBuffer>,
     pool: Arc<HostBuffer>,
-    worker: OffloadWorker<HostBackend>,
+    worker: OffloadWorker<Backend>,
 }
 
 fn rig(store_writer: bool) -> Rig {
@@ -37,8 +42,8 @@ fn rig(store_writer: bool) -> Rig {
         HostBackendOptions::default(),
     )
     .unwrap();
-    let worker =
-        OffloadWorker::new(backend, store_writer).with_wait_timeout(Some(Duration::from_secs(30)));
+    let worker = OffloadWorker::new(FaultInjector::new(backend), store_writer)
+        .with_wait_timeout(Some(Duration::from_secs(30)));
     // SAFETY: no job in flight.
     unsafe {
         for b in 0..BLOCKS {
@@ -69,7 +74,7 @@ fn load(job: u64, req: Option<u64>, block: u32, chunk: u32) -> LoadJob {
 }
 
 /// Runs the four hooks of one step.
-fn step(w: &mut OffloadWorker<HostBackend>, mut plan: StepPlan) -> WorkerReport {
+fn step(w: &mut OffloadWorker<Backend>, mut plan: StepPlan) -> WorkerReport {
     w.handle_preemptions(&mut plan).unwrap();
     w.start_transfers(&plan).unwrap();
     w.queue_stores(&mut plan);
@@ -77,7 +82,7 @@ fn step(w: &mut OffloadWorker<HostBackend>, mut plan: StepPlan) -> WorkerReport 
 }
 
 /// Collects reports until `n` jobs completed (bounded; waits on the backend, never a timer).
-fn drain(w: &mut OffloadWorker<HostBackend>, jobs: &[JobId], n: usize) -> WorkerReport {
+fn drain(w: &mut OffloadWorker<Backend>, jobs: &[JobId], n: usize) -> WorkerReport {
     w.backend_mut()
         .wait(jobs, Some(Duration::from_secs(30)))
         .unwrap();
@@ -351,7 +356,7 @@ fn remote_rig_with(
 }
 
 /// Waits until `puts` puts are written (or failed) by the worker's tier.
-fn flush_remote(w: &OffloadWorker<HostBackend>, puts: u64) {
+fn flush_remote(w: &OffloadWorker<Backend>, puts: u64) {
     let t = w.remote_tier().expect("a tier");
     let t0 = std::time::Instant::now();
     while t.stats().puts_written + t.stats().puts_failed < puts {

@@ -1,6 +1,7 @@
 //! `WorkerCore`: one worker's data plane, vLLM's worker-side connector hooks
 //! over [`kvoffload::worker::OffloadWorker`], on the host backend (CPU KV
-//! tensors) or the CUDA backend (CUDA KV tensors, a pinned host pool).
+//! tensors) or the CUDA backend (CUDA KV tensors, a pinned host pool), either
+//! wrapped in a [`FaultInjector`] (the fault-injection tests' `set_fault`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,7 +22,7 @@ use crate::convert::{runtime_error, value_error};
 
 /// The worker over its backend (boxed: the two differ in size).
 enum Worker {
-    Host(Box<OffloadWorker<HostBackend>>),
+    Host(Box<OffloadWorker<FaultInjector<HostBackend>>>),
     Cuda(Box<OffloadWorker<FaultInjector<CudaBackend>>>),
 }
 
@@ -127,7 +128,10 @@ impl WorkerCore {
         // and untouched during their jobs by the caller (documented above).
         let backend = unsafe { HostBackend::from_raw(layout, HostBackendOptions::default()) };
         Ok(Self {
-            worker: Worker::Host(Box::new(OffloadWorker::new(backend, true))),
+            worker: Worker::Host(Box::new(OffloadWorker::new(
+                FaultInjector::new(backend),
+                true,
+            ))),
             _pool: Pool::Host(pool),
             plan: None,
             pool_bytes,

@@ -1,7 +1,8 @@
 //! A pool of worker threads, one [`OffloadWorker`] each over a transfer backend
-//! with fault injection ([`FaultControl`]: a [`HostBackend`] here, a CUDA
-//! backend in [`super::cuda_workers`]), driven in lock step: every step each worker runs its four hooks, waits for
-//! the transfers it submitted (never for a stalled one), and reports.
+//! wrapped in a [`FaultInjector`] (a [`HostBackend`] here, a CUDA backend in
+//! [`super::cuda_workers`]), driven in lock step: every step each worker runs
+//! its four hooks, waits for the transfers it submitted (never for a stalled
+//! one), and reports.
 //!
 //! Waiting before the report makes what a step reports depend only on the plan
 //! and the injected faults, not on thread timing: a simulation is reproducible.
@@ -208,7 +209,8 @@ impl WorkerPool {
 
     /// `world_size` workers, each with `gpu_blocks` blocks of `block_bytes`
     /// (cross-layer pages), sharing a host pool of `num_chunks` rows of
-    /// `blocks_per_chunk` blocks per worker.
+    /// `blocks_per_chunk` blocks per worker; each worker's host backend is
+    /// wrapped in a [`FaultInjector`] (as the CUDA pool's backends are).
     pub fn new(
         world_size: u32,
         gpu_blocks: u32,
@@ -222,21 +224,18 @@ impl WorkerPool {
             block_bytes,
             blocks_per_chunk,
             num_chunks,
-            false,
             None,
         )
     }
 
-    /// As [`Self::new`] (`wrapped`: as [`Self::host_with_fault_injector`]),
-    /// each worker writing its stored chunks through to its own
-    /// [`RemoteTier`] on `remote` (under its rank).
+    /// As [`Self::new`], each worker writing its stored chunks through to its
+    /// own [`RemoteTier`] on `remote` (under its rank).
     pub fn host_with_remote(
         world_size: u32,
         gpu_blocks: u32,
         block_bytes: u64,
         blocks_per_chunk: u32,
         num_chunks: u32,
-        wrapped: bool,
         remote: RemoteAttach,
     ) -> Result<Self, PoolError> {
         Self::host(
@@ -245,40 +244,16 @@ impl WorkerPool {
             block_bytes,
             blocks_per_chunk,
             num_chunks,
-            wrapped,
             Some(remote),
         )
     }
 
-    /// As [`Self::new`], but each host backend's faults are injected by the
-    /// generic [`FaultInjector`] (the one the CUDA pool uses), not natively:
-    /// checks the wrapper's semantics on any machine.
-    pub fn host_with_fault_injector(
-        world_size: u32,
-        gpu_blocks: u32,
-        block_bytes: u64,
-        blocks_per_chunk: u32,
-        num_chunks: u32,
-    ) -> Result<Self, PoolError> {
-        Self::host(
-            world_size,
-            gpu_blocks,
-            block_bytes,
-            blocks_per_chunk,
-            num_chunks,
-            true,
-            None,
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
     fn host(
         world_size: u32,
         gpu_blocks: u32,
         block_bytes: u64,
         blocks_per_chunk: u32,
         num_chunks: u32,
-        wrapped: bool,
         remote: Option<RemoteAttach>,
     ) -> Result<Self, PoolError> {
         let world = world_size.max(1);
@@ -305,18 +280,11 @@ impl WorkerPool {
                 HostBackendOptions::default(),
             )?;
             let remote = remote.clone();
-            if wrapped {
-                me.spawn(rank, (), move || {
-                    let w = OffloadWorker::new(FaultInjector::new(backend), true)
-                        .with_wait_timeout(Some(STEP_WAIT));
-                    attach_remote(w, rank, world, remote)
-                })?;
-            } else {
-                me.spawn(rank, (), move || {
-                    let w = OffloadWorker::new(backend, true).with_wait_timeout(Some(STEP_WAIT));
-                    attach_remote(w, rank, world, remote)
-                })?;
-            }
+            me.spawn(rank, (), move || {
+                let w = OffloadWorker::new(FaultInjector::new(backend), true)
+                    .with_wait_timeout(Some(STEP_WAIT));
+                attach_remote(w, rank, world, remote)
+            })?;
         }
         Ok(me)
     }

@@ -2,8 +2,8 @@
 //! system prompts, multi-turn conversations), a small model of the serving
 //! backend's scheduler (admission, GPU block allocation with a prefix cache,
 //! preemption), the real control plane, worker threads on host backends (or
-//! CUDA backends, [`SimBackend::Cuda`]),
-//! injected faults, and a summary whose leak counts come from the engine's
+//! CUDA backends, [`SimBackend::Cuda`]), faults injected into every backend by
+//! a [`crate::worker::FaultInjector`], and a summary whose leak counts come from the engine's
 //! state after a full drain. Everything runs on a manual clock, so a seed gives
 //! the same control-plane decisions every time.
 
@@ -27,16 +27,13 @@ pub use summary::Held;
 pub use summary::SimSummary;
 pub use workload::{Workload, WorkloadShape};
 
-/// The transfer backend the simulation's worker threads run.
+/// The transfer backend the simulation's worker threads run (always wrapped in
+/// a [`crate::worker::FaultInjector`], which injects the faults).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum SimBackend {
     /// Host memory stands in for the GPU (memcpy on copy threads): any machine.
     #[default]
     Host,
-    /// Host backends whose faults are injected by the generic
-    /// [`crate::worker::FaultInjector`] (as on CUDA) instead of natively: runs
-    /// the CUDA sim's fault path on any machine.
-    HostInjected,
     /// The CUDA backend: device buffers hold the GPU pool's blocks, the host
     /// pool is pinned; needs an NVIDIA driver and a device.
     Cuda {
@@ -50,7 +47,6 @@ impl SimBackend {
     pub fn name(&self) -> &'static str {
         match self {
             SimBackend::Host => "host",
-            SimBackend::HostInjected => "host-injected",
             SimBackend::Cuda { .. } => "cuda",
         }
     }

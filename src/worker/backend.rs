@@ -77,6 +77,15 @@ pub trait TransferBackend: Send {
     /// Jobs submitted and not yet reported by `poll`.
     fn in_flight(&self) -> usize;
 
+    /// Checks `spec` as submitting it would (the same [`BackendError::Spec`]
+    /// errors), without submitting anything: a wrapper that holds a job back
+    /// (the [`FaultInjector`](super::FaultInjector)) refuses a bad spec when it
+    /// is given, as the backend would. The default accepts every spec.
+    fn check_spec(&self, spec: &TransferSpec) -> Result<(), BackendError> {
+        let _ = spec;
+        Ok(())
+    }
+
     /// Where this worker's share of host chunk `chunk` lives in host memory,
     /// for reading it outside a transfer (the remote tier's write-through);
     /// `None` where the backend does not expose its host pool (the default)

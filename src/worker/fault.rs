@@ -1,6 +1,7 @@
-//! Fault injection for the host backend: per job, a delay, a stall or a failure.
-//! Used by tests and by the simulation to exercise the stall watchdog and the
-//! failed-load path without timers.
+//! Fault injection: per job, a delay, a stall or a failure, applied to any
+//! backend by a [`FaultInjector`](super::FaultInjector). Used by tests and by
+//! the simulation to exercise the stall watchdog and the failed-load path
+//! without timers.
 
 use serde::{Deserialize, Serialize};
 
@@ -12,7 +13,8 @@ pub enum Fault {
     /// after submission on (jobs behind it in the same direction wait: FIFO).
     DelayPolls(u32),
     /// The job never finishes and never reports (no bytes move), until
-    /// `HostBackend::release_stalled` lets it run late. Later jobs still finish.
+    /// [`FaultControl::release_stalled`](super::FaultControl::release_stalled)
+    /// lets it run late. Later jobs still finish.
     Stall,
     /// The job reports `success = false` without copying.
     Fail,

@@ -1,15 +1,28 @@
-//! Fault injection for any [`TransferBackend`]: the [`FaultControl`] trait
-//! (the host backend implements it natively) and [`FaultInjector`], a wrapper
-//! giving the same semantics to a backend without its own (the CUDA backend),
-//! so that the simulation injects the same faults on either.
+//! Fault injection for any [`TransferBackend`]: the [`FaultControl`] trait and
+//! [`FaultInjector`], a wrapper that delays, stalls or fails chosen jobs of the
+//! backend it wraps. The real backends (host, CUDA) have no fault code of their
+//! own: the simulation, the engine's worker pool, the vLLM connector's binding
+//! and the tests all inject faults through this wrapper, so a fault means the
+//! same on every backend.
 //!
-//! Semantics, as the host backend's: `DelayPolls(n)` copies but reports only
-//! from the n-th `poll` after submission on, holding back the jobs behind it in
-//! its direction (FIFO); `Stall` neither copies nor reports until
+//! Semantics: `DelayPolls(n)` copies but reports only from the n-th `poll`
+//! after submission on (the wrapper counts its polls), holding back the jobs
+//! behind it in its direction (FIFO); `Stall` neither copies nor reports until
 //! [`FaultControl::release_stalled`] submits it late (it then reports after the
-//! jobs already queued in its direction); `Fail` reports `success = false`, 0
-//! bytes, and copies nothing. Difference: a failed or stalled job's spec is
-//! checked by the wrapped backend only when (if) it is submitted there.
+//! jobs already queued in its direction) or [`FaultControl::cancel_stalled`]
+//! drops it; `Fail` reports `success = false`, 0 bytes, and copies nothing.
+//!
+//! A stalled or failed job's spec is checked when it is given
+//! ([`TransferBackend::check_spec`]), as the wrapped backend checks the others
+//! at submission; a job refused at submission keeps its injected fault (it
+//! applies when the job is submitted). `wait` counts a held (stalled) job as
+//! not finished: it waits for the other jobs, then returns
+//! [`BackendError::WaitTimedOut`] naming the held ones, at once (nothing can
+//! release them while it waits, so it neither sleeps out the timeout nor,
+//! without one, blocks forever).
+//!
+//! [`FaultInjector::settle`] and [`FaultInjector::drain`] are test helpers that
+//! make completion independent of thread timing and of injected delays.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -19,10 +32,9 @@ use crate::ids::{ChunkId, JobId};
 use super::backend::{Direction, HostShare, TransferBackend, TransferResult};
 use super::error::BackendError;
 use super::fault::Fault;
-use super::host_backend::HostBackend;
 use super::layout::TransferSpec;
 
-/// Per-job fault injection on a transfer backend.
+/// Per-job fault injection on a transfer backend (implemented by [`FaultInjector`]).
 pub trait FaultControl {
     /// Injects `fault` into `job` (it applies when the job is submitted).
     fn set_fault(&mut self, job: JobId, fault: Fault);
@@ -30,33 +42,12 @@ pub trait FaultControl {
     fn release_stalled(&mut self, job: JobId) -> bool;
     /// Jobs held by a [`Fault::Stall`], sorted.
     fn stalled(&self) -> Vec<JobId>;
-    /// Drops a stalled job for good: it never runs nor reports (the control
-    /// plane confirmed it cancelled). False if it is not stalled.
+    /// Drops a stalled job for good: it never runs nor reports, and nothing of
+    /// it is kept (the control plane confirmed it cancelled). False if it is
+    /// not stalled (not submitted, already released or already cancelled).
     fn cancel_stalled(&mut self, job: JobId) -> bool;
     /// Faults injected whose job was not submitted yet.
     fn pending_faults(&self) -> usize;
-}
-
-impl FaultControl for HostBackend {
-    fn set_fault(&mut self, job: JobId, fault: Fault) {
-        HostBackend::set_fault(self, job, fault);
-    }
-
-    fn release_stalled(&mut self, job: JobId) -> bool {
-        HostBackend::release_stalled(self, job)
-    }
-
-    fn stalled(&self) -> Vec<JobId> {
-        HostBackend::stalled(self)
-    }
-
-    fn cancel_stalled(&mut self, job: JobId) -> bool {
-        HostBackend::cancel_stalled(self, job)
-    }
-
-    fn pending_faults(&self) -> usize {
-        HostBackend::pending_faults(self)
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +73,7 @@ pub struct FaultInjector<B> {
     held: HashMap<JobId, (Direction, TransferSpec)>,
     queues: [VecDeque<Entry>; 2],
     results: HashMap<JobId, TransferResult>,
+    /// Polls so far: the clock of `DelayPolls`.
     polls: u64,
     buf: Vec<TransferResult>,
 }
@@ -110,6 +102,53 @@ impl<B: TransferBackend> FaultInjector<B> {
         &mut self.inner
     }
 
+    /// Waits (up to `timeout`) until every job submitted to the wrapped backend
+    /// and not reported yet has finished, without reporting any: the next poll
+    /// reports them as usual (injected delays still count polls). Held stalled
+    /// jobs and injected failures are not waited for. Tests use it to make
+    /// completion independent of thread timing.
+    pub fn settle(&mut self, timeout: Duration) -> Result<(), BackendError> {
+        let submitted = self.submitted();
+        if submitted.is_empty() {
+            return Ok(());
+        }
+        self.inner.wait(&submitted, Some(timeout))
+    }
+
+    /// Reports every queued job as if every injected delay had run out: waits
+    /// for their copies, moves the delay clock (the poll count) past the
+    /// latest of them, and polls. What is still in flight afterwards can only
+    /// report once released ([`FaultControl::release_stalled`]): a test that a
+    /// job never reports drains instead of polling a fixed number of times, so
+    /// a report however late is caught.
+    pub fn drain(&mut self, out: &mut Vec<TransferResult>) -> Result<(), BackendError> {
+        let submitted = self.submitted();
+        if !submitted.is_empty() {
+            self.inner.wait(&submitted, None)?;
+        }
+        let latest = self
+            .queues
+            .iter()
+            .flatten()
+            .map(|e| e.ready_at_poll)
+            .max()
+            .unwrap_or(0);
+        // `poll` counts itself first, then reports what is ready at that count.
+        self.polls = self.polls.max(latest.saturating_sub(1));
+        self.poll(out);
+        Ok(())
+    }
+
+    /// Queued jobs that were submitted to the wrapped backend, FIFO per direction.
+    fn submitted(&self) -> Vec<JobId> {
+        self.queues
+            .iter()
+            .flatten()
+            .filter(|e| e.source == Source::Inner)
+            .map(|e| e.job)
+            .collect()
+    }
+
     fn known(&self, job: JobId) -> bool {
         self.held.contains_key(&job) || self.queues.iter().flatten().any(|e| e.job == job)
     }
@@ -135,20 +174,26 @@ impl<B: TransferBackend> FaultInjector<B> {
         if self.known(job) {
             return Err(BackendError::DuplicateJob(job));
         }
-        let fault = self.faults.remove(&job);
-        let (source, delay) = match fault {
+        // The fault is used up only once the job is accepted.
+        let (source, delay) = match self.faults.get(&job).copied() {
             Some(Fault::Stall) => {
+                self.inner.check_spec(spec)?;
+                self.faults.remove(&job);
                 tracing::debug!(%job, %dir, "fault injection: job stalls");
                 self.held.insert(job, (dir, spec.clone()));
                 return Ok(());
             }
-            Some(Fault::Fail) => (Source::Failed, 0),
+            Some(Fault::Fail) => {
+                self.inner.check_spec(spec)?;
+                (Source::Failed, 0)
+            }
             Some(Fault::DelayPolls(n)) => (Source::Inner, u64::from(n)),
             None => (Source::Inner, 0),
         };
         if source == Source::Inner {
             self.submit_inner(dir, job, spec)?;
         }
+        self.faults.remove(&job);
         self.queues[dir.index()].push_back(Entry {
             job,
             ready_at_poll: self.polls + delay,
@@ -245,20 +290,41 @@ impl<B: TransferBackend> TransferBackend for FaultInjector<B> {
     }
 
     fn wait(&mut self, jobs: &[JobId], timeout: Option<Duration>) -> Result<(), BackendError> {
-        // Stalled jobs never finish while held; injected failures are done.
+        // Injected failures are done; held (stalled) jobs cannot finish while
+        // this waits, so they are reported pending once the others are waited for.
         let ids: Vec<JobId> = jobs
             .iter()
             .copied()
             .filter(|j| !self.held.contains_key(j))
             .collect();
-        if ids.is_empty() {
-            return Ok(());
+        let waited = if ids.is_empty() {
+            Ok(())
+        } else {
+            self.inner.wait(&ids, timeout)
+        };
+        if ids.len() == jobs.len() {
+            return waited;
         }
-        self.inner.wait(&ids, timeout)
+        let late = match waited {
+            Ok(()) => Vec::new(),
+            Err(BackendError::WaitTimedOut { pending }) => pending,
+            Err(e) => return Err(e),
+        };
+        Err(BackendError::WaitTimedOut {
+            pending: jobs
+                .iter()
+                .copied()
+                .filter(|j| self.held.contains_key(j) || late.contains(j))
+                .collect(),
+        })
     }
 
     fn in_flight(&self) -> usize {
         self.held.len() + self.queues.iter().map(VecDeque::len).sum::<usize>()
+    }
+
+    fn check_spec(&self, spec: &TransferSpec) -> Result<(), BackendError> {
+        self.inner.check_spec(spec)
     }
 
     fn host_share(&self, chunk: ChunkId) -> Option<HostShare> {
@@ -271,7 +337,10 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::worker::{GpuLayout, HostBackendOptions, HostBuffer, HostRowLayout, WorkerLayout};
+    use crate::worker::{
+        GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, SpecError,
+        WorkerLayout,
+    };
 
     const LONG: Option<Duration> = Some(Duration::from_secs(30));
 
@@ -362,7 +431,12 @@ mod tests {
         r.b.submit_store(JobId(3), &spec(2, 2)).unwrap();
         assert_eq!(r.b.stalled(), vec![JobId(1)]);
         assert_eq!(r.b.in_flight(), 3);
-        r.b.wait(&[JobId(1), JobId(2), JobId(3)], LONG).unwrap();
+        // The others finish; the held job does not (the host backend's own
+        // stalls behaved so before the injector took them over).
+        assert!(matches!(
+            r.b.wait(&[JobId(1), JobId(2), JobId(3)], LONG),
+            Err(BackendError::WaitTimedOut { pending }) if pending == vec![JobId(1)]
+        ));
         assert_eq!(
             poll(&mut r.b),
             vec![(2, false), (3, true)],
@@ -406,5 +480,70 @@ mod tests {
         assert_eq!(poll(&mut r.b), vec![], "never reports");
         // SAFETY: nothing was submitted on this row.
         assert_eq!(unsafe { r.pool.read(0, 64) }, vec![0u8; 64], "never copied");
+    }
+
+    #[test]
+    fn waiting_on_a_held_job_reports_it_pending_at_once() {
+        let mut r = rig();
+        r.b.set_fault(JobId(1), Fault::Stall);
+        r.b.submit_store(JobId(1), &spec(1, 0)).unwrap();
+        r.b.submit_store(JobId(2), &spec(2, 1)).unwrap();
+        for timeout in [Some(Duration::ZERO), LONG, None] {
+            match r.b.wait(&[JobId(2), JobId(1)], timeout) {
+                Err(BackendError::WaitTimedOut { pending }) => {
+                    assert_eq!(pending, vec![JobId(1)], "{timeout:?}: job 2 finished");
+                }
+                other => panic!("{timeout:?}: expected a timeout, got {other:?}"),
+            }
+        }
+        r.b.wait(&[JobId(2)], LONG).unwrap();
+        assert_eq!(poll(&mut r.b), vec![(2, true)]);
+    }
+
+    #[test]
+    fn settle_and_drain_report_every_delay_but_no_stall() {
+        let mut r = rig();
+        r.b.set_fault(JobId(1), Fault::DelayPolls(u32::MAX));
+        r.b.set_fault(JobId(3), Fault::Stall);
+        r.b.set_fault(JobId(4), Fault::Fail);
+        for j in 1..=4 {
+            r.b.submit_store(JobId(j), &spec(j as u32, j as u32))
+                .unwrap();
+        }
+        r.b.settle(Duration::from_secs(30)).unwrap();
+        assert_eq!(poll(&mut r.b), vec![], "job 1 holds the stores back");
+        let mut out = Vec::new();
+        r.b.drain(&mut out).unwrap();
+        let got: Vec<(u64, bool)> = out.iter().map(|x| (x.job.0, x.success)).collect();
+        assert_eq!(got, vec![(1, true), (2, true), (4, false)]);
+        assert_eq!(r.b.stalled(), vec![JobId(3)]);
+        assert_eq!(r.b.in_flight(), 1);
+    }
+
+    #[test]
+    fn a_held_or_failed_job_with_a_bad_spec_is_refused_and_keeps_its_fault() {
+        let mut r = rig();
+        let bad = TransferSpec::new(&[0], 0, &[0]);
+        for (j, fault) in [
+            (1, Fault::Stall),
+            (2, Fault::Fail),
+            (3, Fault::DelayPolls(2)),
+        ] {
+            r.b.set_fault(JobId(j), fault);
+            assert!(matches!(
+                r.b.submit_load(JobId(j), &bad),
+                Err(BackendError::Spec(SpecError::NullBlock { position: 0 }))
+            ));
+        }
+        assert_eq!(
+            r.b.pending_faults(),
+            3,
+            "not submitted: the faults still apply"
+        );
+        assert_eq!(r.b.in_flight(), 0);
+        assert!(r.b.stalled().is_empty());
+        r.b.submit_load(JobId(1), &spec(1, 0)).unwrap();
+        assert_eq!(r.b.stalled(), vec![JobId(1)]);
+        assert_eq!(r.b.pending_faults(), 2);
     }
 }

@@ -13,9 +13,10 @@
 //! of one direction are copied one at a time, in submission order.
 //!
 //! It is the default backend where no GPU is present and the reference every
-//! GPU result is checked against. [`Fault`]s can be injected per job.
+//! GPU result is checked against. It has no fault injection of its own: wrap it
+//! in a [`FaultInjector`](super::FaultInjector) to delay, stall or fail jobs.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -28,7 +29,6 @@ use crate::profiling::{self, InFlightRange, JobPhase};
 use super::backend::{Direction, HostShare, TransferBackend, TransferResult};
 use super::descriptors::{CopyDesc, DescriptorTable, plan};
 use super::error::{BackendError, LayoutError};
-use super::fault::Fault;
 use super::host_buffer::HostBuffer;
 use super::layout::{TransferSpec, WorkerLayout};
 
@@ -37,12 +37,11 @@ const WAIT_SPINS: u32 = 1 << 14;
 
 const PENDING: u8 = 0;
 const DONE: u8 = 1;
-const FAILED: u8 = 2;
 /// Claimed by a copy thread or by a waiter, copy under way.
-const RUNNING: u8 = 3;
+const RUNNING: u8 = 2;
 
 fn finished(state: u8) -> bool {
-    state == DONE || state == FAILED
+    state == DONE
 }
 
 /// Tuning of the host backend.
@@ -71,7 +70,6 @@ struct HostJob {
     id: JobId,
     descs: Vec<CopyDesc>,
     bytes: u64,
-    fail: bool,
     state: AtomicU8,
     nanos: AtomicU64,
 }
@@ -80,7 +78,6 @@ struct HostJob {
 #[derive(Debug)]
 struct Pending {
     job: Arc<HostJob>,
-    ready_at_poll: u64,
     range: InFlightRange,
 }
 
@@ -110,10 +107,7 @@ pub struct HostBackend {
     senders: [Option<Sender<Arc<HostJob>>>; 2],
     threads: [Option<JoinHandle<()>>; 2],
     queues: [VecDeque<Pending>; 2],
-    stalled: HashMap<JobId, (Direction, Arc<HostJob>)>,
     ids: HashSet<JobId>,
-    faults: HashMap<JobId, Fault>,
-    polls: u64,
     table: DescriptorTable,
     wake: Arc<WakeHook>,
     help_in_wait: bool,
@@ -198,10 +192,7 @@ impl HostBackend {
             senders,
             threads,
             queues: [VecDeque::new(), VecDeque::new()],
-            stalled: HashMap::new(),
             ids: HashSet::new(),
-            faults: HashMap::new(),
-            polls: 0,
             table: DescriptorTable::default(),
             wake,
             help_in_wait: options.help_in_wait,
@@ -211,85 +202,6 @@ impl HostBackend {
     /// The layout this backend copies with.
     pub fn layout(&self) -> &WorkerLayout {
         &self.layout
-    }
-
-    /// Injects `fault` into `job` (it applies when the job is submitted).
-    pub fn set_fault(&mut self, job: JobId, fault: Fault) {
-        self.faults.insert(job, fault);
-    }
-
-    /// Lets a stalled job run now (a late completion). False if it is not stalled.
-    pub fn release_stalled(&mut self, job: JobId) -> bool {
-        let Some((dir, j)) = self.stalled.remove(&job) else {
-            return false;
-        };
-        let range = profiling::in_flight(dir, job, j.bytes);
-        if self.send(dir, j.clone()).is_err() {
-            self.stalled.insert(job, (dir, j));
-            return false;
-        }
-        self.queues[dir.index()].push_back(Pending {
-            job: j,
-            ready_at_poll: self.polls,
-            range,
-        });
-        true
-    }
-
-    /// Cancels a stalled job: it never copies and is never reported by `poll`,
-    /// and the backend forgets it (its descriptors and its id). False if it is
-    /// not stalled (not submitted, already released or already cancelled).
-    pub fn cancel_stalled(&mut self, job: JobId) -> bool {
-        if self.stalled.remove(&job).is_none() {
-            return false;
-        }
-        self.ids.remove(&job);
-        tracing::debug!(%job, "stalled job cancelled");
-        true
-    }
-
-    /// Faults injected with [`HostBackend::set_fault`] whose job was not
-    /// submitted yet.
-    pub fn pending_faults(&self) -> usize {
-        self.faults.len()
-    }
-
-    /// Jobs held by a [`Fault::Stall`].
-    pub fn stalled(&self) -> Vec<JobId> {
-        let mut v: Vec<JobId> = self.stalled.keys().copied().collect();
-        v.sort();
-        v
-    }
-
-    /// Waits (up to `timeout`) until every submitted job that is not held
-    /// stalled has finished copying, without reporting any: the next poll
-    /// reports them as usual (injected delays still count polls). Tests use it
-    /// to make completion independent of thread timing.
-    pub fn settle(&mut self, timeout: Duration) -> Result<(), BackendError> {
-        let queued: Vec<JobId> = self.queues.iter().flatten().map(|p| p.job.id).collect();
-        self.wait(&queued, Some(timeout))
-    }
-
-    /// Reports every queued job as if every injected delay had run out: waits
-    /// for their copies, moves the delay clock (the poll count) past the
-    /// latest of them, and polls. What is still in flight afterwards can only
-    /// report once released ([`Self::release_stalled`]): a test that a job
-    /// never reports drains instead of polling a fixed number of times, so a
-    /// report however late is caught.
-    pub fn drain(&mut self, out: &mut Vec<TransferResult>) -> Result<(), BackendError> {
-        let queued: Vec<JobId> = self.queues.iter().flatten().map(|p| p.job.id).collect();
-        self.wait(&queued, None)?;
-        let latest = self
-            .queues
-            .iter()
-            .flatten()
-            .map(|p| p.ready_at_poll)
-            .max()
-            .unwrap_or(0);
-        // `poll` counts itself first, then reports what is ready at that count.
-        self.polls = self.polls.max(latest.saturating_sub(1));
-        self.poll(out);
-        Ok(())
     }
 
     fn send(&self, dir: Direction, job: Arc<HostJob>) -> Result<(), BackendError> {
@@ -315,32 +227,19 @@ impl HostBackend {
         }
         let bytes = self.table.bytes;
         let _submit = profiling::phase(JobPhase::Submit, dir, job, bytes);
-        let fault = self.faults.remove(&job);
         let descs = std::mem::take(&mut self.table.descs);
         let host_job = Arc::new(HostJob {
             id: job,
             descs,
             bytes,
-            fail: fault == Some(Fault::Fail),
             state: AtomicU8::new(PENDING),
             nanos: AtomicU64::new(0),
         });
-        if fault == Some(Fault::Stall) {
-            tracing::debug!(%job, %dir, "fault injection: job stalls");
-            self.stalled.insert(job, (dir, host_job));
-            self.ids.insert(job);
-            return Ok(());
-        }
-        let delay = match fault {
-            Some(Fault::DelayPolls(n)) => u64::from(n),
-            _ => 0,
-        };
         let range = profiling::in_flight(dir, job, bytes);
         self.send(dir, host_job.clone())?;
         self.ids.insert(job);
         self.queues[dir.index()].push_back(Pending {
             job: host_job,
-            ready_at_poll: self.polls + delay,
             range,
         });
         Ok(())
@@ -372,7 +271,6 @@ impl HostBackend {
             .flat_map(|q| q.iter())
             .map(|p| &p.job)
             .find(|j| j.id == job)
-            .or_else(|| self.stalled.get(&job).map(|(_, j)| j))
     }
 }
 
@@ -386,27 +284,21 @@ impl TransferBackend for HostBackend {
     }
 
     fn poll(&mut self, out: &mut Vec<TransferResult>) {
-        self.polls += 1;
         for dir in Direction::ALL {
             let queue = &mut self.queues[dir.index()];
             while let Some(front) = queue.front() {
-                if front.ready_at_poll > self.polls {
-                    break;
-                }
-                let state = front.job.state.load(Ordering::Acquire);
-                if !finished(state) {
+                if !finished(front.job.state.load(Ordering::Acquire)) {
                     break;
                 }
                 let Some(p) = queue.pop_front() else { break };
-                let success = state == DONE;
                 let _complete = profiling::phase(JobPhase::Complete, dir, p.job.id, p.job.bytes);
                 p.range.end();
                 self.ids.remove(&p.job.id);
                 out.push(TransferResult {
                     job: p.job.id,
                     direction: dir,
-                    success,
-                    bytes: if success { p.job.bytes } else { 0 },
+                    success: true,
+                    bytes: p.job.bytes,
                     duration: Duration::from_nanos(p.job.nanos.load(Ordering::Relaxed)),
                 });
             }
@@ -468,6 +360,10 @@ impl TransferBackend for HostBackend {
         self.ids.len()
     }
 
+    fn check_spec(&self, spec: &TransferSpec) -> Result<(), BackendError> {
+        Ok(self.layout.validate(spec)?)
+    }
+
     fn host_share(&self, chunk: ChunkId) -> Option<HostShare> {
         self.layout.host_share(chunk)
     }
@@ -514,30 +410,23 @@ fn claim(job: &HostJob) -> bool {
         .is_ok()
 }
 
-/// Copies (or fails) a job claimed by the calling thread and publishes the result.
+/// Copies a job claimed by the calling thread and publishes its completion.
 fn run_claimed(job: &HostJob) {
     let start = Instant::now();
-    if !job.fail {
-        for d in &job.descs {
-            // SAFETY: the descriptors were built from a validated spec over a
-            // layout whose memory is valid for the backend's lifetime (checked in
-            // `HostBackend::new`, promised in `from_raw`); nothing else touches an
-            // in-flight job's bytes, and the claim makes this thread the only one
-            // copying this job. Source (GPU stand-in or pool) and destination (the
-            // other one) never overlap.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    d.src as *const u8,
-                    d.dst as *mut u8,
-                    d.bytes as usize,
-                )
-            };
-        }
+    for d in &job.descs {
+        // SAFETY: the descriptors were built from a validated spec over a
+        // layout whose memory is valid for the backend's lifetime (checked in
+        // `HostBackend::new`, promised in `from_raw`); nothing else touches an
+        // in-flight job's bytes, and the claim makes this thread the only one
+        // copying this job. Source (GPU stand-in or pool) and destination (the
+        // other one) never overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(d.src as *const u8, d.dst as *mut u8, d.bytes as usize)
+        };
     }
     let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
     job.nanos.store(nanos, Ordering::Relaxed);
-    job.state
-        .store(if job.fail { FAILED } else { DONE }, Ordering::SeqCst);
+    job.state.store(DONE, Ordering::SeqCst);
 }
 
 fn copy_thread(rx: Receiver<Arc<HostJob>>, wake: Arc<WakeHook>, spin: u32) {

@@ -240,13 +240,12 @@ impl Sim {
             sched.attach_remote(tier);
         }
         let pool = match (&opts.backend, remote) {
-            (SimBackend::Host | SimBackend::HostInjected, Some(r)) => WorkerPool::host_with_remote(
+            (SimBackend::Host, Some(r)) => WorkerPool::host_with_remote(
                 cfg.world_size,
                 opts.gpu_blocks,
                 opts.block_bytes,
                 cfg.blocks_per_chunk,
                 num_chunks,
-                opts.backend == SimBackend::HostInjected,
                 r,
             )?,
             (SimBackend::Cuda { .. }, Some(_)) => {
@@ -257,13 +256,6 @@ impl Sim {
                 ));
             }
             (SimBackend::Host, None) => WorkerPool::new(
-                cfg.world_size,
-                opts.gpu_blocks,
-                opts.block_bytes,
-                cfg.blocks_per_chunk,
-                num_chunks,
-            )?,
-            (SimBackend::HostInjected, None) => WorkerPool::host_with_fault_injector(
                 cfg.world_size,
                 opts.gpu_blocks,
                 opts.block_bytes,

@@ -478,6 +478,10 @@ impl TransferBackend for CudaBackend {
         self.ids.len()
     }
 
+    fn check_spec(&self, spec: &TransferSpec) -> Result<(), BackendError> {
+        Ok(self.layout.validate(spec)?)
+    }
+
     /// The pinned pool is mapped host memory (the constructor's contract):
     /// a store's bytes are there once its completion event has been seen
     /// (which `poll` waits for), and bytes written here before a load is
