@@ -21,8 +21,8 @@ impl Tag for WholeKey {
     const INDEX: &'static str = "key index";
 
     #[inline]
-    fn hash(self) -> u64 {
-        fibonacci_hash(self.0)
+    fn home(self, shift: u32) -> usize {
+        (fibonacci_hash(self.0) >> shift) as usize
     }
 }
 

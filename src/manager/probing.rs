@@ -6,8 +6,8 @@
 //!
 //! An entry is a *tag* (what the index keeps of the key: the key itself, or a
 //! fingerprint of it) and a slot. The home position is the top bits of the
-//! key's Fibonacci hash, which the tag alone gives back, so that deletion can
-//! move entries without reading their keys. A lookup compares tags, then asks
+//! key's Fibonacci hash, which the tag alone gives, so that deletion can move
+//! entries without reading their keys. A lookup compares tags, then asks
 //! the index to confirm a tag match (a fingerprint index reads the slot
 //! record's key; a key index needs nothing). Every method is generic over the
 //! tag, so each index gets its own monomorphized, inlined copy.
@@ -31,10 +31,9 @@ pub(crate) trait Tag: Copy + PartialEq {
     const VACANT: Self;
     /// The index's name, for its over-capacity panic.
     const INDEX: &'static str;
-    /// The key's Fibonacci hash, whose top bits are the home position. A tag
-    /// that keeps only the top 32 bits gives them back (the rest zero), which
-    /// serves tables of at most 2^32 entries.
-    fn hash(self) -> u64;
+    /// The home position in a table of 2^(64 - `shift`) entries: the key's
+    /// Fibonacci hash shifted right by `shift` (its top 64 - `shift` bits).
+    fn home(self, shift: u32) -> usize;
 }
 
 /// The slot of a vacant entry.
@@ -61,7 +60,7 @@ impl<T: Tag> Entry<T> {
 #[derive(Debug)]
 pub(crate) struct ProbeTable<T: Tag> {
     entries: HugeBuffer<Entry<T>>,
-    /// 64 - log2 of the table size: a hash's home is `hash >> shift`.
+    /// 64 - log2 of the table size (see [`Tag::home`]).
     shift: u32,
     mask: usize,
     len: usize,
@@ -84,7 +83,7 @@ impl<T: Tag> ProbeTable<T> {
     /// The home position of a tag.
     #[inline]
     fn home(&self, tag: T) -> usize {
-        home_of(tag, self.shift)
+        tag.home(self.shift)
     }
 
     /// The position of the entry of `tag` that `confirm` accepts (given the
@@ -152,7 +151,7 @@ impl<T: Tag> ProbeTable<T> {
         let slot = self.entries[hole].slot;
         let (shift, mask) = (self.shift, self.mask);
         remove_at(&mut self.entries, mask, hole, Entry::VACANT, |e| {
-            (e.slot != EMPTY).then(|| home_of(e.tag, shift))
+            (e.slot != EMPTY).then(|| e.tag.home(shift))
         });
         self.len -= 1;
         Some(slot)
@@ -170,12 +169,6 @@ impl<T: Tag> ProbeTable<T> {
     pub(crate) fn heap_bytes(&self) -> usize {
         self.entries.heap_bytes()
     }
-}
-
-/// The home position of `tag` in a table whose hashes shift right by `shift`.
-#[inline]
-fn home_of<T: Tag>(tag: T, shift: u32) -> usize {
-    (tag.hash() >> shift) as usize
 }
 
 /// Empties `entries[hole]` and closes the gap (backward-shift deletion):

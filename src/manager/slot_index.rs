@@ -23,10 +23,11 @@ impl Tag for Fingerprint {
     const VACANT: Self = Self(0);
     const INDEX: &'static str = "slot index";
 
-    /// The top half of the hash (tables of at most 2^32 entries need no more).
+    /// The fingerprint's top bits (a table has at most 2^32 entries, so
+    /// `shift` >= 32).
     #[inline]
-    fn hash(self) -> u64 {
-        u64::from(self.0) << 32
+    fn home(self, shift: u32) -> usize {
+        (u64::from(self.0) >> (shift - 32)) as usize
     }
 }
 
