@@ -1,6 +1,6 @@
-//! The tier's key -> slot index: open addressing with linear probing and
-//! backward-shift deletion (no tombstones), sized once for the tier's capacity
-//! at a load factor of at most 1/2, in huge-page memory.
+//! The tier's key -> slot index: a [`ProbeTable`] (linear probing,
+//! backward-shift deletion, load factor at most 1/2, huge-page memory) sized
+//! once for the tier's capacity, whose tags are fingerprints.
 //!
 //! An entry is 8 bytes: the slot and a 32-bit fingerprint of the key (the top
 //! half of its Fibonacci hash, whose top bits are also the home position).
@@ -13,77 +13,43 @@
 
 use crate::key::ChunkKey;
 
-use super::huge_buffer::HugeBuffer;
-use super::probing::remove_at;
+use super::probing::{ProbeTable, Tag, fibonacci_hash};
 
-const EMPTY: u32 = u32::MAX;
+/// Top 32 bits of a key's Fibonacci hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Fingerprint(u32);
 
-#[derive(Debug, Clone, Copy)]
-#[repr(C)]
-struct Entry {
-    /// Top 32 bits of the key's Fibonacci hash.
-    fp: u32,
-    /// The slot, or `EMPTY`.
-    slot: u32,
+impl Tag for Fingerprint {
+    const VACANT: Self = Self(0);
+    const INDEX: &'static str = "slot index";
+
+    /// The fingerprint's top bits (a table has at most 2^32 entries, so
+    /// `shift` >= 32).
+    #[inline]
+    fn home(self, shift: u32) -> usize {
+        (u64::from(self.0) >> (shift - 32)) as usize
+    }
 }
 
-const VACANT: Entry = Entry { fp: 0, slot: EMPTY };
+#[inline]
+fn fingerprint(key: ChunkKey) -> Fingerprint {
+    Fingerprint((fibonacci_hash(key) >> 32) as u32)
+}
 
 /// Maps chunk keys to host slot ids (never `u32::MAX`); holds at most the
 /// capacity given at creation. Every method that compares keys takes `key_of`,
 /// the key the slot record of an indexed slot holds.
 #[derive(Debug)]
 pub(crate) struct SlotIndex {
-    entries: HugeBuffer<Entry>,
-    /// log2 of the table size (at most 32: the home is the fingerprint's top bits).
-    bits: u32,
-    mask: usize,
-    len: usize,
-    max_len: usize,
-}
-
-/// The home position of fingerprint `fp` in a table of 2^`bits` entries.
-#[inline]
-fn home_of(fp: u32, bits: u32) -> usize {
-    (u64::from(fp) >> (32 - bits)) as usize
-}
-
-#[inline]
-fn fingerprint(key: ChunkKey) -> u32 {
-    (key.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as u32
+    /// At most 2^32 entries: the home is the fingerprint's top bits.
+    table: ProbeTable<Fingerprint>,
 }
 
 impl SlotIndex {
     /// An index for up to `max_len` keys.
     pub(crate) fn with_capacity(max_len: usize) -> Self {
-        let size = (max_len.max(8) * 2).next_power_of_two().min(1 << 32);
         Self {
-            entries: HugeBuffer::new(size, VACANT),
-            bits: size.trailing_zeros(),
-            mask: size - 1,
-            len: 0,
-            max_len,
-        }
-    }
-
-    #[inline]
-    fn home(&self, fp: u32) -> usize {
-        home_of(fp, self.bits)
-    }
-
-    #[inline]
-    fn find(&self, key: ChunkKey, key_of: impl Fn(u32) -> ChunkKey) -> Result<usize, usize> {
-        let fp = fingerprint(key);
-        let mut i = self.home(fp);
-        loop {
-            let e = self.entries[i];
-            if e.slot == EMPTY {
-                return Err(i);
-            }
-            if e.fp == fp && key_of(e.slot) == key {
-                return Ok(i);
-            }
-            i = (i + 1) & self.mask;
+            table: ProbeTable::with_capacity(max_len, 1 << 32),
         }
     }
 
@@ -91,44 +57,25 @@ impl SlotIndex {
     /// batch of lookups overlaps its memory latency.
     #[inline]
     pub(crate) fn prefetch(&self, key: ChunkKey) {
-        #[cfg(all(target_arch = "x86_64", not(miri)))]
-        {
-            let i = self.home(fingerprint(key));
-            let p = std::ptr::from_ref(&self.entries[i]).cast::<i8>();
-            // SAFETY: a prefetch is a hint with no memory effect; `p` points into
-            // the live table. SSE is part of the x86_64 baseline.
-            unsafe { core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p) };
-        }
-        #[cfg(not(all(target_arch = "x86_64", not(miri))))]
-        let _ = key;
+        self.table.prefetch(fingerprint(key));
     }
 
     /// Number of keys.
     pub(crate) fn len(&self) -> usize {
-        self.len
+        self.table.len()
     }
 
     /// The slot of `key`.
     #[inline]
     pub(crate) fn get(&self, key: ChunkKey, key_of: impl Fn(u32) -> ChunkKey) -> Option<u32> {
-        self.find(key, key_of).ok().map(|i| self.entries[i].slot)
+        self.table.get(fingerprint(key), |s| key_of(s) == key)
     }
 
     /// Sets the slot of `key`, inserting it if absent.
     #[inline]
     pub(crate) fn insert(&mut self, key: ChunkKey, slot: u32, key_of: impl Fn(u32) -> ChunkKey) {
-        debug_assert_ne!(slot, EMPTY);
-        match self.find(key, key_of) {
-            Ok(i) => self.entries[i].slot = slot,
-            Err(i) => {
-                assert!(self.len < self.max_len, "slot index over its capacity");
-                self.entries[i] = Entry {
-                    fp: fingerprint(key),
-                    slot,
-                };
-                self.len += 1;
-            }
-        }
+        self.table
+            .insert(fingerprint(key), slot, |s| key_of(s) == key);
     }
 
     /// Removes `key`, returning its slot (call it while the slot record still
@@ -138,27 +85,17 @@ impl SlotIndex {
         key: ChunkKey,
         key_of: impl Fn(u32) -> ChunkKey,
     ) -> Option<u32> {
-        let hole = self.find(key, key_of).ok()?;
-        let slot = self.entries[hole].slot;
-        let (bits, mask) = (self.bits, self.mask);
-        remove_at(&mut self.entries, mask, hole, VACANT, |e| {
-            (e.slot != EMPTY).then(|| home_of(e.fp, bits))
-        });
-        self.len -= 1;
-        Some(slot)
+        self.table.remove(fingerprint(key), |s| key_of(s) == key)
     }
 
     /// Removes every key.
     pub(crate) fn clear(&mut self) {
-        if self.len > 0 {
-            self.entries.fill(VACANT);
-            self.len = 0;
-        }
+        self.table.clear();
     }
 
     /// Bytes of memory held.
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.entries.heap_bytes()
+        self.table.heap_bytes()
     }
 }
 
@@ -230,7 +167,7 @@ mod tests {
     fn keys_with_equal_fingerprints_are_told_apart_by_their_slot_records() {
         assert_eq!(
             fingerprint(ChunkKey(7u64.wrapping_mul(0xF1DE_83E1_9937_733D))),
-            0
+            Fingerprint(0)
         );
         churn(if cfg!(miri) { 60 } else { 300 }, true);
     }

@@ -139,7 +139,7 @@ impl Scheduler {
         pos.extend(cand_idx.iter().map(|&i| i as u64 + 1));
         let ps = self
             .manager
-            .prepare_store_for_job(&cand, &pos, Some(&mut rs.access))
+            .prepare_store_for_job(&cand, &pos, &mut rs.access)
             .map(|(k, c)| -> (JobKeys, JobSlots) { (copy_small(k), copy_small(c)) });
         self.scratch_pos = pos;
         let (Some((keys, chunk_ids)), Some(rs)) = (ps, self.requests.at_mut(slot)) else {
