@@ -5,6 +5,7 @@
 //!
 //! `cargo bench --bench host_backend -- --warm-up-time 1 --measurement-time 3`
 
+use kvoffload::Direction;
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,8 +13,8 @@ use std::time::Duration;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kvoffload::ids::JobId;
 use kvoffload::worker::{
-    Direction, GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout,
-    TransferBackend, TransferSpec, WorkerLayout, plan_descriptors,
+    GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, TransferBackend,
+    TransferSpec, WorkerLayout, plan_descriptors,
 };
 
 const BLOCK: u64 = 16 << 10;

@@ -14,6 +14,7 @@
 pub mod bench;
 pub mod clock;
 pub mod config;
+mod direction;
 pub mod engine;
 pub mod histogram;
 pub mod ids;
@@ -31,6 +32,7 @@ pub mod worker;
 
 pub use clock::{Clock, ManualClock, MonotonicClock, SharedClock};
 pub use config::{ConfigError, EvictionPolicyKind, OffloadConfig};
+pub use direction::Direction;
 pub use ids::{ChunkId, GpuBlockId, JobId, RequestId};
 pub use key::{BlockHash, ChunkKey};
 

@@ -8,8 +8,8 @@
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU8, Ordering};
 
+use crate::Direction;
 use crate::ids::JobId;
-use crate::worker::Direction;
 
 /// A phase of a transfer job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,6 +6,7 @@
 //! kernel, kernel in a graph) is checked against the host backend on random
 //! data, with the pinned pool, events, and graph replay with refreshed tables.
 
+use kvoffload::Direction;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,8 +17,8 @@ use kvoffload::worker::cuda::{
     open_context,
 };
 use kvoffload::worker::{
-    Direction, GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout,
-    TransferBackend, TransferResult, TransferSpec, WorkerLayout,
+    GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, TransferBackend,
+    TransferResult, TransferSpec, WorkerLayout,
 };
 
 const LONG: Option<Duration> = Some(Duration::from_secs(60));

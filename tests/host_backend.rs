@@ -3,14 +3,15 @@
 //! errors. Expected addresses are recomputed here from first principles
 //! (reference section C), not with the library's helpers.
 
+use kvoffload::Direction;
 use std::sync::Arc;
 use std::time::Duration;
 
 use kvoffload::ids::JobId;
 use kvoffload::worker::{
-    BackendError, Direction, Fault, FaultControl, FaultInjector, GpuLayout, HostBackend,
-    HostBackendOptions, HostBuffer, HostRowLayout, LayoutError, SpecError, TransferBackend,
-    TransferResult, TransferSpec, WorkerLayout,
+    BackendError, Fault, FaultControl, FaultInjector, GpuLayout, HostBackend, HostBackendOptions,
+    HostBuffer, HostRowLayout, LayoutError, SpecError, TransferBackend, TransferResult,
+    TransferSpec, WorkerLayout,
 };
 
 const POISON: u8 = 0xAB;

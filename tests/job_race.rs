@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use common::*;
-use kvoffload::scheduler::{StepInput, WorkerReport};
+use kvoffload::scheduler::{CompletionReport, StepInput};
 use kvoffload::{JobId, RequestId};
 
 const JOBS: u64 = 32;
@@ -116,7 +116,7 @@ fn race_round(round: u64, seen: &mut Seen) {
         let pos = ((k * 7 + round * 3 + w * 5) % JOBS) as usize;
         let job = jobs[pos];
         let before = h.s.metrics().late_reports;
-        let out = h.s.on_worker_output(&WorkerReport {
+        let out = h.s.on_worker_output(&CompletionReport {
             completed: vec![(job, 1)],
             failed: vec![],
         });

@@ -15,7 +15,7 @@ use kvoffload::remote::value::{ValueIdentity, encode};
 use kvoffload::remote::{
     MemoryConnector, MemoryState, Namespace, RemoteTier, RemoteTierConfig, WritePolicy,
 };
-use kvoffload::scheduler::{LookupOutcome, Scheduler, StepInput, StepPlan, WorkerReport};
+use kvoffload::scheduler::{CompletionReport, LookupOutcome, Scheduler, StepInput, StepPlan};
 use kvoffload::{ChunkKey, JobId, ManualClock, OffloadConfig};
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -90,7 +90,7 @@ impl Rig {
 
     /// Every worker reports `job` (failed or not).
     fn report(&mut self, job: JobId, failed: bool) {
-        let out = self.s.on_worker_output(&WorkerReport {
+        let out = self.s.on_worker_output(&CompletionReport {
             completed: vec![(job, 2)],
             failed: if failed { vec![job] } else { vec![] },
         });

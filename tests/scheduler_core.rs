@@ -6,7 +6,7 @@ mod common;
 use common::*;
 use kvoffload::JobId;
 use kvoffload::manager::{LookupResult, StoreOutcome};
-use kvoffload::scheduler::{LookupOutcome, SchedulerError, WorkerReport};
+use kvoffload::scheduler::{CompletionReport, LookupOutcome, SchedulerError};
 
 const TPC3: u64 = 12; // tokens per chunk with tpb=4, bpc=3
 
@@ -163,7 +163,7 @@ fn preemption(cpu_hit: bool, asynchronous: bool) {
         assert!(plan.loads.is_empty());
         assert_eq!(h.s.request_jobs(r(1)), Some(stores.clone()));
     }
-    let out = h.s.on_worker_output(&WorkerReport {
+    let out = h.s.on_worker_output(&CompletionReport {
         completed: vec![(stores[0], 1)],
         failed: if cpu_hit { vec![] } else { vec![stores[0]] },
     });
@@ -417,7 +417,7 @@ fn complete_store_waits_for_all_worker_acks() {
     assert!(!h.s.is_job_live(s));
     assert_eq!(h.lookup_key(key(1, 0, 1)), LookupResult::Hit);
     // Reports beyond what a job expects are rejected, not applied.
-    let out = h.s.on_worker_output(&WorkerReport {
+    let out = h.s.on_worker_output(&CompletionReport {
         completed: vec![(s, 1)],
         failed: vec![],
     });
@@ -716,7 +716,7 @@ fn a_restarted_request_re_offers_every_chunk() {
     h.lookup(1, 0);
     h.alloc(1, &b(1..=2), 0);
     let plan = h.run(&[(1, b(1..=2), 0, 8)], &[], &[]);
-    h.s.on_worker_output(&WorkerReport {
+    h.s.on_worker_output(&CompletionReport {
         completed: vec![(plan.stores[0].job, 1)],
         failed: vec![plan.stores[0].job],
     });

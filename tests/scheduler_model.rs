@@ -27,12 +27,13 @@
 
 mod common;
 
+use kvoffload::Direction;
 use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use common::trace_rec::Rec;
 use kvoffload::scheduler::{
-    JobKind, LookupOutcome, ScheduledRequest, SchedulerError, StepInput, TransferJob, WorkerReport,
+    CompletionReport, LookupOutcome, ScheduledRequest, SchedulerError, StepInput, TransferJob,
 };
 use kvoffload::{BlockHash, ChunkKey, GpuBlockId, JobId, OffloadConfig, RequestId};
 use proptest::prelude::*;
@@ -120,7 +121,7 @@ enum JSt {
 
 #[derive(Debug, Clone)]
 struct MJob {
-    kind: JobKind,
+    kind: Direction,
     req: RequestId,
     created_ms: u64,
     left: u32,
@@ -277,7 +278,7 @@ impl World {
         TPB * self.bpc
     }
 
-    fn new_job(&mut self, kind: JobKind, req: RequestId, keys: Vec<ChunkKey>) -> u64 {
+    fn new_job(&mut self, kind: Direction, req: RequestId, keys: Vec<ChunkKey>) -> u64 {
         let id = self.next_job;
         self.next_job += 1;
         self.jobs.insert(
@@ -310,7 +311,7 @@ impl World {
     fn being_loaded(&self, k: ChunkKey) -> bool {
         self.jobs
             .values()
-            .any(|j| j.kind == JobKind::Load && j.st == JSt::Live && j.keys.contains(&k))
+            .any(|j| j.kind == Direction::Load && j.st == JSt::Live && j.keys.contains(&k))
     }
 
     fn free_slots(&self) -> u64 {
@@ -424,7 +425,7 @@ impl World {
     fn end_job(&mut self, id: u64, success: bool) {
         let j = self.jobs[&id].clone();
         match (j.kind, j.st) {
-            (JobKind::Store, JSt::Completed) => {
+            (Direction::Store, JSt::Completed) => {
                 for k in &j.keys {
                     if success {
                         self.tier.insert(
@@ -440,22 +441,22 @@ impl World {
                 }
                 self.events.push((!success, !success, j.keys.clone()));
             }
-            (JobKind::Load, JSt::Completed) => {
+            (Direction::Load, JSt::Completed) => {
                 for k in &j.keys {
                     self.tier.get_mut(k).expect("a pinned chunk").pins -= 1;
                 }
             }
-            (JobKind::Store, JSt::Released) => {
+            (Direction::Store, JSt::Released) => {
                 self.held
                     .retain(|h, _| !matches!(h, Hold::Store(s, _) if *s == id));
             }
-            (JobKind::Load, JSt::Released) if j.load_quarantined => {
+            (Direction::Load, JSt::Released) if j.load_quarantined => {
                 for holders in self.held.values_mut() {
                     holders.remove(&id);
                 }
                 self.held.retain(|_, h| !h.is_empty());
             }
-            (JobKind::Load, JSt::Released) => {
+            (Direction::Load, JSt::Released) => {
                 for k in &j.keys {
                     self.tier.get_mut(k).expect("a pinned chunk").pins -= 1;
                 }
@@ -475,7 +476,7 @@ impl World {
             },
             None => false,
         };
-        let out = self.rec.on_worker_output(&WorkerReport {
+        let out = self.rec.on_worker_output(&CompletionReport {
             completed: vec![(JobId(job), n)],
             failed: if fail { vec![JobId(job)] } else { vec![] },
         });
@@ -502,9 +503,9 @@ impl World {
                         j.st = JSt::Completed;
                         j.completions += 1;
                         match (j.kind, j.failed) {
-                            (JobKind::Load, false) => exp_finished.push(j.req),
-                            (JobKind::Load, true) => exp_failed.push(j.req),
-                            (JobKind::Store, _) => {}
+                            (Direction::Load, false) => exp_finished.push(j.req),
+                            (Direction::Load, true) => exp_failed.push(j.req),
+                            (Direction::Store, _) => {}
                         }
                         ended = Some(!j.failed);
                     }
@@ -523,7 +524,7 @@ impl World {
                     let before = j.left;
                     j.left = j.left.saturating_sub(n);
                     j.failed |= fail;
-                    if before > 0 && j.left == 0 && j.kind == JobKind::Load {
+                    if before > 0 && j.left == 0 && j.kind == Direction::Load {
                         if j.failed {
                             exp_failed.push(j.req);
                         } else {
@@ -559,10 +560,10 @@ impl World {
                 self.stall_count += 1;
                 exp.push(JobId(id));
                 match j.kind {
-                    JobKind::Load => {
+                    Direction::Load => {
                         exp_failed.insert(j.req);
                     }
-                    JobKind::Store => {
+                    Direction::Store => {
                         // Its keys leave the tier at once (never announced:
                         // a metadata-only removal); its slots stay held.
                         let keys = j.keys.clone();
@@ -726,7 +727,7 @@ impl World {
             }
             let req = RequestId(m.id);
             let finished = m.finish.is_some();
-            let job = self.new_job(JobKind::Store, req, to_store.clone());
+            let job = self.new_job(Direction::Store, req, to_store.clone());
             self.cov.stores += 1;
             self.cov.finished_stores += u64::from(finished);
             predicted.push((job, req, to_store, blocks));
@@ -772,7 +773,7 @@ impl World {
                 for k in &keys {
                     self.tier.get_mut(k).expect("a hit is in the tier").pins += 1;
                 }
-                let j = self.new_job(JobKind::Load, id, keys.clone());
+                let j = self.new_job(Direction::Load, id, keys.clone());
                 self.cov.loads += 1;
                 assert_eq!(job, Some(JobId(j)), "the load of {id}");
                 let to = (n / TPB) as usize;
@@ -1006,7 +1007,9 @@ impl World {
         let stalled_loads: Vec<u64> = self
             .jobs
             .iter()
-            .filter(|(_, j)| j.st == JSt::Stalled && j.kind == JobKind::Load && !j.load_quarantined)
+            .filter(|(_, j)| {
+                j.st == JSt::Stalled && j.kind == Direction::Load && !j.load_quarantined
+            })
             .map(|(&id, _)| id)
             .collect();
         for id in stalled_loads {

@@ -19,11 +19,12 @@
 
 mod common;
 
+use kvoffload::Direction;
 use std::collections::{BTreeMap, BTreeSet};
 
 use common::*;
 use kvoffload::scheduler::{
-    JobKind, LookupOutcome, ScheduledRequest, StepInput, StepPlan, WorkerReport,
+    CompletionReport, LookupOutcome, ScheduledRequest, StepInput, StepPlan,
 };
 use kvoffload::{BlockHash, ChunkId, ChunkKey, GpuBlockId, JobId, RequestId};
 use proptest::prelude::*;
@@ -31,7 +32,7 @@ use proptest::prelude::*;
 /// A job as the workers know it.
 #[derive(Debug, Clone)]
 struct Claim {
-    kind: JobKind,
+    kind: Direction,
     slots: Vec<(ChunkId, ChunkKey)>,
     blocks: Vec<GpuBlockId>,
     reports: u32,
@@ -79,7 +80,7 @@ impl Witness {
         // A store whose output can still become readable (not stalled, not
         // dropped by a reset) must read its GPU blocks before they change hands.
         for (&id, j) in &self.jobs {
-            if j.kind == JobKind::Store && !j.done && !j.flushed && !j.stalled && !j.dropped {
+            if j.kind == Direction::Store && !j.done && !j.flushed && !j.stalled && !j.dropped {
                 for b in reused {
                     assert!(
                         !j.blocks.contains(b) || plan.flush.contains(&id),
@@ -103,7 +104,7 @@ impl Witness {
                 );
                 self.slot.insert(c, (k, false));
             }
-            self.add(JobKind::Store, t);
+            self.add(Direction::Store, t);
         }
         for t in &plan.loads {
             for (&c, &k) in t.chunk_ids.iter().zip(t.keys.iter()) {
@@ -117,17 +118,17 @@ impl Witness {
                     let j = &self.jobs[&busy];
                     assert_eq!(
                         j.kind,
-                        JobKind::Load,
+                        Direction::Load,
                         "load {} reads slot {c} being written",
                         t.job
                     );
                 }
             }
-            self.add(JobKind::Load, t);
+            self.add(Direction::Load, t);
         }
     }
 
-    fn add(&mut self, kind: JobKind, t: &kvoffload::scheduler::TransferJob) {
+    fn add(&mut self, kind: Direction, t: &kvoffload::scheduler::TransferJob) {
         self.jobs.insert(
             t.job,
             Claim {
@@ -160,7 +161,7 @@ impl Witness {
             return;
         }
         j.done = true;
-        if j.kind == JobKind::Store && !j.failed && !j.stalled && !j.dropped {
+        if j.kind == Direction::Store && !j.failed && !j.stalled && !j.dropped {
             for &(c, k) in &j.slots.clone() {
                 if let Some(entry) = self.slot.get_mut(&c)
                     && entry.0 == k
@@ -471,7 +472,7 @@ fn run(ops: Vec<Op>, world: u32, chunks: u64) {
                 let k = pick as usize % m.inflight.len();
                 let (job, left) = m.inflight[k];
                 let n = u32::from(count).min(left);
-                let out = m.h.s.on_worker_output(&WorkerReport {
+                let out = m.h.s.on_worker_output(&CompletionReport {
                     completed: vec![(job, n)],
                     failed: if fail { vec![job] } else { vec![] },
                 });
@@ -524,7 +525,7 @@ fn run(ops: Vec<Op>, world: u32, chunks: u64) {
     }
     // Drain: every outstanding report arrives, every live request finishes.
     let all: Vec<(JobId, u32)> = std::mem::take(&mut m.inflight);
-    let out = m.h.s.on_worker_output(&WorkerReport {
+    let out = m.h.s.on_worker_output(&CompletionReport {
         completed: all,
         failed: vec![],
     });

@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use kvoffload::manager::{LookupResult, StoreOutcome};
-use kvoffload::scheduler::{LookupOutcome, SchedulerError, WorkerReport};
+use kvoffload::scheduler::{CompletionReport, LookupOutcome, SchedulerError};
 use kvoffload::{ChunkId, GpuBlockId, JobId};
 
 /// One request (family 1, 8 tokens = 2 chunks) with a store in flight.
@@ -40,7 +40,7 @@ fn with_load(world: u32) -> (H, JobId) {
 }
 
 fn late(h: &mut H, job: JobId, n: u32) {
-    let out = h.s.on_worker_output(&WorkerReport {
+    let out = h.s.on_worker_output(&CompletionReport {
         completed: vec![(job, n)],
         failed: vec![],
     });
@@ -384,7 +384,7 @@ fn confirm_cancelled_ends_the_quarantine() {
     assert_eq!(h.s.manager().stats().quarantined, 0);
     assert_eq!(h.s.state().fenced_blocks, 0);
     // A report after that is for a job that no longer exists: rejected, counted.
-    let out = h.s.on_worker_output(&WorkerReport {
+    let out = h.s.on_worker_output(&CompletionReport {
         completed: vec![(s, 1)],
         failed: vec![],
     });
@@ -395,7 +395,7 @@ fn confirm_cancelled_ends_the_quarantine() {
 #[test]
 fn unknown_reports_are_counted_never_a_panic() {
     let (mut h, s) = with_store(1);
-    let out = h.s.on_worker_output(&WorkerReport {
+    let out = h.s.on_worker_output(&CompletionReport {
         completed: vec![(JobId(999), 1), (s, 1)],
         failed: vec![],
     });

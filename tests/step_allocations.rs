@@ -14,7 +14,7 @@
 mod counting_alloc;
 
 use counting_alloc::allocations;
-use kvoffload::scheduler::{ScheduledRequest, Scheduler, StepInput, WorkerReport};
+use kvoffload::scheduler::{CompletionReport, ScheduledRequest, Scheduler, StepInput};
 use kvoffload::{BlockHash, GpuBlockId, ManualClock, OffloadConfig, RequestId};
 
 #[global_allocator]
@@ -82,7 +82,7 @@ fn a_steady_step_allocates_nothing() {
             counted_allocs += allocs;
             counted_stores += plan.stores.len() as u64;
         }
-        let report = WorkerReport {
+        let report = CompletionReport {
             completed: plan.stores.iter().map(|j| (j.job, 1)).collect(),
             failed: vec![],
         };

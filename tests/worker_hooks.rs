@@ -8,8 +8,8 @@ use kvoffload::ChunkKey;
 use kvoffload::ids::{JobId, RequestId};
 use kvoffload::worker::{
     Fault, FaultControl, FaultInjector, GpuLayout, HostBackend, HostBackendOptions, HostBuffer,
-    HostRowLayout, LoadJob, OffloadWorker, StepPlan, StoreJob, TransferBackend, TransferSpec,
-    WorkerLayout, WorkerReport,
+    HostRowLayout, LoadJob, OffloadWorker, StoreJob, TransferBackend, TransferSpec, WorkerLayout,
+    WorkerPlan, WorkerReport,
 };
 
 const PAGE: u64 = 1024;
@@ -74,7 +74,7 @@ fn load(job: u64, req: Option<u64>, block: u32, chunk: u32) -> LoadJob {
 }
 
 /// Runs the four hooks of one step.
-fn step(w: &mut OffloadWorker<Backend>, mut plan: StepPlan) -> WorkerReport {
+fn step(w: &mut OffloadWorker<Backend>, mut plan: WorkerPlan) -> WorkerReport {
     w.handle_preemptions(&mut plan).unwrap();
     w.start_transfers(&plan).unwrap();
     w.queue_stores(&mut plan);
@@ -116,7 +116,7 @@ fn stores_are_queued_for_the_next_step_then_complete_with_stats() {
     let mut r = rig(true);
     let report = step(
         &mut r.worker,
-        StepPlan {
+        WorkerPlan {
             stores: vec![store(1, 5, 2)],
             ..Default::default()
         },
@@ -129,7 +129,7 @@ fn stores_are_queued_for_the_next_step_then_complete_with_stats() {
         "not submitted in its own step"
     );
     // The store may already finish within the step that submits it.
-    let early = step(&mut r.worker, StepPlan::default());
+    let early = step(&mut r.worker, WorkerPlan::default());
     let report = if early.completed.is_empty() {
         drain(&mut r.worker, &[JobId(1)], 1)
     } else {
@@ -147,16 +147,16 @@ fn loads_start_in_their_step_and_report_their_request() {
     // Put a known chunk in the pool first.
     step(
         &mut r.worker,
-        StepPlan {
+        WorkerPlan {
             stores: vec![store(1, 7, 3)],
             ..Default::default()
         },
     );
-    step(&mut r.worker, StepPlan::default());
+    step(&mut r.worker, WorkerPlan::default());
     drain(&mut r.worker, &[JobId(1)], 1);
     let report = step(
         &mut r.worker,
-        StepPlan {
+        WorkerPlan {
             loads: vec![load(2, Some(40), 9, 3)],
             ..Default::default()
         },
@@ -176,7 +176,7 @@ fn loads_start_in_their_step_and_report_their_request() {
 #[test]
 fn sync_loads_are_waited_in_the_step_and_not_reported_as_recving() {
     let mut r = rig(true);
-    let mut plan = StepPlan {
+    let mut plan = WorkerPlan {
         loads: vec![load(3, None, 4, 0)],
         ..Default::default()
     };
@@ -196,12 +196,12 @@ fn preemption_flushes_this_steps_and_queued_stores_before_compute() {
     // Step N queues store 1; step N+1 plans store 2 and flushes both.
     step(
         &mut r.worker,
-        StepPlan {
+        WorkerPlan {
             stores: vec![store(1, 1, 1)],
             ..Default::default()
         },
     );
-    let mut plan = StepPlan {
+    let mut plan = WorkerPlan {
         stores: vec![store(2, 2, 2), store(3, 3, 3)],
         flush: vec![JobId(1), JobId(2), JobId(99)],
         ..Default::default()
@@ -229,14 +229,14 @@ fn a_non_writer_acknowledges_stores_without_copying() {
     let mut r = rig(false);
     let report = step(
         &mut r.worker,
-        StepPlan {
+        WorkerPlan {
             stores: vec![store(1, 5, 2)],
             ..Default::default()
         },
     );
     assert_eq!(report.completed.get(&JobId(1)), Some(&1));
     assert_eq!(report.stats.store.bytes, 0);
-    step(&mut r.worker, StepPlan::default());
+    step(&mut r.worker, WorkerPlan::default());
     assert_eq!(r.worker.backend().in_flight(), 0);
     assert_eq!(chunk_byte(&r, 2), 0xEE);
 }
@@ -245,7 +245,7 @@ fn a_non_writer_acknowledges_stores_without_copying() {
 fn failed_and_refused_jobs_are_reported_failed() {
     let mut r = rig(true);
     r.worker.backend_mut().set_fault(JobId(1), Fault::Fail);
-    let plan = StepPlan {
+    let plan = WorkerPlan {
         loads: vec![
             load(1, Some(10), 3, 0),
             load(2, Some(11), 0, 0),
@@ -278,7 +278,7 @@ fn a_cancelled_stalled_load_is_forgotten_by_the_worker_and_its_backend() {
         r.worker.backend_mut().set_fault(job, Fault::Stall);
         let report = step(
             &mut r.worker,
-            StepPlan {
+            WorkerPlan {
                 loads: vec![load(i + 1, Some(i), 3, 0)],
                 ..Default::default()
             },
@@ -375,12 +375,12 @@ fn completed_stores_are_written_through_with_the_row_bytes() {
     let (mut r, state, ns) = remote_rig(None);
     step(
         &mut r.worker,
-        StepPlan {
+        WorkerPlan {
             stores: vec![store(1, 5, 2), store(2, 6, 3)],
             ..Default::default()
         },
     );
-    let early = step(&mut r.worker, StepPlan::default());
+    let early = step(&mut r.worker, WorkerPlan::default());
     let report = drain(
         &mut r.worker,
         &[JobId(1), JobId(2)],
@@ -412,12 +412,12 @@ fn failed_or_cancelled_stores_are_not_written_through() {
     let (mut r, state, _) = remote_rig(Some(1));
     step(
         &mut r.worker,
-        StepPlan {
+        WorkerPlan {
             stores: vec![store(1, 5, 2)],
             ..Default::default()
         },
     );
-    let early = step(&mut r.worker, StepPlan::default());
+    let early = step(&mut r.worker, WorkerPlan::default());
     let report = drain(&mut r.worker, &[JobId(1)], 1 - early.completed.len());
     let failed: Vec<JobId> = early.failed.into_iter().chain(report.failed).collect();
     assert_eq!(failed, vec![JobId(1)]);
@@ -426,12 +426,12 @@ fn failed_or_cancelled_stores_are_not_written_through() {
     r.worker.backend_mut().set_fault(JobId(2), Fault::Stall);
     step(
         &mut r.worker,
-        StepPlan {
+        WorkerPlan {
             stores: vec![store(2, 6, 3)],
             ..Default::default()
         },
     );
-    step(&mut r.worker, StepPlan::default());
+    step(&mut r.worker, WorkerPlan::default());
     assert_eq!(r.worker.pending_remote_writes(), 1);
     assert!(r.worker.backend_mut().cancel_stalled(JobId(2)));
     assert!(r.worker.forget_job(JobId(2)));
@@ -449,12 +449,12 @@ fn fetches_read_shares_written_by_another_worker_into_host_slots() {
     let (mut a, state, _) = remote_rig(None);
     step(
         &mut a.worker,
-        StepPlan {
+        WorkerPlan {
             stores: vec![store(1, 5, 2)],
             ..Default::default()
         },
     );
-    let early = step(&mut a.worker, StepPlan::default());
+    let early = step(&mut a.worker, WorkerPlan::default());
     drain(&mut a.worker, &[JobId(1)], 1 - early.completed.len());
     flush_remote(&a.worker, 1);
     // Worker B (its own buffers, the same store and rank) fetches key 1002
@@ -467,7 +467,7 @@ fn fetches_read_shares_written_by_another_worker_into_host_slots() {
         keys: vec![ChunkKey(key)],
         chunks: vec![ChunkId(chunk)],
     };
-    let plan = StepPlan {
+    let plan = WorkerPlan {
         fetches: vec![fetch(10, 1002, 7), fetch(11, 4242, 8)],
         ..Default::default()
     };
@@ -504,12 +504,12 @@ fn on_eviction_chunks_are_written_when_evicted_not_when_stored() {
     let (mut r, state, ns) = remote_rig_with(None, MemoryState::new(), cfg);
     step(
         &mut r.worker,
-        StepPlan {
+        WorkerPlan {
             stores: vec![store(1, 5, 2)],
             ..Default::default()
         },
     );
-    let early = step(&mut r.worker, StepPlan::default());
+    let early = step(&mut r.worker, WorkerPlan::default());
     drain(&mut r.worker, &[JobId(1)], 1 - early.completed.len());
     assert_eq!(
         r.worker.pending_remote_writes(),
@@ -518,7 +518,7 @@ fn on_eviction_chunks_are_written_when_evicted_not_when_stored() {
     );
     // The host tier evicts chunk 2's key (1002), whose slot a store of the
     // same plan reuses (block 6): the share is written before that store runs.
-    let plan = StepPlan {
+    let plan = WorkerPlan {
         evictions: vec![(ChunkKey(1002), ChunkId(2))],
         stores: vec![store(2, 6, 2)],
         flush: vec![JobId(2)],

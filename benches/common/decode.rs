@@ -6,7 +6,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use kvoffload::manager::StoreOutcome;
-use kvoffload::scheduler::{ScheduledRequest, Scheduler, StepInput, StepPlan, WorkerReport};
+use kvoffload::scheduler::{CompletionReport, ScheduledRequest, Scheduler, StepInput, StepPlan};
 use kvoffload::{BlockHash, ChunkKey, GpuBlockId, OffloadConfig, RequestId, SharedClock};
 
 /// `running` decoding requests over a host tier of `chunks` chunks.
@@ -117,7 +117,7 @@ impl Decode {
     /// The plan's stores complete; events are drained and the plan recycled
     /// (as the sim does).
     pub fn complete(&mut self, plan: StepPlan) {
-        let report = WorkerReport {
+        let report = CompletionReport {
             completed: plan.stores.iter().map(|j| (j.job, 1)).collect(),
             failed: vec![],
         };

@@ -5,7 +5,9 @@ use std::collections::HashMap;
 
 use kvoffload::engine::encode_worker_plan;
 use kvoffload::manager::LookupResult;
-use kvoffload::scheduler::{LookupOutcome, ScheduledRequest, Scheduler, StepInput, WorkerReport};
+use kvoffload::scheduler::{
+    CompletionReport, LookupOutcome, ScheduledRequest, Scheduler, StepInput,
+};
 use kvoffload::{
     BlockHash, ChunkKey, GpuBlockId, JobId, ManualClock, MonotonicClock, OffloadConfig, RequestId,
 };
@@ -632,7 +634,7 @@ impl SchedulerCore {
         })?;
         let mut completed = done;
         completed.sort_unstable();
-        let report = WorkerReport {
+        let report = CompletionReport {
             completed,
             failed: failed.into_iter().map(JobId).collect(),
         };

@@ -13,8 +13,8 @@ use kvoffload::worker::cuda::{
 };
 use kvoffload::worker::{
     Fault, FaultControl, FaultInjector, GpuLayout, GpuLayoutKind, GpuRegion, HostBackend,
-    HostBackendOptions, HostBuffer, HostRowLayout, OffloadWorker, StepPlan, TransferBackend,
-    WorkerLayout, decode_plan,
+    HostBackendOptions, HostBuffer, HostRowLayout, OffloadWorker, TransferBackend, WorkerLayout,
+    WorkerPlan, decode_plan,
 };
 use pyo3::prelude::*;
 
@@ -49,7 +49,7 @@ pub(crate) struct WorkerCore {
     // Dropped before the pool: the backend's threads and streams end first.
     worker: Worker,
     _pool: Pool,
-    plan: Option<StepPlan>,
+    plan: Option<WorkerPlan>,
     pool_bytes: u64,
 }
 

@@ -6,6 +6,7 @@
 //! Compiled everywhere, runs only where a driver and a device are present:
 //! without them [`open_device`] returns [`CudaBenchError::Unavailable`].
 
+use crate::Direction;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,7 +20,7 @@ use crate::worker::cuda::{
     Strategy, StrategyRule, StrategyTable, open_context,
 };
 use crate::worker::{
-    BackendError, Direction, GpuLayout, HostRowLayout, TransferBackend, TransferSpec, WorkerLayout,
+    BackendError, GpuLayout, HostRowLayout, TransferBackend, TransferSpec, WorkerLayout,
 };
 
 use super::BenchRow;

@@ -1,14 +1,15 @@
 //! The host backend sweep: scattered blocks copied by [`HostBackend`] jobs,
 //! against one contiguous memcpy of the same bytes.
 
+use crate::Direction;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::engine::PoolError;
 use crate::ids::JobId;
 use crate::worker::{
-    Direction, GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout,
-    TransferBackend, TransferSpec, WorkerLayout,
+    GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, TransferBackend,
+    TransferSpec, WorkerLayout,
 };
 
 use super::BenchRow;

@@ -1,6 +1,6 @@
 //! Translation between the control plane's types ([`crate::scheduler::StepPlan`],
-//! [`crate::scheduler::WorkerReport`]) and the data plane's
-//! ([`crate::worker::StepPlan`], [`crate::worker::WorkerReport`]).
+//! [`crate::scheduler::CompletionReport`]) and the data plane's
+//! ([`crate::worker::WorkerPlan`], [`crate::worker::WorkerReport`]).
 
 use std::collections::BTreeMap;
 
@@ -49,8 +49,8 @@ pub fn encode_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32, out
 }
 
 /// The plan every worker receives for a scheduler step (loads carry their request).
-pub fn to_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32) -> worker::StepPlan {
-    worker::StepPlan {
+pub fn to_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32) -> worker::WorkerPlan {
+    worker::WorkerPlan {
         loads: plan
             .loads
             .iter()
@@ -87,7 +87,7 @@ pub fn to_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32) -> work
 /// failed jobs listed once (ascending job ids).
 pub fn merge_reports<'a>(
     reports: impl IntoIterator<Item = &'a worker::WorkerReport>,
-) -> scheduler::WorkerReport {
+) -> scheduler::CompletionReport {
     let mut completed: BTreeMap<JobId, u32> = BTreeMap::new();
     let mut failed: Vec<JobId> = Vec::new();
     for r in reports {
@@ -98,7 +98,7 @@ pub fn merge_reports<'a>(
     }
     failed.sort_unstable();
     failed.dedup();
-    scheduler::WorkerReport {
+    scheduler::CompletionReport {
         completed: completed.into_iter().collect(),
         failed,
     }

@@ -21,8 +21,8 @@ use crate::remote::{Namespace, RedisConnector, RemoteStats, RemoteTier, RemoteTi
 use crate::worker::cuda::CudaError;
 use crate::worker::{
     Fault, FaultControl, FaultInjector, GpuLayout, HostBackend, HostBackendOptions, HostBuffer,
-    HostBufferError, HostRowLayout, LayoutError, OffloadWorker, StepPlan, TransferBackend,
-    WorkerLayout, WorkerReport,
+    HostBufferError, HostRowLayout, LayoutError, OffloadWorker, TransferBackend, WorkerLayout,
+    WorkerPlan, WorkerReport,
 };
 
 /// Bound on one wait for a step's transfers (a wedged copy thread, not a stall).
@@ -75,7 +75,7 @@ pub enum PoolError {
 #[derive(Debug, Clone, Default)]
 pub struct WorkerCommand {
     /// The step's plan.
-    pub plan: StepPlan,
+    pub plan: WorkerPlan,
     /// Faults to inject (apply when the job is submitted on this worker).
     pub faults: Vec<(JobId, Fault)>,
     /// Stalled jobs to let run late now.
@@ -458,7 +458,7 @@ fn worker_loop<B: TransferBackend + FaultControl>(
 
 fn run_step<B: TransferBackend + FaultControl>(
     w: &mut OffloadWorker<B>,
-    plan: &mut StepPlan,
+    plan: &mut WorkerPlan,
     known: &HashSet<JobId>,
 ) -> Result<WorkerReport, String> {
     w.handle_preemptions(plan).map_err(|e| e.to_string())?;
@@ -482,14 +482,14 @@ mod tests {
     use crate::ids::RequestId;
     use crate::worker::{LoadJob, TransferSpec};
 
-    fn load_plan(job: JobId) -> StepPlan {
-        StepPlan {
+    fn load_plan(job: JobId) -> WorkerPlan {
+        WorkerPlan {
             loads: vec![LoadJob {
                 job,
                 request: Some(RequestId(job.0)),
                 spec: TransferSpec::new(&[1], 0, &[0]),
             }],
-            ..StepPlan::default()
+            ..WorkerPlan::default()
         }
     }
 
@@ -552,9 +552,9 @@ mod tests {
                 }
             } else {
                 WorkerCommand {
-                    plan: StepPlan {
+                    plan: WorkerPlan {
                         flush: vec![job],
-                        ..StepPlan::default()
+                        ..WorkerPlan::default()
                     },
                     ..WorkerCommand::default()
                 }

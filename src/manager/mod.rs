@@ -29,15 +29,12 @@
 //! `lru`, `arc`), per-request records (`request_access`), the reuse filter,
 //! the event log and the value types (`types`).
 
-mod arc;
 mod drain;
 mod events;
 mod huge_buffer;
-mod index_list;
 mod inspect;
 mod key_index;
 mod load;
-mod lru;
 mod policy;
 mod probing;
 mod recency;

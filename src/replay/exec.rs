@@ -9,7 +9,8 @@ use crate::ids::{JobId, RequestId};
 use crate::key::{BlockHash, ChunkKey};
 use crate::manager::{LookupResult, ManagerError, OffloadEvent, StoreOutcome};
 use crate::scheduler::{
-    LookupOutcome, RequestCaps, ScheduledRequest, Scheduler, StepInput, TransferJob, WorkerReport,
+    CompletionReport, LookupOutcome, RequestCaps, ScheduledRequest, Scheduler, StepInput,
+    TransferJob,
 };
 
 use super::intern::{Keys, Requests};
@@ -300,7 +301,7 @@ impl Engine {
             "step" => self.step(f),
             "worker_output" => {
                 let completed = f.object("completed")?;
-                let mut report = WorkerReport::default();
+                let mut report = CompletionReport::default();
                 for (k, v) in completed {
                     let job: u64 = k
                         .parse()

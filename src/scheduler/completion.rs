@@ -1,13 +1,14 @@
 //! Worker reports and the one completion path of a job (vLLM
 //! `update_connector_output` and `_complete_job`).
 
+use crate::Direction;
 use crate::ids::{JobId, RequestId};
 use crate::manager::StoreOutcome;
 
 use super::Scheduler;
 use super::latch::ReportEffect;
 use super::stall::StalledJob;
-use super::types::{Ending, JobKind, SchedulerError, WorkerOutcome, WorkerReport};
+use super::types::{CompletionReport, Ending, SchedulerError, WorkerOutcome};
 use super::types::{JobBlocks, JobSlots};
 
 /// Where a worker report for a job goes.
@@ -48,7 +49,7 @@ impl Scheduler {
     }
 
     /// Report entries summed per job, in ascending job id order.
-    fn normalize(report: &WorkerReport) -> Vec<(JobId, u32, bool)> {
+    fn normalize(report: &CompletionReport) -> Vec<(JobId, u32, bool)> {
         let mut v: Vec<(JobId, u32, bool)> =
             Vec::with_capacity(report.completed.len() + report.failed.len());
         for &(job, n) in &report.completed {
@@ -76,7 +77,7 @@ impl Scheduler {
 
     /// Checks a report without applying it: the first entry that
     /// [`Self::on_worker_output`] would reject.
-    pub fn check_report(&self, report: &WorkerReport) -> Result<(), SchedulerError> {
+    pub fn check_report(&self, report: &CompletionReport) -> Result<(), SchedulerError> {
         for (job, n, _) in Self::normalize(report) {
             self.route(job, n)?;
         }
@@ -90,7 +91,7 @@ impl Scheduler {
     /// late reports for stalled jobs count down their quarantine. Reports for
     /// unknown jobs, or beyond what a job expects, are rejected (counted, logged,
     /// listed in the outcome) and the rest is applied.
-    pub fn on_worker_output(&mut self, report: &WorkerReport) -> WorkerOutcome {
+    pub fn on_worker_output(&mut self, report: &CompletionReport) -> WorkerOutcome {
         self.apply_stalls();
         let mut out = WorkerOutcome::default();
         for (job, n, failed) in Self::normalize(report) {
@@ -132,7 +133,7 @@ impl Scheduler {
                     if let Some(failed) = done
                         && let Some((kind, req)) =
                             self.complete_job(job, Ending::Reported { failed })
-                        && kind == JobKind::Load
+                        && kind == Direction::Load
                     {
                         if failed {
                             out.failed_loads.push(req);
@@ -179,15 +180,15 @@ impl Scheduler {
         &mut self,
         job: JobId,
         ending: Ending,
-    ) -> Option<(JobKind, RequestId)> {
+    ) -> Option<(Direction, RequestId)> {
         let e = self.jobs.remove(job)?;
         let req = e.req;
-        if e.kind == JobKind::Store {
+        if e.kind == Direction::Store {
             // A remote fetch's probe learns how it ended (`remote.rs`).
             self.remote_job_ended(job, &e.keys, ending == Ending::Reported { failed: false });
         }
         match (e.kind, ending) {
-            (JobKind::Store, Ending::Reported { failed }) => {
+            (Direction::Store, Ending::Reported { failed }) => {
                 let outcome = if failed {
                     StoreOutcome::Failure
                 } else {
@@ -200,7 +201,7 @@ impl Scheduler {
                     self.fences.remove(job, e.blocks());
                 }
             }
-            (JobKind::Store, Ending::Stalled) => {
+            (Direction::Store, Ending::Stalled) => {
                 let held = match self.manager.complete_store(
                     &e.keys,
                     StoreOutcome::Quarantined,
@@ -222,7 +223,7 @@ impl Scheduler {
                 self.stalled.insert(
                     job,
                     StalledJob {
-                        kind: JobKind::Store,
+                        kind: Direction::Store,
                         req,
                         keys: e.keys,
                         chunk_ids: JobSlots::from_vec(held),
@@ -233,13 +234,13 @@ impl Scheduler {
                     },
                 );
             }
-            (JobKind::Load, Ending::Reported { .. }) => {
+            (Direction::Load, Ending::Reported { .. }) => {
                 if let Err(err) = self.manager.complete_load(&e.keys, Some(req)) {
                     tracing::error!(%job, error = %err, "complete_load refused");
                 }
                 self.unmark_loading(&e.keys);
             }
-            (JobKind::Load, Ending::Stalled) => {
+            (Direction::Load, Ending::Stalled) => {
                 // Chunks stay pinned (quarantined) until the late reports arrive.
                 self.unmark_loading(&e.keys);
                 self.counters.stalled_loads += 1;
@@ -248,7 +249,7 @@ impl Scheduler {
                 self.stalled.insert(
                     job,
                     StalledJob {
-                        kind: JobKind::Load,
+                        kind: Direction::Load,
                         req,
                         keys: e.keys,
                         chunk_ids,

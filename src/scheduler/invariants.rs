@@ -7,7 +7,7 @@ use crate::ids::{ChunkId, JobId};
 use crate::key::ChunkKey;
 
 use super::Scheduler;
-use super::types::JobKind;
+use crate::Direction;
 
 impl Scheduler {
     /// Checks every invariant; returns a description of the first violation.
@@ -36,7 +36,7 @@ impl Scheduler {
         let ws = self.geo.world_size;
         struct Live {
             id: JobId,
-            kind: JobKind,
+            kind: Direction,
             req: crate::ids::RequestId,
             fenced: bool,
             blocks: Vec<crate::ids::GpuBlockId>,
@@ -87,13 +87,13 @@ impl Scheduler {
                 return Err(format!("live {id} not in the job set of {req}"));
             }
             match kind {
-                JobKind::Load => {
+                Direction::Load => {
                     for k in keys {
                         *loading.entry(*k).or_default() += 1;
                         pinned.insert(*k);
                     }
                 }
-                JobKind::Store => {
+                Direction::Store => {
                     pending_keys += keys.len();
                     if rs.finish.is_some() && !fenced {
                         return Err(format!("store {id} of finished {req} is not fenced"));
@@ -117,8 +117,8 @@ impl Scheduler {
                 }
                 match self.jobs.get(*j).map(|e| e.kind) {
                     None => return Err(format!("{req} lists {j}, which is not live")),
-                    Some(JobKind::Load) => loads += 1,
-                    Some(JobKind::Store) => {}
+                    Some(Direction::Load) => loads += 1,
+                    Some(Direction::Store) => {}
                 }
             }
             if loads > 0 && rs.jobs.len() != 1 {
@@ -143,9 +143,9 @@ impl Scheduler {
             }
             for j in fjobs {
                 let ok = if let Some(e) = self.jobs.get(*j) {
-                    e.kind == JobKind::Store && e.fenced && e.blocks().contains(&b)
+                    e.kind == Direction::Store && e.fenced && e.blocks().contains(&b)
                 } else if let Some(s) = self.stalled.get(j) {
-                    s.kind == JobKind::Store && s.fenced && s.blocks.contains(&b)
+                    s.kind == Direction::Store && s.fenced && s.blocks.contains(&b)
                 } else {
                     false
                 };
@@ -166,7 +166,7 @@ impl Scheduler {
                 return Err(format!("stalled {j} owes no report"));
             }
             match s.kind {
-                JobKind::Store => {
+                Direction::Store => {
                     for c in s.chunk_ids.iter() {
                         if !quarantined.contains(c) {
                             return Err(format!("stalled store {j}: {c} not quarantined"));
@@ -174,7 +174,7 @@ impl Scheduler {
                     }
                     held += s.chunk_ids.len();
                 }
-                JobKind::Load if s.load_quarantined => {
+                Direction::Load if s.load_quarantined => {
                     for c in s.chunk_ids.iter() {
                         if !quarantined.contains(c) {
                             return Err(format!("stalled load {j}: {c} not quarantined"));
@@ -182,7 +182,7 @@ impl Scheduler {
                         *load_holders.entry(*c).or_default() += 1;
                     }
                 }
-                JobKind::Load => {
+                Direction::Load => {
                     for k in s.keys.iter() {
                         pinned.insert(*k);
                     }
@@ -200,7 +200,7 @@ impl Scheduler {
         if load_holders.keys().any(|c| {
             self.stalled
                 .values()
-                .any(|s| s.kind == JobKind::Store && s.chunk_ids.contains(c))
+                .any(|s| s.kind == Direction::Store && s.chunk_ids.contains(c))
         }) {
             return Err("a slot is held by both a stalled store and a stalled load".into());
         }

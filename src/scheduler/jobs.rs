@@ -8,6 +8,7 @@
 //! with the same API, so that the models run this table's real code.
 
 #[cfg(not(loom))]
+use crate::Direction;
 use dashmap::DashMap;
 use smallvec::SmallVec;
 
@@ -15,7 +16,7 @@ use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
 use crate::key::KeyBuildHasher;
 
 use super::latch::JobLatch;
-use super::types::{JobKeys, JobKind, copy_small};
+use super::types::{JobKeys, copy_small};
 
 /// Shards of the job table: enough that a full scan holds each lock briefly
 /// (about 16 K jobs per shard at 1 M jobs), few enough to stay cache-friendly.
@@ -34,7 +35,7 @@ const INITIAL_CAPACITY: usize = 256;
 #[derive(Debug)]
 pub struct JobEntry {
     /// Load or store.
-    pub kind: JobKind,
+    pub kind: Direction,
     /// A worker reported the transfer failed.
     pub failed: bool,
     /// `blocks` are registered in the fence index.
@@ -67,7 +68,7 @@ impl JobEntry {
         fenced: bool,
     ) -> Self {
         Self {
-            kind: JobKind::Store,
+            kind: Direction::Store,
             failed: false,
             fenced,
             latch,
@@ -87,7 +88,7 @@ impl JobEntry {
         chunk_ids: &[ChunkId],
     ) -> Self {
         Self {
-            kind: JobKind::Load,
+            kind: Direction::Load,
             failed: false,
             fenced: false,
             latch,
@@ -101,16 +102,16 @@ impl JobEntry {
     /// A store's GPU source blocks (empty for a load).
     pub fn blocks(&self) -> &[GpuBlockId] {
         match self.kind {
-            JobKind::Store => bytemuck::cast_slice(&self.ids),
-            JobKind::Load => &[],
+            Direction::Store => bytemuck::cast_slice(&self.ids),
+            Direction::Load => &[],
         }
     }
 
     /// A load's host slots, co-indexed with `keys` (empty for a store).
     pub fn chunk_ids(&self) -> &[ChunkId] {
         match self.kind {
-            JobKind::Load => bytemuck::cast_slice(&self.ids),
-            JobKind::Store => &[],
+            Direction::Load => bytemuck::cast_slice(&self.ids),
+            Direction::Store => &[],
         }
     }
 }

@@ -15,7 +15,7 @@ use crate::ids::{GpuBlockId, JobId, RequestId};
 use crate::key::BlockHash;
 use crate::manager::StoreOutcome;
 
-use super::{ScheduledRequest, Scheduler, StepInput, WorkerReport};
+use super::{CompletionReport, ScheduledRequest, Scheduler, StepInput};
 
 /// Interleavings with up to this many preemptions (loom's usual bound: the
 /// races here need one or two).
@@ -33,8 +33,8 @@ fn config(world: u32) -> OffloadConfig {
     }
 }
 
-fn report(job: JobId) -> WorkerReport {
-    WorkerReport {
+fn report(job: JobId) -> CompletionReport {
+    CompletionReport {
         completed: vec![(job, 1)],
         failed: vec![],
     }

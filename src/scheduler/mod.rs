@@ -24,12 +24,14 @@ mod preempt;
 mod remote;
 mod request;
 mod request_table;
+mod reset;
 mod stall;
 mod step;
 mod store;
 mod types;
 mod watchdog;
 
+use crate::Direction;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,8 +58,8 @@ pub use watchdog::WatchdogHandle;
 pub use metrics::{LOOKUP_DELAY_BUCKETS, LookupDelays, SchedulerMetrics};
 pub use remote::RemoteLookupStats;
 pub use types::{
-    JobBlocks, JobKeys, JobKind, JobSlots, LookupOutcome, ScanOutcome, ScheduledRequest,
-    SchedulerError, SchedulerState, StepInput, StepPlan, TransferJob, WorkerOutcome, WorkerReport,
+    CompletionReport, JobBlocks, JobKeys, JobSlots, LookupOutcome, ScanOutcome, ScheduledRequest,
+    SchedulerError, SchedulerState, StepInput, StepPlan, TransferJob, WorkerOutcome,
 };
 
 /// Geometry and timing the scheduler needs from the configuration.
@@ -302,7 +304,7 @@ impl Scheduler {
         let deferred = rs.lookup_deferred_since_ns.take();
         for &job in &rs.jobs {
             if let Some(mut e) = self.jobs.get_mut(job)
-                && e.kind == JobKind::Store
+                && e.kind == Direction::Store
                 && !e.fenced
             {
                 e.fenced = true;
@@ -310,7 +312,7 @@ impl Scheduler {
             }
         }
         for (&job, s) in self.stalled.iter_mut() {
-            if s.req == req && s.kind == JobKind::Store && !s.fenced {
+            if s.req == req && s.kind == Direction::Store && !s.fenced {
                 s.fenced = true;
                 self.fences.add(job, &s.blocks);
             }

@@ -1,17 +1,18 @@
 //! Stalled jobs: cleanup of what the watchdog handed over, quarantine while
 //! late reports are due, and release on late reports or confirmed cancellation.
 
+use crate::Direction;
 use crate::ids::{JobId, RequestId};
 
 use super::Scheduler;
-use super::types::{Ending, JobKind, ScanOutcome, SchedulerError};
+use super::types::{Ending, ScanOutcome, SchedulerError};
 use super::types::{JobBlocks, JobKeys, JobSlots};
 
 /// A stalled job whose late reports are still due.
 #[derive(Debug, Clone)]
 pub(crate) struct StalledJob {
     /// Load or store.
-    pub kind: JobKind,
+    pub kind: Direction,
     /// Its request.
     pub req: RequestId,
     /// Its keys (a load's keys stay pinned in the manager).
@@ -124,8 +125,8 @@ impl Scheduler {
             self.fences.remove(job, &s.blocks);
         }
         let r = match s.kind {
-            JobKind::Store => self.manager.release_quarantined(&s.chunk_ids),
-            JobKind::Load if s.load_quarantined => {
+            Direction::Store => self.manager.release_quarantined(&s.chunk_ids),
+            Direction::Load if s.load_quarantined => {
                 // Slots shared with other stalled loads stay held until the last one ends.
                 let mut free = JobSlots::new();
                 for &c in &s.chunk_ids {
@@ -139,7 +140,7 @@ impl Scheduler {
                 }
                 self.manager.release_quarantined(&free)
             }
-            JobKind::Load => self.manager.complete_load(&s.keys, Some(s.req)),
+            Direction::Load => self.manager.complete_load(&s.keys, Some(s.req)),
         };
         if let Err(err) = r {
             tracing::error!(%job, error = %err, "releasing a stalled job's host chunks failed");
@@ -155,9 +156,11 @@ impl Scheduler {
             std::collections::HashSet::new();
         for s in self.stalled.values() {
             match s.kind {
-                JobKind::Store => stores += s.chunk_ids.len(),
-                JobKind::Load if !s.load_quarantined => pinned.extend(s.chunk_ids.iter().copied()),
-                JobKind::Load => {}
+                Direction::Store => stores += s.chunk_ids.len(),
+                Direction::Load if !s.load_quarantined => {
+                    pinned.extend(s.chunk_ids.iter().copied())
+                }
+                Direction::Load => {}
             }
         }
         stores + pinned.len() + self.load_holds.len()

@@ -44,25 +44,6 @@ pub struct StepInput {
     pub finished: Vec<RequestId>,
 }
 
-/// Whether a job moves data to the host (store) or back to the GPU (load).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum JobKind {
-    /// Host → GPU.
-    Load,
-    /// GPU → host.
-    Store,
-}
-
-impl JobKind {
-    /// `"load"` or `"store"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobKind::Load => "load",
-            JobKind::Store => "store",
-        }
-    }
-}
-
 /// A job's chunk keys: inline up to two (a store of one or two chunks needs
 /// no allocation); derefs to a slice.
 pub type JobKeys = SmallVec<[ChunkKey; 2]>;
@@ -111,7 +92,7 @@ pub struct StepPlan {
 
 /// Completions from the workers, summed over workers (vLLM's worker metadata, aggregated).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct WorkerReport {
+pub struct CompletionReport {
     /// Job id → number of worker reports.
     pub completed: Vec<(JobId, u32)>,
     /// Jobs whose transfer failed on a worker. An id listed here and not in

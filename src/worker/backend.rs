@@ -1,45 +1,12 @@
 //! The one trait every transfer backend implements (host memcpy, CUDA).
 
+use crate::Direction;
 use std::time::Duration;
-
-use serde::{Deserialize, Serialize};
 
 use crate::ids::{ChunkId, JobId};
 
 use super::error::BackendError;
 use super::layout::TransferSpec;
-
-/// Which way a job moves bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Direction {
-    /// GPU pages -> host chunks (offload).
-    Store,
-    /// Host chunks -> GPU pages (load back).
-    Load,
-}
-
-impl Direction {
-    /// Both directions, store first.
-    pub const ALL: [Direction; 2] = [Direction::Store, Direction::Load];
-
-    /// 0 for store, 1 for load (for per-direction arrays).
-    pub fn index(self) -> usize {
-        match self {
-            Direction::Store => 0,
-            Direction::Load => 1,
-        }
-    }
-}
-
-impl std::fmt::Display for Direction {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Direction::Store => "store",
-            Direction::Load => "load",
-        })
-    }
-}
 
 /// A finished job, as reported by [`TransferBackend::poll`].
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -4,9 +4,9 @@
 
 use bytemuck::{Pod, Zeroable};
 
-use super::backend::Direction;
 use super::error::SpecError;
 use super::layout::{TransferSpec, WorkerLayout};
+use crate::Direction;
 
 /// One contiguous copy. `#[repr(C)]`, 24 bytes, matches `CopyDesc` in the kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Pod, Zeroable)]

@@ -4,7 +4,7 @@ use thiserror::Error;
 
 use crate::ids::JobId;
 
-use super::backend::Direction;
+use crate::Direction;
 
 /// A layout (GPU pages or host chunk rows) that cannot describe real memory.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]

@@ -24,12 +24,13 @@
 //! [`FaultInjector::settle`] and [`FaultInjector::drain`] are test helpers that
 //! make completion independent of thread timing and of injected delays.
 
+use crate::Direction;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use crate::ids::{ChunkId, JobId};
 
-use super::backend::{Direction, HostShare, TransferBackend, TransferResult};
+use super::backend::{HostShare, TransferBackend, TransferResult};
 use super::error::BackendError;
 use super::fault::Fault;
 use super::layout::TransferSpec;

@@ -16,6 +16,7 @@
 //! GPU result is checked against. It has no fault injection of its own: wrap it
 //! in a [`FaultInjector`](super::FaultInjector) to delay, stall or fail jobs.
 
+use crate::Direction;
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
@@ -26,7 +27,7 @@ use std::time::{Duration, Instant};
 use crate::ids::{ChunkId, JobId};
 use crate::profiling::{self, InFlightRange, JobPhase};
 
-use super::backend::{Direction, HostShare, TransferBackend, TransferResult};
+use super::backend::{HostShare, TransferBackend, TransferResult};
 use super::descriptors::{CopyDesc, DescriptorTable, plan};
 use super::error::{BackendError, LayoutError};
 use super::host_buffer::HostBuffer;

@@ -6,7 +6,7 @@
 //! - [`backend`]: the [`TransferBackend`] trait;
 //! - [`host_backend`]: memcpy on threads, the reference and no-GPU default;
 //! - [`cuda`]: DMA, custom kernels and CUDA graphs (needs a driver at run time);
-//! - [`worker_hooks`]: [`OffloadWorker`], driven by a [`StepPlan`] each step;
+//! - [`worker_hooks`]: [`OffloadWorker`], driven by a [`WorkerPlan`] each step;
 //! - [`plan_wire`]: the step plan as compact bytes, for workers in other processes.
 
 pub mod backend;
@@ -22,7 +22,7 @@ pub mod plan;
 pub mod plan_wire;
 pub mod worker_hooks;
 
-pub use backend::{Direction, HostShare, TransferBackend, TransferResult};
+pub use backend::{HostShare, TransferBackend, TransferResult};
 pub use descriptors::{CopyDesc, DescriptorTable, plan as plan_descriptors};
 pub use error::{BackendError, LayoutError, SpecError};
 pub use fault::Fault;
@@ -33,7 +33,7 @@ pub use layout::{
     GpuLayout, GpuLayoutKind, GpuRegion, HostRowLayout, SlotLayout, TransferSpec, WorkerLayout,
 };
 pub use plan::{
-    DirectionStats, FetchJob, LoadJob, StepPlan, StoreJob, TransferStats, WorkerReport,
+    DirectionStats, FetchJob, LoadJob, StoreJob, TransferStats, WorkerPlan, WorkerReport,
 };
 pub use plan_wire::{PlanWireError, SpecParts, decode_plan, encode_plan, encode_plan_parts};
 pub use worker_hooks::{OffloadWorker, WorkerError};

@@ -9,8 +9,8 @@ use serde::{Deserialize, Serialize};
 use crate::ids::{ChunkId, JobId, RequestId};
 use crate::key::ChunkKey;
 
-use super::backend::Direction;
 use super::layout::TransferSpec;
+use crate::Direction;
 
 /// A load (host chunks -> GPU blocks) for one request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,7 +51,7 @@ pub struct FetchJob {
 
 /// What every worker receives for one step.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct StepPlan {
+pub struct WorkerPlan {
     /// Loads to start this step.
     pub loads: Vec<LoadJob>,
     /// Stores planned this step (queued, submitted at the next step).

@@ -1,5 +1,5 @@
 //! A compact, versioned byte encoding of the plan every worker receives for a
-//! step ([`StepPlan`]), for serving backends whose scheduler and workers are
+//! step ([`WorkerPlan`]), for serving backends whose scheduler and workers are
 //! separate processes (vLLM sends the connector's metadata to each worker):
 //! little-endian integers, no field names, a magic and a version in front.
 //!
@@ -22,7 +22,7 @@ use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
 use crate::key::ChunkKey;
 
 use super::layout::TransferSpec;
-use super::plan::{FetchJob, LoadJob, StepPlan, StoreJob};
+use super::plan::{FetchJob, LoadJob, StoreJob, WorkerPlan};
 
 const MAGIC: &[u8; 4] = b"KVOP";
 /// The encoding's version.
@@ -95,7 +95,7 @@ fn put_spec(out: &mut Vec<u8>, s: SpecParts<'_>) {
 }
 
 /// Encodes `plan` (appending to `out`, which is cleared first).
-pub fn encode_plan(plan: &StepPlan, out: &mut Vec<u8>) {
+pub fn encode_plan(plan: &WorkerPlan, out: &mut Vec<u8>) {
     encode_plan_parts(
         plan.loads
             .iter()
@@ -113,7 +113,7 @@ pub fn encode_plan(plan: &StepPlan, out: &mut Vec<u8>) {
 }
 
 /// Encodes a plan given as its parts, the same bytes as [`encode_plan`] of
-/// the [`StepPlan`] they make: loads as `(job, request, spec)`, stores as
+/// the [`WorkerPlan`] they make: loads as `(job, request, spec)`, stores as
 /// `(job, spec, keys)`, the flushed jobs, the fetches as `(job, keys,
 /// chunks)`, then the evicted chunks (`out` is cleared first).
 pub fn encode_plan_parts<'a>(
@@ -237,7 +237,7 @@ impl Reader<'_> {
 }
 
 /// Decodes a plan encoded by [`encode_plan`].
-pub fn decode_plan(buf: &[u8]) -> Result<StepPlan, PlanWireError> {
+pub fn decode_plan(buf: &[u8]) -> Result<WorkerPlan, PlanWireError> {
     let mut r = Reader { buf, at: 0 };
     if r.take(4).map_err(|_| PlanWireError::BadMagic)? != MAGIC {
         return Err(PlanWireError::BadMagic);
@@ -303,7 +303,7 @@ pub fn decode_plan(buf: &[u8]) -> Result<StepPlan, PlanWireError> {
     if left > 0 {
         return Err(PlanWireError::Trailing(left));
     }
-    Ok(StepPlan {
+    Ok(WorkerPlan {
         loads,
         stores,
         flush,
@@ -316,8 +316,8 @@ pub fn decode_plan(buf: &[u8]) -> Result<StepPlan, PlanWireError> {
 mod tests {
     use super::*;
 
-    fn sample() -> StepPlan {
-        StepPlan {
+    fn sample() -> WorkerPlan {
+        WorkerPlan {
             loads: vec![
                 LoadJob {
                     job: JobId(7),
@@ -348,12 +348,12 @@ mod tests {
     #[test]
     fn plans_round_trip() {
         let mut buf = Vec::new();
-        for plan in [sample(), StepPlan::default()] {
+        for plan in [sample(), WorkerPlan::default()] {
             encode_plan(&plan, &mut buf);
             assert_eq!(decode_plan(&buf).unwrap(), plan);
         }
         // 6 header + 5 counts of 4 bytes for an empty plan.
-        encode_plan(&StepPlan::default(), &mut buf);
+        encode_plan(&WorkerPlan::default(), &mut buf);
         assert_eq!(buf.len(), 26);
     }
 

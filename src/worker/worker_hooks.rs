@@ -5,6 +5,7 @@
 //! written through to it (asynchronously: the tier queues and never blocks),
 //! and the plan's remote fetches read chunk shares from it into host slots.
 
+use crate::Direction;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -14,9 +15,9 @@ use crate::ids::{ChunkId, JobId, RequestId};
 use crate::key::ChunkKey;
 use crate::remote::{Answer, RemoteTier, Ticket, WritePolicy};
 
-use super::backend::{Direction, TransferBackend, TransferResult};
+use super::backend::{TransferBackend, TransferResult};
 use super::error::BackendError;
-use super::plan::{FetchJob, StepPlan, StoreJob, WorkerReport};
+use super::plan::{FetchJob, StoreJob, WorkerPlan, WorkerReport};
 
 /// An error of a worker hook.
 #[derive(Debug, Error)]
@@ -182,7 +183,7 @@ impl<B: TransferBackend> OffloadWorker<B> {
     ///
     /// With a tier written on eviction, the plan's evicted chunks are written
     /// first (before any of this plan's jobs may reuse their slots).
-    pub fn handle_preemptions(&mut self, plan: &mut StepPlan) -> Result<(), WorkerError> {
+    pub fn handle_preemptions(&mut self, plan: &mut WorkerPlan) -> Result<(), WorkerError> {
         if !plan.evictions.is_empty() {
             self.write_evicted(&plan.evictions);
             plan.evictions.clear();
@@ -221,7 +222,7 @@ impl<B: TransferBackend> OffloadWorker<B> {
 
     /// Step hook 2: submits the stores queued in the previous step, then this
     /// step's loads; synchronous loads (no request) are waited for.
-    pub fn start_transfers(&mut self, plan: &StepPlan) -> Result<(), WorkerError> {
+    pub fn start_transfers(&mut self, plan: &WorkerPlan) -> Result<(), WorkerError> {
         self.submit_queued_stores();
         for f in &plan.fetches {
             self.start_fetch(f);
@@ -251,7 +252,7 @@ impl<B: TransferBackend> OffloadWorker<B> {
 
     /// Step hook 3: queues this step's stores for the next step (a non-writer
     /// acknowledges them at once).
-    pub fn queue_stores(&mut self, plan: &mut StepPlan) {
+    pub fn queue_stores(&mut self, plan: &mut WorkerPlan) {
         for s in plan.stores.drain(..) {
             self.queue_store(s);
         }

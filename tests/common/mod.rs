@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use kvoffload::manager::LookupResult;
 use kvoffload::scheduler::{
-    LookupOutcome, ScheduledRequest, Scheduler, StepInput, StepPlan, WorkerOutcome, WorkerReport,
+    CompletionReport, LookupOutcome, ScheduledRequest, Scheduler, StepInput, StepPlan,
+    WorkerOutcome,
 };
 use kvoffload::{BlockHash, ChunkKey, GpuBlockId, JobId, ManualClock, OffloadConfig, RequestId};
 
@@ -144,7 +145,7 @@ impl H {
     }
 
     pub fn report(&mut self, completed: &[(JobId, u32)]) -> WorkerOutcome {
-        let out = self.s.on_worker_output(&WorkerReport {
+        let out = self.s.on_worker_output(&CompletionReport {
             completed: completed.to_vec(),
             failed: vec![],
         });

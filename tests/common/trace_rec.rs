@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use kvoffload::scheduler::{
-    LookupOutcome, ScanOutcome, Scheduler, SchedulerError, StepInput, StepPlan, WorkerOutcome,
-    WorkerReport,
+    CompletionReport, LookupOutcome, ScanOutcome, Scheduler, SchedulerError, StepInput, StepPlan,
+    WorkerOutcome,
 };
 use kvoffload::{BlockHash, GpuBlockId, JobId, ManualClock, OffloadConfig, RequestId};
 use serde_json::{Value, json};
@@ -118,7 +118,7 @@ impl Rec {
     }
 
     /// Worker reports; each job appears at most once in `completed`.
-    pub fn on_worker_output(&mut self, report: &WorkerReport) -> WorkerOutcome {
+    pub fn on_worker_output(&mut self, report: &CompletionReport) -> WorkerOutcome {
         let mut completed = serde_json::Map::new();
         for &(j, n) in &report.completed {
             completed.insert(j.0.to_string(), json!(n));

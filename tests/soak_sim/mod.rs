@@ -9,7 +9,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use kvoffload::scheduler::{LookupOutcome, ScheduledRequest, Scheduler, StepInput, WorkerReport};
+use kvoffload::scheduler::{
+    CompletionReport, LookupOutcome, ScheduledRequest, Scheduler, StepInput,
+};
 use kvoffload::{BlockHash, GpuBlockId, JobId, ManualClock, OffloadConfig, RequestId};
 
 /// Soak parameters.
@@ -415,7 +417,9 @@ impl Sim {
             self.jobs.remove(&id);
         }
         if !completed.is_empty() {
-            let out = self.s.on_worker_output(&WorkerReport { completed, failed });
+            let out = self
+                .s
+                .on_worker_output(&CompletionReport { completed, failed });
             assert!(
                 out.rejected.is_empty(),
                 "step {step}: rejected {:?}",

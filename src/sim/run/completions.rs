@@ -2,10 +2,11 @@
 //! fates of stalled jobs, worker reports (with rejected entries and duplicates
 //! delivered alone, as replay checks a whole line), failed loads.
 
+use crate::Direction;
 use serde_json::{Value, json};
 
 use crate::ids::{JobId, RequestId};
-use crate::scheduler::{JobKind, WorkerReport};
+use crate::scheduler::CompletionReport;
 
 use super::super::faults::StallFate;
 use super::super::recorder::req_set;
@@ -43,7 +44,7 @@ impl Sim {
             }
             if let Some(&(_, kind)) = self.stall_faulted.get(&job) {
                 self.open_stalls.remove(&job);
-                let fate = self.faults.stall_fate(kind == JobKind::Store);
+                let fate = self.faults.stall_fate(kind == Direction::Store);
                 let after = match fate {
                     StallFate::ReleaseAfter(n) | StallFate::CancelAfter(n) => n,
                     StallFate::Never => {
@@ -106,11 +107,15 @@ impl Sim {
 
     /// Delivers the merged report: entries the scheduler accepts in one call,
     /// each rejected entry alone (as replay checks a whole line), then duplicates.
-    pub(super) fn deliver(&mut self, merged: WorkerReport, draining: bool) -> Result<(), SimError> {
+    pub(super) fn deliver(
+        &mut self,
+        merged: CompletionReport,
+        draining: bool,
+    ) -> Result<(), SimError> {
         if merged.completed.is_empty() && merged.failed.is_empty() {
             return Ok(());
         }
-        let mut good = WorkerReport::default();
+        let mut good = CompletionReport::default();
         let mut bad = Vec::new();
         let mut dups = Vec::new();
         for &(job, n) in &merged.completed {
@@ -120,7 +125,7 @@ impl Sim {
                 .copied()
                 .filter(|&f| f == job)
                 .collect();
-            let one = WorkerReport {
+            let one = CompletionReport {
                 completed: vec![(job, n)],
                 failed: failed.clone(),
             };
@@ -138,7 +143,7 @@ impl Sim {
             if self
                 .jobs
                 .get(j)
-                .is_some_and(|i| i.kind == JobKind::Store && !i.fetch)
+                .is_some_and(|i| i.kind == Direction::Store && !i.fetch)
             {
                 self.summary.faults.failed_stores += 1;
             }
@@ -165,7 +170,7 @@ impl Sim {
                 && !self.sched.is_job_stalled(job)
             {
                 self.summary.faults.injected_duplicates += 1;
-                self.report(&WorkerReport {
+                self.report(&CompletionReport {
                     completed: vec![(job, 1)],
                     failed: Vec::new(),
                 });
@@ -174,7 +179,7 @@ impl Sim {
         Ok(())
     }
 
-    pub(super) fn report(&mut self, r: &WorkerReport) {
+    pub(super) fn report(&mut self, r: &CompletionReport) {
         let completed: serde_json::Map<String, Value> = r
             .completed
             .iter()

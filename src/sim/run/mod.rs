@@ -5,6 +5,7 @@ mod completions;
 mod report;
 mod serving;
 
+use crate::Direction;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -20,7 +21,7 @@ use crate::ids::{GpuBlockId, JobId, RequestId};
 use crate::key::BlockHash;
 use crate::metrics::{OffloadMetrics, SharedMetricsText};
 use crate::remote::{Namespace, NamespaceParts, RedisConnector, RemoteTier};
-use crate::scheduler::{JobKind, Scheduler, SchedulerError, StepInput};
+use crate::scheduler::{Scheduler, SchedulerError, StepInput};
 use crate::worker::Fault;
 
 use super::faults::{FaultPlan, StallFate};
@@ -115,7 +116,7 @@ enum Phase {
 /// What the simulated backend knows of a job in flight.
 #[derive(Debug, Clone, Copy)]
 struct SimJob {
-    kind: JobKind,
+    kind: Direction,
     /// A late report was injected into it (it may pass the stall timeout).
     late: bool,
     /// A remote fetch (a store into the host tier from the remote tier).
@@ -160,7 +161,7 @@ pub struct Sim {
     arrivals: Vec<(u64, Conversation)>,
     next_req: u64,
     finished_prev: Vec<RequestId>,
-    stall_faulted: HashMap<JobId, (u32, JobKind)>,
+    stall_faulted: HashMap<JobId, (u32, Direction)>,
     /// Every job in flight: its kind and whether a late report was injected.
     jobs: HashMap<JobId, SimJob>,
     open_stalls: std::collections::HashSet<JobId>,
@@ -519,7 +520,10 @@ impl Sim {
         // Faults for the new jobs.
         let world = self.pool.world_size() as usize;
         let mut faults: Vec<Vec<(JobId, Fault)>> = vec![Vec::new(); world];
-        for (kind, jobs) in [(JobKind::Load, &plan.loads), (JobKind::Store, &plan.stores)] {
+        for (kind, jobs) in [
+            (Direction::Load, &plan.loads),
+            (Direction::Store, &plan.stores),
+        ] {
             for j in jobs {
                 self.jobs.insert(
                     j.job,
@@ -555,7 +559,7 @@ impl Sim {
             self.jobs.insert(
                 j.job,
                 SimJob {
-                    kind: JobKind::Store,
+                    kind: Direction::Store,
                     late: false,
                     fetch: true,
                 },

@@ -2,6 +2,7 @@
 //! after an event of the caller's compute stream, one of four copy strategies per
 //! job, completion by event query from the head of each direction's queue.
 
+use crate::Direction;
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,9 +12,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream, sys};
 use crate::ids::JobId;
 use crate::profiling::{self, InFlightRange, JobPhase};
 use crate::worker::descriptors::{CopyDesc, DescriptorTable, plan};
-use crate::worker::{
-    BackendError, Direction, TransferBackend, TransferResult, TransferSpec, WorkerLayout,
-};
+use crate::worker::{BackendError, TransferBackend, TransferResult, TransferSpec, WorkerLayout};
 
 use super::context::guarded;
 use super::dma::{self, BatchCopy};

@@ -2,9 +2,10 @@
 //! `cuMemcpyBatchAsync` per job where the driver exports it (resolved at run
 //! time; absent symbol = fall back to the loop).
 
+use crate::Direction;
 use cudarc::driver::{CudaStream, sys};
 
-use crate::worker::{CopyDesc, Direction};
+use crate::worker::CopyDesc;
 
 use super::error::{CudaError, check};
 

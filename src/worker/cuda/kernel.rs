@@ -3,6 +3,7 @@
 //! pinned staging by a memcpy on the copy stream, optionally captured together
 //! with the kernel launch into a CUDA graph and replayed.
 
+use crate::Direction;
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -10,7 +11,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use crate::worker::{CopyDesc, Direction};
+use crate::worker::CopyDesc;
 
 use super::error::{CudaError, check, driver};
 use super::memory::{DeviceBuffer, PinnedBuffer};

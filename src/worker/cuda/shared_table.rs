@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 use crossbeam_epoch::{self as epoch, Atomic, Owned};
 
 use super::strategy::{Strategy, StrategyTable};
-use crate::worker::Direction;
+use crate::Direction;
 
 /// A table and the number of replacements before it.
 #[derive(Debug)]

@@ -37,9 +37,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::key::{ChunkKey, KeyBuildHasher};
 
-use super::huge_buffer::HugeBuffer;
-use super::policy::{EvictionPolicy, FinishedAccess};
-use super::request_access::RequestRank;
+use super::traits::{EvictionPolicy, FinishedAccess};
+use crate::manager::huge_buffer::HugeBuffer;
+use crate::manager::request_access::RequestRank;
 
 const UNLINKED: u32 = u32::MAX - 1;
 /// `prev`/`next` of a pending slot: ranked, not linked.

@@ -4,7 +4,7 @@
 //! costs 8 bytes per slot and every operation is O(1) without allocation.
 //! The front is the least recently used end, the back the most recent.
 
-use super::huge_buffer::HugeBuffer;
+use crate::manager::huge_buffer::HugeBuffer;
 
 const NIL: u32 = u32::MAX;
 const UNLINKED: u32 = u32::MAX - 1;

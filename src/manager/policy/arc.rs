@@ -9,10 +9,10 @@
 
 use crate::key::ChunkKey;
 
-use super::huge_buffer::HugeBuffer;
 use super::index_list::IndexList;
-use super::key_index::KeyIndex;
-use super::policy::{ArcView, EvictionPolicy, FinishedAccess};
+use super::traits::{ArcView, EvictionPolicy, FinishedAccess};
+use crate::manager::huge_buffer::HugeBuffer;
+use crate::manager::key_index::KeyIndex;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Resident {
