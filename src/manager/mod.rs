@@ -108,6 +108,7 @@ pub struct OffloadManager {
     scratch_resolved: Vec<(ChunkKey, u32)>,
     scratch_victims: Vec<u32>,
     scratch_store: Vec<ChunkKey>,
+    scratch_done: Vec<ChunkKey>,
     scratch_ids: Vec<ChunkId>,
     scratch_evicted: Vec<ChunkKey>,
     /// Evicted chunks with the slot they held, kept while
@@ -153,6 +154,7 @@ impl OffloadManager {
             scratch_resolved: Vec::new(),
             scratch_victims: Vec::new(),
             scratch_store: Vec::new(),
+            scratch_done: Vec::new(),
             scratch_ids: Vec::new(),
             scratch_evicted: Vec::new(),
             evicted_slots: None,

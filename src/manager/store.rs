@@ -255,7 +255,10 @@ impl OffloadManager {
                 None => self.ignored_complete_keys += 1,
             }
         }
-        let mut done = Vec::with_capacity(resolved.len());
+        // The keys completed here, for the event (a kept buffer: a steady
+        // step's completions allocate nothing).
+        let mut done = std::mem::take(&mut self.scratch_done);
+        done.clear();
         let mut held = Vec::new();
         for &(k, s) in &resolved {
             // Skip keys already ready, and keys listed twice (removed earlier in this call).
@@ -295,6 +298,7 @@ impl OffloadManager {
             StoreOutcome::Success => self.events.stored(&done),
             StoreOutcome::Failure | StoreOutcome::Quarantined => self.events.store_failed(&done),
         }
+        self.scratch_done = done;
         Ok(held)
     }
 }
