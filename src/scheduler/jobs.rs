@@ -8,10 +8,10 @@
 //! with the same API, so that the models run this table's real code.
 
 #[cfg(not(loom))]
-use crate::Direction;
 use dashmap::DashMap;
 use smallvec::SmallVec;
 
+use crate::Direction;
 use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
 use crate::key::KeyBuildHasher;
 
