@@ -2,7 +2,7 @@
 //! metrics (`vllm:kv_offload_*`), plus kvoffload's stall metrics; and a tiny
 //! HTTP server exposing them ([`server`]).
 
-pub mod server;
+mod server;
 
 use std::fmt::Write;
 

@@ -16,13 +16,13 @@
 //! `docs/remote-tier.md` has the design, the failure behaviour and how to
 //! run a cluster for it.
 
-pub mod config;
-pub mod memory_store;
-pub mod metrics;
-pub mod namespace;
-pub mod redis_store;
-pub mod store;
-pub mod tier;
+mod config;
+mod memory_store;
+mod metrics;
+mod namespace;
+mod redis_store;
+mod store;
+mod tier;
 pub mod value;
 
 pub use config::{RemoteTierConfig, Secret, WritePolicy};

@@ -9,18 +9,18 @@
 //! - [`worker_hooks`]: [`OffloadWorker`], driven by a [`WorkerPlan`] each step;
 //! - [`plan_wire`]: the step plan as compact bytes, for workers in other processes.
 
-pub mod backend;
+mod backend;
 pub mod cuda;
-pub mod descriptors;
-pub mod error;
-pub mod fault;
-pub mod fault_injector;
-pub mod host_backend;
-pub mod host_buffer;
-pub mod layout;
-pub mod plan;
-pub mod plan_wire;
-pub mod worker_hooks;
+mod descriptors;
+mod error;
+mod fault;
+mod fault_injector;
+mod host_backend;
+mod host_buffer;
+mod layout;
+mod plan;
+mod plan_wire;
+mod worker_hooks;
 
 pub use backend::{HostShare, TransferBackend, TransferResult};
 pub use descriptors::{CopyDesc, DescriptorTable, plan as plan_descriptors};

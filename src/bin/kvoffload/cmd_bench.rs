@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, ValueEnum};
-use kvoffload::bench::{
+use kvoffload::harness::bench::{
     self, BenchRow, CudaSweep, HostSweep, RemoteSweep, calibrated_table, cuda, run_remote,
 };
 use kvoffload::remote::RemoteTierConfig;

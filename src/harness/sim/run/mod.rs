@@ -12,11 +12,10 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use thiserror::Error;
 
+use crate::adapter::{merge_reports, to_worker_plan};
 use crate::clock::ManualClock;
 use crate::config::{ConfigError, OffloadConfig};
-use crate::engine::{
-    PoolError, RemoteAttach, WorkerCommand, WorkerPool, merge_reports, to_worker_plan,
-};
+use crate::harness::engine::{PoolError, RemoteAttach, WorkerCommand, WorkerPool};
 use crate::ids::{GpuBlockId, JobId, RequestId};
 use crate::key::BlockHash;
 use crate::metrics::{OffloadMetrics, SharedMetricsText};

@@ -77,7 +77,7 @@ pub struct FaultCounts {
     /// Stalled jobs whose transfer the backend confirmed cancelled.
     pub cancelled: u64,
     /// Detected stalls whose transfer hung (never resumed nor cancelled:
-    /// [`crate::sim::FaultRates::hang`]).
+    /// [`crate::harness::sim::FaultRates::hang`]).
     pub hung: u64,
     /// Stall-injected jobs that resumed (released, or forced by a flush).
     pub released: u64,

@@ -43,7 +43,7 @@ pub fn derived_progress_limit(cfg: &OffloadConfig, opts: &SimOptions) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::default_config;
+    use crate::harness::sim::default_config;
 
     #[test]
     fn the_limit_follows_the_workload_not_the_request_count() {
