@@ -11,18 +11,18 @@
 //!   workers' and sums their reports back;
 //! - the remote tier ([`remote`]): chunks shared across nodes through Redis.
 //!
-//! Time is always injected through a [`clock::Clock`].
+//! Time is always injected through a [`Clock`].
 
 pub mod adapter;
-pub mod clock;
-pub mod config;
+mod clock;
+mod config;
 mod direction;
 #[doc(hidden)]
 pub mod harness;
-pub mod histogram;
-pub mod ids;
+mod histogram;
+mod ids;
 pub mod kernels;
-pub mod key;
+mod key;
 pub mod manager;
 pub mod metrics;
 mod profiling;
@@ -32,10 +32,10 @@ pub(crate) mod sync;
 pub mod worker;
 
 pub use clock::{Clock, ManualClock, MonotonicClock, SharedClock};
-pub use config::{ConfigError, EvictionPolicyKind, OffloadConfig};
+pub use config::{ConfigError, EvictionPolicyKind, HOST_PAGE_BYTES, OffloadConfig};
 pub use direction::Direction;
 pub use ids::{ChunkId, GpuBlockId, JobId, RequestId};
-pub use key::{BlockHash, ChunkKey};
+pub use key::{BlockHash, ChunkKey, chunk_keys};
 pub use profiling::set_enabled as set_nvtx_enabled;
 
 /// The README's examples, compiled and run as doc tests.
