@@ -200,6 +200,9 @@ impl Scheduler {
     }
 
     /// Whether the watchdog thread runs.
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn watchdog_running(&self) -> bool {
         self.watchdog.is_some()
     }
@@ -393,6 +396,9 @@ impl Scheduler {
     }
 
     /// The jobs in flight for `req` (sorted), or `None` if it is not tracked.
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn request_jobs(&self, req: RequestId) -> Option<Vec<JobId>> {
         self.requests.get(&req).map(|r| {
             let mut v = r.jobs.to_vec();
@@ -402,6 +408,9 @@ impl Scheduler {
     }
 
     /// The next chunk index `req` will offer for storing.
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn next_stored_chunk(&self, req: RequestId) -> Option<usize> {
         self.requests.get(&req).map(|r| r.next_stored_chunk)
     }
@@ -412,6 +421,9 @@ impl Scheduler {
     }
 
     /// When `job` was created (clock time), if it is live.
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn job_created(&self, job: JobId) -> Option<Duration> {
         self.jobs
             .get(job)
@@ -424,11 +436,17 @@ impl Scheduler {
     }
 
     /// Whether `key` is being loaded by an asynchronous load.
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn is_being_loaded(&self, key: ChunkKey) -> bool {
         self.being_loaded.contains_key(&key)
     }
 
     /// Jobs fencing GPU block `block` (sorted).
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn fenced_jobs(&self, block: GpuBlockId) -> Vec<JobId> {
         let mut v = self.fences.jobs(block).to_vec();
         v.sort_unstable();
@@ -441,6 +459,9 @@ impl Scheduler {
     }
 
     /// The id the next job will get.
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn next_job_id(&self) -> JobId {
         JobId(self.next_job)
     }
