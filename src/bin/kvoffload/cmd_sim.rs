@@ -6,9 +6,9 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvoffload::OffloadConfig;
-use kvoffload::harness::engine::PoolError;
 use kvoffload::harness::sim::{
-    Progress, Sim, SimBackend, SimError, SimOptions, SimSummary, config_from_path, default_config,
+    PoolError, Progress, Sim, SimBackend, SimError, SimOptions, SimSummary, config_from_path,
+    default_config,
 };
 use kvoffload::metrics::{MetricsServer, SharedMetricsText};
 use kvoffload::remote::{RemoteTierConfig, WritePolicy};

@@ -8,6 +8,7 @@
 //! the same control-plane decisions every time.
 
 mod config;
+mod cuda_workers;
 pub mod faults;
 pub mod gpu_pool;
 pub mod limits;
@@ -16,6 +17,7 @@ pub mod rng;
 mod run;
 pub mod step_times;
 pub mod summary;
+mod workers;
 pub mod workload;
 
 pub use config::{config_from_path, default_config, overlay};
@@ -25,6 +27,7 @@ pub use rng::SimRng;
 pub use run::{Progress, Sim, SimError, SimOutput};
 pub use summary::Held;
 pub use summary::SimSummary;
+pub use workers::{PoolError, PoolGeometry, PoolStep, RemoteAttach, WorkerCommand, WorkerPool};
 pub use workload::{Workload, WorkloadShape};
 
 /// The transfer backend the simulation's worker threads run (always wrapped in
