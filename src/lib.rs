@@ -13,6 +13,8 @@
 //!
 //! Time is always injected through a [`Clock`].
 
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod adapter;
 mod clock;
 mod config;
