@@ -38,6 +38,8 @@ pub use config::{ConfigError, EvictionPolicyKind, HOST_PAGE_BYTES, OffloadConfig
 pub use direction::Direction;
 pub use ids::{ChunkId, GpuBlockId, JobId, RequestId};
 pub use key::{BlockHash, ChunkKey, chunk_keys};
+/// The data plane's NVTX ranges (one per job phase, for `nsys`), switched on
+/// or off.
 pub use profiling::set_enabled as set_nvtx_enabled;
 
 /// The README's examples, compiled and run as doc tests.

@@ -1,6 +1,6 @@
 //! Offload metrics in Prometheus text format, named after vLLM's kv_offload
 //! metrics (`vllm:kv_offload_*`), plus kvoffload's stall metrics; and a tiny
-//! HTTP server exposing them ([`server`]).
+//! HTTP server exposing them ([`MetricsServer`]).
 
 mod server;
 

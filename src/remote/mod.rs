@@ -25,10 +25,10 @@ mod store;
 mod tier;
 pub mod value;
 
-pub use config::{RemoteTierConfig, Secret, WritePolicy};
+pub use config::{PASSWORD_ENV, RemoteTierConfig, Secret, USERNAME_ENV, WritePolicy};
 pub use memory_store::{MemoryConnector, MemoryState, MemoryStore};
 pub use metrics::RemoteStats;
 pub use namespace::{Namespace, NamespaceParts};
 pub use redis_store::{RedisConnector, RedisStore};
-pub use store::{RemoteStore, StoreConnector, StoreError};
+pub use store::{ItemResult, RemoteStore, StoreConnector, StoreError};
 pub use tier::{Answer, MissReason, Payload, PutOutcome, RemoteError, RemoteTier, Ticket};

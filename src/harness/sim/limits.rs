@@ -20,7 +20,7 @@ const MARGIN: u64 = 8;
 /// generated tokens) at `max_batch_tokens` a step, its longest output at one
 /// token a step, and twice the slowest stall cleanup (a stalled load, then a
 /// stalled store): the stall timeout, the next scan, the latest stall fate and
-/// the longest late report. The limit is [`MARGIN`] times that.
+/// the longest late report. The limit is `MARGIN` (8) times that.
 pub fn derived_progress_limit(cfg: &OffloadConfig, opts: &SimOptions) -> u64 {
     let step_ms = opts.step_ms.max(1);
     let shape = &opts.shape;
