@@ -280,7 +280,7 @@ fn fault_injector_wrapper_matches_native_host_faults() {
     assert_eq!(wrapped.summary.invariant_error, None);
     assert!(wrapped.summary.faults.injected_stalls > 0);
     // The natively injected host backend's run, as recorded.
-    let native = kvoffload::harness::sim::summary::FaultCounts {
+    let native = kvoffload::harness::sim::FaultCounts {
         injected_stalls: 18,
         injected_late: 23,
         injected_duplicates: 15,

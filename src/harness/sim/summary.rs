@@ -298,8 +298,10 @@ pub struct RemoteCounts {
     pub probes_left: u64,
 }
 
-/// Percentile (nearest rank) of sorted values.
-pub fn percentile(sorted: &[u64], p: f64) -> u64 {
+/// Percentile (nearest rank) of sorted values: the exact reference the
+/// step-time histogram is tested against.
+#[cfg(test)]
+pub(crate) fn percentile(sorted: &[u64], p: f64) -> u64 {
     if sorted.is_empty() {
         return 0;
     }
