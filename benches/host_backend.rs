@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use kvoffload::ids::JobId;
+use kvoffload::JobId;
 use kvoffload::worker::{
     GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, TransferBackend,
     TransferSpec, WorkerLayout, plan_descriptors,

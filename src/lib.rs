@@ -5,36 +5,42 @@
 //! The crate has two halves:
 //! - the control plane ([`manager`] and [`scheduler`]): which chunks live on
 //!   the host tier, which to load, store, flush or evict, and which transfers
-//!   stalled; [`replay`] drives it from a trace file;
-//! - the data plane (the worker): moving blocks between GPU pages and host chunks;
+//!   stalled;
+//! - the data plane ([`worker`]): moving blocks between GPU pages and host
+//!   chunks, and [`adapter`], which turns the scheduler's step plan into the
+//!   workers' and sums their reports back;
 //! - the remote tier ([`remote`]): chunks shared across nodes through Redis.
 //!
-//! Time is always injected through a [`clock::Clock`].
+//! Time is always injected through a [`Clock`].
 
-pub mod bench;
-pub mod clock;
-pub mod config;
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+pub mod adapter;
+mod clock;
+mod config;
 mod direction;
-pub mod engine;
-pub mod histogram;
-pub mod ids;
+#[doc(hidden)]
+pub mod harness;
+mod histogram;
+mod ids;
 pub mod kernels;
-pub mod key;
+mod key;
 pub mod manager;
 pub mod metrics;
-pub mod profiling;
+mod profiling;
 pub mod remote;
-pub mod replay;
 pub mod scheduler;
-pub mod sim;
 pub(crate) mod sync;
 pub mod worker;
 
 pub use clock::{Clock, ManualClock, MonotonicClock, SharedClock};
-pub use config::{ConfigError, EvictionPolicyKind, OffloadConfig};
+pub use config::{ConfigError, EvictionPolicyKind, HOST_PAGE_BYTES, OffloadConfig};
 pub use direction::Direction;
 pub use ids::{ChunkId, GpuBlockId, JobId, RequestId};
-pub use key::{BlockHash, ChunkKey};
+pub use key::{BlockHash, ChunkKey, chunk_keys};
+/// The data plane's NVTX ranges (one per job phase, for `nsys`), switched on
+/// or off.
+pub use profiling::set_enabled as set_nvtx_enabled;
 
 /// The README's examples, compiled and run as doc tests.
 #[cfg(doctest)]

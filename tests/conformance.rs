@@ -58,7 +58,7 @@ fn corpus(dir: &str) -> Vec<(String, PathBuf, PathBuf)> {
 fn replay(trace: &Path) -> Result<String, String> {
     let text = std::fs::read_to_string(trace).map_err(|e| e.to_string())?;
     let mut out = Vec::new();
-    kvoffload::replay::run(text.as_bytes(), &mut out).map_err(|e| e.to_string())?;
+    kvoffload::harness::replay::run(text.as_bytes(), &mut out).map_err(|e| e.to_string())?;
     String::from_utf8(out).map_err(|e| e.to_string())
 }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::CudaContext;
-use kvoffload::ids::JobId;
+use kvoffload::JobId;
 use kvoffload::worker::cuda::{
     CudaBackend, CudaBackendOptions, CudaError, DeviceBuffer, PinnedBuffer, PinnedKind, Strategy,
     open_context,

@@ -7,7 +7,7 @@ use kvoffload::Direction;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvoffload::ids::JobId;
+use kvoffload::JobId;
 use kvoffload::worker::{
     BackendError, Fault, FaultControl, FaultInjector, GpuLayout, HostBackend, HostBackendOptions,
     HostBuffer, HostRowLayout, LayoutError, SpecError, TransferBackend, TransferResult,

@@ -12,7 +12,7 @@ mod trace_gen;
 use std::path::PathBuf;
 
 use kvoffload::OffloadConfig;
-use kvoffload::sim::SimRng;
+use kvoffload::harness::sim::SimRng;
 use proptest::prelude::*;
 
 /// Tiers above this many chunks are skipped (valid, but only measure memory).
@@ -29,7 +29,7 @@ fn tier_too_big(data: &[u8]) -> bool {
 
 fn replay(data: &[u8]) {
     if !tier_too_big(data) {
-        let _ = kvoffload::replay::run(data, std::io::sink());
+        let _ = kvoffload::harness::replay::run(data, std::io::sink());
     }
 }
 
@@ -137,7 +137,7 @@ fn seeds_are_valid() {
     OffloadConfig::from_toml_str(CONFIG_SEED).expect("toml seed");
     OffloadConfig::from_json_str(JSON_SEED).expect("json seed");
     for s in seeds() {
-        kvoffload::replay::run(&s[..], std::io::sink()).expect("example trace");
+        kvoffload::harness::replay::run(&s[..], std::io::sink()).expect("example trace");
     }
 }
 
@@ -148,7 +148,7 @@ fn reached(trace: &str) -> (usize, usize, usize) {
     let mut out = Vec::new();
     // A malformed line stops the replay with an error: the lines before it
     // have produced their output.
-    let _ = kvoffload::replay::run(trace.as_bytes(), &mut out);
+    let _ = kvoffload::harness::replay::run(trace.as_bytes(), &mut out);
     let text = String::from_utf8_lossy(&out);
     let executed = text.lines().count();
     let accepted = text.lines().filter(|l| !l.contains("\"error\"")).count();

@@ -624,7 +624,7 @@ fn tls_rediss_round_trips_and_checks_the_server_certificate() {
 
 /// The sim's summary without what depends on the machine's speed or on the
 /// remote tier: what the engine decided.
-fn decisions(s: &kvoffload::sim::SimSummary) -> serde_json::Value {
+fn decisions(s: &kvoffload::harness::sim::SimSummary) -> serde_json::Value {
     let mut v = serde_json::to_value(s).expect("a summary serializes");
     let o = v.as_object_mut().expect("an object");
     for k in ["wall_s", "step_time", "remote"] {
@@ -637,11 +637,11 @@ fn decisions(s: &kvoffload::sim::SimSummary) -> serde_json::Value {
     v
 }
 
-fn sim_opts(remote: Option<RemoteTierConfig>) -> kvoffload::sim::SimOptions {
-    kvoffload::sim::SimOptions {
+fn sim_opts(remote: Option<RemoteTierConfig>) -> kvoffload::harness::sim::SimOptions {
+    kvoffload::harness::sim::SimOptions {
         requests: 150,
         remote,
-        ..kvoffload::sim::SimOptions::default()
+        ..kvoffload::harness::sim::SimOptions::default()
     }
 }
 
@@ -651,7 +651,7 @@ fn sim_opts(remote: Option<RemoteTierConfig>) -> kvoffload::sim::SimOptions {
     ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
 )]
 fn the_sim_with_a_remote_tier_is_reproducible_and_a_second_node_hits_more() {
-    use kvoffload::sim::{Sim, default_config};
+    use kvoffload::harness::sim::{Sim, default_config};
     let run = |remote| {
         Sim::new(default_config(), sim_opts(remote))
             .expect("a sim")
@@ -702,7 +702,7 @@ fn the_sim_with_a_remote_tier_is_reproducible_and_a_second_node_hits_more() {
     ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
 )]
 fn the_sim_serves_on_when_the_store_is_down_or_a_master_dies() {
-    use kvoffload::sim::{Sim, default_config};
+    use kvoffload::harness::sim::{Sim, default_config};
     // Unreachable from the start: every put dropped, nothing else changes.
     let mut dead = RedisServer::start(&[]);
     let url = dead.url();
@@ -816,8 +816,8 @@ fn the_sim_cli_prints_the_remote_line_and_refuses_a_wrong_password() {
     ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
 )]
 fn on_eviction_the_sim_writes_only_evicted_chunks_and_still_drains_clean() {
+    use kvoffload::harness::sim::{Sim, default_config};
     use kvoffload::remote::WritePolicy;
-    use kvoffload::sim::{Sim, default_config};
     // A small host tier (64 chunks), so that it evicts.
     let cfg = || {
         let mut c = default_config();

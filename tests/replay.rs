@@ -16,9 +16,9 @@ fn traces_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/traces")
 }
 
-fn replay_lib(trace: &str) -> Result<String, kvoffload::replay::ReplayError> {
+fn replay_lib(trace: &str) -> Result<String, kvoffload::harness::replay::ReplayError> {
     let mut out = Vec::new();
-    kvoffload::replay::run(trace.as_bytes(), &mut out)?;
+    kvoffload::harness::replay::run(trace.as_bytes(), &mut out)?;
     Ok(String::from_utf8(out).expect("utf-8 output"))
 }
 
@@ -234,7 +234,7 @@ fn huge_numbers_are_errors_not_panics() {
 }
 
 mod fuzz {
-    use kvoffload::sim::SimRng;
+    use kvoffload::harness::sim::SimRng;
     use proptest::prelude::*;
 
     use super::trace_gen;
@@ -258,9 +258,9 @@ mod fuzz {
                 lines.join("\n")
             );
             let mut a = Vec::new();
-            kvoffload::replay::run(trace.as_bytes(), &mut a).expect("every line is well formed");
+            kvoffload::harness::replay::run(trace.as_bytes(), &mut a).expect("every line is well formed");
             let mut b = Vec::new();
-            kvoffload::replay::run(trace.as_bytes(), &mut b).unwrap();
+            kvoffload::harness::replay::run(trace.as_bytes(), &mut b).unwrap();
             prop_assert_eq!(a, b);
         }
     }
@@ -413,11 +413,14 @@ fn run_timed_writes_what_run_writes_and_times_the_steady_steps() {
     let stores = plain.matches("\"job\":").count();
     assert!(stores > 8 + 40, "decode steps store: {stores}");
     let mut out = Vec::new();
-    let t = kvoffload::replay::run_timed(trace.as_bytes(), &mut out).unwrap();
+    let t = kvoffload::harness::replay::run_timed(trace.as_bytes(), &mut out).unwrap();
     assert_eq!(String::from_utf8(out).unwrap(), plain);
     // The prefill step has lookups and allocs; the 40 decode steps are steady.
     assert_eq!(t.steps, 41);
-    assert_eq!(t.steady_steps, 40 - kvoffload::replay::WARMUP_STEADY_STEPS);
+    assert_eq!(
+        t.steady_steps,
+        40 - kvoffload::harness::replay::WARMUP_STEADY_STEPS
+    );
     let e = t.engine_us.expect("steady steps after the warm-up");
     assert!(e.p50 > 0.0 && e.p50 <= e.p90 && e.p90 <= e.p99, "{e:?}");
     assert!(e.mean > 0.0 && e.mean.is_finite(), "{e:?}");
@@ -428,7 +431,7 @@ fn run_timed_writes_what_run_writes_and_times_the_steady_steps() {
     // A trace without steady steps after the warm-up: `engine_us` is null.
     let short = decode_trace(2, 16);
     let mut out = Vec::new();
-    let t = kvoffload::replay::run_timed(short.as_bytes(), &mut out).unwrap();
+    let t = kvoffload::harness::replay::run_timed(short.as_bytes(), &mut out).unwrap();
     assert_eq!((t.steps, t.steady_steps, t.engine_us), (17, 0, None));
     assert!(t.to_json().ends_with(r#""engine_us":null}"#));
 }

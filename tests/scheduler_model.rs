@@ -1270,7 +1270,7 @@ fn recorded_trace_replays() {
     w.drain();
     let trace = w.rec.trace();
     let mut out = Vec::new();
-    kvoffload::replay::run(trace.as_bytes(), &mut out).expect("replayable");
+    kvoffload::harness::replay::run(trace.as_bytes(), &mut out).expect("replayable");
     let out = String::from_utf8(out).unwrap();
     assert_eq!(out.lines().count(), w.rec.lines.len() - 1);
     let last: serde_json::Value = out

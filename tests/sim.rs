@@ -6,9 +6,9 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 
+use kvoffload::harness::sim::limits::derived_progress_limit;
+use kvoffload::harness::sim::{FaultRates, Sim, SimError, SimOptions, default_config};
 use kvoffload::metrics::{MetricsServer, SharedMetricsText};
-use kvoffload::sim::limits::derived_progress_limit;
-use kvoffload::sim::{FaultRates, Sim, SimError, SimOptions, default_config};
 use serde_json::Value;
 
 fn opts(seed: u64, requests: u64, faults: FaultRates) -> SimOptions {
@@ -178,7 +178,7 @@ fn record_and_replay(cfg: kvoffload::OffloadConfig, seed: u64) {
     assert_eq!(out.summary.leaks.total, 0);
     let trace = buf.0.lock().unwrap().clone();
     let mut replayed = Vec::new();
-    kvoffload::replay::run(trace.as_slice(), &mut replayed).unwrap();
+    kvoffload::harness::replay::run(trace.as_slice(), &mut replayed).unwrap();
     let lines: Vec<Value> = String::from_utf8(replayed)
         .unwrap()
         .lines()
@@ -280,7 +280,7 @@ fn fault_injector_wrapper_matches_native_host_faults() {
     assert_eq!(wrapped.summary.invariant_error, None);
     assert!(wrapped.summary.faults.injected_stalls > 0);
     // The natively injected host backend's run, as recorded.
-    let native = kvoffload::sim::summary::FaultCounts {
+    let native = kvoffload::harness::sim::FaultCounts {
         injected_stalls: 18,
         injected_late: 23,
         injected_duplicates: 15,

@@ -19,7 +19,7 @@ mod counting_alloc;
 
 use std::time::Instant;
 
-use kvoffload::sim::{FaultRates, Sim, SimOptions, default_config};
+use kvoffload::harness::sim::{FaultRates, Sim, SimOptions, default_config};
 
 /// Counts the bytes live on the heap, so that the soak tells heap growth
 /// (structures that grow) from resident-memory growth the allocator alone

@@ -5,12 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvoffload::ChunkKey;
-use kvoffload::ids::{JobId, RequestId};
 use kvoffload::worker::{
     Fault, FaultControl, FaultInjector, GpuLayout, HostBackend, HostBackendOptions, HostBuffer,
     HostRowLayout, LoadJob, OffloadWorker, StoreJob, TransferBackend, TransferSpec, WorkerLayout,
     WorkerPlan, WorkerReport,
 };
+use kvoffload::{JobId, RequestId};
 
 const PAGE: u64 = 1024;
 const BLOCKS: u32 = 32;
@@ -443,7 +443,7 @@ fn failed_or_cancelled_stores_are_not_written_through() {
 
 #[test]
 fn fetches_read_shares_written_by_another_worker_into_host_slots() {
-    use kvoffload::ids::ChunkId;
+    use kvoffload::ChunkId;
     use kvoffload::worker::FetchJob;
     // Worker A stores block 5 into its chunk 2 and writes it through (key 1002).
     let (mut a, state, _) = remote_rig(None);
@@ -495,7 +495,7 @@ fn fetches_read_shares_written_by_another_worker_into_host_slots() {
 
 #[test]
 fn on_eviction_chunks_are_written_when_evicted_not_when_stored() {
-    use kvoffload::ids::ChunkId;
+    use kvoffload::ChunkId;
     use kvoffload::remote::{MemoryState, RemoteTierConfig, WritePolicy};
     let cfg = RemoteTierConfig {
         write: WritePolicy::OnEviction,

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use kvoffload::engine::encode_worker_plan;
+use kvoffload::adapter::encode_worker_plan;
 use kvoffload::manager::LookupResult;
 use kvoffload::scheduler::{
     CompletionReport, LookupOutcome, ScheduledRequest, Scheduler, StepInput,

@@ -76,6 +76,32 @@ pub const MAX_RECENT_ALLOCATIONS: usize = 1 << 16;
 pub const ALLOC_SIZE_BUCKETS: usize = 16;
 
 /// The host-tier offload manager for one KV group.
+///
+/// A store is prepared (slots reserved, the chunks pending), written by the
+/// workers, then completed; a stored chunk can then be looked up and loaded.
+///
+/// ```
+/// use kvoffload::manager::{LookupResult, OffloadManager, StoreOutcome};
+/// use kvoffload::{ChunkKey, EvictionPolicyKind};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let mut m = OffloadManager::new(4, EvictionPolicyKind::Lru)?;
+/// let keys = [ChunkKey(1), ChunkKey(2)];
+/// let plan = m.prepare_store(&keys, None).ok_or("no room")?;
+/// assert_eq!(plan.keys_to_store, keys);
+/// assert_eq!(m.lookup(ChunkKey(1)), LookupResult::HitPending);
+/// // ... the workers copy the chunks into `plan.chunk_ids` ...
+/// m.complete_store(&plan.keys_to_store, StoreOutcome::Success, None)?;
+/// assert_eq!(m.lookup(ChunkKey(1)), LookupResult::Hit);
+/// assert_eq!(m.lookup(ChunkKey(3)), LookupResult::Miss);
+///
+/// // Loading pins the chunks (no eviction) until the load completes.
+/// let slots = m.prepare_load(&keys, None)?;
+/// assert_eq!(slots, plan.chunk_ids);
+/// m.complete_load(&keys, None)?;
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug)]
 pub struct OffloadManager {
     capacity: u32,

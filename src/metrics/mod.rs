@@ -1,8 +1,8 @@
 //! Offload metrics in Prometheus text format, named after vLLM's kv_offload
 //! metrics (`vllm:kv_offload_*`), plus kvoffload's stall metrics; and a tiny
-//! HTTP server exposing them ([`server`]).
+//! HTTP server exposing them ([`MetricsServer`]).
 
-pub mod server;
+mod server;
 
 use std::fmt::Write;
 

@@ -16,19 +16,19 @@
 //! `docs/remote-tier.md` has the design, the failure behaviour and how to
 //! run a cluster for it.
 
-pub mod config;
-pub mod memory_store;
-pub mod metrics;
-pub mod namespace;
-pub mod redis_store;
-pub mod store;
-pub mod tier;
+mod config;
+mod memory_store;
+mod metrics;
+mod namespace;
+mod redis_store;
+mod store;
+mod tier;
 pub mod value;
 
-pub use config::{RemoteTierConfig, Secret, WritePolicy};
+pub use config::{PASSWORD_ENV, RemoteTierConfig, Secret, USERNAME_ENV, WritePolicy};
 pub use memory_store::{MemoryConnector, MemoryState, MemoryStore};
 pub use metrics::RemoteStats;
 pub use namespace::{Namespace, NamespaceParts};
 pub use redis_store::{RedisConnector, RedisStore};
-pub use store::{RemoteStore, StoreConnector, StoreError};
+pub use store::{ItemResult, RemoteStore, StoreConnector, StoreError};
 pub use tier::{Answer, MissReason, Payload, PutOutcome, RemoteError, RemoteTier, Ticket};

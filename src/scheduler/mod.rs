@@ -106,6 +106,72 @@ pub(crate) struct Batch {
 }
 
 /// The offload scheduler (control plane) for one KV group.
+///
+/// The serving backend calls its hooks in this order: per request
+/// [`add_request`](Self::add_request), [`lookup`](Self::lookup) and
+/// [`on_alloc`](Self::on_alloc); per step [`build_step`](Self::build_step),
+/// whose plan the workers execute, then
+/// [`on_worker_output`](Self::on_worker_output) with what they report; and
+/// [`request_finished`](Self::request_finished) when a request ends.
+///
+/// ```
+/// use kvoffload::scheduler::{
+///     CompletionReport, LookupOutcome, ScheduledRequest, Scheduler, StepInput, StepPlan,
+/// };
+/// use kvoffload::{BlockHash, GpuBlockId, JobId, ManualClock, OffloadConfig, RequestId};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let cfg = OffloadConfig {
+///     tokens_per_block: 4,
+///     blocks_per_chunk: 1,
+///     ..OffloadConfig::with_chunks(16)
+/// };
+/// let clock = ManualClock::new();
+/// let mut s = Scheduler::new(&cfg, clock.shared())?;
+/// // Every worker (one here) reports every job done.
+/// let done = |jobs: Vec<JobId>| CompletionReport {
+///     completed: jobs.into_iter().map(|j| (j, 1)).collect(),
+///     failed: vec![],
+/// };
+/// let jobs = |plan: &StepPlan| -> Vec<JobId> {
+///     plan.stores.iter().chain(&plan.loads).map(|j| j.job).collect()
+/// };
+///
+/// // Request 1: an 8-token prompt (two full blocks); the host tier has nothing.
+/// let hashes = [BlockHash(11), BlockHash(12)];
+/// let (r1, r2) = (RequestId(1), RequestId(2));
+/// s.add_request(r1, 8, &hashes)?;
+/// assert_eq!(s.lookup(r1, 0)?, LookupOutcome::Hit(0));
+/// let blocks = [GpuBlockId(1), GpuBlockId(2)];
+/// assert_eq!(s.on_alloc(r1, &blocks, 0)?, None);
+/// // The step that computes the prompt stores its two chunks.
+/// let plan = s.build_step(&StepInput {
+///     scheduled: vec![ScheduledRequest {
+///         req: r1,
+///         new_block_ids: blocks.to_vec(),
+///         computed_tokens: 0,
+///         scheduled_tokens: 8,
+///         full_table: false,
+///     }],
+///     ..StepInput::default()
+/// })?;
+/// assert_eq!(plan.stores.iter().map(|j| j.keys.len()).sum::<usize>(), 2);
+/// s.on_worker_output(&done(jobs(&plan)));
+/// s.request_finished(r1, &blocks, false, 8)?;
+///
+/// // Request 2, same prefix: its 8 tokens load from the host tier.
+/// s.add_request(r2, 8, &hashes)?;
+/// assert_eq!(s.lookup(r2, 0)?, LookupOutcome::Hit(8));
+/// let load = s.on_alloc(r2, &[GpuBlockId(3), GpuBlockId(4)], 8)?;
+/// let plan = s.build_step(&StepInput::default())?;
+/// assert_eq!(plan.loads.iter().map(|j| Some(j.job)).collect::<Vec<_>>(), vec![load]);
+/// let outcome = s.on_worker_output(&done(jobs(&plan)));
+/// assert_eq!(outcome.finished_loads, vec![r2]);
+/// s.request_finished(r2, &[GpuBlockId(3), GpuBlockId(4)], false, 8)?;
+/// assert!(!s.has_pending_work());
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug)]
 pub struct Scheduler {
     geo: Geometry,
@@ -200,6 +266,9 @@ impl Scheduler {
     }
 
     /// Whether the watchdog thread runs.
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn watchdog_running(&self) -> bool {
         self.watchdog.is_some()
     }
@@ -393,6 +462,9 @@ impl Scheduler {
     }
 
     /// The jobs in flight for `req` (sorted), or `None` if it is not tracked.
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn request_jobs(&self, req: RequestId) -> Option<Vec<JobId>> {
         self.requests.get(&req).map(|r| {
             let mut v = r.jobs.to_vec();
@@ -402,6 +474,9 @@ impl Scheduler {
     }
 
     /// The next chunk index `req` will offer for storing.
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn next_stored_chunk(&self, req: RequestId) -> Option<usize> {
         self.requests.get(&req).map(|r| r.next_stored_chunk)
     }
@@ -412,6 +487,9 @@ impl Scheduler {
     }
 
     /// When `job` was created (clock time), if it is live.
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn job_created(&self, job: JobId) -> Option<Duration> {
         self.jobs
             .get(job)
@@ -424,11 +502,17 @@ impl Scheduler {
     }
 
     /// Whether `key` is being loaded by an asynchronous load.
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn is_being_loaded(&self, key: ChunkKey) -> bool {
         self.being_loaded.contains_key(&key)
     }
 
     /// Jobs fencing GPU block `block` (sorted).
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn fenced_jobs(&self, block: GpuBlockId) -> Vec<JobId> {
         let mut v = self.fences.jobs(block).to_vec();
         v.sort_unstable();
@@ -441,6 +525,9 @@ impl Scheduler {
     }
 
     /// The id the next job will get.
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn next_job_id(&self) -> JobId {
         JobId(self.next_job)
     }

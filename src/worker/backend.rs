@@ -27,6 +27,50 @@ pub struct TransferResult {
 ///
 /// Jobs of one direction complete in submission order (FIFO); the two directions
 /// are independent. Submitting never waits for a copy.
+///
+/// The host backend (memcpy threads) over plain host buffers standing in for
+/// the GPU's pages:
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+///
+/// use kvoffload::worker::{
+///     GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, TransferBackend,
+///     TransferSpec, WorkerLayout,
+/// };
+/// use kvoffload::{Direction, JobId};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// const BLOCK: u64 = 256;
+/// let (blocks, chunks) = (8, 4);
+/// // One worker; chunks of one block.
+/// let row = HostRowLayout::uniform(1, 1, &[BLOCK])?;
+/// let gpu = Arc::new(HostBuffer::new((blocks as u64 * BLOCK) as usize)?);
+/// let pool = Arc::new(HostBuffer::new(row.pool_bytes(chunks).ok_or("overflow")? as usize)?);
+/// let layout = WorkerLayout::new(
+///     GpuLayout::cross_layer(gpu.addr(), blocks, BLOCK, BLOCK)?,
+///     row,
+///     0,
+///     pool.addr(),
+///     chunks,
+/// )?;
+/// let mut backend = HostBackend::new(layout, vec![gpu, pool], HostBackendOptions::default())?;
+///
+/// // Store GPU blocks 2 and 3 into host chunks 0 and 1.
+/// let job = JobId(1);
+/// backend.submit_store(job, &TransferSpec::new(&[2, 3], 0, &[0, 1]))?;
+/// backend.wait(&[job], Some(Duration::from_secs(10)))?;
+/// let mut done = Vec::new();
+/// backend.poll(&mut done);
+/// assert_eq!(done.len(), 1);
+/// assert_eq!((done[0].job, done[0].direction), (job, Direction::Store));
+/// assert!(done[0].success);
+/// assert_eq!(done[0].bytes, 2 * BLOCK);
+/// assert_eq!(backend.in_flight(), 0);
+/// # Ok(())
+/// # }
+/// ```
 pub trait TransferBackend: Send {
     /// Starts copying the spec's GPU blocks into its host chunks.
     fn submit_store(&mut self, job: JobId, spec: &TransferSpec) -> Result<(), BackendError>;

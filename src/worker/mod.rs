@@ -1,26 +1,29 @@
 //! The data plane: layouts, descriptor tables, transfer backends (host memcpy
 //! and CUDA) and the worker's per-step hooks.
 //!
-//! - [`layout`]: GPU pages and host chunk rows, paired per worker;
-//! - [`descriptors`]: `(src, dst, bytes)` tables with runs coalesced;
-//! - [`backend`]: the [`TransferBackend`] trait;
-//! - [`host_backend`]: memcpy on threads, the reference and no-GPU default;
+//! - layouts ([`GpuLayout`], [`HostRowLayout`], [`WorkerLayout`]): GPU pages
+//!   and host chunk rows, paired per worker;
+//! - descriptors ([`DescriptorTable`]): `(src, dst, bytes)` tables with runs
+//!   coalesced;
+//! - the [`TransferBackend`] trait;
+//! - [`HostBackend`]: memcpy on threads, the reference and no-GPU default;
 //! - [`cuda`]: DMA, custom kernels and CUDA graphs (needs a driver at run time);
-//! - [`worker_hooks`]: [`OffloadWorker`], driven by a [`WorkerPlan`] each step;
-//! - [`plan_wire`]: the step plan as compact bytes, for workers in other processes.
+//! - [`OffloadWorker`]: the worker's hooks, driven by a [`WorkerPlan`] each step;
+//! - [`encode_plan`] / [`decode_plan`]: the step plan as compact bytes, for
+//!   workers in other processes.
 
-pub mod backend;
+mod backend;
 pub mod cuda;
-pub mod descriptors;
-pub mod error;
-pub mod fault;
-pub mod fault_injector;
-pub mod host_backend;
-pub mod host_buffer;
-pub mod layout;
-pub mod plan;
-pub mod plan_wire;
-pub mod worker_hooks;
+mod descriptors;
+mod error;
+mod fault;
+mod fault_injector;
+mod host_backend;
+mod host_buffer;
+mod layout;
+mod plan;
+mod plan_wire;
+mod worker_hooks;
 
 pub use backend::{HostShare, TransferBackend, TransferResult};
 pub use descriptors::{CopyDesc, DescriptorTable, plan as plan_descriptors};
@@ -35,5 +38,7 @@ pub use layout::{
 pub use plan::{
     DirectionStats, FetchJob, LoadJob, StoreJob, TransferStats, WorkerPlan, WorkerReport,
 };
-pub use plan_wire::{PlanWireError, SpecParts, decode_plan, encode_plan, encode_plan_parts};
+pub use plan_wire::{
+    PLAN_WIRE_VERSION, PlanWireError, SpecParts, decode_plan, encode_plan, encode_plan_parts,
+};
 pub use worker_hooks::{OffloadWorker, WorkerError};

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, ValueEnum};
-use kvoffload::bench::{
-    self, BenchRow, CudaSweep, HostSweep, RemoteSweep, calibrated_table, cuda, run_remote,
+use kvoffload::harness::bench::{
+    self, BenchRow, CudaSweep, HostSweep, RemoteSweep, calibrated_table, open_device, run_remote,
 };
 use kvoffload::remote::RemoteTierConfig;
 
@@ -100,7 +100,7 @@ pub fn run(a: BenchArgs) -> ExitCode {
     let ctx = if backend == BenchBackend::Host {
         None
     } else {
-        match cuda::open_device(0) {
+        match open_device(0) {
             Ok(c) => Some(c),
             Err(e) if backend == BenchBackend::Cuda => return fail(e, 2),
             Err(e) => {

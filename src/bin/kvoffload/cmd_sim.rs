@@ -6,12 +6,12 @@ use std::process::ExitCode;
 
 use clap::Args;
 use kvoffload::OffloadConfig;
-use kvoffload::engine::PoolError;
+use kvoffload::harness::sim::{
+    PoolError, Progress, Sim, SimBackend, SimError, SimOptions, SimSummary, config_from_path,
+    default_config,
+};
 use kvoffload::metrics::{MetricsServer, SharedMetricsText};
 use kvoffload::remote::{RemoteTierConfig, WritePolicy};
-use kvoffload::sim::{
-    Progress, Sim, SimBackend, SimError, SimOptions, SimSummary, config_from_path, default_config,
-};
 use kvoffload::worker::cuda::StrategyTable;
 
 /// Arguments of `kvoffload sim`.
@@ -176,7 +176,7 @@ pub fn run(a: SimArgs) -> ExitCode {
         opts.gpu_blocks = g;
     }
     if a.no_faults {
-        opts.faults = kvoffload::sim::FaultRates::none();
+        opts.faults = kvoffload::harness::sim::FaultRates::none();
     }
     if let Some(kb) = cfg.kv_bytes_per_block {
         opts.block_bytes = kb;

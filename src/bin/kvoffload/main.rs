@@ -80,7 +80,7 @@ impl TimingFile {
             .map_err(|e| format!("--timing {}: {e}", path.display()))
     }
 
-    fn write(mut self, timings: &kvoffload::replay::StepTimings) -> Result<(), String> {
+    fn write(mut self, timings: &kvoffload::harness::replay::StepTimings) -> Result<(), String> {
         let json = timings.to_json() + "\n";
         self.file
             .set_len(0)
@@ -107,8 +107,8 @@ fn replay_from(input: impl BufRead, timing: Option<&Path>) -> ExitCode {
     };
     let out = std::io::BufWriter::new(std::io::stdout().lock());
     let result = match &timing {
-        None => kvoffload::replay::run(input, out).map(|()| None),
-        Some(_) => kvoffload::replay::run_timed(input, out).map(Some),
+        None => kvoffload::harness::replay::run(input, out).map(|()| None),
+        Some(_) => kvoffload::harness::replay::run_timed(input, out).map(Some),
     };
     let _ = std::io::stdout().flush();
     match result {
@@ -126,7 +126,7 @@ fn replay_from(input: impl BufRead, timing: Option<&Path>) -> ExitCode {
                 file.discard();
             }
             match e {
-                e @ kvoffload::replay::ReplayError::Malformed { .. } => {
+                e @ kvoffload::harness::replay::ReplayError::Malformed { .. } => {
                     eprintln!("{e}");
                     ExitCode::from(2)
                 }

@@ -172,11 +172,6 @@ impl TableSlot {
         })
     }
 
-    /// Descriptor capacity.
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
     /// Writes the count and descriptors into the staging buffer. Returns true when
     /// it had to wait for the previous use of this slot (a host sync; rare with
     /// a ring of slots).
@@ -350,11 +345,6 @@ impl TableRing {
             }
         }
         Ok(n)
-    }
-
-    /// Largest capacity.
-    pub fn max_capacity(&self) -> usize {
-        self.buckets.last().map_or(0, |b| b.0)
     }
 }
 

@@ -4,14 +4,14 @@
 //! Without a driver every entry point returns [`CudaError::NoDriver`]; nothing
 //! here panics. This code is compiled everywhere but runs only on a GPU machine.
 
-pub mod backend;
-pub mod context;
-pub mod dma;
-pub mod error;
-pub mod kernel;
-pub mod memory;
-pub mod shared_table;
-pub mod strategy;
+mod backend;
+pub(crate) mod context;
+mod dma;
+pub(crate) mod error;
+mod kernel;
+mod memory;
+mod shared_table;
+mod strategy;
 
 pub use backend::{CudaBackend, CudaBackendOptions, CudaBackendStats};
 pub use context::{borrowed_stream, driver_present, open_context};

@@ -4,16 +4,18 @@
 //! `cuMemcpyAsync` on the CUDA backend, a plain `redis` client loop for the
 //! remote tier).
 
-pub mod cuda;
-pub mod host;
-pub mod plot;
-pub mod remote;
+mod cuda;
+mod host;
+mod plot;
+mod remote;
 
 use std::fmt::Write;
 
 use serde::Serialize;
 
-pub use cuda::{CudaBenchError, CudaPoint, CudaSweep, CudaSweepOutput, calibrated_table, run_cuda};
+pub use cuda::{
+    CudaBenchError, CudaPoint, CudaSweep, CudaSweepOutput, calibrated_table, open_device, run_cuda,
+};
 pub use host::{HostSweep, run_host};
 pub use plot::svg;
 pub use remote::{RemoteBenchError, RemoteSweep, run_remote};

@@ -8,23 +8,27 @@
 //! the same control-plane decisions every time.
 
 mod config;
-pub mod faults;
+mod cuda_workers;
+mod faults;
 pub mod gpu_pool;
 pub mod limits;
-pub mod recorder;
-pub mod rng;
+mod recorder;
+mod rng;
 mod run;
 pub mod step_times;
-pub mod summary;
-pub mod workload;
+mod summary;
+mod workers;
+mod workload;
 
 pub use config::{config_from_path, default_config, overlay};
-pub use faults::{FaultPlan, FaultRates, StallFate};
+pub use faults::{FaultPlan, FaultRates, MAX_STALL_FATE_STEPS, StallFate};
 pub use recorder::Recorder;
 pub use rng::SimRng;
 pub use run::{Progress, Sim, SimError, SimOutput};
-pub use summary::Held;
-pub use summary::SimSummary;
+pub use summary::{
+    FaultCounts, Held, Leaks, RemoteCounts, SimSummary, StepTimes, TransferCounts, WorkCounts,
+};
+pub use workers::{PoolError, PoolGeometry, PoolStep, RemoteAttach, WorkerCommand, WorkerPool};
 pub use workload::{Workload, WorkloadShape};
 
 /// The transfer backend the simulation's worker threads run (always wrapped in

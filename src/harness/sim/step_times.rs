@@ -109,7 +109,7 @@ mod tests {
         }
         exact.sort_unstable();
         for p in [50.0, 90.0, 99.0, 99.9] {
-            let want = crate::sim::summary::percentile(&exact, p);
+            let want = crate::harness::sim::summary::percentile(&exact, p);
             let got = h.percentile(p);
             assert!(got >= want, "p{p}: {got} < exact {want}");
             assert!(

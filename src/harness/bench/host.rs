@@ -5,7 +5,7 @@ use crate::Direction;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::engine::PoolError;
+use crate::harness::sim::PoolError;
 use crate::ids::JobId;
 use crate::worker::{
     GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, TransferBackend,

@@ -3,7 +3,7 @@
 
 use serde_json::json;
 
-use crate::engine::WorkerCommand;
+use crate::harness::sim::WorkerCommand;
 use crate::ids::JobId;
 
 use super::super::summary::{Held, Leaks, StepTimes};

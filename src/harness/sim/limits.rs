@@ -20,7 +20,7 @@ const MARGIN: u64 = 8;
 /// generated tokens) at `max_batch_tokens` a step, its longest output at one
 /// token a step, and twice the slowest stall cleanup (a stalled load, then a
 /// stalled store): the stall timeout, the next scan, the latest stall fate and
-/// the longest late report. The limit is [`MARGIN`] times that.
+/// the longest late report. The limit is `MARGIN` (8) times that.
 pub fn derived_progress_limit(cfg: &OffloadConfig, opts: &SimOptions) -> u64 {
     let step_ms = opts.step_ms.max(1);
     let shape = &opts.shape;
@@ -43,7 +43,7 @@ pub fn derived_progress_limit(cfg: &OffloadConfig, opts: &SimOptions) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sim::default_config;
+    use crate::harness::sim::default_config;
 
     #[test]
     fn the_limit_follows_the_workload_not_the_request_count() {

@@ -6,12 +6,12 @@
 //! rejects gives an output line with `"error"` and changes nothing.
 //!
 //! [`run_timed`] also measures the engine time per step ([`StepTimings`];
-//! the attribution rule is in [`timing`]).
+//! the attribution rule is in `timing.rs`).
 
 mod exec;
 mod intern;
 mod parse;
-pub mod timing;
+mod timing;
 
 pub use timing::{EngineTimeStats, StepTimings, WARMUP_STEADY_STEPS};
 

@@ -21,7 +21,7 @@ pub struct FaultRates {
     pub max_delay_steps: u32,
     /// A detected stall is never resolved: the backend neither resumes nor
     /// cancels the transfer (a hung device). The engine keeps serving, but
-    /// the run cannot drain, and ends with [`crate::sim::SimError::NoDrain`]
+    /// the run cannot drain, and ends with [`crate::harness::sim::SimError::NoDrain`]
     /// naming what is still held. Off (0) by default.
     pub hang: f64,
 }

@@ -18,7 +18,7 @@ use crate::worker::{
     FaultInjector, GpuLayout, HostRowLayout, LayoutError, OffloadWorker, WorkerLayout,
 };
 
-use super::workers::{PoolError, STEP_WAIT, WorkerPool};
+use super::workers::{PoolError, PoolGeometry, STEP_WAIT, WorkerPool};
 
 /// Number of CUDA devices (at least 1 once a context opened).
 fn device_count() -> usize {
@@ -38,13 +38,16 @@ impl WorkerPool {
     /// their copy strategy from `strategies`, one table all the workers read
     /// (replace it through the same handle while they run).
     pub fn cuda(
-        world_size: u32,
-        gpu_blocks: u32,
-        block_bytes: u64,
-        blocks_per_chunk: u32,
-        num_chunks: u32,
+        geometry: PoolGeometry,
         strategies: Arc<SharedStrategyTable>,
     ) -> Result<Self, PoolError> {
+        let PoolGeometry {
+            world_size,
+            gpu_blocks,
+            block_bytes,
+            blocks_per_chunk,
+            num_chunks,
+        } = geometry;
         let world = world_size.max(1);
         let first = open_context(0).map_err(PoolError::CudaUnavailable)?;
         let devices = device_count();
@@ -111,7 +114,16 @@ mod tests {
         let table = Arc::new(SharedStrategyTable::new(
             crate::worker::cuda::StrategyTable::default(),
         ));
-        match WorkerPool::cuda(2, 16, 4096, 1, 8, table) {
+        match WorkerPool::cuda(
+            PoolGeometry {
+                world_size: 2,
+                gpu_blocks: 16,
+                block_bytes: 4096,
+                blocks_per_chunk: 1,
+                num_chunks: 8,
+            },
+            table,
+        ) {
             Ok(p) => {
                 assert_eq!(p.world_size(), 2);
                 println!("SKIP: a CUDA device is present");

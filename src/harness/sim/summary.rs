@@ -77,7 +77,7 @@ pub struct FaultCounts {
     /// Stalled jobs whose transfer the backend confirmed cancelled.
     pub cancelled: u64,
     /// Detected stalls whose transfer hung (never resumed nor cancelled:
-    /// [`crate::sim::FaultRates::hang`]).
+    /// [`crate::harness::sim::FaultRates::hang`]).
     pub hung: u64,
     /// Stall-injected jobs that resumed (released, or forced by a flush).
     pub released: u64,
@@ -298,8 +298,10 @@ pub struct RemoteCounts {
     pub probes_left: u64,
 }
 
-/// Percentile (nearest rank) of sorted values.
-pub fn percentile(sorted: &[u64], p: f64) -> u64 {
+/// Percentile (nearest rank) of sorted values: the exact reference the
+/// step-time histogram is tested against.
+#[cfg(test)]
+pub(crate) fn percentile(sorted: &[u64], p: f64) -> u64 {
     if sorted.is_empty() {
         return 0;
     }

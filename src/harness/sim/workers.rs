@@ -131,6 +131,22 @@ struct Reply {
     remote: Option<RemoteStats>,
 }
 
+/// The shape of a pool: its workers, their simulated GPU pages and the host
+/// pool they share.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolGeometry {
+    /// Number of workers (tensor-parallel ranks; 0 counts as 1).
+    pub world_size: u32,
+    /// GPU blocks per worker.
+    pub gpu_blocks: u32,
+    /// Bytes of one GPU block (a cross-layer page).
+    pub block_bytes: u64,
+    /// GPU blocks per host chunk (0 counts as 1).
+    pub blocks_per_chunk: u32,
+    /// Rows (chunks) of the shared host pool.
+    pub num_chunks: u32,
+}
+
 /// Worker threads (one per simulated GPU), each owning its backend.
 #[derive(Debug)]
 pub struct WorkerPool {
@@ -144,9 +160,6 @@ impl std::fmt::Debug for Reply {
         f.debug_struct("Reply").finish_non_exhaustive()
     }
 }
-
-/// The pool's former name (it ran host backends only).
-pub type HostWorkerPool = WorkerPool;
 
 impl WorkerPool {
     /// An empty pool; [`Self::spawn`] adds workers.
@@ -211,51 +224,27 @@ impl WorkerPool {
     /// (cross-layer pages), sharing a host pool of `num_chunks` rows of
     /// `blocks_per_chunk` blocks per worker; each worker's host backend is
     /// wrapped in a [`FaultInjector`] (as the CUDA pool's backends are).
-    pub fn new(
-        world_size: u32,
-        gpu_blocks: u32,
-        block_bytes: u64,
-        blocks_per_chunk: u32,
-        num_chunks: u32,
-    ) -> Result<Self, PoolError> {
-        Self::host(
-            world_size,
-            gpu_blocks,
-            block_bytes,
-            blocks_per_chunk,
-            num_chunks,
-            None,
-        )
+    pub fn new(geometry: PoolGeometry) -> Result<Self, PoolError> {
+        Self::host(geometry, None)
     }
 
     /// As [`Self::new`], each worker writing its stored chunks through to its
     /// own [`RemoteTier`] on `remote` (under its rank).
     pub fn host_with_remote(
-        world_size: u32,
-        gpu_blocks: u32,
-        block_bytes: u64,
-        blocks_per_chunk: u32,
-        num_chunks: u32,
+        geometry: PoolGeometry,
         remote: RemoteAttach,
     ) -> Result<Self, PoolError> {
-        Self::host(
+        Self::host(geometry, Some(remote))
+    }
+
+    fn host(geometry: PoolGeometry, remote: Option<RemoteAttach>) -> Result<Self, PoolError> {
+        let PoolGeometry {
             world_size,
             gpu_blocks,
             block_bytes,
             blocks_per_chunk,
             num_chunks,
-            Some(remote),
-        )
-    }
-
-    fn host(
-        world_size: u32,
-        gpu_blocks: u32,
-        block_bytes: u64,
-        blocks_per_chunk: u32,
-        num_chunks: u32,
-        remote: Option<RemoteAttach>,
-    ) -> Result<Self, PoolError> {
+        } = geometry;
         let world = world_size.max(1);
         let row = HostRowLayout::uniform(blocks_per_chunk.max(1), world, &[block_bytes])?;
         let pool_bytes = row
@@ -479,6 +468,16 @@ fn run_step<B: TransferBackend + FaultControl>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn geometry(world_size: u32) -> PoolGeometry {
+        PoolGeometry {
+            world_size,
+            gpu_blocks: 8,
+            block_bytes: 256,
+            blocks_per_chunk: 1,
+            num_chunks: 4,
+        }
+    }
     use crate::ids::RequestId;
     use crate::worker::{LoadJob, TransferSpec};
 
@@ -497,7 +496,7 @@ mod tests {
     /// many of them must not grow the workers' per-job state.
     #[test]
     fn cancelled_stalls_leave_nothing_on_the_workers() {
-        let mut pool = HostWorkerPool::new(2, 8, 256, 1, 4).unwrap();
+        let mut pool = WorkerPool::new(geometry(2)).unwrap();
         for i in 1..=300 {
             let job = JobId(i);
             let out = pool
@@ -534,7 +533,7 @@ mod tests {
     /// A stalled job released late, or forced by a flush, leaves nothing either.
     #[test]
     fn released_stalls_leave_nothing_on_the_workers() {
-        let mut pool = HostWorkerPool::new(1, 8, 256, 1, 4).unwrap();
+        let mut pool = WorkerPool::new(geometry(1)).unwrap();
         for i in 1..=100 {
             let job = JobId(i);
             let out = pool

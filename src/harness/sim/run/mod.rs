@@ -12,11 +12,9 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use thiserror::Error;
 
+use crate::adapter::{merge_reports, to_worker_plan};
 use crate::clock::ManualClock;
 use crate::config::{ConfigError, OffloadConfig};
-use crate::engine::{
-    PoolError, RemoteAttach, WorkerCommand, WorkerPool, merge_reports, to_worker_plan,
-};
 use crate::ids::{GpuBlockId, JobId, RequestId};
 use crate::key::BlockHash;
 use crate::metrics::{OffloadMetrics, SharedMetricsText};
@@ -31,7 +29,9 @@ use super::recorder::{Recorder, jobs_value, req_name, req_set};
 use super::step_times::StepTimeHistogram;
 use super::summary::{Held, SimSummary};
 use super::workload::{Conversation, Workload};
-use super::{SimBackend, SimOptions};
+use super::{
+    PoolError, PoolGeometry, RemoteAttach, SimBackend, SimOptions, WorkerCommand, WorkerPool,
+};
 
 /// Bound on waiting for the scheduler's remote lookups at the end of a step.
 const REMOTE_WAIT: Duration = Duration::from_secs(30);
@@ -240,15 +240,15 @@ impl Sim {
             })?;
             sched.attach_remote(tier);
         }
+        let geometry = PoolGeometry {
+            world_size: cfg.world_size,
+            gpu_blocks: opts.gpu_blocks,
+            block_bytes: opts.block_bytes,
+            blocks_per_chunk: cfg.blocks_per_chunk,
+            num_chunks,
+        };
         let pool = match (&opts.backend, remote) {
-            (SimBackend::Host, Some(r)) => WorkerPool::host_with_remote(
-                cfg.world_size,
-                opts.gpu_blocks,
-                opts.block_bytes,
-                cfg.blocks_per_chunk,
-                num_chunks,
-                r,
-            )?,
+            (SimBackend::Host, Some(r)) => WorkerPool::host_with_remote(geometry, r)?,
             (SimBackend::Cuda { .. }, Some(_)) => {
                 return Err(SimError::Options(
                     "the sim attaches a remote tier to host-backend workers only (its CUDA \
@@ -256,19 +256,9 @@ impl Sim {
                         .into(),
                 ));
             }
-            (SimBackend::Host, None) => WorkerPool::new(
-                cfg.world_size,
-                opts.gpu_blocks,
-                opts.block_bytes,
-                cfg.blocks_per_chunk,
-                num_chunks,
-            )?,
+            (SimBackend::Host, None) => WorkerPool::new(geometry)?,
             (SimBackend::Cuda { strategies }, None) => WorkerPool::cuda(
-                cfg.world_size,
-                opts.gpu_blocks,
-                opts.block_bytes,
-                cfg.blocks_per_chunk,
-                num_chunks,
+                geometry,
                 std::sync::Arc::new(crate::worker::cuda::SharedStrategyTable::new(
                     strategies.clone(),
                 )),
