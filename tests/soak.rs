@@ -6,6 +6,10 @@
 //! CI runs the short variant; the 1 M-step run:
 //! `cargo test --release --test soak -- --ignored --nocapture`.
 
+#[path = "common/driver.rs"]
+mod driver;
+#[path = "common/rng.rs"]
+mod rng;
 #[path = "soak_sim/mod.rs"]
 mod soak_sim;
 

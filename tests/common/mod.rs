@@ -1,6 +1,8 @@
 //! Test harness: a scheduler on a manual clock, checked after every hook.
 #![allow(dead_code)]
 
+pub mod driver;
+pub mod rng;
 pub mod trace_rec;
 
 use std::time::Duration;
@@ -180,5 +182,20 @@ impl H {
 
     pub fn advance_s(&self, s: u64) {
         self.clock.advance(Duration::from_secs(s));
+    }
+}
+
+impl driver::Hooks for H {
+    fn lookup(&mut self, req: RequestId, computed: u64) -> LookupOutcome {
+        self.s.lookup(req, computed).expect("lookup")
+    }
+
+    fn on_alloc(&mut self, req: RequestId, blocks: &[GpuBlockId], external: u64) -> Option<JobId> {
+        self.s.on_alloc(req, blocks, external).expect("alloc")
+    }
+
+    /// Mid-step: checked after the step.
+    fn update_request(&mut self, req: RequestId, tokens: u64, hashes: &[BlockHash]) {
+        self.s.update_request(req, tokens, hashes).expect("update");
     }
 }

@@ -182,3 +182,17 @@ impl Rec {
         p
     }
 }
+
+impl super::driver::Hooks for Rec {
+    fn lookup(&mut self, r: RequestId, computed: u64) -> LookupOutcome {
+        Rec::lookup(self, r, computed).expect("lookup")
+    }
+
+    fn on_alloc(&mut self, r: RequestId, b: &[GpuBlockId], external: u64) -> Option<JobId> {
+        Rec::on_alloc(self, r, b, external).expect("alloc")
+    }
+
+    fn update_request(&mut self, r: RequestId, num_tokens: u64, h: &[BlockHash]) {
+        Rec::update_request(self, r, num_tokens, h).expect("update");
+    }
+}
