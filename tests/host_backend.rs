@@ -1,9 +1,15 @@
 //! Host backend: the right bytes for every layout, round trips, FIFO order,
 //! fault injection (the host backend wrapped in a [`FaultInjector`]) and typed
 //! errors. Expected addresses are recomputed here from first principles
-//! (reference section C), not with the library's helpers.
+//! (the host row layout of `docs/dataplane.md`, "Layouts"), not with the
+//! library's helpers.
+
+#[path = "common/rng.rs"]
+mod rng;
 
 use kvoffload::Direction;
+
+use rng::Rng;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,33 +22,6 @@ use kvoffload::worker::{
 
 const POISON: u8 = 0xAB;
 const LONG: Option<Duration> = Some(Duration::from_secs(30));
-
-/// xorshift64*: deterministic random data and ids.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-    /// `n` distinct values in `lo..hi`, in random order.
-    fn distinct(&mut self, n: usize, lo: u32, hi: u32) -> Vec<u32> {
-        let mut all: Vec<u32> = (lo..hi).collect();
-        for i in (1..all.len()).rev() {
-            let j = self.below(i as u64 + 1) as usize;
-            all.swap(i, j);
-        }
-        all.truncate(n);
-        all
-    }
-}
 
 #[derive(Clone, Copy, Debug)]
 enum Kind {
@@ -71,28 +50,84 @@ struct Fixture<B = HostBackend> {
     num_chunks: u32,
 }
 
-impl Fixture {
-    fn new(
-        kind: Kind,
-        num_blocks: u32,
-        bpc: u32,
-        workers: u32,
-        worker: u32,
-        num_chunks: u32,
-    ) -> Self {
-        Self::with_help(true, kind, num_blocks, bpc, workers, worker, num_chunks)
+/// Named settings of a [`Fixture`]: `Fixture::builder(kind).blocks(32)...build()`.
+struct FixtureBuilder {
+    kind: Kind,
+    help: bool,
+    num_blocks: u32,
+    bpc: u32,
+    workers: u32,
+    worker: u32,
+    num_chunks: u32,
+}
+
+impl FixtureBuilder {
+    /// Whether `wait` may copy jobs itself (`HostBackendOptions::help_in_wait`;
+    /// default on).
+    fn help_in_wait(mut self, help: bool) -> Self {
+        self.help = help;
+        self
     }
 
-    /// `help`: whether `wait` may copy jobs itself (`HostBackendOptions::help_in_wait`).
-    fn with_help(
-        help: bool,
-        kind: Kind,
-        num_blocks: u32,
-        bpc: u32,
-        workers: u32,
-        worker: u32,
-        num_chunks: u32,
-    ) -> Self {
+    /// GPU blocks per layer (default 32).
+    fn blocks(mut self, n: u32) -> Self {
+        self.num_blocks = n;
+        self
+    }
+
+    /// GPU blocks per host chunk (default 1).
+    fn blocks_per_chunk(mut self, n: u32) -> Self {
+        self.bpc = n;
+        self
+    }
+
+    /// Workers sharing a host row (default 1).
+    fn workers(mut self, n: u32) -> Self {
+        self.workers = n;
+        self
+    }
+
+    /// This worker's rank (default 0).
+    fn worker(mut self, rank: u32) -> Self {
+        self.worker = rank;
+        self
+    }
+
+    /// Host chunks (rows) in the pool (default 16).
+    fn chunks(mut self, n: u32) -> Self {
+        self.num_chunks = n;
+        self
+    }
+
+    fn build(self) -> Fixture {
+        Fixture::from_builder(self)
+    }
+}
+
+impl Fixture {
+    /// A fixture of layout `kind`; every other setting named on the builder.
+    fn builder(kind: Kind) -> FixtureBuilder {
+        FixtureBuilder {
+            kind,
+            help: true,
+            num_blocks: 32,
+            bpc: 1,
+            workers: 1,
+            worker: 0,
+            num_chunks: 16,
+        }
+    }
+
+    fn from_builder(b: FixtureBuilder) -> Self {
+        let FixtureBuilder {
+            kind,
+            help,
+            num_blocks,
+            bpc,
+            workers,
+            worker,
+            num_chunks,
+        } = b;
         let (pages, stride, layers) = match kind {
             Kind::PerLayer {
                 layers,
@@ -282,14 +317,21 @@ fn kinds() -> Vec<Kind> {
 
 #[test]
 fn every_layout_moves_the_right_bytes_both_ways() {
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut rng = Rng::new(0x9E37_79B9_7F4A_7C15);
     let mut job = 0;
     for (i, kind) in kinds().into_iter().enumerate() {
         for bpc in [1u32, 2, 4] {
             for (workers, worker) in [(1u32, 0u32), (3, 1), (3, 2)] {
                 // Both completion paths: copied by the thread, or by the waiter.
                 let help = (i + bpc as usize + worker as usize).is_multiple_of(2);
-                let mut f = Fixture::with_help(help, kind, 64, bpc, workers, worker, 24);
+                let mut f = Fixture::builder(kind)
+                    .help_in_wait(help)
+                    .blocks(64)
+                    .blocks_per_chunk(bpc)
+                    .workers(workers)
+                    .worker(worker)
+                    .chunks(24)
+                    .build();
                 for dir in Direction::ALL {
                     for contiguous in [true, false] {
                         for first in [0u32, 1, 3, 5] {
@@ -320,10 +362,16 @@ fn every_layout_moves_the_right_bytes_both_ways() {
 
 #[test]
 fn store_then_load_round_trips_into_other_blocks() {
-    let mut rng = Rng(42);
+    let mut rng = Rng::new(42);
     for kind in kinds() {
         for bpc in [1u32, 4] {
-            let mut f = Fixture::new(kind, 96, bpc, 2, 1, 16);
+            let mut f = Fixture::builder(kind)
+                .blocks(96)
+                .blocks_per_chunk(bpc)
+                .workers(2)
+                .worker(1)
+                .chunks(16)
+                .build();
             // SAFETY: no job in flight.
             unsafe { f.gpu.write(0, &rng.bytes(f.gpu.len())) };
             let src = f.random_spec(&mut rng, 9, false, 2);
@@ -360,20 +408,19 @@ fn completions_are_fifo_per_direction() {
 }
 
 fn fifo(help: bool) {
-    let mut rng = Rng(7);
-    let mut f = Fixture::with_help(
-        help,
-        Kind::PerLayer {
-            layers: 2,
-            page: 4096,
-            stride: 4096,
-        },
-        256,
-        1,
-        1,
-        0,
-        256,
-    );
+    let mut rng = Rng::new(7);
+    let mut f = Fixture::builder(Kind::PerLayer {
+        layers: 2,
+        page: 4096,
+        stride: 4096,
+    })
+    .help_in_wait(help)
+    .blocks(256)
+    .blocks_per_chunk(1)
+    .workers(1)
+    .worker(0)
+    .chunks(256)
+    .build();
     let mut submitted = [Vec::new(), Vec::new()];
     for j in 0..64u64 {
         let dir = if rng.below(2) == 0 {
@@ -413,18 +460,17 @@ fn fifo(help: bool) {
 
 #[test]
 fn delay_holds_the_job_and_those_behind_it_for_n_polls() {
-    let mut rng = Rng(11);
-    let mut f = Fixture::new(
-        Kind::Cross {
-            block: 4096,
-            stride: 4096,
-        },
-        32,
-        1,
-        1,
-        0,
-        32,
-    )
+    let mut rng = Rng::new(11);
+    let mut f = Fixture::builder(Kind::Cross {
+        block: 4096,
+        stride: 4096,
+    })
+    .blocks(32)
+    .blocks_per_chunk(1)
+    .workers(1)
+    .worker(0)
+    .chunks(32)
+    .build()
     .faulty();
     let a = f.random_spec(&mut rng, 2, false, 0);
     let b = f.random_spec(&mut rng, 2, false, 0);
@@ -458,18 +504,17 @@ fn delay_holds_the_job_and_those_behind_it_for_n_polls() {
 
 #[test]
 fn stall_never_reports_until_released_and_moves_no_bytes() {
-    let mut rng = Rng(13);
-    let mut f = Fixture::new(
-        Kind::Cross {
-            block: 2048,
-            stride: 2048,
-        },
-        32,
-        2,
-        1,
-        0,
-        32,
-    )
+    let mut rng = Rng::new(13);
+    let mut f = Fixture::builder(Kind::Cross {
+        block: 2048,
+        stride: 2048,
+    })
+    .blocks(32)
+    .blocks_per_chunk(2)
+    .workers(1)
+    .worker(0)
+    .chunks(32)
+    .build()
     .faulty();
     f.poison_and_randomise(&mut rng, &f.pool, &f.gpu);
     let stalled = f.random_spec(&mut rng, 3, false, 1);
@@ -518,19 +563,18 @@ impl<B> Fixture<B> {
 
 #[test]
 fn fail_reports_failure_and_copies_nothing() {
-    let mut rng = Rng(17);
-    let mut f = Fixture::new(
-        Kind::PerLayer {
-            layers: 2,
-            page: 512,
-            stride: 512,
-        },
-        32,
-        1,
-        1,
-        0,
-        32,
-    )
+    let mut rng = Rng::new(17);
+    let mut f = Fixture::builder(Kind::PerLayer {
+        layers: 2,
+        page: 512,
+        stride: 512,
+    })
+    .blocks(32)
+    .blocks_per_chunk(1)
+    .workers(1)
+    .worker(0)
+    .chunks(32)
+    .build()
     .faulty();
     f.poison_and_randomise(&mut rng, &f.gpu, &f.pool);
     let spec = f.random_spec(&mut rng, 4, true, 0);
@@ -548,18 +592,17 @@ fn fail_reports_failure_and_copies_nothing() {
 
 #[test]
 fn bad_input_gives_typed_errors() {
-    let mut f = Fixture::new(
-        Kind::PerLayer {
-            layers: 2,
-            page: 256,
-            stride: 256,
-        },
-        16,
-        2,
-        1,
-        0,
-        8,
-    );
+    let mut f = Fixture::builder(Kind::PerLayer {
+        layers: 2,
+        page: 256,
+        stride: 256,
+    })
+    .blocks(16)
+    .blocks_per_chunk(2)
+    .workers(1)
+    .worker(0)
+    .chunks(8)
+    .build();
     let b = &mut f.backend;
     let err = |r: Result<(), BackendError>| match r {
         Err(BackendError::Spec(e)) => e,
@@ -636,18 +679,17 @@ fn layouts_outside_or_overlapping_the_buffers_are_refused() {
 #[test]
 fn jobs_to_the_same_chunk_are_copied_in_submission_order() {
     for help in [false, true] {
-        let mut f = Fixture::with_help(
-            help,
-            Kind::Cross {
-                block: 4096,
-                stride: 4096,
-            },
-            64,
-            1,
-            1,
-            0,
-            8,
-        );
+        let mut f = Fixture::builder(Kind::Cross {
+            block: 4096,
+            stride: 4096,
+        })
+        .help_in_wait(help)
+        .blocks(64)
+        .blocks_per_chunk(1)
+        .workers(1)
+        .worker(0)
+        .chunks(8)
+        .build();
         // SAFETY: no job in flight.
         unsafe {
             for b in 0..64usize {
@@ -684,18 +726,17 @@ fn jobs_to_the_same_chunk_are_copied_in_submission_order() {
 
 #[test]
 fn cancelled_stalls_are_forgotten_and_never_report_nor_move_bytes() {
-    let mut rng = Rng(17);
-    let mut f = Fixture::new(
-        Kind::Cross {
-            block: 2048,
-            stride: 2048,
-        },
-        32,
-        2,
-        1,
-        0,
-        32,
-    )
+    let mut rng = Rng::new(17);
+    let mut f = Fixture::builder(Kind::Cross {
+        block: 2048,
+        stride: 2048,
+    })
+    .blocks(32)
+    .blocks_per_chunk(2)
+    .workers(1)
+    .worker(0)
+    .chunks(32)
+    .build()
     .faulty();
     f.poison_and_randomise(&mut rng, &f.pool, &f.gpu);
     // Many stalled jobs, all cancelled: the backend keeps nothing of them.
