@@ -1,4 +1,5 @@
-//! Core scheduler scenarios (reference section E.2), one KV group, host tier,
+//! Core scheduler scenarios (the hooks in the order of `docs/scheduler.md`, "Hooks,
+//! in the order a serving backend calls them"), one KV group, host tier,
 //! asynchronous loads. Invariants are checked after every hook.
 
 mod common;

@@ -1,4 +1,5 @@
-//! Stall detection (reference E.4, adapted to the watchdog and quarantine).
+//! Stall detection (`docs/scheduler.md`, "Jobs, the watchdog and stalls", with
+//! quarantine).
 //! No test sleeps: time is a manual clock and scans are synchronous.
 
 mod common;
