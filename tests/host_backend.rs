@@ -50,84 +50,48 @@ struct Fixture<B = HostBackend> {
     num_chunks: u32,
 }
 
-/// Named settings of a [`Fixture`]: `Fixture::builder(kind).blocks(32)...build()`.
-struct FixtureBuilder {
-    kind: Kind,
-    help: bool,
-    num_blocks: u32,
-    bpc: u32,
+/// A [`Fixture`]'s settings besides its layout, by name:
+/// `Fixture::new(kind, Opts { blocks: 64, ..Opts::default() })`.
+#[derive(Clone, Copy, Debug)]
+struct Opts {
+    /// Whether `wait` may copy jobs itself (`HostBackendOptions::help_in_wait`).
+    help_in_wait: bool,
+    /// GPU blocks per layer.
+    blocks: u32,
+    /// GPU blocks per host chunk.
+    blocks_per_chunk: u32,
+    /// Workers sharing a host row.
     workers: u32,
+    /// This worker's rank.
     worker: u32,
-    num_chunks: u32,
+    /// Host chunks (rows) in the pool.
+    chunks: u32,
 }
 
-impl FixtureBuilder {
-    /// Whether `wait` may copy jobs itself (`HostBackendOptions::help_in_wait`;
-    /// default on).
-    fn help_in_wait(mut self, help: bool) -> Self {
-        self.help = help;
-        self
-    }
-
-    /// GPU blocks per layer (default 32).
-    fn blocks(mut self, n: u32) -> Self {
-        self.num_blocks = n;
-        self
-    }
-
-    /// GPU blocks per host chunk (default 1).
-    fn blocks_per_chunk(mut self, n: u32) -> Self {
-        self.bpc = n;
-        self
-    }
-
-    /// Workers sharing a host row (default 1).
-    fn workers(mut self, n: u32) -> Self {
-        self.workers = n;
-        self
-    }
-
-    /// This worker's rank (default 0).
-    fn worker(mut self, rank: u32) -> Self {
-        self.worker = rank;
-        self
-    }
-
-    /// Host chunks (rows) in the pool (default 16).
-    fn chunks(mut self, n: u32) -> Self {
-        self.num_chunks = n;
-        self
-    }
-
-    fn build(self) -> Fixture {
-        Fixture::from_builder(self)
+impl Default for Opts {
+    fn default() -> Self {
+        Self {
+            help_in_wait: true,
+            blocks: 32,
+            blocks_per_chunk: 1,
+            workers: 1,
+            worker: 0,
+            chunks: 16,
+        }
     }
 }
 
 impl Fixture {
-    /// A fixture of layout `kind`; every other setting named on the builder.
-    fn builder(kind: Kind) -> FixtureBuilder {
-        FixtureBuilder {
-            kind,
-            help: true,
-            num_blocks: 32,
-            bpc: 1,
-            workers: 1,
-            worker: 0,
-            num_chunks: 16,
-        }
-    }
-
-    fn from_builder(b: FixtureBuilder) -> Self {
-        let FixtureBuilder {
-            kind,
-            help,
-            num_blocks,
-            bpc,
+    /// A fixture of layout `kind` with settings `o`.
+    fn new(kind: Kind, o: Opts) -> Self {
+        let Opts {
+            help_in_wait: help,
+            blocks: num_blocks,
+            blocks_per_chunk: bpc,
             workers,
             worker,
-            num_chunks,
-        } = b;
+            chunks: num_chunks,
+        } = o;
         let (pages, stride, layers) = match kind {
             Kind::PerLayer {
                 layers,
@@ -324,14 +288,17 @@ fn every_layout_moves_the_right_bytes_both_ways() {
             for (workers, worker) in [(1u32, 0u32), (3, 1), (3, 2)] {
                 // Both completion paths: copied by the thread, or by the waiter.
                 let help = (i + bpc as usize + worker as usize).is_multiple_of(2);
-                let mut f = Fixture::builder(kind)
-                    .help_in_wait(help)
-                    .blocks(64)
-                    .blocks_per_chunk(bpc)
-                    .workers(workers)
-                    .worker(worker)
-                    .chunks(24)
-                    .build();
+                let mut f = Fixture::new(
+                    kind,
+                    Opts {
+                        help_in_wait: help,
+                        blocks: 64,
+                        blocks_per_chunk: bpc,
+                        workers,
+                        worker,
+                        chunks: 24,
+                    },
+                );
                 for dir in Direction::ALL {
                     for contiguous in [true, false] {
                         for first in [0u32, 1, 3, 5] {
@@ -365,13 +332,17 @@ fn store_then_load_round_trips_into_other_blocks() {
     let mut rng = Rng::new(42);
     for kind in kinds() {
         for bpc in [1u32, 4] {
-            let mut f = Fixture::builder(kind)
-                .blocks(96)
-                .blocks_per_chunk(bpc)
-                .workers(2)
-                .worker(1)
-                .chunks(16)
-                .build();
+            let mut f = Fixture::new(
+                kind,
+                Opts {
+                    blocks: 96,
+                    blocks_per_chunk: bpc,
+                    workers: 2,
+                    worker: 1,
+                    chunks: 16,
+                    ..Opts::default()
+                },
+            );
             // SAFETY: no job in flight.
             unsafe { f.gpu.write(0, &rng.bytes(f.gpu.len())) };
             let src = f.random_spec(&mut rng, 9, false, 2);
@@ -409,18 +380,21 @@ fn completions_are_fifo_per_direction() {
 
 fn fifo(help: bool) {
     let mut rng = Rng::new(7);
-    let mut f = Fixture::builder(Kind::PerLayer {
-        layers: 2,
-        page: 4096,
-        stride: 4096,
-    })
-    .help_in_wait(help)
-    .blocks(256)
-    .blocks_per_chunk(1)
-    .workers(1)
-    .worker(0)
-    .chunks(256)
-    .build();
+    let mut f = Fixture::new(
+        Kind::PerLayer {
+            layers: 2,
+            page: 4096,
+            stride: 4096,
+        },
+        Opts {
+            help_in_wait: help,
+            blocks: 256,
+            blocks_per_chunk: 1,
+            workers: 1,
+            worker: 0,
+            chunks: 256,
+        },
+    );
     let mut submitted = [Vec::new(), Vec::new()];
     for j in 0..64u64 {
         let dir = if rng.below(2) == 0 {
@@ -461,16 +435,20 @@ fn fifo(help: bool) {
 #[test]
 fn delay_holds_the_job_and_those_behind_it_for_n_polls() {
     let mut rng = Rng::new(11);
-    let mut f = Fixture::builder(Kind::Cross {
-        block: 4096,
-        stride: 4096,
-    })
-    .blocks(32)
-    .blocks_per_chunk(1)
-    .workers(1)
-    .worker(0)
-    .chunks(32)
-    .build()
+    let mut f = Fixture::new(
+        Kind::Cross {
+            block: 4096,
+            stride: 4096,
+        },
+        Opts {
+            blocks: 32,
+            blocks_per_chunk: 1,
+            workers: 1,
+            worker: 0,
+            chunks: 32,
+            ..Opts::default()
+        },
+    )
     .faulty();
     let a = f.random_spec(&mut rng, 2, false, 0);
     let b = f.random_spec(&mut rng, 2, false, 0);
@@ -505,16 +483,20 @@ fn delay_holds_the_job_and_those_behind_it_for_n_polls() {
 #[test]
 fn stall_never_reports_until_released_and_moves_no_bytes() {
     let mut rng = Rng::new(13);
-    let mut f = Fixture::builder(Kind::Cross {
-        block: 2048,
-        stride: 2048,
-    })
-    .blocks(32)
-    .blocks_per_chunk(2)
-    .workers(1)
-    .worker(0)
-    .chunks(32)
-    .build()
+    let mut f = Fixture::new(
+        Kind::Cross {
+            block: 2048,
+            stride: 2048,
+        },
+        Opts {
+            blocks: 32,
+            blocks_per_chunk: 2,
+            workers: 1,
+            worker: 0,
+            chunks: 32,
+            ..Opts::default()
+        },
+    )
     .faulty();
     f.poison_and_randomise(&mut rng, &f.pool, &f.gpu);
     let stalled = f.random_spec(&mut rng, 3, false, 1);
@@ -564,17 +546,21 @@ impl<B> Fixture<B> {
 #[test]
 fn fail_reports_failure_and_copies_nothing() {
     let mut rng = Rng::new(17);
-    let mut f = Fixture::builder(Kind::PerLayer {
-        layers: 2,
-        page: 512,
-        stride: 512,
-    })
-    .blocks(32)
-    .blocks_per_chunk(1)
-    .workers(1)
-    .worker(0)
-    .chunks(32)
-    .build()
+    let mut f = Fixture::new(
+        Kind::PerLayer {
+            layers: 2,
+            page: 512,
+            stride: 512,
+        },
+        Opts {
+            blocks: 32,
+            blocks_per_chunk: 1,
+            workers: 1,
+            worker: 0,
+            chunks: 32,
+            ..Opts::default()
+        },
+    )
     .faulty();
     f.poison_and_randomise(&mut rng, &f.gpu, &f.pool);
     let spec = f.random_spec(&mut rng, 4, true, 0);
@@ -592,17 +578,21 @@ fn fail_reports_failure_and_copies_nothing() {
 
 #[test]
 fn bad_input_gives_typed_errors() {
-    let mut f = Fixture::builder(Kind::PerLayer {
-        layers: 2,
-        page: 256,
-        stride: 256,
-    })
-    .blocks(16)
-    .blocks_per_chunk(2)
-    .workers(1)
-    .worker(0)
-    .chunks(8)
-    .build();
+    let mut f = Fixture::new(
+        Kind::PerLayer {
+            layers: 2,
+            page: 256,
+            stride: 256,
+        },
+        Opts {
+            blocks: 16,
+            blocks_per_chunk: 2,
+            workers: 1,
+            worker: 0,
+            chunks: 8,
+            ..Opts::default()
+        },
+    );
     let b = &mut f.backend;
     let err = |r: Result<(), BackendError>| match r {
         Err(BackendError::Spec(e)) => e,
@@ -679,17 +669,20 @@ fn layouts_outside_or_overlapping_the_buffers_are_refused() {
 #[test]
 fn jobs_to_the_same_chunk_are_copied_in_submission_order() {
     for help in [false, true] {
-        let mut f = Fixture::builder(Kind::Cross {
-            block: 4096,
-            stride: 4096,
-        })
-        .help_in_wait(help)
-        .blocks(64)
-        .blocks_per_chunk(1)
-        .workers(1)
-        .worker(0)
-        .chunks(8)
-        .build();
+        let mut f = Fixture::new(
+            Kind::Cross {
+                block: 4096,
+                stride: 4096,
+            },
+            Opts {
+                help_in_wait: help,
+                blocks: 64,
+                blocks_per_chunk: 1,
+                workers: 1,
+                worker: 0,
+                chunks: 8,
+            },
+        );
         // SAFETY: no job in flight.
         unsafe {
             for b in 0..64usize {
@@ -727,16 +720,20 @@ fn jobs_to_the_same_chunk_are_copied_in_submission_order() {
 #[test]
 fn cancelled_stalls_are_forgotten_and_never_report_nor_move_bytes() {
     let mut rng = Rng::new(17);
-    let mut f = Fixture::builder(Kind::Cross {
-        block: 2048,
-        stride: 2048,
-    })
-    .blocks(32)
-    .blocks_per_chunk(2)
-    .workers(1)
-    .worker(0)
-    .chunks(32)
-    .build()
+    let mut f = Fixture::new(
+        Kind::Cross {
+            block: 2048,
+            stride: 2048,
+        },
+        Opts {
+            blocks: 32,
+            blocks_per_chunk: 2,
+            workers: 1,
+            worker: 0,
+            chunks: 32,
+            ..Opts::default()
+        },
+    )
     .faulty();
     f.poison_and_randomise(&mut rng, &f.pool, &f.gpu);
     // Many stalled jobs, all cancelled: the backend keeps nothing of them.
