@@ -13,7 +13,15 @@
 #![allow(dead_code)]
 
 use kvoffload::scheduler::{LookupOutcome, ScheduledRequest, Scheduler};
-use kvoffload::{BlockHash, GpuBlockId, JobId, RequestId};
+use kvoffload::{BlockHash, GpuBlockId, JobId, ManualClock, OffloadConfig, RequestId};
+
+/// A scheduler for `cfg` (validated) on a manual clock.
+pub fn scheduler_on_manual_clock(cfg: &OffloadConfig) -> (Scheduler, ManualClock) {
+    cfg.validate().expect("valid test config");
+    let clock = ManualClock::new();
+    let s = Scheduler::new(cfg, clock.shared()).expect("scheduler");
+    (s, clock)
+}
 
 /// The scheduler hooks the driver calls (each panics on an error).
 pub trait Hooks {

@@ -73,9 +73,7 @@ impl H {
             offload_prompt_only: g.prompt_only,
             ..OffloadConfig::with_chunks(g.chunks)
         };
-        cfg.validate().expect("valid test config");
-        let clock = ManualClock::new();
-        let s = Scheduler::new(&cfg, clock.shared()).expect("scheduler");
+        let (s, clock) = driver::scheduler_on_manual_clock(&cfg);
         Self {
             s,
             clock,

@@ -33,9 +33,7 @@ fn hashes(h: &[BlockHash]) -> Value {
 impl Rec {
     /// A scheduler for `cfg`; the trace header carries the keys the replay needs.
     pub fn new(cfg: &OffloadConfig) -> Self {
-        cfg.validate().expect("valid config");
-        let clock = ManualClock::new();
-        let s = Scheduler::new(cfg, clock.shared()).expect("scheduler");
+        let (s, clock) = super::driver::scheduler_on_manual_clock(cfg);
         let header = json!({
             "kvoffload_trace": 1,
             "config": {

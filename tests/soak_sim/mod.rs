@@ -12,6 +12,7 @@ use std::time::Duration;
 use kvoffload::scheduler::{CompletionReport, LookupOutcome, Scheduler, StepInput};
 use kvoffload::{JobId, ManualClock, OffloadConfig, RequestId};
 
+use crate::counting_alloc::rss_bytes;
 use crate::driver::{self, BlockPool, Hooks, Req, ReqState};
 use crate::rng::Rng;
 
@@ -64,17 +65,6 @@ impl SoakReport {
     }
 }
 
-/// Resident set size of this process (`/proc/self/statm`), in bytes.
-pub fn rss_bytes() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = s
-        .split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    pages * 4096
-}
-
 const TPB: u64 = 16;
 const STEP_MS: u64 = 10;
 const TIMEOUT_MS: u64 = 500;
@@ -123,9 +113,7 @@ impl Sim {
             stall_scan_interval_ms: 50,
             ..OffloadConfig::with_chunks(256)
         };
-        cfg.validate().expect("config");
-        let clock = ManualClock::new();
-        let s = Scheduler::new(&cfg, clock.shared()).expect("scheduler");
+        let (s, clock) = driver::scheduler_on_manual_clock(&cfg);
         Self {
             s,
             clock,
