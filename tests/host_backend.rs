@@ -339,7 +339,6 @@ fn store_then_load_round_trips_into_other_blocks() {
                     blocks_per_chunk: bpc,
                     workers: 2,
                     worker: 1,
-                    chunks: 16,
                     ..Opts::default()
                 },
             );
@@ -389,10 +388,8 @@ fn fifo(help: bool) {
         Opts {
             help_in_wait: help,
             blocks: 256,
-            blocks_per_chunk: 1,
-            workers: 1,
-            worker: 0,
             chunks: 256,
+            ..Opts::default()
         },
     );
     let mut submitted = [Vec::new(), Vec::new()];
@@ -441,10 +438,6 @@ fn delay_holds_the_job_and_those_behind_it_for_n_polls() {
             stride: 4096,
         },
         Opts {
-            blocks: 32,
-            blocks_per_chunk: 1,
-            workers: 1,
-            worker: 0,
             chunks: 32,
             ..Opts::default()
         },
@@ -489,10 +482,7 @@ fn stall_never_reports_until_released_and_moves_no_bytes() {
             stride: 2048,
         },
         Opts {
-            blocks: 32,
             blocks_per_chunk: 2,
-            workers: 1,
-            worker: 0,
             chunks: 32,
             ..Opts::default()
         },
@@ -553,10 +543,6 @@ fn fail_reports_failure_and_copies_nothing() {
             stride: 512,
         },
         Opts {
-            blocks: 32,
-            blocks_per_chunk: 1,
-            workers: 1,
-            worker: 0,
             chunks: 32,
             ..Opts::default()
         },
@@ -587,8 +573,6 @@ fn bad_input_gives_typed_errors() {
         Opts {
             blocks: 16,
             blocks_per_chunk: 2,
-            workers: 1,
-            worker: 0,
             chunks: 8,
             ..Opts::default()
         },
@@ -677,10 +661,8 @@ fn jobs_to_the_same_chunk_are_copied_in_submission_order() {
             Opts {
                 help_in_wait: help,
                 blocks: 64,
-                blocks_per_chunk: 1,
-                workers: 1,
-                worker: 0,
                 chunks: 8,
+                ..Opts::default()
             },
         );
         // SAFETY: no job in flight.
@@ -726,10 +708,7 @@ fn cancelled_stalls_are_forgotten_and_never_report_nor_move_bytes() {
             stride: 2048,
         },
         Opts {
-            blocks: 32,
             blocks_per_chunk: 2,
-            workers: 1,
-            worker: 0,
             chunks: 32,
             ..Opts::default()
         },

@@ -220,6 +220,12 @@ impl std::ops::DerefMut for MReq {
     }
 }
 
+impl AsRef<Req> for MReq {
+    fn as_ref(&self) -> &Req {
+        &self.r
+    }
+}
+
 impl MReq {
     /// The chunk keys the scheduler knows (full chunks of hashed blocks).
     fn keys(&self, bpc: u64) -> Vec<ChunkKey> {
@@ -409,11 +415,6 @@ impl World {
             .filter(|j| j.st == JSt::Dropped && j.left > 0)
             .count();
         assert_eq!(s.reset_fence_len(), fence, "reset fence");
-    }
-
-    fn free(&mut self, i: usize) {
-        let b = std::mem::take(&mut self.reqs[i].blocks);
-        self.blocks.release(b);
     }
 
     fn on_loads(&mut self, finished: &[RequestId], failed: &[RequestId]) {
@@ -781,39 +782,26 @@ impl World {
                 assert_eq!(job, None, "no load for {id}");
             }
         }
-        let running: Vec<usize> = (0..self.reqs.len())
-            .filter(|&i| self.reqs[i].st == ReqState::Running && !self.reqs[i].full)
-            .collect();
+        let running = driver::settled(&self.reqs);
         let mut skip = Vec::new();
-        if let Some(p) = preempt
-            && !running.is_empty()
-        {
-            let i = running[p as usize % running.len()];
+        if let Some(i) = driver::pick(&running, preempt) {
             input.preempted.push(RequestId(self.reqs[i].id));
             driver::preempt(&mut self.reqs[i].r, &mut self.blocks);
             skip.push(i);
         }
         let mut finished_now = None;
-        if let Some(f) = finish
-            && !running.is_empty()
-        {
-            let i = running[f as usize % running.len()];
-            if !skip.contains(&i) {
-                let (id, blocks, computed) = (
-                    self.reqs[i].id,
-                    self.reqs[i].blocks.clone(),
-                    self.reqs[i].computed,
-                );
-                self.rec
-                    .request_finished(RequestId(id), &blocks, abort, computed)
-                    .expect("request_finished");
-                input.finished.push(RequestId(id));
-                self.reqs[i].st = ReqState::Done;
-                self.reqs[i].finish = Some((abort, computed));
-                self.free(i);
-                skip.push(i);
-                finished_now = Some(i);
-            }
+        if let Some(i) = driver::pick(&running, finish).filter(|i| !skip.contains(i)) {
+            let computed = self.reqs[i].computed;
+            driver::finish(
+                &mut self.rec,
+                &mut self.reqs[i].r,
+                &mut self.blocks,
+                abort,
+                &mut input,
+            );
+            self.reqs[i].finish = Some((abort, computed));
+            skip.push(i);
+            finished_now = Some(i);
         }
         let mut order = Vec::new();
         for i in 0..self.reqs.len() {
@@ -1027,12 +1015,7 @@ impl World {
         for (job, n) in due {
             self.report(job, n, false);
         }
-        let live: Vec<u64> = self
-            .reqs
-            .iter()
-            .filter(|r| r.st != ReqState::Done)
-            .map(|r| r.id)
-            .collect();
+        let live = driver::unfinished(&self.reqs);
         for &id in &live {
             self.rec
                 .request_finished(RequestId(id), &[], true, 0)

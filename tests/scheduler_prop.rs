@@ -252,11 +252,6 @@ struct Model {
 }
 
 impl Model {
-    fn free(&mut self, i: usize) {
-        let b = std::mem::take(&mut self.reqs[i].blocks);
-        self.blocks.release(b);
-    }
-
     fn on_loads(&mut self, finished: &[RequestId], failed: &[RequestId]) {
         driver::on_loads(&mut self.reqs, finished, failed);
     }
@@ -274,47 +269,31 @@ impl Model {
                 LookupOutcome::Defer => {}
                 LookupOutcome::Hit(n) => {
                     let job =
-                        driver::admit(&mut self.h, &mut self.reqs[i], &mut self.blocks, tpb, n);
+                        driver::admit(&mut self.h.s, &mut self.reqs[i], &mut self.blocks, tpb, n);
                     if let Some(job) = job {
                         self.inflight.push((job, self.world));
                     }
                 }
             }
         }
-        let running: Vec<usize> = (0..self.reqs.len())
-            .filter(|&i| self.reqs[i].st == ReqState::Running && !self.reqs[i].full)
-            .collect();
+        let running = driver::settled(&self.reqs);
         let mut skip = Vec::new();
-        if let Some(p) = preempt
-            && !running.is_empty()
-        {
-            let i = running[p as usize % running.len()];
+        if let Some(i) = driver::pick(&running, preempt) {
             input.preempted.push(RequestId(self.reqs[i].id));
             driver::preempt(&mut self.reqs[i], &mut self.blocks);
             skip.push(i);
         }
-        if let Some(f) = finish
-            && !running.is_empty()
-        {
-            let i = running[f as usize % running.len()];
-            if !skip.contains(&i) {
-                let m = &self.reqs[i];
-                self.h
-                    .s
-                    .request_finished(RequestId(m.id), &m.blocks, abort, m.computed)
-                    .unwrap();
-                input.finished.push(RequestId(m.id));
-                self.reqs[i].st = ReqState::Done;
-                self.free(i);
-                skip.push(i);
-            }
+        if let Some(i) = driver::pick(&running, finish).filter(|i| !skip.contains(i)) {
+            let r = &mut self.reqs[i];
+            driver::finish(&mut self.h.s, r, &mut self.blocks, abort, &mut input);
+            skip.push(i);
         }
         for i in 0..self.reqs.len() {
             if self.reqs[i].st != ReqState::Running || skip.contains(&i) {
                 continue;
             }
             // Prefill what is left, or decode one token.
-            let entry = driver::schedule(&mut self.h, &mut self.reqs[i], &mut self.blocks, tpb);
+            let entry = driver::schedule(&mut self.h.s, &mut self.reqs[i], &mut self.blocks, tpb);
             input.scheduled.push(entry);
         }
         let plan = self.h.step(input);
@@ -428,12 +407,7 @@ fn run(ops: Vec<Op>, world: u32, chunks: u64) {
     });
     assert!(out.rejected.is_empty(), "{:?}", out.rejected);
     m.h.check();
-    let live: Vec<u64> = m
-        .reqs
-        .iter()
-        .filter(|r| r.st != ReqState::Done)
-        .map(|r| r.id)
-        .collect();
+    let live = driver::unfinished(&m.reqs);
     for &id in &live {
         m.h.s.request_finished(RequestId(id), &[], true, 0).unwrap();
     }

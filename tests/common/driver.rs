@@ -7,12 +7,12 @@
 //! table after a reset, preemption or load), applies finished and failed
 //! loads, and checks that a drained scheduler holds nothing.
 //!
-//! The scheduler is reached through [`Hooks`], so a test may record the calls
-//! (`trace_rec::Rec`) or check after each (`H`). Binaries that do not use
+//! The scheduler is reached through [`Hooks`], so a test may call it directly
+//! or record the calls (`trace_rec::Rec`). Binaries that do not use
 //! `common/mod.rs` include this file alone (`#[path = "common/driver.rs"]`).
 #![allow(dead_code)]
 
-use kvoffload::scheduler::{LookupOutcome, ScheduledRequest, Scheduler};
+use kvoffload::scheduler::{LookupOutcome, ScheduledRequest, Scheduler, StepInput};
 use kvoffload::{BlockHash, GpuBlockId, JobId, ManualClock, OffloadConfig, RequestId};
 
 /// A scheduler for `cfg` (validated) on a manual clock.
@@ -28,6 +28,8 @@ pub trait Hooks {
     fn lookup(&mut self, req: RequestId, computed: u64) -> LookupOutcome;
     fn on_alloc(&mut self, req: RequestId, blocks: &[GpuBlockId], external: u64) -> Option<JobId>;
     fn update_request(&mut self, req: RequestId, tokens: u64, hashes: &[BlockHash]);
+    /// `request_finished` for `r`, with its blocks and computed tokens.
+    fn request_finished(&mut self, r: &Req, aborted: bool);
 }
 
 impl Hooks for Scheduler {
@@ -41,6 +43,11 @@ impl Hooks for Scheduler {
 
     fn update_request(&mut self, req: RequestId, tokens: u64, hashes: &[BlockHash]) {
         Scheduler::update_request(self, req, tokens, hashes).expect("update");
+    }
+
+    fn request_finished(&mut self, r: &Req, aborted: bool) {
+        Scheduler::request_finished(self, r.rid(), &r.blocks, aborted, r.computed)
+            .expect("request_finished");
     }
 }
 
@@ -109,6 +116,45 @@ impl Req {
     pub fn prompt_hashes(&self) -> Vec<BlockHash> {
         (0..self.prompt_blocks).map(|i| self.hash(i)).collect()
     }
+}
+
+impl AsRef<Req> for Req {
+    fn as_ref(&self) -> &Req {
+        self
+    }
+}
+
+impl AsMut<Req> for Req {
+    fn as_mut(&mut self) -> &mut Req {
+        self
+    }
+}
+
+/// The running requests past their first step (those a step may preempt or
+/// finish), by index.
+pub fn settled<R: AsRef<Req>>(reqs: &[R]) -> Vec<usize> {
+    (0..reqs.len())
+        .filter(|&i| {
+            let r = reqs[i].as_ref();
+            r.st == ReqState::Running && !r.full
+        })
+        .collect()
+}
+
+/// The index `pick` selects among `candidates` (modulo their number), if
+/// there are any and a pick.
+pub fn pick(candidates: &[usize], pick: Option<u8>) -> Option<usize> {
+    pick.filter(|_| !candidates.is_empty())
+        .map(|p| candidates[p as usize % candidates.len()])
+}
+
+/// The requests not finished, by id.
+pub fn unfinished<R: AsRef<Req>>(reqs: &[R]) -> Vec<u64> {
+    reqs.iter()
+        .map(AsRef::as_ref)
+        .filter(|r| r.st != ReqState::Done)
+        .map(|r| r.id)
+        .collect()
 }
 
 /// The GPU's block allocator: freed blocks are reused first (last freed,
@@ -222,6 +268,22 @@ pub fn schedule(
     r.computed = r.tokens;
     r.full = false;
     entry
+}
+
+/// `r` finishes in this step (`aborted` or not): `request_finished` with its
+/// blocks and computed tokens, listed in `input.finished`, done, its blocks
+/// freed.
+pub fn finish(
+    h: &mut impl Hooks,
+    r: &mut Req,
+    pool: &mut BlockPool,
+    aborted: bool,
+    input: &mut StepInput,
+) {
+    h.request_finished(r, aborted);
+    input.finished.push(r.rid());
+    r.st = ReqState::Done;
+    pool.release(std::mem::take(&mut r.blocks));
 }
 
 /// `r` is preempted: back to waiting, nothing computed, its blocks freed.

@@ -182,18 +182,3 @@ impl H {
         self.clock.advance(Duration::from_secs(s));
     }
 }
-
-impl driver::Hooks for H {
-    fn lookup(&mut self, req: RequestId, computed: u64) -> LookupOutcome {
-        self.s.lookup(req, computed).expect("lookup")
-    }
-
-    fn on_alloc(&mut self, req: RequestId, blocks: &[GpuBlockId], external: u64) -> Option<JobId> {
-        self.s.on_alloc(req, blocks, external).expect("alloc")
-    }
-
-    /// Mid-step: checked after the step.
-    fn update_request(&mut self, req: RequestId, tokens: u64, hashes: &[BlockHash]) {
-        self.s.update_request(req, tokens, hashes).expect("update");
-    }
-}

@@ -193,4 +193,9 @@ impl super::driver::Hooks for Rec {
     fn update_request(&mut self, r: RequestId, num_tokens: u64, h: &[BlockHash]) {
         Rec::update_request(self, r, num_tokens, h).expect("update");
     }
+
+    fn request_finished(&mut self, r: &super::driver::Req, aborted: bool) {
+        Rec::request_finished(self, r.rid(), &r.blocks, aborted, r.computed)
+            .expect("request_finished");
+    }
 }

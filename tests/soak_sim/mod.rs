@@ -213,12 +213,8 @@ impl Sim {
             }
         }
         for &(id, aborted) in &done {
-            let r = self.reqs.remove(&id).unwrap().r;
-            self.s
-                .request_finished(RequestId(id), &r.blocks, aborted, r.computed)
-                .expect("request_finished");
-            self.blocks.release(r.blocks);
-            input.finished.push(RequestId(id));
+            let mut r = self.reqs.remove(&id).unwrap().r;
+            driver::finish(&mut self.s, &mut r, &mut self.blocks, aborted, &mut input);
         }
         for &req in &input.preempted {
             driver::preempt(&mut self.reqs.get_mut(&req.0).unwrap().r, &mut self.blocks);
