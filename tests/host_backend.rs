@@ -473,21 +473,25 @@ fn delay_holds_the_job_and_those_behind_it_for_n_polls() {
     assert_eq!(f.backend.stalled(), vec![JobId(5)]);
 }
 
+/// The fault-injecting fixture of the stall tests: one 2 KiB cross-layer
+/// region, two blocks per chunk, 32 chunks.
+fn stall_fixture() -> Fixture<FaultInjector<HostBackend>> {
+    let kind = Kind::Cross {
+        block: 2048,
+        stride: 2048,
+    };
+    let o = Opts {
+        blocks_per_chunk: 2,
+        chunks: 32,
+        ..Opts::default()
+    };
+    Fixture::new(kind, o).faulty()
+}
+
 #[test]
 fn stall_never_reports_until_released_and_moves_no_bytes() {
     let mut rng = Rng::new(13);
-    let mut f = Fixture::new(
-        Kind::Cross {
-            block: 2048,
-            stride: 2048,
-        },
-        Opts {
-            blocks_per_chunk: 2,
-            chunks: 32,
-            ..Opts::default()
-        },
-    )
-    .faulty();
+    let mut f = stall_fixture();
     f.poison_and_randomise(&mut rng, &f.pool, &f.gpu);
     let stalled = f.random_spec(&mut rng, 3, false, 1);
     f.backend.set_fault(JobId(1), Fault::Stall);
@@ -702,18 +706,7 @@ fn jobs_to_the_same_chunk_are_copied_in_submission_order() {
 #[test]
 fn cancelled_stalls_are_forgotten_and_never_report_nor_move_bytes() {
     let mut rng = Rng::new(17);
-    let mut f = Fixture::new(
-        Kind::Cross {
-            block: 2048,
-            stride: 2048,
-        },
-        Opts {
-            blocks_per_chunk: 2,
-            chunks: 32,
-            ..Opts::default()
-        },
-    )
-    .faulty();
+    let mut f = stall_fixture();
     f.poison_and_randomise(&mut rng, &f.pool, &f.gpu);
     // Many stalled jobs, all cancelled: the backend keeps nothing of them.
     for i in 0..200u64 {

@@ -7,7 +7,7 @@ pub mod trace_rec;
 
 use std::time::Duration;
 
-use kvoffload::manager::LookupResult;
+use kvoffload::manager::{LookupResult, StoreOutcome};
 use kvoffload::scheduler::{
     CompletionReport, LookupOutcome, ScheduledRequest, Scheduler, StepInput, StepPlan,
     WorkerOutcome,
@@ -172,6 +172,14 @@ impl H {
             .request_finished(r(id), blocks, true, computed)
             .expect("request_finished");
         self.check();
+    }
+
+    /// Stores `keys` in the host tier directly (prepared, then completed).
+    pub fn cache(&mut self, keys: &[ChunkKey]) {
+        let m = self.s.manager_mut();
+        m.prepare_store(keys, None).expect("prepare_store");
+        m.complete_store(keys, StoreOutcome::Success, None)
+            .expect("complete_store");
     }
 
     pub fn lookup_key(&self, k: ChunkKey) -> LookupResult {
