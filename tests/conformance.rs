@@ -2,7 +2,8 @@
 //! the library with outputs equal to vLLM's own answers.
 //!
 //! The corpora under `tests/conformance/` were produced by vLLM 0.33.0 itself
-//! (`../shared/oracle/`; commands and seeds in `docs/conformance.md`):
+//! (the oracle scripts; commands and seeds in `docs/conformance.md`, "Commands
+//! and seeds"):
 //! - `manager/seed*/`: random host-tier traces (LRU and ARC) run on vLLM's
 //!   `CPUOffloadingManager`, one folder per generator seed;
 //! - `manager_threshold/`: host-tier traces with the reuse filter on
@@ -17,7 +18,7 @@
 //!   late and unknown reports), with expected outputs derived by hand (the
 //!   derivation is beside each trace).
 //!
-//! Nothing here needs Python, vLLM or `../shared`: the comparison is Rust
+//! Nothing here needs Python, vLLM or the oracle scripts: the comparison is Rust
 //! (`conformance/compare.rs`, the rules of the oracle's `compare.py`).
 
 #[path = "conformance/compare.rs"]

@@ -6,7 +6,12 @@
 //! kernel, kernel in a graph) is checked against the host backend on random
 //! data, with the pinned pool, events, and graph replay with refreshed tables.
 
+#[path = "common/rng.rs"]
+mod rng;
+
 use kvoffload::Direction;
+
+use rng::Rng;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,28 +35,6 @@ fn gpu_or_skip(test: &str) -> Option<Arc<CudaContext>> {
             println!("SKIP: {e} [{test}]");
             None
         }
-    }
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-    fn distinct(&mut self, n: usize, lo: u32, hi: u32) -> Vec<u32> {
-        let mut all: Vec<u32> = (lo..hi).collect();
-        for i in (1..all.len()).rev() {
-            let j = (self.next() % (i as u64 + 1)) as usize;
-            all.swap(i, j);
-        }
-        all.truncate(n);
-        all
     }
 }
 
@@ -313,7 +296,7 @@ fn gpu_every_strategy_matches_the_host_backend() {
     let Some(ctx) = gpu_or_skip("gpu_every_strategy_matches_the_host_backend") else {
         return;
     };
-    let mut rng = Rng(0xC0FFEE);
+    let mut rng = Rng::new(0xC0FFEE);
     let mut job = 0u64;
     for s in shapes() {
         let mut p = Pair::new(&ctx, s, PinnedKind::HostAlloc).expect("setup");
@@ -370,7 +353,7 @@ fn gpu_graph_replays_with_a_refreshed_table() {
     let options = CudaBackendOptions::default();
     let slots = (options.capacities.len() * options.ring_slots * 2) as u64;
     assert_eq!(p.cuda.stats().graphs_captured, slots);
-    let mut rng = Rng(99);
+    let mut rng = Rng::new(99);
     // Same bucket (<= 64 descriptors after splitting), many different tables.
     for j in 0..8u64 {
         p.randomise(&mut rng).expect("randomise");
@@ -404,7 +387,7 @@ fn gpu_registered_pool_and_fifo_events() {
     let s = shapes()[1];
     let mut p = Pair::new(&ctx, s, PinnedKind::Registered).expect("setup");
     assert_eq!(p.pool.kind(), PinnedKind::Registered);
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     p.randomise(&mut rng).expect("randomise");
     // Many jobs in flight at once: FIFO per direction from event queries.
     let mut submitted = [Vec::new(), Vec::new()];
@@ -482,7 +465,7 @@ fn gpu_a_store_waits_for_the_kv_written_on_the_compute_stream() {
     };
     let s = shapes()[0];
     let mut p = Pair::new(&ctx, s, PinnedKind::HostAlloc).unwrap();
-    let mut rng = Rng(0x5eed_c0de);
+    let mut rng = Rng::new(0x5eed_c0de);
     p.randomise(&mut rng).unwrap();
     // Keep the compute stream busy first (memsets of a large scratch buffer),
     // then write the whole KV cache there: a store submitted at once must
@@ -534,7 +517,7 @@ fn gpu_kernel_jobs_in_flight_together_reuse_ring_slots_without_corruption() {
             return;
         }
         p.cuda.force_strategy(Some(strategy));
-        let mut rng = Rng(0x0dd_ba11 + strategy as u64);
+        let mut rng = Rng::new(0x0dd_ba11 + strategy as u64);
         p.randomise(&mut rng).unwrap();
         // Three times as many jobs as ring slots, one bucket, one direction,
         // all in flight before any is waited for; then loads back.
@@ -569,7 +552,7 @@ fn gpu_a_kernel_job_past_the_largest_table_falls_back_to_dma_with_the_same_bytes
     };
     let mut p = Pair::with_options(&ctx, s, PinnedKind::Registered, options).unwrap();
     p.cuda.force_strategy(Some(Strategy::KernelGraph));
-    let mut rng = Rng(0xb16_b00c);
+    let mut rng = Rng::new(0xb16_b00c);
     p.randomise(&mut rng).unwrap();
     // 4 layers x 40 blocks: 160 descriptors, past a 64-entry table.
     let spec = spec(&mut rng, s, 40, false, 0);
@@ -592,7 +575,7 @@ fn gpu_the_registered_pool_with_kernel_and_batch_strategies_matches_the_host_bac
     };
     for s in shapes() {
         let mut p = Pair::new(&ctx, s, PinnedKind::Registered).unwrap();
-        let mut rng = Rng(0xfee1_900d ^ s.page);
+        let mut rng = Rng::new(0xfee1_900d ^ s.page);
         p.randomise(&mut rng).unwrap();
         for (i, strategy) in [Strategy::BatchDma, Strategy::Kernel, Strategy::KernelGraph]
             .into_iter()
@@ -620,7 +603,7 @@ fn gpu_host_share_reads_the_pinned_rows_a_store_wrote() {
     let Some(ctx) = gpu_or_skip("gpu_host_share_reads_the_pinned_rows_a_store_wrote") else {
         return;
     };
-    let mut rng = Rng(0x5EA7);
+    let mut rng = Rng::new(0x5EA7);
     let s = shapes()[0];
     let mut p = Pair::new(&ctx, s, PinnedKind::HostAlloc).expect("setup");
     p.randomise(&mut rng).expect("randomise");

@@ -1,9 +1,15 @@
 //! Host backend: the right bytes for every layout, round trips, FIFO order,
 //! fault injection (the host backend wrapped in a [`FaultInjector`]) and typed
 //! errors. Expected addresses are recomputed here from first principles
-//! (reference section C), not with the library's helpers.
+//! (the host row layout of `docs/dataplane.md`, "Layouts"), not with the
+//! library's helpers.
+
+#[path = "common/rng.rs"]
+mod rng;
 
 use kvoffload::Direction;
+
+use rng::Rng;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,33 +22,6 @@ use kvoffload::worker::{
 
 const POISON: u8 = 0xAB;
 const LONG: Option<Duration> = Some(Duration::from_secs(30));
-
-/// xorshift64*: deterministic random data and ids.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-    /// `n` distinct values in `lo..hi`, in random order.
-    fn distinct(&mut self, n: usize, lo: u32, hi: u32) -> Vec<u32> {
-        let mut all: Vec<u32> = (lo..hi).collect();
-        for i in (1..all.len()).rev() {
-            let j = self.below(i as u64 + 1) as usize;
-            all.swap(i, j);
-        }
-        all.truncate(n);
-        all
-    }
-}
 
 #[derive(Clone, Copy, Debug)]
 enum Kind {
@@ -71,28 +50,48 @@ struct Fixture<B = HostBackend> {
     num_chunks: u32,
 }
 
-impl Fixture {
-    fn new(
-        kind: Kind,
-        num_blocks: u32,
-        bpc: u32,
-        workers: u32,
-        worker: u32,
-        num_chunks: u32,
-    ) -> Self {
-        Self::with_help(true, kind, num_blocks, bpc, workers, worker, num_chunks)
-    }
+/// A [`Fixture`]'s settings besides its layout, by name:
+/// `Fixture::new(kind, Opts { blocks: 64, ..Opts::default() })`.
+#[derive(Clone, Copy, Debug)]
+struct Opts {
+    /// Whether `wait` may copy jobs itself (`HostBackendOptions::help_in_wait`).
+    help_in_wait: bool,
+    /// GPU blocks per layer.
+    blocks: u32,
+    /// GPU blocks per host chunk.
+    blocks_per_chunk: u32,
+    /// Workers sharing a host row.
+    workers: u32,
+    /// This worker's rank.
+    worker: u32,
+    /// Host chunks (rows) in the pool.
+    chunks: u32,
+}
 
-    /// `help`: whether `wait` may copy jobs itself (`HostBackendOptions::help_in_wait`).
-    fn with_help(
-        help: bool,
-        kind: Kind,
-        num_blocks: u32,
-        bpc: u32,
-        workers: u32,
-        worker: u32,
-        num_chunks: u32,
-    ) -> Self {
+impl Default for Opts {
+    fn default() -> Self {
+        Self {
+            help_in_wait: true,
+            blocks: 32,
+            blocks_per_chunk: 1,
+            workers: 1,
+            worker: 0,
+            chunks: 16,
+        }
+    }
+}
+
+impl Fixture {
+    /// A fixture of layout `kind` with settings `o`.
+    fn new(kind: Kind, o: Opts) -> Self {
+        let Opts {
+            help_in_wait: help,
+            blocks: num_blocks,
+            blocks_per_chunk: bpc,
+            workers,
+            worker,
+            chunks: num_chunks,
+        } = o;
         let (pages, stride, layers) = match kind {
             Kind::PerLayer {
                 layers,
@@ -282,14 +281,24 @@ fn kinds() -> Vec<Kind> {
 
 #[test]
 fn every_layout_moves_the_right_bytes_both_ways() {
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut rng = Rng::new(0x9E37_79B9_7F4A_7C15);
     let mut job = 0;
     for (i, kind) in kinds().into_iter().enumerate() {
         for bpc in [1u32, 2, 4] {
             for (workers, worker) in [(1u32, 0u32), (3, 1), (3, 2)] {
                 // Both completion paths: copied by the thread, or by the waiter.
                 let help = (i + bpc as usize + worker as usize).is_multiple_of(2);
-                let mut f = Fixture::with_help(help, kind, 64, bpc, workers, worker, 24);
+                let mut f = Fixture::new(
+                    kind,
+                    Opts {
+                        help_in_wait: help,
+                        blocks: 64,
+                        blocks_per_chunk: bpc,
+                        workers,
+                        worker,
+                        chunks: 24,
+                    },
+                );
                 for dir in Direction::ALL {
                     for contiguous in [true, false] {
                         for first in [0u32, 1, 3, 5] {
@@ -320,10 +329,19 @@ fn every_layout_moves_the_right_bytes_both_ways() {
 
 #[test]
 fn store_then_load_round_trips_into_other_blocks() {
-    let mut rng = Rng(42);
+    let mut rng = Rng::new(42);
     for kind in kinds() {
         for bpc in [1u32, 4] {
-            let mut f = Fixture::new(kind, 96, bpc, 2, 1, 16);
+            let mut f = Fixture::new(
+                kind,
+                Opts {
+                    blocks: 96,
+                    blocks_per_chunk: bpc,
+                    workers: 2,
+                    worker: 1,
+                    ..Opts::default()
+                },
+            );
             // SAFETY: no job in flight.
             unsafe { f.gpu.write(0, &rng.bytes(f.gpu.len())) };
             let src = f.random_spec(&mut rng, 9, false, 2);
@@ -360,19 +378,19 @@ fn completions_are_fifo_per_direction() {
 }
 
 fn fifo(help: bool) {
-    let mut rng = Rng(7);
-    let mut f = Fixture::with_help(
-        help,
+    let mut rng = Rng::new(7);
+    let mut f = Fixture::new(
         Kind::PerLayer {
             layers: 2,
             page: 4096,
             stride: 4096,
         },
-        256,
-        1,
-        1,
-        0,
-        256,
+        Opts {
+            help_in_wait: help,
+            blocks: 256,
+            chunks: 256,
+            ..Opts::default()
+        },
     );
     let mut submitted = [Vec::new(), Vec::new()];
     for j in 0..64u64 {
@@ -413,17 +431,16 @@ fn fifo(help: bool) {
 
 #[test]
 fn delay_holds_the_job_and_those_behind_it_for_n_polls() {
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     let mut f = Fixture::new(
         Kind::Cross {
             block: 4096,
             stride: 4096,
         },
-        32,
-        1,
-        1,
-        0,
-        32,
+        Opts {
+            chunks: 32,
+            ..Opts::default()
+        },
     )
     .faulty();
     let a = f.random_spec(&mut rng, 2, false, 0);
@@ -456,21 +473,25 @@ fn delay_holds_the_job_and_those_behind_it_for_n_polls() {
     assert_eq!(f.backend.stalled(), vec![JobId(5)]);
 }
 
+/// The fault-injecting fixture of the stall tests: one 2 KiB cross-layer
+/// region, two blocks per chunk, 32 chunks.
+fn stall_fixture() -> Fixture<FaultInjector<HostBackend>> {
+    let kind = Kind::Cross {
+        block: 2048,
+        stride: 2048,
+    };
+    let o = Opts {
+        blocks_per_chunk: 2,
+        chunks: 32,
+        ..Opts::default()
+    };
+    Fixture::new(kind, o).faulty()
+}
+
 #[test]
 fn stall_never_reports_until_released_and_moves_no_bytes() {
-    let mut rng = Rng(13);
-    let mut f = Fixture::new(
-        Kind::Cross {
-            block: 2048,
-            stride: 2048,
-        },
-        32,
-        2,
-        1,
-        0,
-        32,
-    )
-    .faulty();
+    let mut rng = Rng::new(13);
+    let mut f = stall_fixture();
     f.poison_and_randomise(&mut rng, &f.pool, &f.gpu);
     let stalled = f.random_spec(&mut rng, 3, false, 1);
     f.backend.set_fault(JobId(1), Fault::Stall);
@@ -518,18 +539,17 @@ impl<B> Fixture<B> {
 
 #[test]
 fn fail_reports_failure_and_copies_nothing() {
-    let mut rng = Rng(17);
+    let mut rng = Rng::new(17);
     let mut f = Fixture::new(
         Kind::PerLayer {
             layers: 2,
             page: 512,
             stride: 512,
         },
-        32,
-        1,
-        1,
-        0,
-        32,
+        Opts {
+            chunks: 32,
+            ..Opts::default()
+        },
     )
     .faulty();
     f.poison_and_randomise(&mut rng, &f.gpu, &f.pool);
@@ -554,11 +574,12 @@ fn bad_input_gives_typed_errors() {
             page: 256,
             stride: 256,
         },
-        16,
-        2,
-        1,
-        0,
-        8,
+        Opts {
+            blocks: 16,
+            blocks_per_chunk: 2,
+            chunks: 8,
+            ..Opts::default()
+        },
     );
     let b = &mut f.backend;
     let err = |r: Result<(), BackendError>| match r {
@@ -636,17 +657,17 @@ fn layouts_outside_or_overlapping_the_buffers_are_refused() {
 #[test]
 fn jobs_to_the_same_chunk_are_copied_in_submission_order() {
     for help in [false, true] {
-        let mut f = Fixture::with_help(
-            help,
+        let mut f = Fixture::new(
             Kind::Cross {
                 block: 4096,
                 stride: 4096,
             },
-            64,
-            1,
-            1,
-            0,
-            8,
+            Opts {
+                help_in_wait: help,
+                blocks: 64,
+                chunks: 8,
+                ..Opts::default()
+            },
         );
         // SAFETY: no job in flight.
         unsafe {
@@ -684,19 +705,8 @@ fn jobs_to_the_same_chunk_are_copied_in_submission_order() {
 
 #[test]
 fn cancelled_stalls_are_forgotten_and_never_report_nor_move_bytes() {
-    let mut rng = Rng(17);
-    let mut f = Fixture::new(
-        Kind::Cross {
-            block: 2048,
-            stride: 2048,
-        },
-        32,
-        2,
-        1,
-        0,
-        32,
-    )
-    .faulty();
+    let mut rng = Rng::new(17);
+    let mut f = stall_fixture();
     f.poison_and_randomise(&mut rng, &f.pool, &f.gpu);
     // Many stalled jobs, all cancelled: the backend keeps nothing of them.
     for i in 0..200u64 {

@@ -1,5 +1,5 @@
-//! Heap bytes per in-flight job (target in `../shared/design/ARCHITECTURE.md`:
-//! at most 256 bytes per in-flight job), measured with a byte-counting global
+//! Heap bytes per in-flight job (target: at most 256 bytes per in-flight job;
+//! figures in `docs/perf.md`, "Heap per in-flight job"), measured with a byte-counting global
 //! allocator: the live heap grows by the job table's entry, the watchdog's
 //! deadline entry, the request's job list and the manager's access record of
 //! each new one-chunk store job, which then stays in flight (no worker reports).

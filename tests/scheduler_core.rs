@@ -1,4 +1,5 @@
-//! Core scheduler scenarios (reference section E.2), one KV group, host tier,
+//! Core scheduler scenarios (the hooks in the order of `docs/scheduler.md`, "Hooks,
+//! in the order a serving backend calls them"), one KV group, host tier,
 //! asynchronous loads. Invariants are checked after every hook.
 
 mod common;
@@ -86,20 +87,14 @@ fn maximal_prefix_lookup_rules() {
     // Miss first: zero even though later chunks hit.
     h.add(2, 2, 16);
     let k = [key(2, 1, 1)];
-    h.s.manager_mut().prepare_store(&k, None).unwrap();
-    h.s.manager_mut()
-        .complete_store(&k, StoreOutcome::Success, None)
-        .unwrap();
+    h.cache(&k);
     assert_eq!(h.lookup(2, 0), LookupOutcome::Hit(0));
     // A hit smaller than a chunk counts as zero (bpc=3, 13 tokens, computed 0: the
     // only chunk key covers 12 tokens, 13 - 12 < 12 is not the rule; computed 8 is).
     let mut h3 = H::new(geo3());
     h3.add(1, 1, 24);
     let k = [key(1, 0, 3), key(1, 1, 3)];
-    h3.s.manager_mut().prepare_store(&k, None).unwrap();
-    h3.s.manager_mut()
-        .complete_store(&k, StoreOutcome::Success, None)
-        .unwrap();
+    h3.cache(&k);
     assert_eq!(h3.lookup(1, 8), LookupOutcome::Hit(16));
     assert_eq!(
         h3.lookup(1, 14),
@@ -225,10 +220,7 @@ fn request_preemption_without_host_hit_async() {
 fn concurrent_lookups_of_the_same_prefix() {
     let mut h = H::new(Geo::default());
     let k = [key(1, 0, 1), key(1, 1, 1)];
-    h.s.manager_mut().prepare_store(&k, None).unwrap();
-    h.s.manager_mut()
-        .complete_store(&k, StoreOutcome::Success, None)
-        .unwrap();
+    h.cache(&k);
     h.add(1, 1, 9);
     h.add(2, 1, 9);
     assert_eq!(h.lookup(1, 0), LookupOutcome::Hit(8));
@@ -251,10 +243,7 @@ fn concurrent_lookups_of_the_same_prefix() {
 fn abort_while_loading_keeps_the_request_until_the_load_completes() {
     let mut h = H::new(Geo::default());
     let k = [key(1, 0, 1), key(1, 1, 1)];
-    h.s.manager_mut().prepare_store(&k, None).unwrap();
-    h.s.manager_mut()
-        .complete_store(&k, StoreOutcome::Success, None)
-        .unwrap();
+    h.cache(&k);
     h.add(1, 1, 9);
     assert_eq!(h.lookup(1, 0), LookupOutcome::Hit(8));
     let load = h.alloc(1, &b(1..=3), 8).unwrap();
@@ -361,10 +350,7 @@ fn finished_request_with_several_in_flight_stores_all_flushed_by_fence() {
 fn loads_do_not_populate_the_fence_index() {
     let mut h = H::new(Geo::default());
     let k = [key(1, 0, 1)];
-    h.s.manager_mut().prepare_store(&k, None).unwrap();
-    h.s.manager_mut()
-        .complete_store(&k, StoreOutcome::Success, None)
-        .unwrap();
+    h.cache(&k);
     h.add(1, 1, 5);
     assert_eq!(h.lookup(1, 0), LookupOutcome::Hit(4));
     h.alloc(1, &b(1..=2), 4).unwrap();
@@ -500,10 +486,7 @@ fn final_sampled_token_does_not_complete_a_stored_chunk() {
 fn reset_with_in_flight_jobs() {
     let mut h = H::new(Geo::default());
     let k = [key(1, 0, 1), key(1, 1, 1)];
-    h.s.manager_mut().prepare_store(&k, None).unwrap();
-    h.s.manager_mut()
-        .complete_store(&k, StoreOutcome::Success, None)
-        .unwrap();
+    h.cache(&k);
     h.add(1, 1, 9);
     h.lookup(1, 0);
     let load = h.alloc(1, &b(1..=3), 8).unwrap();
@@ -573,10 +556,7 @@ fn same_step_resume(asynchronous: bool) {
     h.check();
     assert_eq!(h.s.request_jobs(r(1)), Some(vec![]));
     let k = [key(1, 0, 1), key(1, 1, 1)];
-    h.s.manager_mut().prepare_store(&k, None).unwrap();
-    h.s.manager_mut()
-        .complete_store(&k, StoreOutcome::Success, None)
-        .unwrap();
+    h.cache(&k);
     assert_eq!(h.lookup(1, 0), LookupOutcome::Hit(8));
     let load = h.alloc(1, &b(4..=6), 8).unwrap();
     // The preemption notice arrives in the same step as the new load.
@@ -604,10 +584,7 @@ fn same_step_resume_async() {
 fn older_pending_load_at_preemption_flush_is_an_error() {
     let mut h = H::new(Geo::default());
     let k = [key(1, 0, 1)];
-    h.s.manager_mut().prepare_store(&k, None).unwrap();
-    h.s.manager_mut()
-        .complete_store(&k, StoreOutcome::Success, None)
-        .unwrap();
+    h.cache(&k);
     h.add(1, 1, 5);
     h.lookup(1, 0);
     let load = h.alloc(1, &b(1..=2), 4).unwrap();
@@ -673,10 +650,7 @@ fn max_offload_tokens_caps_stores() {
 fn max_load_tokens_caps_hits() {
     let mut h = H::new(Geo::default());
     let k = [key(1, 0, 1), key(1, 1, 1), key(1, 2, 1)];
-    h.s.manager_mut().prepare_store(&k, None).unwrap();
-    h.s.manager_mut()
-        .complete_store(&k, StoreOutcome::Success, None)
-        .unwrap();
+    h.cache(&k);
     h.add(1, 1, 13);
     h.s.set_request_caps(
         r(1),

@@ -31,11 +31,12 @@ use kvoffload::Direction;
 use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
+use common::driver::{self, BlockPool, Hooks, Req, ReqState};
 use common::trace_rec::Rec;
 use kvoffload::scheduler::{
-    CompletionReport, LookupOutcome, ScheduledRequest, SchedulerError, StepInput, TransferJob,
+    CompletionReport, LookupOutcome, SchedulerError, StepInput, TransferJob,
 };
-use kvoffload::{BlockHash, ChunkKey, GpuBlockId, JobId, OffloadConfig, RequestId};
+use kvoffload::{ChunkKey, GpuBlockId, JobId, OffloadConfig, RequestId};
 use proptest::prelude::*;
 
 const TPB: u64 = 4;
@@ -135,26 +136,10 @@ struct MJob {
     stalls: u32,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum RSt {
-    Waiting,
-    Loading,
-    Running,
-    Done,
-}
-
+/// A request: the driver's request (its engine state, `Deref`) and what the
+/// model tracks beside it.
 struct MReq {
-    id: u64,
-    family: u64,
-    prompt: u64,
-    prompt_blocks: u64,
-    /// Tokens as the scheduler knows them (prompt + generated).
-    tokens: u64,
-    computed: u64,
-    st: RSt,
-    full: bool,
-    /// GPU blocks the test's backend holds for it.
-    blocks: Vec<GpuBlockId>,
+    r: Req,
     /// The block list the scheduler keeps for it (emptied by a lookup,
     /// filled by the steps that schedule it).
     sched_blocks: Vec<GpuBlockId>,
@@ -218,16 +203,26 @@ struct World {
     resets: u64,
     /// Events the model expects the tier to report next.
     events: Vec<Ev>,
-    free_blocks: Vec<GpuBlockId>,
-    next_block: u32,
+    blocks: BlockPool,
     stall_count: u64,
 }
 
-fn hash(m: &MReq, i: u64) -> BlockHash {
-    if i < m.prompt_blocks {
-        BlockHash(m.family * 1000 + i + 1)
-    } else {
-        BlockHash((m.id + 1) * 1_000_000 + i)
+impl std::ops::Deref for MReq {
+    type Target = Req;
+    fn deref(&self) -> &Req {
+        &self.r
+    }
+}
+
+impl std::ops::DerefMut for MReq {
+    fn deref_mut(&mut self) -> &mut Req {
+        &mut self.r
+    }
+}
+
+impl AsRef<Req> for MReq {
+    fn as_ref(&self) -> &Req {
+        &self.r
     }
 }
 
@@ -236,13 +231,43 @@ impl MReq {
     fn keys(&self, bpc: u64) -> Vec<ChunkKey> {
         let chunks = self.tokens / TPB / bpc;
         (0..chunks)
-            .map(|c| ChunkKey(hash(self, (c + 1) * bpc - 1).0))
+            .map(|c| ChunkKey(self.hash((c + 1) * bpc - 1).0))
             .collect()
     }
 }
 
+/// The engine a run drives: `Setup { world: 2, ..Setup::default() }`.
+#[derive(Debug, Clone, Copy)]
+struct Setup {
+    /// Workers (reports per job).
+    world: u32,
+    /// Host-tier capacity in chunks.
+    chunks: u64,
+    /// Offload prompt blocks only.
+    prompt_only: bool,
+    /// GPU blocks per chunk.
+    bpc: u32,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Self {
+            world: 1,
+            chunks: 64,
+            prompt_only: false,
+            bpc: 1,
+        }
+    }
+}
+
 impl World {
-    fn new(world: u32, chunks: u64, prompt_only: bool, bpc: u32) -> Self {
+    fn new(setup: Setup) -> Self {
+        let Setup {
+            world,
+            chunks,
+            prompt_only,
+            bpc,
+        } = setup;
         let cfg = OffloadConfig {
             tokens_per_block: TPB as u32,
             blocks_per_chunk: bpc,
@@ -268,8 +293,7 @@ impl World {
             held: BTreeMap::new(),
             resets: 0,
             events: Vec::new(),
-            free_blocks: Vec::new(),
-            next_block: 0,
+            blocks: BlockPool::default(),
             stall_count: 0,
         }
     }
@@ -393,32 +417,8 @@ impl World {
         assert_eq!(s.reset_fence_len(), fence, "reset fence");
     }
 
-    fn block(&mut self) -> GpuBlockId {
-        self.free_blocks.pop().unwrap_or_else(|| {
-            self.next_block += 1;
-            GpuBlockId(self.next_block)
-        })
-    }
-
-    fn free(&mut self, i: usize) {
-        let b = std::mem::take(&mut self.reqs[i].blocks);
-        self.free_blocks.extend(b);
-    }
-
     fn on_loads(&mut self, finished: &[RequestId], failed: &[RequestId]) {
-        for m in &mut self.reqs {
-            if m.st != RSt::Loading {
-                continue;
-            }
-            if failed.contains(&RequestId(m.id)) {
-                m.st = RSt::Running;
-                m.computed = 0;
-                m.full = true;
-            } else if finished.contains(&RequestId(m.id)) {
-                m.st = RSt::Running;
-                m.full = true;
-            }
-        }
+        driver::on_loads(self.reqs.iter_mut().map(|m| &mut m.r), finished, failed);
     }
 
     /// A job ends (completed or released): its effect on the tier.
@@ -745,12 +745,12 @@ impl World {
         let mut input = StepInput::default();
         let mut new_loads = Vec::new();
         for i in 0..self.reqs.len() {
-            if self.reqs[i].st != RSt::Waiting {
+            if self.reqs[i].st != ReqState::Waiting {
                 continue;
             }
             let id = RequestId(self.reqs[i].id);
             let want = self.predict_lookup(i);
-            let got = self.rec.lookup(id, 0).expect("lookup");
+            let got = Hooks::lookup(&mut self.rec, id, 0);
             assert_eq!(got, want, "lookup of {id}");
             match got {
                 LookupOutcome::Defer => self.cov.defers += 1,
@@ -760,12 +760,8 @@ impl World {
             let LookupOutcome::Hit(n) = got else {
                 continue;
             };
-            let tokens = self.reqs[i].tokens;
-            let blocks: Vec<GpuBlockId> = (0..tokens / TPB + 1).map(|_| self.block()).collect();
-            let job = self.rec.on_alloc(id, &blocks, n).expect("alloc");
-            let m = &mut self.reqs[i];
-            m.blocks = blocks.clone();
-            m.full = true;
+            let job = driver::admit(&mut self.rec, &mut self.reqs[i].r, &mut self.blocks, TPB, n);
+            let blocks = self.reqs[i].blocks.clone();
             if n > 0 {
                 // The load of the hit chunks, into the first blocks.
                 let chunks = n / self.tpc();
@@ -778,95 +774,49 @@ impl World {
                 assert_eq!(job, Some(JobId(j)), "the load of {id}");
                 let to = (n / TPB) as usize;
                 new_loads.push((j, id, blocks[..to].to_vec(), keys));
-                let m = &mut self.reqs[i];
-                m.st = RSt::Loading;
-                m.computed = n;
-                // Chunks loaded are not offered again (vLLM's chunk-level policy).
-                m.next_stored = chunks;
+                // Loading, computed to the hit (`driver::admit`). Chunks
+                // loaded are not offered again (vLLM's chunk-level policy).
+                self.reqs[i].next_stored = chunks;
             } else {
+                // Running from token 0 (`driver::admit`).
                 assert_eq!(job, None, "no load for {id}");
-                m.st = RSt::Running;
-                m.computed = 0;
             }
         }
-        let running: Vec<usize> = (0..self.reqs.len())
-            .filter(|&i| self.reqs[i].st == RSt::Running && !self.reqs[i].full)
-            .collect();
+        let running = driver::settled(&self.reqs);
         let mut skip = Vec::new();
-        if let Some(p) = preempt
-            && !running.is_empty()
-        {
-            let i = running[p as usize % running.len()];
+        if let Some(i) = driver::pick(&running, preempt) {
             input.preempted.push(RequestId(self.reqs[i].id));
-            self.reqs[i].st = RSt::Waiting;
-            self.reqs[i].computed = 0;
-            self.free(i);
+            driver::preempt(&mut self.reqs[i].r, &mut self.blocks);
             skip.push(i);
         }
         let mut finished_now = None;
-        if let Some(f) = finish
-            && !running.is_empty()
-        {
-            let i = running[f as usize % running.len()];
-            if !skip.contains(&i) {
-                let (id, blocks, computed) = (
-                    self.reqs[i].id,
-                    self.reqs[i].blocks.clone(),
-                    self.reqs[i].computed,
-                );
-                self.rec
-                    .request_finished(RequestId(id), &blocks, abort, computed)
-                    .expect("request_finished");
-                input.finished.push(RequestId(id));
-                self.reqs[i].st = RSt::Done;
-                self.reqs[i].finish = Some((abort, computed));
-                self.free(i);
-                skip.push(i);
-                finished_now = Some(i);
-            }
+        if let Some(i) = driver::pick(&running, finish).filter(|i| !skip.contains(i)) {
+            let computed = self.reqs[i].computed;
+            driver::finish(
+                &mut self.rec,
+                &mut self.reqs[i].r,
+                &mut self.blocks,
+                abort,
+                &mut input,
+            );
+            self.reqs[i].finish = Some((abort, computed));
+            skip.push(i);
+            finished_now = Some(i);
         }
         let mut order = Vec::new();
         for i in 0..self.reqs.len() {
-            if self.reqs[i].st != RSt::Running || skip.contains(&i) {
+            if self.reqs[i].st != ReqState::Running || skip.contains(&i) {
                 continue;
             }
-            let (id, computed, full) = (self.reqs[i].id, self.reqs[i].computed, self.reqs[i].full);
-            if computed >= self.reqs[i].tokens {
-                let m = &mut self.reqs[i];
-                m.tokens += 1;
-                let new_hashes: Vec<BlockHash> = if m.tokens.is_multiple_of(TPB) {
-                    vec![hash(m, m.tokens / TPB - 1)]
-                } else {
-                    vec![]
-                };
-                let n = m.tokens;
-                // Mid-step (after lookups and allocs): checked after the step.
-                self.rec
-                    .update_request(RequestId(id), n, &new_hashes)
-                    .expect("update");
-            }
-            let mut new_blocks = Vec::new();
-            while (self.reqs[i].blocks.len() as u64) * TPB <= self.reqs[i].tokens {
-                let b = self.block();
-                self.reqs[i].blocks.push(b);
-                new_blocks.push(b);
-            }
+            // Mid-step (after lookups and allocs): checked after the step.
+            let entry = driver::schedule(&mut self.rec, &mut self.reqs[i].r, &mut self.blocks, TPB);
             let m = &mut self.reqs[i];
-            let listed = if full { m.blocks.clone() } else { new_blocks };
-            if full {
+            if entry.full_table {
                 m.sched_blocks.clear();
             }
-            m.sched_blocks.extend_from_slice(&listed);
-            input.scheduled.push(ScheduledRequest {
-                req: RequestId(id),
-                new_block_ids: listed,
-                computed_tokens: computed,
-                scheduled_tokens: m.tokens - computed,
-                full_table: full,
-            });
+            m.sched_blocks.extend_from_slice(&entry.new_block_ids);
             order.push((i, m.tokens));
-            m.computed = m.tokens;
-            m.full = false;
+            input.scheduled.push(entry);
         }
         if let Some(i) = finished_now {
             let m = &self.reqs[i];
@@ -900,23 +850,14 @@ impl World {
                 let id = self.reqs.len() as u64;
                 let prompt = u64::from(prompt);
                 let r = MReq {
-                    id,
-                    family: u64::from(family),
-                    prompt,
-                    prompt_blocks: prompt / TPB,
-                    tokens: prompt,
-                    computed: 0,
-                    st: RSt::Waiting,
-                    full: true,
-                    blocks: vec![],
+                    r: Req::new(id, u64::from(family), prompt, TPB),
                     sched_blocks: vec![],
                     next_stored: 0,
                     finish: None,
                     finalized: false,
                 };
-                let hashes: Vec<BlockHash> = (0..r.prompt_blocks).map(|i| hash(&r, i)).collect();
                 self.rec
-                    .add_request(RequestId(id), prompt, &hashes)
+                    .add_request(RequestId(id), prompt, &r.prompt_hashes())
                     .expect("add");
                 self.reqs.push(r);
                 self.check();
@@ -1056,7 +997,7 @@ impl World {
             if r.finish.is_some() {
                 r.finalized = true;
             }
-            if r.st == RSt::Running {
+            if r.st == ReqState::Running {
                 r.full = true;
             }
         }
@@ -1074,12 +1015,7 @@ impl World {
         for (job, n) in due {
             self.report(job, n, false);
         }
-        let live: Vec<u64> = self
-            .reqs
-            .iter()
-            .filter(|r| r.st != RSt::Done)
-            .map(|r| r.id)
-            .collect();
+        let live = driver::unfinished(&self.reqs);
         for &id in &live {
             self.rec
                 .request_finished(RequestId(id), &[], true, 0)
@@ -1093,30 +1029,11 @@ impl World {
         assert!(plan.stores.is_empty() && plan.loads.is_empty());
         for r in &mut self.reqs {
             r.finalized = true;
-            r.st = RSt::Done;
+            r.st = ReqState::Done;
         }
         self.rec.state_line();
         self.check();
-        let st = self.rec.s.state();
-        assert_eq!(
-            (
-                st.jobs,
-                st.requests,
-                st.chunks_being_loaded,
-                st.fenced_blocks,
-                st.stalled_jobs,
-                st.quarantined_chunks
-            ),
-            (0, 0, 0, 0, 0, 0),
-            "leak after drain: {st:?}"
-        );
-        assert_eq!(
-            st.manager.pending + st.manager.pinned + st.manager.quarantined,
-            0,
-            "{st:?}"
-        );
-        assert_eq!(self.rec.s.reset_fence_len(), 0);
-        assert!(!self.rec.s.has_pending_work());
+        driver::assert_drained(&self.rec.s);
         for (id, j) in &self.jobs {
             assert!(
                 matches!(j.st, JSt::Completed | JSt::Released | JSt::Dropped),
@@ -1133,8 +1050,8 @@ impl World {
 
 /// Runs `ops`; on failure writes the trace (up to and including the failing
 /// call) and fails with its path.
-fn run(ops: Vec<Op>, world: u32, chunks: u64, prompt_only: bool, bpc: u32) -> Cov {
-    let mut w = World::new(world, chunks, prompt_only, bpc);
+fn run(ops: Vec<Op>, setup: Setup) -> Cov {
+    let mut w = World::new(setup);
     let res = catch_unwind(AssertUnwindSafe(|| {
         for op in ops {
             w.apply(op);
@@ -1175,7 +1092,15 @@ proptest! {
         prompt_only in any::<bool>(),
         bpc in 1u32..3,
     ) {
-        run(ops, world, chunks, prompt_only, bpc);
+        run(
+            ops,
+            Setup {
+                world,
+                chunks,
+                prompt_only,
+                bpc,
+            },
+        );
     }
 }
 
@@ -1197,7 +1122,15 @@ fn generated_cases_reach_what_the_model_predicts() {
                 .unwrap()
                 .current();
             let chunks = [4u64, 16, 64][(case % 3) as usize];
-            let c = run(ops, 1 + (case % 3) as u32, chunks, case % 2 == 0, bpc);
+            let c = run(
+                ops,
+                Setup {
+                    world: 1 + (case % 3) as u32,
+                    chunks,
+                    prompt_only: case % 2 == 0,
+                    bpc,
+                },
+            );
             t.hits += c.hits;
             t.defers += c.defers;
             t.loads += c.loads;
@@ -1263,7 +1196,12 @@ fn recorded_trace_replays() {
             abort: false,
         },
     ];
-    let mut w = World::new(2, 16, false, 2);
+    let mut w = World::new(Setup {
+        world: 2,
+        chunks: 16,
+        prompt_only: false,
+        bpc: 2,
+    });
     for op in ops {
         w.apply(op);
     }

@@ -22,11 +22,10 @@ mod common;
 use kvoffload::Direction;
 use std::collections::{BTreeMap, BTreeSet};
 
+use common::driver::{self, BlockPool, Req, ReqState};
 use common::*;
-use kvoffload::scheduler::{
-    CompletionReport, LookupOutcome, ScheduledRequest, StepInput, StepPlan,
-};
-use kvoffload::{BlockHash, ChunkId, ChunkKey, GpuBlockId, JobId, RequestId};
+use kvoffload::scheduler::{CompletionReport, LookupOutcome, StepInput, StepPlan};
+use kvoffload::{ChunkId, ChunkKey, GpuBlockId, JobId, RequestId};
 use proptest::prelude::*;
 
 /// A job as the workers know it.
@@ -241,80 +240,20 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum St {
-    Waiting,
-    Loading,
-    Running,
-    Done,
-}
-
-struct MReq {
-    id: u64,
-    family: u64,
-    prompt_blocks: u64,
-    tokens: u64,
-    computed: u64,
-    st: St,
-    /// The scheduler's block list is empty: the next step carries the whole table.
-    full: bool,
-    blocks: Vec<GpuBlockId>,
-}
-
 struct Model {
     h: H,
     witness: Witness,
-    /// GPU blocks handed out again this step (popped from the free list).
-    reused: Vec<GpuBlockId>,
+    /// GPU blocks; those handed out again in a step are the witness's.
+    blocks: BlockPool,
     world: u32,
     tpb: u64,
-    reqs: Vec<MReq>,
+    reqs: Vec<Req>,
     inflight: Vec<(JobId, u32)>,
-    free_blocks: Vec<GpuBlockId>,
-    next_block: u32,
-}
-
-fn hash(m: &MReq, i: u64) -> BlockHash {
-    if i < m.prompt_blocks {
-        BlockHash(m.family * 1000 + i + 1)
-    } else {
-        BlockHash((m.id + 1) * 1_000_000 + i)
-    }
 }
 
 impl Model {
-    fn block(&mut self) -> GpuBlockId {
-        if let Some(b) = self.free_blocks.pop() {
-            self.reused.push(b);
-            return b;
-        }
-        self.next_block += 1;
-        GpuBlockId(self.next_block)
-    }
-
-    fn blocks_for(&mut self, tokens: u64) -> Vec<GpuBlockId> {
-        (0..tokens / self.tpb + 1).map(|_| self.block()).collect()
-    }
-
-    fn free(&mut self, i: usize) {
-        let b = std::mem::take(&mut self.reqs[i].blocks);
-        self.free_blocks.extend(b);
-    }
-
     fn on_loads(&mut self, finished: &[RequestId], failed: &[RequestId]) {
-        for m in &mut self.reqs {
-            if m.st != St::Loading {
-                continue;
-            }
-            if failed.contains(&RequestId(m.id)) {
-                m.st = St::Running;
-                m.computed = 0; // recompute
-                m.full = true;
-            } else if finished.contains(&RequestId(m.id)) {
-                m.st = St::Running;
-                m.full = true;
-            }
-        }
+        driver::on_loads(&mut self.reqs, finished, failed);
     }
 
     fn step(&mut self, preempt: Option<u8>, finish: Option<u8>, abort: bool) {
@@ -322,95 +261,43 @@ impl Model {
         let mut input = StepInput::default();
         // Admission of waiting requests.
         for i in 0..self.reqs.len() {
-            if self.reqs[i].st != St::Waiting {
+            if self.reqs[i].st != ReqState::Waiting {
                 continue;
             }
             let id = self.reqs[i].id;
             match self.h.lookup(id, 0) {
                 LookupOutcome::Defer => {}
                 LookupOutcome::Hit(n) => {
-                    let blocks = self.blocks_for(self.reqs[i].tokens);
-                    let job = self.h.alloc(id, &blocks, n);
-                    let m = &mut self.reqs[i];
-                    m.blocks = blocks;
-                    m.full = true;
+                    let job =
+                        driver::admit(&mut self.h.s, &mut self.reqs[i], &mut self.blocks, tpb, n);
                     if let Some(job) = job {
                         self.inflight.push((job, self.world));
-                        m.st = St::Loading;
-                        m.computed = n;
-                    } else {
-                        m.st = St::Running;
-                        m.computed = 0;
                     }
                 }
             }
         }
-        let running: Vec<usize> = (0..self.reqs.len())
-            .filter(|&i| self.reqs[i].st == St::Running && !self.reqs[i].full)
-            .collect();
+        let running = driver::settled(&self.reqs);
         let mut skip = Vec::new();
-        if let Some(p) = preempt
-            && !running.is_empty()
-        {
-            let i = running[p as usize % running.len()];
+        if let Some(i) = driver::pick(&running, preempt) {
             input.preempted.push(RequestId(self.reqs[i].id));
-            self.reqs[i].st = St::Waiting;
-            self.reqs[i].computed = 0;
-            self.free(i);
+            driver::preempt(&mut self.reqs[i], &mut self.blocks);
             skip.push(i);
         }
-        if let Some(f) = finish
-            && !running.is_empty()
-        {
-            let i = running[f as usize % running.len()];
-            if !skip.contains(&i) {
-                let m = &self.reqs[i];
-                self.h
-                    .s
-                    .request_finished(RequestId(m.id), &m.blocks, abort, m.computed)
-                    .unwrap();
-                input.finished.push(RequestId(m.id));
-                self.reqs[i].st = St::Done;
-                self.free(i);
-                skip.push(i);
-            }
+        if let Some(i) = driver::pick(&running, finish).filter(|i| !skip.contains(i)) {
+            let r = &mut self.reqs[i];
+            driver::finish(&mut self.h.s, r, &mut self.blocks, abort, &mut input);
+            skip.push(i);
         }
         for i in 0..self.reqs.len() {
-            if self.reqs[i].st != St::Running || skip.contains(&i) {
+            if self.reqs[i].st != ReqState::Running || skip.contains(&i) {
                 continue;
             }
             // Prefill what is left, or decode one token.
-            let (id, computed, full) = (self.reqs[i].id, self.reqs[i].computed, self.reqs[i].full);
-            if computed >= self.reqs[i].tokens {
-                let m = &mut self.reqs[i];
-                m.tokens += 1;
-                let new_hashes: Vec<BlockHash> = if m.tokens.is_multiple_of(tpb) {
-                    vec![hash(m, m.tokens / tpb - 1)]
-                } else {
-                    vec![]
-                };
-                let n = m.tokens;
-                self.h.grow_raw(id, n, &new_hashes);
-            }
-            let mut new_blocks = Vec::new();
-            while (self.reqs[i].blocks.len() as u64) * tpb <= self.reqs[i].tokens {
-                let b = self.block();
-                self.reqs[i].blocks.push(b);
-                new_blocks.push(b);
-            }
-            let m = &mut self.reqs[i];
-            input.scheduled.push(ScheduledRequest {
-                req: RequestId(id),
-                new_block_ids: if full { m.blocks.clone() } else { new_blocks },
-                computed_tokens: computed,
-                scheduled_tokens: m.tokens - computed,
-                full_table: full,
-            });
-            m.computed = m.tokens;
-            m.full = false;
+            let entry = driver::schedule(&mut self.h.s, &mut self.reqs[i], &mut self.blocks, tpb);
+            input.scheduled.push(entry);
         }
         let plan = self.h.step(input);
-        let reused = std::mem::take(&mut self.reused);
+        let reused = self.blocks.take_reused();
         self.witness.on_plan(&reused, &plan);
         for s in &plan.stores {
             self.inflight.push((s.job, self.world));
@@ -431,32 +318,21 @@ fn run(ops: Vec<Op>, world: u32, chunks: u64) {
             world,
             ..Witness::default()
         },
-        reused: Vec::new(),
+        blocks: BlockPool::tracking_reuse(),
         world,
         tpb: 4,
         reqs: Vec::new(),
         inflight: Vec::new(),
-        free_blocks: Vec::new(),
-        next_block: 0,
     };
     for op in ops {
         match op {
             Op::Add { family, prompt } => {
                 let id = m.reqs.len() as u64;
                 let prompt = u64::from(prompt);
-                let pb = prompt / m.tpb;
-                let r = MReq {
-                    id,
-                    family: u64::from(family),
-                    prompt_blocks: pb,
-                    tokens: prompt,
-                    computed: 0,
-                    st: St::Waiting,
-                    full: true,
-                    blocks: vec![],
-                };
-                let hashes: Vec<BlockHash> = (0..pb).map(|i| hash(&r, i)).collect();
-                m.h.s.add_request(RequestId(id), prompt, &hashes).unwrap();
+                let r = Req::new(id, u64::from(family), prompt, m.tpb);
+                m.h.s
+                    .add_request(RequestId(id), prompt, &r.prompt_hashes())
+                    .unwrap();
                 m.reqs.push(r);
                 m.h.check();
             }
@@ -499,7 +375,7 @@ fn run(ops: Vec<Op>, world: u32, chunks: u64) {
                 m.witness.on_reset();
                 for r in &mut m.reqs {
                     // Surviving requests restart their block lists at their next step.
-                    if r.st == St::Running {
+                    if r.st == ReqState::Running {
                         r.full = true;
                     }
                 }
@@ -531,12 +407,7 @@ fn run(ops: Vec<Op>, world: u32, chunks: u64) {
     });
     assert!(out.rejected.is_empty(), "{:?}", out.rejected);
     m.h.check();
-    let live: Vec<u64> = m
-        .reqs
-        .iter()
-        .filter(|r| r.st != St::Done)
-        .map(|r| r.id)
-        .collect();
+    let live = driver::unfinished(&m.reqs);
     for &id in &live {
         m.h.s.request_finished(RequestId(id), &[], true, 0).unwrap();
     }
@@ -545,24 +416,7 @@ fn run(ops: Vec<Op>, world: u32, chunks: u64) {
         plan.stores.is_empty(),
         "aborted at 0 computed tokens: nothing to store"
     );
-    let st = m.h.s.state();
-    assert_eq!(st.jobs, 0);
-    assert_eq!(st.requests, 0, "no request state leaked");
-    assert_eq!(st.chunks_being_loaded, 0);
-    assert_eq!(st.fenced_blocks, 0);
-    assert_eq!(st.stalled_jobs, 0);
-    assert_eq!(st.quarantined_chunks, 0);
-    assert_eq!(
-        st.manager.pending + st.manager.pinned + st.manager.quarantined,
-        0
-    );
-    assert!(!m.h.s.has_pending_work());
-}
-
-impl H {
-    fn grow_raw(&mut self, id: u64, num_tokens: u64, hashes: &[BlockHash]) {
-        self.s.update_request(r(id), num_tokens, hashes).unwrap();
-    }
+    driver::assert_drained(&m.h.s);
 }
 
 proptest! {

@@ -1,4 +1,5 @@
-//! Stall detection (reference E.4, adapted to the watchdog and quarantine).
+//! Stall detection (`docs/scheduler.md`, "Jobs, the watchdog and stalls", with
+//! quarantine).
 //! No test sleeps: time is a manual clock and scans are synchronous.
 
 mod common;
@@ -28,10 +29,7 @@ fn with_load(world: u32) -> (H, JobId) {
         ..Geo::default()
     });
     let k = [key(1, 0, 1), key(1, 1, 1)];
-    h.s.manager_mut().prepare_store(&k, None).unwrap();
-    h.s.manager_mut()
-        .complete_store(&k, StoreOutcome::Success, None)
-        .unwrap();
+    h.cache(&k);
     h.add(2, 1, 9);
     assert_eq!(h.lookup(2, 0), LookupOutcome::Hit(8));
     let l = h.alloc(2, &b(1..=3), 8).unwrap();

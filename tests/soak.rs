@@ -6,6 +6,12 @@
 //! CI runs the short variant; the 1 M-step run:
 //! `cargo test --release --test soak -- --ignored --nocapture`.
 
+#[path = "common/counting_alloc.rs"]
+mod counting_alloc;
+#[path = "common/driver.rs"]
+mod driver;
+#[path = "common/rng.rs"]
+mod rng;
 #[path = "soak_sim/mod.rs"]
 mod soak_sim;
 

@@ -32,17 +32,6 @@ fn heap_bytes() -> u64 {
     counting_alloc::live_bytes().max(0) as u64
 }
 
-/// Resident set size of this process, in bytes (0 where /proc is absent).
-fn rss_bytes() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = s
-        .split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    pages * 4096
-}
-
 /// One memory sample, every 1,000 steps.
 struct Sample {
     rss: u64,
@@ -82,7 +71,7 @@ fn soak(opts: SimOptions, check_memory: bool) {
         .run(&mut |p| {
             if p.step.is_multiple_of(1_000) {
                 samples.push(Sample {
-                    rss: rss_bytes(),
+                    rss: counting_alloc::rss_bytes(),
                     heap: heap_bytes(),
                 });
             }

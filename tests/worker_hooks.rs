@@ -1,4 +1,4 @@
-//! Worker step hooks over the host backend (reference section A.6), wrapped in
+//! Worker step hooks over the host backend (`docs/dataplane.md`, "Worker hooks"), wrapped in
 //! the fault injector, as every worker that injects faults is.
 
 use std::sync::Arc;

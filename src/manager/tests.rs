@@ -51,7 +51,7 @@ fn zero_or_oversized_capacity_is_a_typed_error() {
     ));
 }
 
-/// vLLM `test_cpu_manager` (section B.4 of the reference), step by step.
+/// vLLM `test_cpu_manager` (its LRU scenario, replayed call by call), step by step.
 #[test]
 fn lru_reference_scenario() {
     let mut m = mgr(4, Lru);

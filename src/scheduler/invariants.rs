@@ -1,5 +1,5 @@
-//! Consistency checks of the scheduler's state (invariants of section D of the
-//! reference, and nothing leaked). For tests; cost is linear in the state.
+//! Consistency checks of the scheduler's state (the invariants listed in
+//! `docs/scheduler.md`, "Invariants", and nothing leaked). For tests; cost is linear in the state.
 
 use std::collections::{HashMap, HashSet};
 

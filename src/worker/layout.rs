@@ -6,7 +6,7 @@
 //! has a single region whose page holds every layer of a block. A region is a
 //! base address, a block stride and the page bytes copied per block.
 //!
-//! Host side (vLLM's layout, reference section C): row = chunk; a row holds every
+//! Host side (vLLM's layout; `docs/dataplane.md`, "Layouts"): row = chunk; a row holds every
 //! worker's slot back to back, padded to [`HOST_PAGE_BYTES`]; a slot holds the
 //! worker's tensors in order, each `page_bytes x blocks_per_chunk` bytes.
 //!

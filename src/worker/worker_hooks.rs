@@ -1,5 +1,5 @@
-//! The worker's per-step hooks (vLLM's `OffloadingConnectorWorker`, reference
-//! section A.6): flush on preemption, start transfers, queue stores for the next
+//! The worker's per-step hooks (vLLM's `OffloadingConnectorWorker`;
+//! `docs/dataplane.md`, "Worker hooks"): flush on preemption, start transfers, queue stores for the next
 //! step, collect completions; with a remote tier attached
 //! ([`OffloadWorker::with_remote_tier`]), every store that completes is also
 //! written through to it (asynchronously: the tier queues and never blocks),

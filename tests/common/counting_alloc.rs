@@ -1,6 +1,8 @@
 //! A counting global allocator for the tests that measure memory: the live
 //! heap bytes of the whole process, and the allocations the current thread
 //! makes while counting is on. Only counts; every call goes to `System`.
+//! Also the process's resident set size ([`rss_bytes`]), which needs no
+//! registration.
 //!
 //! A test binary registers it once, at its root:
 //!
@@ -89,4 +91,16 @@ pub fn allocations<T>(f: impl FnOnce() -> T) -> (T, u64) {
     let out = f();
     COUNTING.with(|on| on.set(false));
     (out, ALLOCS.with(Cell::get))
+}
+
+/// Resident set size of this process (`/proc/self/statm`), in bytes (0 where
+/// /proc is absent).
+pub fn rss_bytes() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = s
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
 }

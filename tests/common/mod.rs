@@ -1,11 +1,13 @@
 //! Test harness: a scheduler on a manual clock, checked after every hook.
 #![allow(dead_code)]
 
+pub mod driver;
+pub mod rng;
 pub mod trace_rec;
 
 use std::time::Duration;
 
-use kvoffload::manager::LookupResult;
+use kvoffload::manager::{LookupResult, StoreOutcome};
 use kvoffload::scheduler::{
     CompletionReport, LookupOutcome, ScheduledRequest, Scheduler, StepInput, StepPlan,
     WorkerOutcome,
@@ -71,9 +73,7 @@ impl H {
             offload_prompt_only: g.prompt_only,
             ..OffloadConfig::with_chunks(g.chunks)
         };
-        cfg.validate().expect("valid test config");
-        let clock = ManualClock::new();
-        let s = Scheduler::new(&cfg, clock.shared()).expect("scheduler");
+        let (s, clock) = driver::scheduler_on_manual_clock(&cfg);
         Self {
             s,
             clock,
@@ -172,6 +172,14 @@ impl H {
             .request_finished(r(id), blocks, true, computed)
             .expect("request_finished");
         self.check();
+    }
+
+    /// Stores `keys` in the host tier directly (prepared, then completed).
+    pub fn cache(&mut self, keys: &[ChunkKey]) {
+        let m = self.s.manager_mut();
+        m.prepare_store(keys, None).expect("prepare_store");
+        m.complete_store(keys, StoreOutcome::Success, None)
+            .expect("complete_store");
     }
 
     pub fn lookup_key(&self, k: ChunkKey) -> LookupResult {

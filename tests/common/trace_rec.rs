@@ -33,9 +33,7 @@ fn hashes(h: &[BlockHash]) -> Value {
 impl Rec {
     /// A scheduler for `cfg`; the trace header carries the keys the replay needs.
     pub fn new(cfg: &OffloadConfig) -> Self {
-        cfg.validate().expect("valid config");
-        let clock = ManualClock::new();
-        let s = Scheduler::new(cfg, clock.shared()).expect("scheduler");
+        let (s, clock) = super::driver::scheduler_on_manual_clock(cfg);
         let header = json!({
             "kvoffload_trace": 1,
             "config": {
@@ -180,5 +178,24 @@ impl Rec {
         let p = d.join(format!("{name}.jsonl"));
         std::fs::write(&p, self.trace()).expect("write trace");
         p
+    }
+}
+
+impl super::driver::Hooks for Rec {
+    fn lookup(&mut self, r: RequestId, computed: u64) -> LookupOutcome {
+        Rec::lookup(self, r, computed).expect("lookup")
+    }
+
+    fn on_alloc(&mut self, r: RequestId, b: &[GpuBlockId], external: u64) -> Option<JobId> {
+        Rec::on_alloc(self, r, b, external).expect("alloc")
+    }
+
+    fn update_request(&mut self, r: RequestId, num_tokens: u64, h: &[BlockHash]) {
+        Rec::update_request(self, r, num_tokens, h).expect("update");
+    }
+
+    fn request_finished(&mut self, r: &super::driver::Req, aborted: bool) {
+        Rec::request_finished(self, r.rid(), &r.blocks, aborted, r.computed)
+            .expect("request_finished");
     }
 }

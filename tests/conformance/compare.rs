@@ -1,5 +1,5 @@
-//! The comparison rules of `../shared/oracle/compare.py` and
-//! `compare_connector.py`, in Rust, so that CI needs neither Python nor vLLM.
+//! The comparison rules of the vLLM oracle's `compare.py` and
+//! `compare_connector.py` (`docs/conformance.md`, "Checking"), in Rust, so that CI needs neither Python nor vLLM.
 //!
 //! Output lines are matched by `"line"`; only the fields the trace format
 //! names are compared (extra fields are ignored); an `"error"` in the actual

@@ -9,10 +9,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use kvoffload::scheduler::{
-    CompletionReport, LookupOutcome, ScheduledRequest, Scheduler, StepInput,
-};
-use kvoffload::{BlockHash, GpuBlockId, JobId, ManualClock, OffloadConfig, RequestId};
+use kvoffload::scheduler::{CompletionReport, LookupOutcome, Scheduler, StepInput};
+use kvoffload::{JobId, ManualClock, OffloadConfig, RequestId};
+
+use crate::counting_alloc::rss_bytes;
+use crate::driver::{self, BlockPool, Hooks, Req, ReqState};
+use crate::rng::Rng;
 
 /// Soak parameters.
 #[derive(Debug, Clone)]
@@ -63,58 +65,17 @@ impl SoakReport {
     }
 }
 
-/// Resident set size of this process (`/proc/self/statm`), in bytes.
-pub fn rss_bytes() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = s
-        .split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    pages * 4096
-}
-
-/// SplitMix64: small, fast, deterministic.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    pub fn chance(&mut self, p: f64) -> bool {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64 <= p
-    }
-}
-
 const TPB: u64 = 16;
 const STEP_MS: u64 = 10;
 const TIMEOUT_MS: u64 = 500;
 const WORLD: u32 = 2;
 const MAX_REQS: usize = 24;
 
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum RSt {
-    Waiting,
-    Loading,
-    Running,
-}
-
+/// A request of the simulated engine: the driver's request and the tokens
+/// at which it finishes.
 struct SimReq {
-    family: u64,
-    prompt: u64,
+    r: Req,
     target: u64,
-    tokens: u64,
-    computed: u64,
-    st: RSt,
-    full: bool,
-    blocks: Vec<GpuBlockId>,
 }
 
 /// A job as the simulated workers see it.
@@ -136,8 +97,7 @@ pub struct Sim {
     p: SoakParams,
     reqs: BTreeMap<u64, SimReq>,
     jobs: BTreeMap<u64, SimJob>,
-    free_blocks: Vec<GpuBlockId>,
-    next_block: u32,
+    blocks: BlockPool,
     next_req: u64,
     pub report: SoakReport,
 }
@@ -153,18 +113,15 @@ impl Sim {
             stall_scan_interval_ms: 50,
             ..OffloadConfig::with_chunks(256)
         };
-        cfg.validate().expect("config");
-        let clock = ManualClock::new();
-        let s = Scheduler::new(&cfg, clock.shared()).expect("scheduler");
+        let (s, clock) = driver::scheduler_on_manual_clock(&cfg);
         Self {
             s,
             clock,
-            rng: Rng(p.seed),
+            rng: Rng::new(p.seed),
             p,
             reqs: BTreeMap::new(),
             jobs: BTreeMap::new(),
-            free_blocks: Vec::new(),
-            next_block: 0,
+            blocks: BlockPool::default(),
             next_req: 0,
             report: SoakReport::default(),
         }
@@ -173,21 +130,6 @@ impl Sim {
     fn check(&self) {
         if let Err(e) = self.s.check_invariants() {
             panic!("step {}: invariant violated: {e}", self.report.steps);
-        }
-    }
-
-    fn block(&mut self) -> GpuBlockId {
-        self.free_blocks.pop().unwrap_or_else(|| {
-            self.next_block += 1;
-            GpuBlockId(self.next_block)
-        })
-    }
-
-    fn hash(family: u64, id: u64, prompt_blocks: u64, i: u64) -> BlockHash {
-        if i < prompt_blocks {
-            BlockHash(family * 100_000 + i + 1)
-        } else {
-            BlockHash(((id + 1) << 20) + i)
         }
     }
 
@@ -207,19 +149,7 @@ impl Sim {
     }
 
     fn on_loads(&mut self, finished: &[RequestId], failed: &[RequestId]) {
-        for (&id, r) in self.reqs.iter_mut() {
-            if r.st != RSt::Loading {
-                continue;
-            }
-            if failed.contains(&RequestId(id)) {
-                r.st = RSt::Running;
-                r.computed = 0;
-                r.full = true;
-            } else if finished.contains(&RequestId(id)) {
-                r.st = RSt::Running;
-                r.full = true;
-            }
-        }
+        driver::on_loads(self.reqs.values_mut().map(|q| &mut q.r), finished, failed);
     }
 
     /// One engine step at step number `step`.
@@ -234,8 +164,8 @@ impl Sim {
             self.s.reset().expect("reset");
             self.report.resets += 1;
             for r in self.reqs.values_mut() {
-                if r.st == RSt::Running {
-                    r.full = true;
+                if r.r.st == ReqState::Running {
+                    r.r.full = true;
                 }
             }
         }
@@ -246,58 +176,35 @@ impl Sim {
             self.next_req += 1;
             let family = self.rng.below(8);
             let prompt = 16 + self.rng.below(96);
-            let pb = prompt / TPB;
-            let hashes: Vec<BlockHash> = (0..pb).map(|i| Self::hash(family, id, pb, i)).collect();
+            let r = Req::new(id, family, prompt, TPB);
             self.s
-                .add_request(RequestId(id), prompt, &hashes)
+                .add_request(RequestId(id), prompt, &r.prompt_hashes())
                 .expect("add");
             let target = prompt + 8 + self.rng.below(64);
-            self.reqs.insert(
-                id,
-                SimReq {
-                    family,
-                    prompt,
-                    target,
-                    tokens: prompt,
-                    computed: 0,
-                    st: RSt::Waiting,
-                    full: true,
-                    blocks: Vec::new(),
-                },
-            );
+            self.reqs.insert(id, SimReq { r, target });
             self.report.requests += 1;
         }
         let mut input = StepInput::default();
         let ids: Vec<u64> = self.reqs.keys().copied().collect();
         for &id in &ids {
-            if self.reqs[&id].st != RSt::Waiting {
+            if self.reqs[&id].r.st != ReqState::Waiting {
                 continue;
             }
-            if let LookupOutcome::Hit(n) = self.s.lookup(RequestId(id), 0).expect("lookup") {
-                let nblocks = self.reqs[&id].tokens / TPB + 1;
-                let blocks: Vec<GpuBlockId> = (0..nblocks).map(|_| self.block()).collect();
-                let job = self.s.on_alloc(RequestId(id), &blocks, n).expect("alloc");
-                let r = self.reqs.get_mut(&id).unwrap();
-                r.blocks = blocks;
-                r.full = true;
-                if let Some(job) = job {
-                    r.st = RSt::Loading;
-                    r.computed = n;
+            if let LookupOutcome::Hit(n) = Hooks::lookup(&mut self.s, RequestId(id), 0) {
+                let r = &mut self.reqs.get_mut(&id).unwrap().r;
+                if let Some(job) = driver::admit(&mut self.s, r, &mut self.blocks, TPB, n) {
                     self.report.loads += 1;
                     self.new_job(job, step);
-                } else {
-                    r.st = RSt::Running;
-                    r.computed = 0;
                 }
             }
         }
         let mut done = Vec::new();
         for &id in &ids {
-            let r = &self.reqs[&id];
-            if r.st != RSt::Running || r.full {
+            let q = &self.reqs[&id];
+            if q.r.st != ReqState::Running || q.r.full {
                 continue;
             }
-            if r.tokens >= r.target {
+            if q.r.tokens >= q.target {
                 done.push((id, false));
             } else if self.rng.chance(0.002) {
                 done.push((id, true));
@@ -306,57 +213,22 @@ impl Sim {
             }
         }
         for &(id, aborted) in &done {
-            let r = self.reqs.remove(&id).unwrap();
-            self.s
-                .request_finished(RequestId(id), &r.blocks, aborted, r.computed)
-                .expect("request_finished");
-            self.free_blocks.extend(r.blocks);
-            input.finished.push(RequestId(id));
+            let mut r = self.reqs.remove(&id).unwrap().r;
+            driver::finish(&mut self.s, &mut r, &mut self.blocks, aborted, &mut input);
         }
         for &req in &input.preempted {
-            let r = self.reqs.get_mut(&req.0).unwrap();
-            r.st = RSt::Waiting;
-            r.computed = 0;
-            let b = std::mem::take(&mut r.blocks);
-            self.free_blocks.extend(b);
+            driver::preempt(&mut self.reqs.get_mut(&req.0).unwrap().r, &mut self.blocks);
             self.report.preemptions += 1;
         }
         for &id in &ids {
-            let Some(r) = self.reqs.get(&id) else {
+            let Some(q) = self.reqs.get_mut(&id) else {
                 continue;
             };
-            if r.st != RSt::Running || input.preempted.contains(&RequestId(id)) {
+            if q.r.st != ReqState::Running || input.preempted.contains(&RequestId(id)) {
                 continue;
             }
-            let (family, prompt, full) = (r.family, r.prompt, r.full);
-            if r.computed >= r.tokens {
-                let tokens = r.tokens + 1;
-                let h: Vec<BlockHash> = if tokens.is_multiple_of(TPB) {
-                    vec![Self::hash(family, id, prompt / TPB, tokens / TPB - 1)]
-                } else {
-                    vec![]
-                };
-                self.s
-                    .update_request(RequestId(id), tokens, &h)
-                    .expect("update");
-                self.reqs.get_mut(&id).unwrap().tokens = tokens;
-            }
-            let mut new_blocks = Vec::new();
-            while (self.reqs[&id].blocks.len() as u64) * TPB <= self.reqs[&id].tokens {
-                let b = self.block();
-                self.reqs.get_mut(&id).unwrap().blocks.push(b);
-                new_blocks.push(b);
-            }
-            let r = self.reqs.get_mut(&id).unwrap();
-            input.scheduled.push(ScheduledRequest {
-                req: RequestId(id),
-                new_block_ids: if full { r.blocks.clone() } else { new_blocks },
-                computed_tokens: r.computed,
-                scheduled_tokens: r.tokens - r.computed,
-                full_table: full,
-            });
-            r.computed = r.tokens;
-            r.full = false;
+            let entry = driver::schedule(&mut self.s, &mut q.r, &mut self.blocks, TPB);
+            input.scheduled.push(entry);
         }
         let plan = self.s.build_step(&input).expect("step");
         // The backend drains the host tier's events every step (vLLM `take_events`).
@@ -439,7 +311,7 @@ impl Sim {
             }
         }
         self.drain();
-        self.report.max_block = u64::from(self.next_block);
+        self.report.max_block = u64::from(self.blocks.highest());
         self.report.jobs = self.s.metrics().jobs_created;
         self.report
     }
@@ -485,26 +357,7 @@ impl Sim {
             .build_step(&StepInput::default())
             .expect("empty step");
         self.check();
-        let st = self.s.state();
-        assert_eq!(
-            (
-                st.jobs,
-                st.requests,
-                st.chunks_being_loaded,
-                st.fenced_blocks,
-                st.stalled_jobs,
-                st.quarantined_chunks
-            ),
-            (0, 0, 0, 0, 0, 0),
-            "leak after drain: {st:?}"
-        );
-        assert_eq!(
-            st.manager.pending + st.manager.pinned + st.manager.quarantined,
-            0,
-            "leak: {st:?}"
-        );
-        assert_eq!(self.s.reset_fence_len(), 0, "reset fence left");
-        assert!(!self.s.has_pending_work());
+        driver::assert_drained(&self.s);
     }
 }
 
