@@ -24,5 +24,5 @@ fuzz_target!(|data: &[u8]| {
     if tier_too_big(data) {
         return;
     }
-    let _ = kvoffload::replay::run(data, std::io::sink());
+    let _ = kvoffload::harness::replay::run(data, std::io::sink());
 });
