@@ -45,6 +45,27 @@ struct CachedLists<'a, 'py> {
     has_resumed: bool,
 }
 
+impl CachedLists<'_, '_> {
+    /// Cached request `i`'s entries, its key being `key`: whether its block
+    /// list is the whole table (resumed), its computed tokens, its new blocks.
+    fn read(
+        &self,
+        i: usize,
+        key: Borrowed<'_, '_, PyAny>,
+    ) -> PyResult<(bool, u64, Vec<GpuBlockId>)> {
+        let full = self.has_resumed && self.resumed.contains(key.to_owned())?;
+        let computed = int_u64(list_item(self.computed, i)?)?;
+        // Borrowed (no reference taken); its tuple's item is read at once.
+        let groups = list_item(self.blocks, i)?;
+        let new_blocks = if groups.is_none() {
+            Vec::new()
+        } else {
+            block_list(&groups.get_item(0)?)?
+        };
+        Ok((full, computed, new_blocks))
+    }
+}
+
 /// The control plane for one engine: vLLM's scheduler-side connector hooks.
 #[pyclass(module = "kvoffload._native", unsendable)]
 pub(crate) struct SchedulerCore {
@@ -238,15 +259,7 @@ impl SchedulerCore {
             return Ok(None);
         };
         let address = key.as_ptr() as usize;
-        let full = lists.has_resumed && lists.resumed.contains(key.to_owned())?;
-        let computed = int_u64(list_item(lists.computed, i)?)?;
-        // Borrowed (no reference taken); its tuple's item is read at once.
-        let groups = list_item(lists.blocks, i)?;
-        let new_blocks = if groups.is_none() {
-            Vec::new()
-        } else {
-            block_list(&groups.get_item(0)?)?
-        };
+        let (full, computed, new_blocks) = lists.read(i, key)?;
         Ok(Some((address, id, sent, new_blocks, full, computed)))
     }
 
@@ -276,15 +289,7 @@ impl SchedulerCore {
                 None => return Ok(()),
             },
         };
-        let full_table = lists.has_resumed && lists.resumed.contains(key.to_owned())?;
-        let computed_tokens = int_u64(list_item(lists.computed, i)?)?;
-        // Borrowed (no reference taken); its tuple's item is read at once.
-        let groups = list_item(lists.blocks, i)?;
-        let new_block_ids = if groups.is_none() {
-            Vec::new()
-        } else {
-            block_list(&groups.get_item(0)?)?
-        };
+        let (full_table, computed_tokens, new_block_ids) = lists.read(i, key)?;
         // Store planning this step reads hashes up to the tokens computed by
         // its end: a block completed past them can wait.
         let sent = self.sync_until(
