@@ -16,13 +16,17 @@ noise does not move (the timed comparison with vLLM is ``hook_time.py``):
 then (total of cg.200.out - total of cg.100.out) / 100 is one steady step's
 instructions (the setup and the first steps cancel out). ``$PY`` is the
 project's vLLM venv (``scripts/setup-vllm.sh`` prints it) with ``./python``
-installed. Environment: ``N`` requests (1024), ``STEPS`` (300)."""
+installed. Environment: ``N`` requests (1024), ``STEPS`` (300); ``TIME=1``
+also prints each call's median wall time over the second half of the steps
+(a quick split of the binding's time, without vLLM around it)."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import struct
+import time
 
 from kvoffload._native import SchedulerCore, plan_jobs
 
@@ -61,21 +65,36 @@ def main() -> None:
         core.on_alloc(r.request_id, list(range(r.index * 8, r.index * 8 + 5)), 0)
     ids = [r.request_id for r in reqs]
     stores: list[int] = []
+    timing = os.environ.get("TIME") == "1"
+    times: dict[str, list[float]] = {"build_step": [], "on_worker_output": [], "take_stats": []}
+    clock = time.perf_counter
     for k in range(STEPS):
         if stores:
-            core.on_worker_output({j: 1 for j in stores}, [])
+            done = {j: 1 for j in stores}
+            t0 = clock()
+            core.on_worker_output(done, [])
+            times["on_worker_output"].append(clock() - t0)
         if k == 0:
             new = [(r.request_id, list(range(r.index * 8, r.index * 8 + 5)), 0) for r in reqs]
             plan, _, _ = core.build_step({r.request_id: r.num_tokens for r in reqs}, new, [], [], [], set(), [], [])
         else:
             blocks = [([100000 + k * N + r.index],) if r.num_tokens % TPB == 0 else None for r in reqs]
             computed = [r.num_tokens for r in reqs]
-            plan, _, _ = core.build_step({i: 1 for i in ids}, [], ids, blocks, computed, set(), [], [])
+            scheduled = {i: 1 for i in ids}
+            t0 = clock()
+            plan, _, _ = core.build_step(scheduled, [], ids, blocks, computed, set(), [], [])
+            times["build_step"].append(clock() - t0)
         _, stores, _ = plan_jobs(plan)
+        t0 = clock()
         core.take_stats()
+        times["take_stats"].append(clock() - t0)
         for r in reqs:
             r.grow()
     print(f"{STEPS} steps, {N} requests, {len(stores)} stores in the last")
+    if timing:
+        for name, ts in times.items():
+            half = ts[len(ts) // 2 :]
+            print(f"{name}: median {statistics.median(half) * 1e6:.1f} us over {len(half)} calls")
 
 
 if __name__ == "__main__":

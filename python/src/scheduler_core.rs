@@ -35,6 +35,29 @@ struct Tracked {
 /// new blocks, whether they are the whole table, the computed tokens.
 type Part = (usize, RequestId, usize, Vec<GpuBlockId>, bool, u64);
 
+/// A cached request's entry in [`SchedulerCore::positions`].
+#[derive(Debug, Clone, Copy)]
+struct Position {
+    /// Its key object's address (0: none).
+    address: usize,
+    id: RequestId,
+    /// Block hashes the scheduler had of it (may lag: see `positions`).
+    sent: usize,
+    /// [`Scheduler::store_horizon`] after the last step that listed it (0:
+    /// unknown); cleared by its lookup and by a reset.
+    horizon: u64,
+}
+
+impl Position {
+    /// No request (a position not seen yet).
+    const NONE: Self = Self {
+        address: 0,
+        id: RequestId(0),
+        sent: 0,
+        horizon: 0,
+    };
+}
+
 /// The cached requests' lists of a scheduler output (vLLM's
 /// `CachedRequestData`), read by index.
 struct CachedLists<'a, 'py> {
@@ -86,7 +109,19 @@ pub(crate) struct SchedulerCore {
     /// alive, so its address is its own); a forgotten request's are cleared.
     /// The hash count may lag behind (a hook between steps gave more): a
     /// lower count only makes the step look at the request's hashes again.
-    positions: Vec<(usize, RequestId, usize)>,
+    ///
+    /// A request found there with no new blocks, not resumed, and whose
+    /// computed plus scheduled tokens stay below its cached store horizon is
+    /// left out of the step's input: the scheduler would plan nothing for it
+    /// and change nothing of it ([`Scheduler::store_horizon`]), and its new
+    /// block hashes can wait until it may store. In steady decode that is all
+    /// but the requests completing a chunk (with `offload_prompt_only`, all
+    /// once their prompt is stored), so the step touches the others' state
+    /// in neither the binding nor the scheduler.
+    positions: Vec<Position>,
+    /// Positions whose request the step's input lists (their horizons are
+    /// read again after the step).
+    listed: Vec<usize>,
     /// Finished requests the scheduler may still track (jobs in flight):
     /// forgotten once it no longer does.
     finishing: Vec<RequestId>,
@@ -193,8 +228,8 @@ impl SchedulerCore {
     /// replaced): out of `by_address` and of `positions`.
     fn forget_address(&mut self, address: usize) {
         self.by_address.remove(&address);
-        for p in self.positions.iter_mut().filter(|p| p.0 == address) {
-            p.0 = 0;
+        for p in self.positions.iter_mut().filter(|p| p.address == address) {
+            p.address = 0;
         }
     }
 
@@ -281,15 +316,22 @@ impl SchedulerCore {
         // reference of the key).
         let address = key.as_ptr() as usize;
         let scheduled_tokens = int_u64(n)?;
-        let (id, sent, registered) = match self.positions.get(i) {
-            Some(&(a, id, sent)) if a == address => (id, sent, true),
+        let (id, sent, registered, horizon) = match self.positions.get(i) {
+            Some(p) if p.address == address => (p.id, p.sent, true, p.horizon),
             _ => match self.resolve_with_hashes(&key)? {
                 // Found by address (`sent` known): a tracked key object.
-                Some((id, sent)) => (id, sent, sent != usize::MAX),
+                Some((id, sent)) => (id, sent, sent != usize::MAX, 0),
                 None => return Ok(()),
             },
         };
         let (full_table, computed_tokens, new_block_ids) = lists.read(i, key)?;
+        if !full_table
+            && new_block_ids.is_empty()
+            && computed_tokens.saturating_add(scheduled_tokens) < horizon
+        {
+            // Below its store horizon: the step would do nothing with it.
+            return Ok(());
+        }
         // Store planning this step reads hashes up to the tokens computed by
         // its end: a block completed past them can wait.
         let sent = self.sync_until(
@@ -300,9 +342,14 @@ impl SchedulerCore {
         )?;
         if registered {
             if self.positions.len() <= i {
-                self.positions.resize(i + 1, (0, RequestId(0), 0));
+                self.positions.resize(i + 1, Position::NONE);
             }
-            self.positions[i] = (address, id, sent);
+            let p = &mut self.positions[i];
+            if p.address != address {
+                p.horizon = 0;
+            }
+            (p.address, p.id, p.sent) = (address, id, sent);
+            self.listed.push(i);
         }
         input.scheduled.push(ScheduledRequest {
             req: id,
@@ -441,6 +488,11 @@ impl SchedulerCore {
             }
         }
         let plan = self.s.build_step(input).map_err(value_error)?;
+        for &i in &self.listed {
+            if let Some(p) = self.positions.get_mut(i) {
+                p.horizon = self.s.store_horizon(p.id).unwrap_or(0);
+            }
+        }
         if self.kv_events {
             for st in &plan.stores {
                 self.remember_store_keys(py, st.req, &st.keys)?;
@@ -496,6 +548,7 @@ impl SchedulerCore {
             tracked: FxHashMap::default(),
             by_address: FxHashMap::default(),
             positions: Vec::new(),
+            listed: Vec::new(),
             finishing: Vec::new(),
             key_bytes: FxHashMap::default(),
             kv_events,
@@ -550,6 +603,10 @@ impl SchedulerCore {
     fn lookup(&mut self, py: Python<'_>, req: &str, computed_tokens: u64) -> PyResult<Option<u64>> {
         let id = self.names.get(req)?;
         self.sync(py, id, true)?;
+        // A lookup restarts the request's stores: its horizon may go down.
+        for p in self.positions.iter_mut().filter(|p| p.id == id) {
+            p.horizon = 0;
+        }
         match self.s.lookup(id, computed_tokens).map_err(value_error)? {
             LookupOutcome::Hit(n) => Ok(Some(n)),
             LookupOutcome::Defer => Ok(None),
@@ -607,6 +664,7 @@ impl SchedulerCore {
         input.scheduled.clear();
         input.preempted.clear();
         input.finished.clear();
+        self.listed.clear();
         let result = self.build_step_with(
             py,
             &mut parts,
@@ -677,6 +735,10 @@ impl SchedulerCore {
     /// vLLM's `reset_cache`.
     fn reset(&mut self) -> PyResult<()> {
         self.s.reset().map_err(value_error)?;
+        // Every request restarts its stores.
+        for p in &mut self.positions {
+            p.horizon = 0;
+        }
         // The tier is empty: as vLLM, no removal event follows a reset.
         self.key_bytes.clear();
         self.forget_finished();

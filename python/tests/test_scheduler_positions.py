@@ -143,3 +143,58 @@ def test_requests_finishing_and_arriving_keep_their_own_blocks():
     for seed in range(3):
         stable = run(seed, shuffle=False, churn=True)
         assert run(seed, shuffle=True, churn=True) == stable
+
+
+def test_requests_below_their_store_horizon_are_stored_once_complete_and_again_after_a_reset():
+    """vLLM-like decode (a request's new block comes the step after its last
+    one filled, so a chunk completes in a step without new blocks): the
+    binding leaves a request out of the step while it cannot complete a chunk,
+    and must still store every chunk the step it completes, and every chunk
+    again at the first step after a reset (which restarts every request's
+    stores, so the cached horizons are stale)."""
+    cfg = {"tokens_per_block": TPB, "blocks_per_chunk": 2, "num_cpu_chunks": 4096, "offload_prompt_only": False}
+    core = SchedulerCore(json.dumps(cfg), watchdog=False, manual_clock=True, kv_events=False)
+    reqs = [Req(i, 9 + i) for i in range(8)]
+    for r in reqs:
+        # Every block the test will need, allocated up front: no step carries
+        # new blocks. Request i owns ids (i + 1) * 1000 + n (0 is vLLM's null block).
+        r.blocks = [(r.index + 1) * BLOCKS_PER_REQUEST + b for b in range(40)]
+        core.add_request(r)
+        core.lookup(r.request_id, 0)
+        core.on_alloc(r.request_id, r.blocks, 0)
+    ids = [r.request_id for r in reqs]
+    chunk_tokens = 2 * TPB
+
+    def step(first: bool = False) -> dict[str, list[int]]:
+        if first:
+            new = [(r.request_id, list(r.blocks), 0) for r in reqs]
+            plan, _, _ = core.build_step({r.request_id: r.num_tokens for r in reqs}, new, [], [], [], set(), [], [])
+        else:
+            computed = [r.num_tokens - 1 for r in reqs]
+            plan, _, _ = core.build_step({i: 1 for i in ids}, [], ids, [None] * len(reqs), computed, set(), [], [])
+        _, stores, _ = plan_transfers(plan)
+        core.on_worker_output({job: 1 for job, _ in stores}, [])
+        by_request: dict[str, list[int]] = {}
+        for _, blocks in stores:
+            owner = reqs[blocks[0] // BLOCKS_PER_REQUEST - 1]
+            by_request.setdefault(owner.request_id, []).extend(blocks)
+        for r in reqs:
+            r.grow()
+        return by_request
+
+    stored = step(first=True)
+    for _ in range(3 * chunk_tokens):
+        for rid, blocks in step().items():
+            assert not set(blocks) & set(stored.get(rid, [])), "a block stored twice"
+            stored.setdefault(rid, []).extend(blocks)
+    for r in reqs:
+        # Tokens computed by the last step: num_tokens (after its grow) - 1.
+        full_chunks = (r.num_tokens - 1) // chunk_tokens
+        want = {(r.index + 1) * BLOCKS_PER_REQUEST + b for b in range(2 * full_chunks)}
+        assert set(stored.get(r.request_id, [])) == want, f"request {r.index}: stored {sorted(stored.get(r.request_id, []))}"
+    core.reset()
+    again = step()
+    for r in reqs:
+        full_chunks = (r.num_tokens - 1) // chunk_tokens
+        want = {(r.index + 1) * BLOCKS_PER_REQUEST + b for b in range(2 * full_chunks)}
+        assert set(again.get(r.request_id, [])) == want, f"request {r.index} after the reset"

@@ -461,6 +461,32 @@ impl Scheduler {
         self.requests.contains_key(&req)
     }
 
+    /// The tokens (computed plus scheduled) that running request `req` must
+    /// reach before a step can plan its next store (`u64::MAX`: none while
+    /// it runs, as its limits end before its next chunk); `None` if it is
+    /// not tracked.
+    ///
+    /// A step that lists `req` with no new blocks, not as a full table, and
+    /// with computed plus scheduled tokens below this plans nothing for it
+    /// and changes nothing of it, so a caller may leave it out of that step's
+    /// [`StepInput`] (`tests/store_horizon.rs`). Steps only raise it; a
+    /// lookup of `req` (which restarts its stores), a reset, and new limits
+    /// ([`Self::set_request_caps`]) may lower it, so a caller caching it asks
+    /// again after any of them.
+    pub fn store_horizon(&self, req: RequestId) -> Option<u64> {
+        let rs = self.requests.get(&req)?;
+        let chunk_end = (rs.next_stored_chunk as u64 + 1).saturating_mul(self.geo.tokens_per_chunk);
+        let mut limit = rs.caps.max_offload_tokens.unwrap_or(u64::MAX);
+        if self.geo.offload_prompt_only {
+            limit = limit.min(rs.prompt_tokens);
+        }
+        Some(if chunk_end > limit {
+            u64::MAX
+        } else {
+            chunk_end
+        })
+    }
+
     /// The jobs in flight for `req` (sorted), or `None` if it is not tracked.
     ///
     /// For tests and inspection (feature `test-support`).
