@@ -476,10 +476,7 @@ impl Scheduler {
     pub fn store_horizon(&self, req: RequestId) -> Option<u64> {
         let rs = self.requests.get(&req)?;
         let chunk_end = (rs.next_stored_chunk as u64 + 1).saturating_mul(self.geo.tokens_per_chunk);
-        let mut limit = rs.caps.max_offload_tokens.unwrap_or(u64::MAX);
-        if self.geo.offload_prompt_only {
-            limit = limit.min(rs.prompt_tokens);
-        }
+        let limit = rs.offload_limit(self.geo.offload_prompt_only);
         Some(if chunk_end > limit {
             u64::MAX
         } else {

@@ -95,6 +95,18 @@ impl RequestState {
         ChunkKey::for_group(self.hashes[(i + 1) * blocks_per_chunk - 1], 0)
     }
 
+    /// The tokens it may store at most: its `max_offload_tokens` limit, and
+    /// its prompt when only prompts are stored (`u64::MAX`: no limit).
+    #[inline]
+    pub fn offload_limit(&self, offload_prompt_only: bool) -> u64 {
+        let cap = self.caps.max_offload_tokens.unwrap_or(u64::MAX);
+        if offload_prompt_only {
+            cap.min(self.prompt_tokens)
+        } else {
+            cap
+        }
+    }
+
     /// Restart: forget the block list and re-offer every chunk for storing.
     pub fn restart(&mut self) {
         self.block_ids.clear();

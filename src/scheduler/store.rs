@@ -82,12 +82,7 @@ impl Scheduler {
         {
             return;
         }
-        if let Some(cap) = rs.caps.max_offload_tokens {
-            offloadable = offloadable.min(cap);
-        }
-        if g.offload_prompt_only {
-            offloadable = offloadable.min(rs.prompt_tokens);
-        }
+        offloadable = offloadable.min(rs.offload_limit(g.offload_prompt_only));
         if offloadable < chunk_end {
             return;
         }
