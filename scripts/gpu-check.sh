@@ -20,10 +20,16 @@
 # carried test binary with `--nocapture --test-threads=1`,
 # then its `gpu_*` tests, which binaries built without a driver #[ignore]
 # (`--ignored gpu_`; they print SKIP where no device opens), then
-#   kvoffload bench --backend cuda --json --calibrate $OUT/strategy-table.json
-# (4 KiB..2 MiB per block, 64..4096 blocks, both directions, each strategy; GB/s
-# and fraction of a large pinned memcpy measured in the same run; rows in
-# $OUT/bench-cuda.json, the calibrated table in $OUT/strategy-table.json), then
+#   kvoffload bench --backend cuda --json --contend --calibrate $OUT/strategy-table.json
+# (4 KiB..2 MiB per block, 64..4096 blocks, cross-layer and 16 tensors per
+# block, both directions, each strategy; GB/s and fraction of a large pinned
+# memcpy measured in the same run; every point's bytes checked against their
+# source; each strategy also beside a train of compute kernels: its GB/s
+# there and the compute slowdown, which the calibrated table weighs; rows in
+# $OUT/bench-cuda.json, the table in $OUT/strategy-table.json), then
+#   kvoffload bench --backend cuda --quick --tensors 1 --sweep-launch --json
+# (the kernel strategy with 4..64 CTAs and 16..256 KiB pieces; rows in
+# $OUT/bench-launch.json, the fastest shape per point on stderr), then
 #   kvoffload sim --backend cuda            (default strategy table)
 #   kvoffload sim --backend cuda --strategy-table $OUT/strategy-table.json
 # (summaries in $OUT/sim-cuda*.json; exit 1 on any leak), and the vLLM
@@ -108,7 +114,7 @@ run() {
     local summary=()
     # One step: its own timeout, its output shown, its status kept (a failed
     # or timed-out step fails the check, never hidden); the summary at the end.
-    local budget=450   # seconds: steps that would start later are not run
+    local budget=480   # seconds: steps that would start later are not run
     step() {
         local name=$1 limit=$2
         shift 2
@@ -141,9 +147,13 @@ run() {
     if [[ "${2:-}" == "--quick" ]]; then quick="--quick"; requests=300; fi
     step "kvoffload info" 30 "$carry/kvoffload" info
     # shellcheck disable=SC2016  # expanded by the inner shell
-    step "bench --backend cuda --calibrate" 150 bash -c \
-        '"$1" bench --backend cuda --json $2 --calibrate "$3" --csv "$4" > "$5"' _ \
+    step "bench --backend cuda --contend --calibrate" 200 bash -c \
+        '"$1" bench --backend cuda --json $2 --contend --calibrate "$3" --csv "$4" > "$5"' _ \
         "$carry/kvoffload" "$quick" "$table" "$out/bench-cuda.csv" "$out/bench-cuda.json"
+    # shellcheck disable=SC2016  # expanded by the inner shell
+    step "bench --backend cuda --sweep-launch" 100 bash -c \
+        '"$1" bench --backend cuda --json --quick --tensors 1 --sweep-launch > "$2"' _ \
+        "$carry/kvoffload" "$out/bench-launch.json"
     if command -v python3 >/dev/null; then
         step "binding_roundtrip.py --backend cuda" 60 env PYTHONPATH="$carry/python" \
             python3 "$carry/python/binding_roundtrip.py" --backend cuda
@@ -161,14 +171,32 @@ run() {
     echo "=== summary: steps"
     printf '%s\n' "${summary[@]}"
     echo
-    echo "=== summary: copies (bench --backend cuda; bytes verified by the gpu_* tests above)"
+    echo "=== summary: copies (bench --backend cuda; 'verified': bytes of the point's last job checked against the source)"
     if [[ -s "$out/bench-cuda.json" ]] && command -v python3 >/dev/null; then
-        python3 - "$out/bench-cuda.json" <<'PY' || status=1
-import json, sys
+        python3 - "$out/bench-cuda.json" "$out/bench-launch.json" <<'PY' || status=1
+import json, os, sys
 rows = json.load(open(sys.argv[1]))
-print(f"{'strategy':<13} {'dir':<6} {'block':>9} {'blocks':>6} {'GB/s':>8} {'of ceiling':>10} {'submit_us':>9}")
-for r in sorted(rows, key=lambda r: (r["strategy"], r["direction"], r["block_bytes"], r["blocks"])):
-    print(f"{r['strategy']:<13} {r['direction']:<6} {r['block_bytes']:>9} {r['blocks']:>6} {r['gbps']:>8.2f} {r['fraction_of_ceiling']:>10.2f} {r.get('submit_us', 0):>9.1f}")
+def opt(v, fmt):
+    return format(v, fmt) if v is not None else "-"
+print(f"{'strategy':<13} {'dir':<6} {'block':>9} {'blocks':>6} {'tensors':>7} {'GB/s':>8} {'of ceiling':>10} {'submit_us':>9} {'verified':>11} {'contended':>9} {'slowdown':>8}")
+for r in sorted(rows, key=lambda r: (r["strategy"], r["direction"], r.get("tensors", 1), r["block_bytes"], r["blocks"])):
+    print(f"{r['strategy']:<13} {r['direction']:<6} {r['block_bytes']:>9} {r['blocks']:>6} {r.get('tensors', 1):>7} {r['gbps']:>8.2f} {r['fraction_of_ceiling']:>10.2f} {r.get('submit_us', 0):>9.1f} "
+          f"{opt(r.get('verified_bytes'), 'd'):>11} {opt(r.get('contended_gbps'), '.2f'):>9} {opt(r.get('compute_slowdown'), '+.3f'):>8}")
+unchecked = [r for r in rows if r.get("verified_bytes") is None]
+print(f"rows: {len(rows)}, bytes verified on {len(rows) - len(unchecked)}")
+if os.path.exists(sys.argv[2]) and os.path.getsize(sys.argv[2]) > 0:
+    best = {}
+    for r in json.load(open(sys.argv[2])):
+        if r["strategy"] != "kernel":
+            continue
+        k = (r["direction"], r["block_bytes"], r["blocks"])
+        if k not in best or r["gbps"] > best[k]["gbps"]:
+            best[k] = r
+    print()
+    print("=== summary: fastest kernel launch shape per point (bench --sweep-launch)")
+    for k in sorted(best):
+        r = best[k]
+        print(f"{k[0]:<6} {k[1]:>9} {k[2]:>6} {r.get('launch', 'default'):<24} {r['gbps']:>8.2f} GB/s")
 PY
     else
         echo "no bench rows (the bench step failed)"

@@ -35,6 +35,8 @@ mod tests {
                 "PTX ISA must be 9.0 for driver 580"
             );
             assert!(m.ptx.contains("kv_gather") && m.ptx.contains("kv_scatter"));
+            let burn = module("bench_burn").expect("kernels/bench_burn.cu is compiled");
+            assert!(burn.ptx.contains("kv_bench_burn"));
             assert!(
                 NVCC_VERSION.contains("13.0"),
                 "nvcc is pinned to 13.0: {NVCC_VERSION}"

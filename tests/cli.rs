@@ -508,9 +508,19 @@ fn gpu_bench_on_the_cuda_backend_and_calibrate() {
     let out = kvoffload(&CUDA_BENCH);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(rows.len(), 8, "4 strategies x 2 directions");
+    assert_eq!(
+        rows.len(),
+        16,
+        "4 strategies x 2 directions x (cross-layer, 16 tensors)"
+    );
     for r in &rows {
         assert_eq!(r["backend"], "cuda");
+        assert!(r["tensors"] == 1 || r["tensors"] == 16, "{r}");
+        assert_eq!(
+            r["verified_bytes"],
+            16384 * 64,
+            "every row's bytes checked: {r}"
+        );
         let g = r["gbps"].as_f64().unwrap();
         let c = r["ceiling_gbps"].as_f64().unwrap();
         assert!(g > 0.0 && c > 0.0, "{r}");
@@ -529,6 +539,74 @@ fn gpu_bench_on_the_cuda_backend_and_calibrate() {
     assert!(calibrate.status.success(), "{}", text(&calibrate.stderr));
     let t = kvoffload::worker::cuda::StrategyTable::load(&table).unwrap();
     assert!(!t.rules.is_empty());
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_gpu),
+    ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
+)]
+fn gpu_bench_under_contention_and_with_other_launch_shapes() {
+    if gpu_missing("gpu_bench_under_contention_and_with_other_launch_shapes").is_some() {
+        return;
+    }
+    let out = kvoffload(&[
+        "bench",
+        "--backend",
+        "cuda",
+        "--json",
+        "--quick",
+        "--block-bytes",
+        "65536",
+        "--blocks",
+        "64",
+        "--tensors",
+        "1",
+        "--contend",
+        "--sweep-launch",
+    ]);
+    let stderr = text(&out.stderr);
+    println!("{stderr}");
+    assert!(out.status.success(), "{stderr}");
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let (shaped, plain): (Vec<_>, Vec<_>) = rows.iter().partition(|r| r.get("launch").is_some());
+    assert_eq!(plain.len(), 8, "4 strategies x 2 directions");
+    assert_eq!(
+        shaped.len(),
+        24,
+        "12 launch shapes x 2 directions, kernel only"
+    );
+    for r in &rows {
+        assert_eq!(r["verified_bytes"], 65536 * 64, "{r}");
+        let g = r["contended_gbps"].as_f64().unwrap_or(0.0);
+        assert!(g > 0.0, "a rate under contention: {r}");
+        assert!(
+            r["compute_slowdown"].as_f64().is_some_and(f64::is_finite),
+            "{r}"
+        );
+    }
+    assert!(shaped.iter().all(|r| r["strategy"] == "kernel"));
+    assert!(stderr.contains("fastest kernel launch"), "{stderr}");
+}
+
+#[test]
+fn bench_refuses_zero_tensors_and_a_negative_slowdown_by_name() {
+    for (args, name) in [
+        (&["bench", "--tensors", "0"][..], "tensors = 0"),
+        (
+            &["bench", "--max-compute-slowdown", "-1"][..],
+            "max_compute_slowdown = -1",
+        ),
+        (
+            &["bench", "--max-compute-slowdown", "NaN"][..],
+            "max_compute_slowdown = NaN",
+        ),
+    ] {
+        let out = kvoffload(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(text(&out.stderr).contains(name), "{}", text(&out.stderr));
+        assert!(out.stdout.is_empty());
+    }
 }
 
 #[test]

@@ -6,7 +6,8 @@ use std::process::ExitCode;
 
 use clap::{Args, ValueEnum};
 use kvoffload::harness::bench::{
-    self, BenchRow, CudaSweep, HostSweep, RemoteSweep, calibrated_table, open_device, run_remote,
+    self, BenchRow, CalibrationPolicy, CudaSweep, HostSweep, LaunchVariant, RemoteSweep,
+    calibrated_table, open_device, run_remote,
 };
 use kvoffload::remote::RemoteTierConfig;
 
@@ -56,6 +57,32 @@ pub struct BenchArgs {
     /// (`kvoffload sim --strategy-table FILE`). Needs a GPU.
     #[arg(long, value_name = "FILE", num_args = 0..=1, default_missing_value = "strategy-table.json")]
     calibrate: Option<PathBuf>,
+    /// Tensors per block for the CUDA sweep (comma separated): 1 is a
+    /// cross-layer cache, N a per-layer cache of N tensors [default: 1,16].
+    #[arg(long, value_delimiter = ',')]
+    tensors: Option<Vec<u32>>,
+    /// Skip the CUDA sweep's byte check (each strategy's last job per point
+    /// compared with its source).
+    #[arg(long)]
+    no_verify: bool,
+    /// Also run each CUDA strategy beside a train of compute kernels and
+    /// report the copies' GB/s meanwhile and the compute slowdown; with
+    /// --calibrate, strategies are then chosen within --max-compute-slowdown.
+    #[arg(long)]
+    contend: bool,
+    /// With --contend --calibrate: the largest compute slowdown a strategy
+    /// may cause to be chosen on its speed (0.05 = 5 %).
+    #[arg(
+        long,
+        default_value_t = 0.05,
+        value_name = "FRACTION",
+        allow_negative_numbers = true
+    )]
+    max_compute_slowdown: f64,
+    /// Also measure the kernel strategy with other launch shapes (4..64
+    /// CTAs, 16..256 KiB pieces) and report the fastest per point.
+    #[arg(long)]
+    sweep_launch: bool,
     /// The remote store for `--backend remote`: `redis://host:port` or
     /// `rediss://...` (a comma-separated list with --remote-cluster). The
     /// password comes from the URL or KVOFFLOAD_REMOTE_PASSWORD.
@@ -92,6 +119,18 @@ pub fn run(a: BenchArgs) -> ExitCode {
     }
     if a.blocks.as_ref().is_some_and(|b| b.contains(&0)) {
         return fail("blocks = 0 is out of range: allowed 1..", 2);
+    }
+    if a.tensors.as_ref().is_some_and(|t| t.contains(&0)) {
+        return fail("tensors = 0 is out of range: allowed 1..", 2);
+    }
+    if !(a.max_compute_slowdown.is_finite() && a.max_compute_slowdown >= 0.0) {
+        return fail(
+            format!(
+                "max_compute_slowdown = {} is out of range: allowed 0 or more",
+                a.max_compute_slowdown
+            ),
+            2,
+        );
     }
     if backend == BenchBackend::Remote {
         return run_remote_bench(&a);
@@ -145,6 +184,14 @@ pub fn run(a: BenchArgs) -> ExitCode {
         if let Some(n) = &a.blocks {
             sweep.blocks.clone_from(n);
         }
+        if let Some(t) = &a.tensors {
+            sweep.tensors.clone_from(t);
+        }
+        sweep.verify = !a.no_verify;
+        sweep.contend = a.contend;
+        if a.sweep_launch {
+            sweep.launches = LaunchVariant::standard();
+        }
         let out = match bench::run_cuda(ctx, &sweep) {
             Ok(o) => o,
             Err(e) => return fail(e, 1),
@@ -156,12 +203,48 @@ pub fn run(a: BenchArgs) -> ExitCode {
             out.ceiling_gbps[0],
             out.ceiling_gbps[1]
         );
-        for (block, count, stats) in &out.stats {
-            eprintln!("cuda: stats {block} B x {count}: {stats:?}");
+        for (block, count, tensors, stats) in &out.stats {
+            eprintln!("cuda: stats {block} B x {count} ({tensors} tensors): {stats:?}");
+        }
+        if a.contend && !out.contended {
+            eprintln!("cuda: contention not measured: the kernels were not built");
+        }
+        for (dir, block, count, launch, gbps) in out.best_launches() {
+            let shape = launch.map_or_else(|| "default".to_string(), |l| l.label());
+            eprintln!(
+                "cuda: fastest kernel launch, {dir} {block} B x {count}: {shape} ({gbps:.2} GB/s)"
+            );
+        }
+        let verified = out
+            .points
+            .iter()
+            .filter(|p| p.verified_bytes.is_some())
+            .count();
+        if sweep.verify {
+            eprintln!(
+                "cuda: bytes checked on {verified} of {} points, {} mismatches",
+                out.points.len(),
+                out.mismatches.len()
+            );
         }
         rows.extend(out.rows());
+        if !out.mismatches.is_empty() {
+            // The rows still go out (they show which points were checked),
+            // then the run fails.
+            for m in &out.mismatches {
+                eprintln!("kvoffload bench: cuda: bytes differ: {m}");
+            }
+            let _ = output(&a, &rows);
+            return fail(
+                format!("{} CUDA jobs copied wrong bytes", out.mismatches.len()),
+                1,
+            );
+        }
         if let Some(path) = &a.calibrate {
-            let table = calibrated_table(&out.points);
+            let policy = CalibrationPolicy {
+                max_compute_slowdown: a.max_compute_slowdown,
+            };
+            let table = calibrated_table(&out.points, policy);
             if let Err(e) = table.save(path) {
                 return fail(e, 1);
             }

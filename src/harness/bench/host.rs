@@ -71,6 +71,7 @@ pub fn run_host(sweep: &HostSweep) -> Result<Vec<BenchRow>, PoolError> {
                     ceiling_gbps: ceiling,
                     fraction_of_ceiling: if ceiling > 0.0 { gbps / ceiling } else { 0.0 },
                     submit_us: None,
+                    ..BenchRow::default()
                 });
             }
         }

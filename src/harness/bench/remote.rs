@@ -151,6 +151,7 @@ pub fn run_remote(
                 ceiling_gbps: c,
                 fraction_of_ceiling: if c > 0.0 { g / c } else { 0.0 },
                 submit_us: None,
+                ..BenchRow::default()
             });
         }
     }

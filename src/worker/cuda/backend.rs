@@ -17,7 +17,7 @@ use crate::worker::{BackendError, TransferBackend, TransferResult, TransferSpec,
 use super::context::guarded;
 use super::dma::{self, BatchCopy};
 use super::error::{CudaError, driver};
-use super::kernel::{CopyKernels, LaunchShape, TableRing, piece_bytes, split_descs};
+use super::kernel::{CopyKernels, LaunchShape, TableRing, piece_bytes, split_descs, table_bytes};
 use super::shared_table::SharedStrategyTable;
 use super::strategy::{Strategy, StrategyTable};
 
@@ -68,6 +68,10 @@ pub struct CudaBackendStats {
     pub staging_waits: u64,
     /// Jobs that fell back to per-run DMA (no batch call, no kernels, table too big).
     pub fallbacks: u64,
+    /// Bytes of descriptor tables copied to the device by kernel jobs (a
+    /// graph replay copies only its live entries where the driver lets the
+    /// exec's copy node be narrowed).
+    pub table_bytes_copied: u64,
 }
 
 #[derive(Debug)]
@@ -351,11 +355,14 @@ impl CudaBackend {
                         }
                         let f = k.table_function(dir);
                         if strategy == Strategy::KernelGraph {
-                            if slot.enqueue_graph(stream, f, shape)? {
+                            if slot.enqueue_graph(&self.ctx, stream, f, n, shape)? {
                                 self.stats.graphs_captured += 1;
                             }
+                            self.stats.table_bytes_copied +=
+                                slot.graph_copy_bytes().unwrap_or(0) as u64;
                         } else {
                             slot.enqueue_direct(stream, f, n, shape)?;
+                            self.stats.table_bytes_copied += table_bytes(n) as u64;
                         }
                         return Ok(strategy);
                     }

@@ -131,23 +131,82 @@ pub fn piece_bytes(total: u64, warps: u64, max: u64) -> u64 {
     target.clamp(MIN_PIECE_BYTES.min(max), max)
 }
 
-/// A captured graph, owned by one slot of one backend.
-struct SlotGraph(CudaGraph);
+/// A captured graph, owned by one slot of one backend: the exec, and its
+/// table-refresh memcpy node with the parameters it was captured with (the
+/// copy is narrowed to the live entries before each replay).
+struct SlotGraph {
+    graph: CudaGraph,
+    /// The refresh copy's node and its captured parameters; `None` if the
+    /// graph had no single memcpy node (then the whole table is copied).
+    copy: Option<(sys::CUgraphNode, sys::CUDA_MEMCPY3D)>,
+    /// Bytes the exec's copy node is set to copy now.
+    copy_bytes: usize,
+    /// The graph records the slot's `consumed` event itself, right after
+    /// the refresh copy (an external event-record node).
+    records_consumed: bool,
+}
 
-// SAFETY: a graph exec handle may be launched from any thread that binds its
-// context; the slot (behind the backend's `&mut`) never launches it concurrently.
+// SAFETY: a graph exec handle (and its nodes) may be used from any thread
+// that binds its context; the slot (behind the backend's `&mut`) never uses
+// it concurrently, and the copy parameters only hold addresses of the slot's
+// own buffers.
 unsafe impl Send for SlotGraph {}
 
 impl std::fmt::Debug for SlotGraph {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("SlotGraph")
+        f.debug_struct("SlotGraph")
+            .field("narrowed_copy", &self.copy.is_some())
+            .field("copy_bytes", &self.copy_bytes)
+            .field("records_consumed", &self.records_consumed)
+            .finish()
     }
 }
 
+/// The single memcpy node of `graph` and its parameters, if it has exactly one.
+fn find_copy_node(
+    graph: sys::CUgraph,
+) -> Result<Option<(sys::CUgraphNode, sys::CUDA_MEMCPY3D)>, CudaError> {
+    let mut count = 0usize;
+    // SAFETY: a null node array asks for the count only.
+    check("cuGraphGetNodes", unsafe {
+        sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut count)
+    })?;
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); count];
+    // SAFETY: `nodes` has room for `count` handles.
+    check("cuGraphGetNodes", unsafe {
+        sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut count)
+    })?;
+    nodes.truncate(count);
+    let mut found = None;
+    for node in nodes {
+        let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` belongs to `graph`; `kind` is a valid out-pointer.
+        check("cuGraphNodeGetType", unsafe {
+            sys::cuGraphNodeGetType(node, &mut kind)
+        })?;
+        if kind != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEMCPY {
+            continue;
+        }
+        if found.is_some() {
+            return Ok(None);
+        }
+        // SAFETY: all-zero is a valid bit pattern of this plain C struct
+        // (null pointers, zero sizes), overwritten by the call below.
+        let mut params: sys::CUDA_MEMCPY3D = unsafe { std::mem::zeroed() };
+        // SAFETY: `node` is a memcpy node of `graph`; `params` is a valid out-pointer.
+        check("cuGraphMemcpyNodeGetParams", unsafe {
+            sys::cuGraphMemcpyNodeGetParams(node, &mut params)
+        })?;
+        found = Some((node, params));
+    }
+    Ok(found)
+}
+
 /// One persistent table: pinned staging, device copy, a graph once captured,
-/// and an event telling when the device has consumed the staging (recorded
-/// right after the refresh copy on the direct path; after the whole graph,
-/// whose copy and kernel are one launch, on the graph path).
+/// and an event telling when the device has consumed the staging: recorded
+/// right after the refresh copy, on both paths (on the graph path by the
+/// graph itself; after the whole graph only where the driver refused an
+/// event-record node in the capture).
 #[derive(Debug)]
 pub struct TableSlot {
     capacity: usize,
@@ -242,7 +301,9 @@ impl TableSlot {
 
     /// Captures the slot's graph now, if it has none (the backend does it at
     /// construction, so that no capture lands on a submit). Returns whether
-    /// it captured.
+    /// it captured. The graph is: refresh copy, an event-record node of
+    /// `consumed`, the kernel; where the driver refuses the event node, the
+    /// copy and the kernel alone (`consumed` is then recorded after it).
     pub fn capture(
         &mut self,
         stream: &Arc<CudaStream>,
@@ -252,12 +313,46 @@ impl TableSlot {
         if self.graph.is_some() {
             return Ok(false);
         }
+        let graph = match self.capture_with(stream, f, shape, true) {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!(error = %e, "capturing with an event-record node failed: the staging is released after the whole graph");
+                self.capture_with(stream, f, shape, false)?
+            }
+        };
+        self.graph = Some(graph);
+        Ok(true)
+    }
+
+    fn capture_with(
+        &self,
+        stream: &Arc<CudaStream>,
+        f: &CudaFunction,
+        shape: LaunchShape,
+        record_consumed: bool,
+    ) -> Result<SlotGraph, CudaError> {
         stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(driver("cuStreamBeginCapture"))?;
-        let body = self.enqueue_refresh(stream, self.capacity).and_then(|()| {
-            launch_table(stream, f, self.device.addr(), self.capacity as u32, shape)
-        });
+        let body = self
+            .enqueue_refresh(stream, self.capacity)
+            .and_then(|()| {
+                if !record_consumed {
+                    return Ok(());
+                }
+                // SAFETY: event and stream belong to the same context; under
+                // capture, the external flag adds an event-record node.
+                check("cuEventRecordWithFlags", unsafe {
+                    sys::cuEventRecordWithFlags(
+                        self.consumed.cu_event(),
+                        stream.cu_stream(),
+                        sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32,
+                    )
+                })
+            })
+            .and_then(|()| {
+                launch_table(stream, f, self.device.addr(), self.capacity as u32, shape)
+            });
         let end = stream
             .end_capture(sys::CUgraphInstantiate_flags(0))
             .map_err(driver("cuStreamEndCapture"));
@@ -267,25 +362,68 @@ impl TableSlot {
             message: "empty graph".into(),
         })?;
         graph.upload().map_err(driver("cuGraphUpload"))?;
-        self.graph = Some(SlotGraph(graph));
-        Ok(true)
+        let copy = find_copy_node(graph.cu_graph())?;
+        if copy.is_none() {
+            tracing::warn!(
+                "no single memcpy node in a captured table graph: replays copy the whole table"
+            );
+        }
+        Ok(SlotGraph {
+            graph,
+            copy,
+            copy_bytes: table_bytes(self.capacity),
+            records_consumed: record_consumed,
+        })
     }
 
-    /// Replays the slot's graph (capturing it first if it has none):
-    /// full-capacity refresh from staging, then the kernel, which reads the
-    /// count from the table.
+    /// Replays the slot's graph (capturing it first if it has none): the
+    /// refresh of the `n` live descriptors (the exec's copy node narrowed to
+    /// them), then the kernel, which reads the count from the table.
     pub fn enqueue_graph(
         &mut self,
+        ctx: &CudaContext,
         stream: &Arc<CudaStream>,
         f: &CudaFunction,
+        n: usize,
         shape: LaunchShape,
     ) -> Result<bool, CudaError> {
         let captured = self.capture(stream, f, shape)?;
-        if let Some(g) = &self.graph {
-            g.0.launch().map_err(driver("cuGraphLaunch"))?;
+        let live = table_bytes(n.min(self.capacity));
+        let mut records_consumed = false;
+        if let Some(g) = &mut self.graph {
+            if let Some((node, params)) = &mut g.copy
+                && g.copy_bytes != live
+            {
+                params.WidthInBytes = live;
+                // SAFETY: `node` is the memcpy node of the graph `g.graph` was
+                // instantiated from, the parameters are the captured 1-D ones
+                // with a width within both buffers (`live ≤ table_bytes(capacity)`),
+                // and no launch of this exec is being enqueued concurrently.
+                check("cuGraphExecMemcpyNodeSetParams", unsafe {
+                    sys::cuGraphExecMemcpyNodeSetParams(
+                        g.graph.cu_graph_exec(),
+                        *node,
+                        params,
+                        ctx.cu_ctx(),
+                    )
+                })?;
+                g.copy_bytes = live;
+            }
+            g.graph.launch().map_err(driver("cuGraphLaunch"))?;
+            records_consumed = g.records_consumed;
         }
-        self.mark_used(stream)?;
+        if records_consumed {
+            self.used = true;
+        } else {
+            self.mark_used(stream)?;
+        }
         Ok(captured)
+    }
+
+    /// Bytes of the table refresh the graph's next replay copies (`None`
+    /// without a graph): for tests of the narrowing.
+    pub fn graph_copy_bytes(&self) -> Option<usize> {
+        self.graph.as_ref().map(|g| g.copy_bytes)
     }
 
     fn mark_used(&mut self, stream: &CudaStream) -> Result<(), CudaError> {
