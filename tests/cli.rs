@@ -537,6 +537,11 @@ fn gpu_bench_on_the_cuda_backend_and_calibrate() {
     }
     let calibrate = calibrate_into(&table);
     assert!(calibrate.status.success(), "{}", text(&calibrate.stderr));
+    assert!(
+        text(&calibrate.stderr).contains("swapped into running backends"),
+        "the calibrated table is swapped into live backends: {}",
+        text(&calibrate.stderr)
+    );
     let t = kvoffload::worker::cuda::StrategyTable::load(&table).unwrap();
     assert!(!t.rules.is_empty());
 }

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::{Args, ValueEnum};
 use kvoffload::harness::bench::{
     self, BenchRow, CalibrationPolicy, CudaSweep, HostSweep, LaunchVariant, RemoteSweep,
-    calibrated_table, open_device, run_remote,
+    calibrated_table, check_table_swap, open_device, run_remote,
 };
 use kvoffload::remote::RemoteTierConfig;
 
@@ -253,6 +253,29 @@ pub fn run(a: BenchArgs) -> ExitCode {
                 table.rules.len(),
                 path.display()
             );
+            // The table goes into running backends through the shared
+            // handle they read on every submit, as a reload would.
+            match check_table_swap(ctx, &sweep, &table) {
+                Ok(r) if r.failures.is_empty() => eprintln!(
+                    "cuda: the calibrated table swapped into running backends: {} swaps, {} changed the strategy, every job used the table's choice and moved the right bytes",
+                    r.swaps, r.changed
+                ),
+                Ok(r) => {
+                    for f in &r.failures {
+                        eprintln!("kvoffload bench: cuda: after a table swap: {f}");
+                    }
+                    let _ = output(&a, &rows);
+                    return fail(
+                        format!(
+                            "{} failures across {} table swaps",
+                            r.failures.len(),
+                            r.swaps
+                        ),
+                        1,
+                    );
+                }
+                Err(e) => return fail(e, 1),
+            }
         }
     }
     output(&a, &rows)

@@ -15,7 +15,7 @@ use serde::Serialize;
 
 pub use cuda::{
     CalibrationPolicy, CudaBenchError, CudaPoint, CudaSweep, CudaSweepOutput, LaunchVariant,
-    calibrated_table, open_device, run_cuda,
+    SwapReport, calibrated_table, check_table_swap, open_device, run_cuda,
 };
 pub use host::{HostSweep, run_host};
 pub use plot::svg;

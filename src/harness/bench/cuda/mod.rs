@@ -31,10 +31,12 @@ use super::BenchRow;
 
 mod calibrate;
 mod contention;
+mod swap;
 mod verify;
 
 pub use calibrate::{CalibrationPolicy, calibrated_table};
 use contention::{Burn, slowdown};
+pub use swap::{SwapReport, check_table_swap};
 
 /// Bound on one wait for a measured job.
 const JOB_WAIT: Duration = Duration::from_secs(60);
