@@ -551,8 +551,8 @@ fn gpu_bench_on_the_cuda_backend_and_calibrate() {
     not(kvoffload_gpu),
     ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
 )]
-fn gpu_bench_under_contention_and_with_other_launch_shapes() {
-    if gpu_missing("gpu_bench_under_contention_and_with_other_launch_shapes").is_some() {
+fn gpu_bench_under_contention_with_other_launch_shapes_and_prefer_overlap() {
+    if gpu_missing("gpu_bench_under_contention_with_other_launch_shapes_and_prefer_overlap").is_some() {
         return;
     }
     let out = kvoffload(&[
@@ -569,6 +569,7 @@ fn gpu_bench_under_contention_and_with_other_launch_shapes() {
         "1",
         "--contend",
         "--sweep-launch",
+        "--sweep-batch-overlap",
     ]);
     let stderr = text(&out.stderr);
     println!("{stderr}");
@@ -590,7 +591,13 @@ fn gpu_bench_under_contention_and_with_other_launch_shapes() {
             "{r}"
         );
     }
-    assert!(shaped.iter().all(|r| r["strategy"] == "kernel"));
+    for r in &shaped {
+        if r["launch"] == "prefer_overlap" {
+            assert_eq!(r["strategy"], "batch_dma", "{r}");
+        } else {
+            assert_eq!(r["strategy"], "kernel", "{r}");
+        }
+    }
     assert!(stderr.contains("fastest kernel launch"), "{stderr}");
 }
 

@@ -83,6 +83,11 @@ pub struct BenchArgs {
     /// CTAs, 16..256 KiB pieces) and report the fastest per point.
     #[arg(long)]
     sweep_launch: bool,
+    /// Also measure batch DMA with the driver asked to overlap the copies
+    /// with compute (CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE; worth
+    /// reading with --contend).
+    #[arg(long)]
+    sweep_batch_overlap: bool,
     /// The remote store for `--backend remote`: `redis://host:port` or
     /// `rediss://...` (a comma-separated list with --remote-cluster). The
     /// password comes from the URL or KVOFFLOAD_REMOTE_PASSWORD.
@@ -192,6 +197,7 @@ pub fn run(a: BenchArgs) -> ExitCode {
         if a.sweep_launch {
             sweep.launches = LaunchVariant::standard();
         }
+        sweep.batch_prefer_overlap = a.sweep_batch_overlap;
         let out = match bench::run_cuda(ctx, &sweep) {
             Ok(o) => o,
             Err(e) => return fail(e, 1),

@@ -71,8 +71,9 @@ fn winner(points: &[&CudaPoint], policy: CalibrationPolicy) -> Option<Strategy> 
     }
 }
 
-/// The table calibrated from `points` (the default launch shape's; points of
-/// other shapes are reported, not used here). Every cell between measured
+/// The table calibrated from `points` (those of the backend's default
+/// options; points of other launch shapes or with `prefer_overlap` are
+/// reported, not used here). Every cell between measured
 /// sizes and counts gets a rule, so the fallback serves only a direction
 /// without any measured point.
 pub fn calibrated_table(points: &[CudaPoint], policy: CalibrationPolicy) -> StrategyTable {
@@ -80,7 +81,9 @@ pub fn calibrated_table(points: &[CudaPoint], policy: CalibrationPolicy) -> Stra
     for dir in Direction::ALL {
         let usable: Vec<&CudaPoint> = points
             .iter()
-            .filter(|p| p.direction == dir && p.launch.is_none() && p.gbps.is_finite())
+            .filter(|p| {
+                p.direction == dir && p.launch.is_none() && !p.prefer_overlap && p.gbps.is_finite()
+            })
             .collect();
         let mut keys: Vec<(u64, u64)> = usable.iter().map(|p| key(p)).collect();
         keys.sort_unstable();
@@ -156,6 +159,7 @@ mod tests {
             contended_gbps: None,
             compute_slowdown: None,
             launch: None,
+            prefer_overlap: false,
         }
     }
 
@@ -246,13 +250,15 @@ mod tests {
     }
 
     #[test]
-    fn points_of_other_launch_shapes_do_not_choose_the_strategy() {
+    fn points_of_other_backend_options_do_not_choose_the_strategy() {
         let mut wide = p(Store, 4096, 64, Kernel, 99.0);
         wide.launch = Some(LaunchVariant {
             ctas: 64,
             max_piece_bytes: 16 << 10,
         });
-        let points = [p(Store, 4096, 64, Dma, 5.0), wide];
+        let mut overlapped = p(Store, 4096, 64, BatchDma, 80.0);
+        overlapped.prefer_overlap = true;
+        let points = [p(Store, 4096, 64, Dma, 5.0), wide, overlapped];
         assert_eq!(table(&points).choose(Store, 4096, 64), Dma);
     }
 }

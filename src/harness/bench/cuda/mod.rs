@@ -113,6 +113,10 @@ pub struct CudaSweep {
     /// Other kernel launch shapes, measured with the `kernel` strategy on
     /// cross-layer points of at most 1,024 blocks.
     pub launches: Vec<LaunchVariant>,
+    /// Also measure `batch_dma` with the driver asked to overlap the copies
+    /// with compute (`CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE`), on the
+    /// same points as `launches`.
+    pub batch_prefer_overlap: bool,
 }
 
 impl Default for CudaSweep {
@@ -141,6 +145,7 @@ impl Default for CudaSweep {
             verify: true,
             contend: false,
             launches: Vec::new(),
+            batch_prefer_overlap: false,
         }
     }
 }
@@ -209,6 +214,8 @@ pub struct CudaPoint {
     pub compute_slowdown: Option<f64>,
     /// The kernel launch shape, where not the default.
     pub launch: Option<LaunchVariant>,
+    /// Measured with `batch_prefer_overlap` on (batch DMA only).
+    pub prefer_overlap: bool,
 }
 
 /// What a CUDA sweep measured.
@@ -251,7 +258,11 @@ impl CudaSweepOutput {
                     verified_bytes: p.verified_bytes,
                     contended_gbps: p.contended_gbps,
                     compute_slowdown: p.compute_slowdown,
-                    launch: p.launch.map(|l| l.label()),
+                    launch: if p.prefer_overlap {
+                        Some("prefer_overlap".into())
+                    } else {
+                        p.launch.map(|l| l.label())
+                    },
                 }
             })
             .collect()
@@ -578,12 +589,19 @@ impl PointRun<'_> {
         let spec = TransferSpec::new(&blocks, 0, &chunk_ids);
         let dev_bytes = g.device_bytes() as usize;
         let pool_bytes = (row.row_bytes() * u64::from(g.count)) as usize;
-        let mut variants: Vec<Option<LaunchVariant>> = vec![None];
+        // (kernel launch shape, prefer overlap): the defaults, then variants.
+        let mut variants: Vec<(Option<LaunchVariant>, bool)> = vec![(None, false)];
         if g.tensors == 1 && g.count <= 1024 {
-            variants.extend(self.sweep.launches.iter().copied().map(Some));
+            variants.extend(self.sweep.launches.iter().map(|&l| (Some(l), false)));
+            if self.sweep.batch_prefer_overlap {
+                variants.push((None, true));
+            }
         }
-        for variant in variants {
-            let mut options = CudaBackendOptions::default();
+        for (variant, prefer_overlap) in variants {
+            let mut options = CudaBackendOptions {
+                batch_prefer_overlap: prefer_overlap,
+                ..CudaBackendOptions::default()
+            };
             if let Some(v) = variant {
                 options.shape = LaunchShape {
                     ctas: v.ctas,
@@ -600,6 +618,8 @@ impl PointRun<'_> {
                 unsafe { CudaBackend::new(self.ctx.clone(), layout.clone(), compute, options)? };
             let strategies: Vec<Strategy> = if variant.is_some() {
                 vec![Strategy::Kernel]
+            } else if prefer_overlap {
+                vec![Strategy::BatchDma]
             } else {
                 self.sweep.strategies.clone()
             };
@@ -620,6 +640,7 @@ impl PointRun<'_> {
                     };
                     p.strategy = strategy;
                     p.launch = variant;
+                    p.prefer_overlap = prefer_overlap;
                     if self.sweep.verify {
                         match self
                             .bufs
@@ -633,9 +654,11 @@ impl PointRun<'_> {
                                     g.count,
                                     g.tensors,
                                     strategy.name(),
-                                    variant
-                                        .map(|v| format!(" ({})", v.label()))
-                                        .unwrap_or_default()
+                                    match (variant, prefer_overlap) {
+                                        (Some(v), _) => format!(" ({})", v.label()),
+                                        (None, true) => " (prefer_overlap)".into(),
+                                        (None, false) => String::new(),
+                                    }
                                 );
                                 tracing::error!(%what, "copied bytes differ from the source");
                                 self.out.mismatches.push(what);
@@ -651,7 +674,7 @@ impl PointRun<'_> {
                     self.out.points.push(p);
                 }
             }
-            if variant.is_none() {
+            if variant.is_none() && !prefer_overlap {
                 self.out
                     .stats
                     .push((g.block, g.count, g.tensors, backend.stats().clone()));
@@ -715,6 +738,7 @@ fn measure(
         contended_gbps: None,
         compute_slowdown: None,
         launch: None,
+        prefer_overlap: false,
     }))
 }
 
@@ -808,6 +832,7 @@ mod tests {
             contended_gbps: None,
             compute_slowdown: None,
             launch: None,
+            prefer_overlap: false,
         }
     }
 
@@ -820,10 +845,16 @@ mod tests {
             ctas: 16,
             max_piece_bytes: 65536,
         });
+        let mut overlapped = point(Direction::Store, Strategy::BatchDma, 30.0);
+        overlapped.prefer_overlap = true;
         let out = CudaSweepOutput {
             device: "x".into(),
             ceiling_gbps: [50.0, 40.0],
-            points: vec![point(Direction::Store, Strategy::Kernel, 25.0), contended],
+            points: vec![
+                point(Direction::Store, Strategy::Kernel, 25.0),
+                contended,
+                overlapped,
+            ],
             stats: Vec::new(),
             mismatches: Vec::new(),
             contended: true,
@@ -840,6 +871,8 @@ mod tests {
         assert_eq!(rows[1].contended_gbps, Some(8.0));
         assert_eq!(rows[1].compute_slowdown, Some(0.02));
         assert_eq!(rows[1].launch.as_deref(), Some("ctas=16,piece=65536"));
+        assert_eq!(rows[2].launch.as_deref(), Some("prefer_overlap"));
+        assert_eq!(rows[0].launch, None);
     }
 
     #[test]
