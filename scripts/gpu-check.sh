@@ -27,10 +27,11 @@
 # source; each strategy also beside a train of compute kernels: its GB/s
 # there and the compute slowdown, which the calibrated table weighs; rows in
 # $OUT/bench-cuda.json, the table in $OUT/strategy-table.json), then
-#   kvoffload bench --backend cuda --quick --tensors 1 --contend --sweep-launch --sweep-batch-overlap --json
-# (the kernel strategy with 4..64 CTAs and 16..256 KiB pieces, and batch DMA
-# with the prefer-overlap-with-compute flag; rows in $OUT/bench-launch.json,
-# the fastest shape per point on stderr), then
+#   kvoffload bench --backend cuda --quick --tensors 1 --contend --sweep-launch --sweep-batch-overlap --sweep-ring --json
+# (the kernel strategy with 4..64 CTAs and 16..256 KiB pieces, batch DMA
+# with the prefer-overlap-with-compute flag, kernel_graph jobs pipelined
+# through rings of 2..16 tables; rows in $OUT/bench-launch.json, the fastest
+# shape per point on stderr), then
 #   kvoffload sim --backend cuda            (default strategy table)
 #   kvoffload sim --backend cuda --strategy-table $OUT/strategy-table.json
 # (summaries in $OUT/sim-cuda*.json; exit 1 on any leak), and the vLLM
@@ -152,8 +153,8 @@ run() {
         '"$1" bench --backend cuda --json $2 --contend --calibrate "$3" --csv "$4" > "$5"' _ \
         "$carry/kvoffload" "$quick" "$table" "$out/bench-cuda.csv" "$out/bench-cuda.json"
     # shellcheck disable=SC2016  # expanded by the inner shell
-    step "bench --backend cuda --sweep-launch --sweep-batch-overlap" 100 bash -c \
-        '"$1" bench --backend cuda --json --quick --tensors 1 --contend --sweep-launch --sweep-batch-overlap > "$2"' _ \
+    step "bench --backend cuda --sweep-launch/-batch-overlap/-ring" 100 bash -c \
+        '"$1" bench --backend cuda --json --quick --tensors 1 --contend --sweep-launch --sweep-batch-overlap --sweep-ring > "$2"' _ \
         "$carry/kvoffload" "$out/bench-launch.json"
     if command -v python3 >/dev/null; then
         step "binding_roundtrip.py --backend cuda" 60 env PYTHONPATH="$carry/python" \
@@ -206,6 +207,11 @@ if os.path.exists(sys.argv[2]) and os.path.getsize(sys.argv[2]) > 0:
                     key=lambda r: (r["direction"], r["block_bytes"], r["blocks"], r.get("launch", ""))):
         print(f"{r['direction']:<6} {r['block_bytes']:>9} {r['blocks']:>6} {r.get('launch', 'default'):<15} {r['gbps']:>8.2f} GB/s"
               f"  contended {opt(r.get('contended_gbps'), '.2f')} GB/s, slowdown {opt(r.get('compute_slowdown'), '+.3f')}")
+    print()
+    print("=== summary: kernel_graph pipelined through rings of tables (bench --sweep-ring; GB/s over wall time)")
+    for r in sorted((r for r in launch_rows if r.get("launch", "").startswith("ring=")),
+                    key=lambda r: (r["direction"], r["block_bytes"], r["blocks"], int(r["launch"].split(",")[0][5:]))):
+        print(f"{r['direction']:<6} {r['block_bytes']:>9} {r['blocks']:>6} {r['launch']:<40} {r['gbps']:>8.2f} GB/s")
 PY
     else
         echo "no bench rows (the bench step failed)"

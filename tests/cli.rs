@@ -551,8 +551,10 @@ fn gpu_bench_on_the_cuda_backend_and_calibrate() {
     not(kvoffload_gpu),
     ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
 )]
-fn gpu_bench_under_contention_with_other_launch_shapes_and_prefer_overlap() {
-    if gpu_missing("gpu_bench_under_contention_with_other_launch_shapes_and_prefer_overlap").is_some() {
+fn gpu_bench_under_contention_with_launch_shapes_prefer_overlap_and_ring_depths() {
+    if gpu_missing("gpu_bench_under_contention_with_launch_shapes_prefer_overlap_and_ring_depths")
+        .is_some()
+    {
         return;
     }
     let out = kvoffload(&[
@@ -570,11 +572,23 @@ fn gpu_bench_under_contention_with_other_launch_shapes_and_prefer_overlap() {
         "--contend",
         "--sweep-launch",
         "--sweep-batch-overlap",
+        "--sweep-ring",
     ]);
     let stderr = text(&out.stderr);
     println!("{stderr}");
     assert!(out.status.success(), "{stderr}");
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let (ring, rows): (Vec<_>, Vec<_>) = rows.into_iter().partition(|r| {
+        r.get("launch")
+            .and_then(|l| l.as_str())
+            .is_some_and(|l| l.starts_with("ring="))
+    });
+    assert_eq!(ring.len(), 8, "4 ring depths x 2 directions");
+    for r in &ring {
+        assert_eq!(r["strategy"], "kernel_graph", "{r}");
+        assert_eq!(r["verified_bytes"], 65536 * 64, "{r}");
+        assert!(r["gbps"].as_f64().is_some_and(|g| g > 0.0), "{r}");
+    }
     let (shaped, plain): (Vec<_>, Vec<_>) = rows.iter().partition(|r| r.get("launch").is_some());
     assert_eq!(plain.len(), 8, "4 strategies x 2 directions");
     assert_eq!(

@@ -88,6 +88,10 @@ pub struct BenchArgs {
     /// reading with --contend).
     #[arg(long)]
     sweep_batch_overlap: bool,
+    /// Also measure kernel_graph jobs pipelined (16 in flight) through
+    /// descriptor-table rings of 2, 4, 8 and 16 slots.
+    #[arg(long)]
+    sweep_ring: bool,
     /// The remote store for `--backend remote`: `redis://host:port` or
     /// `rediss://...` (a comma-separated list with --remote-cluster). The
     /// password comes from the URL or KVOFFLOAD_REMOTE_PASSWORD.
@@ -198,6 +202,9 @@ pub fn run(a: BenchArgs) -> ExitCode {
             sweep.launches = LaunchVariant::standard();
         }
         sweep.batch_prefer_overlap = a.sweep_batch_overlap;
+        if a.sweep_ring {
+            sweep.ring_depths = bench::STANDARD_RING_DEPTHS.to_vec();
+        }
         let out = match bench::run_cuda(ctx, &sweep) {
             Ok(o) => o,
             Err(e) => return fail(e, 1),

@@ -15,7 +15,8 @@ use serde::Serialize;
 
 pub use cuda::{
     CalibrationPolicy, CudaBenchError, CudaPoint, CudaSweep, CudaSweepOutput, LaunchVariant,
-    SwapReport, calibrated_table, check_table_swap, open_device, run_cuda,
+    PIPELINE, STANDARD_RING_DEPTHS, SwapReport, calibrated_table, check_table_swap, open_device,
+    run_cuda,
 };
 pub use host::{HostSweep, run_host};
 pub use plot::svg;

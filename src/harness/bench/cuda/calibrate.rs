@@ -72,8 +72,8 @@ fn winner(points: &[&CudaPoint], policy: CalibrationPolicy) -> Option<Strategy> 
 }
 
 /// The table calibrated from `points` (those of the backend's default
-/// options; points of other launch shapes or with `prefer_overlap` are
-/// reported, not used here). Every cell between measured
+/// options, measured one job at a time; points of other launch shapes, with
+/// `prefer_overlap` or pipelined through a ring are reported, not used here). Every cell between measured
 /// sizes and counts gets a rule, so the fallback serves only a direction
 /// without any measured point.
 pub fn calibrated_table(points: &[CudaPoint], policy: CalibrationPolicy) -> StrategyTable {
@@ -82,7 +82,11 @@ pub fn calibrated_table(points: &[CudaPoint], policy: CalibrationPolicy) -> Stra
         let usable: Vec<&CudaPoint> = points
             .iter()
             .filter(|p| {
-                p.direction == dir && p.launch.is_none() && !p.prefer_overlap && p.gbps.is_finite()
+                p.direction == dir
+                    && p.launch.is_none()
+                    && !p.prefer_overlap
+                    && p.ring.is_none()
+                    && p.gbps.is_finite()
             })
             .collect();
         let mut keys: Vec<(u64, u64)> = usable.iter().map(|p| key(p)).collect();
@@ -160,6 +164,7 @@ mod tests {
             compute_slowdown: None,
             launch: None,
             prefer_overlap: false,
+            ring: None,
         }
     }
 
@@ -258,7 +263,9 @@ mod tests {
         });
         let mut overlapped = p(Store, 4096, 64, BatchDma, 80.0);
         overlapped.prefer_overlap = true;
-        let points = [p(Store, 4096, 64, Dma, 5.0), wide, overlapped];
+        let mut pipelined = p(Store, 4096, 64, KernelGraph, 70.0);
+        pipelined.ring = Some((16, 0));
+        let points = [p(Store, 4096, 64, Dma, 5.0), wide, overlapped, pipelined];
         assert_eq!(table(&points).choose(Store, 4096, 64), Dma);
     }
 }

@@ -46,6 +46,10 @@ const BURN_KERNEL_US: f64 = 50.0;
 const BURN_LAUNCHES: u32 = 200;
 /// Bound on contended jobs per measurement (a train that never ends).
 const MAX_CONTENDED_JOBS: u32 = 10_000;
+/// Jobs in flight together in a ring-depth measurement.
+pub const PIPELINE: u32 = 16;
+/// The ring depths `--sweep-ring` measures.
+pub const STANDARD_RING_DEPTHS: [usize; 4] = [2, 4, 8, 16];
 
 /// A kernel launch shape other than the default, measured with the
 /// `kernel` strategy (`--sweep-launch`).
@@ -117,6 +121,10 @@ pub struct CudaSweep {
     /// with compute (`CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE`), on the
     /// same points as `launches`.
     pub batch_prefer_overlap: bool,
+    /// Descriptor-table ring depths to measure with `kernel_graph` jobs
+    /// pipelined ([`PIPELINE`] in flight before the first is waited for),
+    /// on the same points as `launches`.
+    pub ring_depths: Vec<usize>,
 }
 
 impl Default for CudaSweep {
@@ -146,6 +154,7 @@ impl Default for CudaSweep {
             contend: false,
             launches: Vec::new(),
             batch_prefer_overlap: false,
+            ring_depths: Vec::new(),
         }
     }
 }
@@ -216,6 +225,9 @@ pub struct CudaPoint {
     pub launch: Option<LaunchVariant>,
     /// Measured with `batch_prefer_overlap` on (batch DMA only).
     pub prefer_overlap: bool,
+    /// Measured pipelined with this ring depth (and the staging waits the
+    /// jobs met): GB/s is then [`PIPELINE`] jobs' bytes over their wall time.
+    pub ring: Option<(u32, u64)>,
 }
 
 /// What a CUDA sweep measured.
@@ -258,10 +270,12 @@ impl CudaSweepOutput {
                     verified_bytes: p.verified_bytes,
                     contended_gbps: p.contended_gbps,
                     compute_slowdown: p.compute_slowdown,
-                    launch: if p.prefer_overlap {
-                        Some("prefer_overlap".into())
-                    } else {
-                        p.launch.map(|l| l.label())
+                    launch: match (p.ring, p.prefer_overlap) {
+                        (Some((depth, waits)), _) => Some(format!(
+                            "ring={depth},pipelined={PIPELINE},staging_waits={waits}"
+                        )),
+                        (None, true) => Some("prefer_overlap".into()),
+                        (None, false) => p.launch.map(|l| l.label()),
                     },
                 }
             })
@@ -680,6 +694,57 @@ impl PointRun<'_> {
                     .push((g.block, g.count, g.tensors, backend.stats().clone()));
             }
         }
+        if g.tensors == 1 && g.count <= 1024 {
+            for &depth in &self.sweep.ring_depths {
+                self.run_ring(&layout, &spec, depth, dev_bytes, pool_bytes)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `kernel_graph` jobs pipelined through a ring of `depth` tables.
+    fn run_ring(
+        &mut self,
+        layout: &WorkerLayout,
+        spec: &TransferSpec,
+        depth: usize,
+        dev_bytes: usize,
+        pool_bytes: usize,
+    ) -> Result<(), CudaBenchError> {
+        let g = self.g;
+        let options = CudaBackendOptions {
+            ring_slots: depth.max(1),
+            ..CudaBackendOptions::default()
+        };
+        let compute = self.ctx.new_stream().map_err(driver("cuStreamCreate"))?;
+        // SAFETY: as in `run`: the layout lies inside the sweep's buffers,
+        // which outlive this backend (dropped, synchronising, on return).
+        let mut backend =
+            unsafe { CudaBackend::new(self.ctx.clone(), layout.clone(), compute, options)? };
+        backend.force_strategy(Some(Strategy::KernelGraph));
+        for &dir in &self.sweep.directions {
+            if self.sweep.verify {
+                self.bufs.fill_source(dir, dev_bytes, pool_bytes)?;
+                self.bufs.clear_destination(dir, dev_bytes, pool_bytes)?;
+            }
+            let waits = backend.stats().staging_waits;
+            let Some(mut p) = measure_pipelined(&mut backend, spec, dir, self.job, g)? else {
+                tracing::warn!(g.block, g.count, depth, %dir, "no successful pipelined job");
+                continue;
+            };
+            p.strategy = Strategy::KernelGraph;
+            p.ring = Some((depth as u32, backend.stats().staging_waits - waits));
+            if self.sweep.verify {
+                match self.bufs.check(layout, dir, spec, dev_bytes, pool_bytes)? {
+                    Ok(n) => p.verified_bytes = Some(n),
+                    Err(why) => self.out.mismatches.push(format!(
+                        "{dir} {} B x {} blocks, kernel_graph pipelined (ring={depth}): {why}",
+                        g.block, g.count
+                    )),
+                }
+            }
+            self.out.points.push(p);
+        }
         Ok(())
     }
 }
@@ -739,6 +804,54 @@ fn measure(
         compute_slowdown: None,
         launch: None,
         prefer_overlap: false,
+        ring: None,
+    }))
+}
+
+/// [`PIPELINE`] jobs submitted back to back, then waited for: GB/s over
+/// their wall time; `None` if none succeeded.
+fn measure_pipelined(
+    backend: &mut CudaBackend,
+    spec: &TransferSpec,
+    dir: Direction,
+    job: &mut u64,
+    g: Geometry,
+) -> Result<Option<CudaPoint>, CudaBenchError> {
+    let bytes = g.block * u64::from(g.count);
+    let mut ids = Vec::with_capacity(PIPELINE as usize);
+    let mut submit_time = Duration::ZERO;
+    let t = Instant::now();
+    for _ in 0..PIPELINE {
+        *job += 1;
+        let id = JobId(*job);
+        let s = Instant::now();
+        submit(backend, dir, id, spec)?;
+        submit_time += s.elapsed();
+        ids.push(id);
+    }
+    backend.wait(&ids, Some(JOB_WAIT))?;
+    let wall = t.elapsed();
+    let mut results = Vec::new();
+    backend.poll(&mut results);
+    let ok = results.iter().filter(|r| r.success).count() as u64;
+    if ok == 0 || wall.is_zero() {
+        return Ok(None);
+    }
+    Ok(Some(CudaPoint {
+        direction: dir,
+        block_bytes: g.block,
+        blocks: g.count,
+        tensors: g.tensors,
+        strategy: Strategy::KernelGraph,
+        gbps: (ok * bytes) as f64 / wall.as_secs_f64() / 1e9,
+        submit_us: submit_time.as_secs_f64() * 1e6 / f64::from(PIPELINE),
+        device_us: wall.as_secs_f64() * 1e6 / f64::from(PIPELINE),
+        verified_bytes: None,
+        contended_gbps: None,
+        compute_slowdown: None,
+        launch: None,
+        prefer_overlap: false,
+        ring: None,
     }))
 }
 
@@ -833,6 +946,7 @@ mod tests {
             compute_slowdown: None,
             launch: None,
             prefer_overlap: false,
+            ring: None,
         }
     }
 
@@ -847,6 +961,8 @@ mod tests {
         });
         let mut overlapped = point(Direction::Store, Strategy::BatchDma, 30.0);
         overlapped.prefer_overlap = true;
+        let mut ring = point(Direction::Load, Strategy::KernelGraph, 35.0);
+        ring.ring = Some((8, 2));
         let out = CudaSweepOutput {
             device: "x".into(),
             ceiling_gbps: [50.0, 40.0],
@@ -854,6 +970,7 @@ mod tests {
                 point(Direction::Store, Strategy::Kernel, 25.0),
                 contended,
                 overlapped,
+                ring,
             ],
             stats: Vec::new(),
             mismatches: Vec::new(),
@@ -872,6 +989,10 @@ mod tests {
         assert_eq!(rows[1].compute_slowdown, Some(0.02));
         assert_eq!(rows[1].launch.as_deref(), Some("ctas=16,piece=65536"));
         assert_eq!(rows[2].launch.as_deref(), Some("prefer_overlap"));
+        assert_eq!(
+            rows[3].launch.as_deref(),
+            Some("ring=8,pipelined=16,staging_waits=2")
+        );
         assert_eq!(rows[0].launch, None);
     }
 
