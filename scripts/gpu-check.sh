@@ -45,6 +45,27 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 carry="$here/gpu-carry"
 phase="${1:-}"
 
+# Runs `cargo ARGS --message-format=json...`: the compiler's errors and
+# warnings (rendered) and cargo's progress go to stderr, never hidden; stdout
+# gets one "kind-name<TAB>test|bin<TAB>path" line per executable artifact.
+# Under `set -o pipefail` a failed build fails the caller.
+cargo_artifacts() {
+    cargo "$@" --message-format=json-diagnostic-rendered-ansi | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    reason = m.get("reason")
+    if reason == "compiler-message" and m["message"].get("level") in ("error", "warning"):
+        sys.stderr.write(m["message"].get("rendered") or "")
+    elif reason == "compiler-artifact" and m.get("executable"):
+        kind = "test" if m.get("profile", {}).get("test") else "bin"
+        print(m["target"]["kind"][0] + "-" + m["target"]["name"] + "\t" + kind + "\t" + m["executable"])
+'
+}
+
 build() {
     cd "$here"
     export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$here/target}"
@@ -55,42 +76,33 @@ build() {
     export KVOFFLOAD_REQUIRE_NVCC=1   # the carried binaries must embed the kernels
     rm -rf "$carry"
     mkdir -p "$carry/tests"
-    # Test binaries (lib unit tests + integration tests).
-    cargo test --release --no-run --message-format=json 2>/dev/null \
-        | python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m.get("profile", {}).get("test"):
-        name = m["target"]["kind"][0] + "-" + m["target"]["name"]
-        # Only what touches CUDA: the library unit tests (the CUDA modules),
-        # tests/gpu.rs and tests/cli.rs (sim and bench on the CUDA backend);
-        # the CPU suites run in CI.
-        if name in ("lib-kvoffload", "test-gpu", "test-cli"):
-            print(name + "\t" + m["executable"])
-' | while IFS=$'\t' read -r name exe; do
-        cp "$exe" "$carry/tests/$name"
-        echo "carried test binary: $name"
+    # Test binaries (lib unit tests + integration tests): only what touches
+    # CUDA (the library's unit tests, tests/gpu.rs, tests/cli.rs for sim and
+    # bench on the CUDA backend); the CPU suites run in CI.
+    cargo_artifacts test --release --no-run | while IFS=$'\t' read -r name kind exe; do
+        case "$kind:$name" in
+            test:lib-kvoffload | test:test-gpu | test:test-cli)
+                cp "$exe" "$carry/tests/$name"
+                echo "carried test binary: $name"
+                ;;
+        esac
+    done
+    for t in lib-kvoffload test-gpu test-cli; do
+        [[ -x "$carry/tests/$t" ]] || { echo "gpu-check: the test binary $t was not built" >&2; exit 1; }
     done
     # The CLI (bench and sim on the CUDA backend).
-    cargo build --release --bin kvoffload --message-format=json 2>/dev/null \
-        | python3 -c '
-import json, sys
-for line in sys.stdin:
-    try:
-        m = json.loads(line)
-    except ValueError:
-        continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "kvoffload" and "bin" in m["target"]["kind"]:
-        print(m["executable"])
-' | while read -r exe; do cp "$exe" "$carry/kvoffload"; echo "carried binary: kvoffload"; done
+    cargo_artifacts build --release --bin kvoffload | while IFS=$'\t' read -r name kind exe; do
+        if [[ "$kind:$name" == "bin:bin-kvoffload" ]]; then
+            cp "$exe" "$carry/kvoffload"
+            echo "carried binary: kvoffload"
+        fi
+    done
     [[ -x "$carry/kvoffload" ]] || { echo "gpu-check: the kvoffload binary was not built" >&2; exit 1; }
     # The vLLM connector's binding (kvoffload._native, CUDA worker included)
     # and its store-wipe-load round trip, which needs neither vLLM nor torch.
-    (cd python && cargo build --release --lib)
+    # Its own target folder, whatever CARGO_TARGET_DIR says (the copy below
+    # must be the library just built, not a stale one).
+    (cd python && CARGO_TARGET_DIR="$here/python/target" cargo build --release --lib)
     mkdir -p "$carry/python/kvoffload"
     cp python/target/release/lib_native.so "$carry/python/kvoffload/_native.abi3.so"
     cp python/kvoffload/__init__.py "$carry/python/kvoffload/"
