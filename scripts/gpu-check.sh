@@ -165,7 +165,7 @@ run() {
         '"$1" bench --backend cuda --json $2 --contend --calibrate "$3" --csv "$4" > "$5"' _ \
         "$carry/kvoffload" "$quick" "$table" "$out/bench-cuda.csv" "$out/bench-cuda.json"
     # shellcheck disable=SC2016  # expanded by the inner shell
-    step "bench --backend cuda --sweep-launch/-batch-overlap/-ring" 100 bash -c \
+    step "bench --sweep-launch/-batch-overlap/-ring" 100 bash -c \
         '"$1" bench --backend cuda --json --quick --tensors 1 --contend --sweep-launch --sweep-batch-overlap --sweep-ring > "$2"' _ \
         "$carry/kvoffload" "$out/bench-launch.json"
     if command -v python3 >/dev/null; then
