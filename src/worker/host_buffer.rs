@@ -107,6 +107,26 @@ impl HostBuffer {
         v
     }
 
+    /// Copies `out.len()` bytes from `offset` into `out` (no allocation).
+    ///
+    /// # Safety
+    /// No in-flight job may write these bytes.
+    ///
+    /// # Panics
+    /// If the range is out of bounds.
+    pub unsafe fn read_into(&self, offset: usize, out: &mut [u8]) {
+        assert!(
+            offset
+                .checked_add(out.len())
+                .is_some_and(|e| e <= self.len)
+        );
+        // SAFETY: in bounds (checked above); `out` is a distinct live slice;
+        // no concurrent writer (caller contract).
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), out.len())
+        };
+    }
+
     /// Sets every byte to `byte`.
     ///
     /// # Safety
@@ -142,6 +162,9 @@ mod tests {
             assert!(b.read(0, 10_000).iter().all(|&x| x == 0));
             b.write(9_998, &[1, 2]);
             assert_eq!(b.read(9_998, 2), vec![1, 2]);
+            let mut two = [0u8; 2];
+            b.read_into(9_998, &mut two);
+            assert_eq!(two, [1, 2]);
         }
         assert!(b.contains(b.addr(), b.addr() + 10_000));
         assert!(!b.contains(b.addr(), b.addr() + 10_001));

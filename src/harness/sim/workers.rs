@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+use super::content::{ContentChecker, ContentOps, ContentResult, HostGpuMemory};
 use crate::clock::SharedClock;
 use crate::ids::JobId;
 use crate::remote::{Namespace, RedisConnector, RemoteStats, RemoteTier, RemoteTierConfig};
@@ -86,6 +87,9 @@ pub struct WorkerCommand {
     /// After the step, wait (boundedly) until the worker's remote tier has
     /// written every queued put, and report its stats.
     pub report_remote: bool,
+    /// The content check's blocks: checked before anything else of the
+    /// command runs, written after the step's transfers were waited for.
+    pub content: ContentOps,
 }
 
 /// What each worker needs to write its stored chunks through to a remote
@@ -120,6 +124,8 @@ pub struct PoolStep {
     /// Each worker's remote tier stats, by rank (when the command asked and
     /// the worker has a tier).
     pub remote: Vec<RemoteStats>,
+    /// Each worker's content check, by rank.
+    pub content: Vec<ContentResult>,
 }
 
 struct Reply {
@@ -129,6 +135,7 @@ struct Reply {
     cancelled: Vec<JobId>,
     tracked_jobs: u64,
     remote: Option<RemoteStats>,
+    content: ContentResult,
 }
 
 /// The shape of a pool: its workers, their simulated GPU pages and the host
@@ -173,12 +180,14 @@ impl WorkerPool {
 
     /// Starts worker `rank`: `make` builds its worker on the new thread (so a
     /// backend that must not change threads never does) and `keep` is dropped
-    /// after the worker (memory its backend addresses). Waits until the worker
-    /// is built and returns its error if it could not be.
+    /// after the worker (memory its backend addresses); `checker` runs the
+    /// content check on the worker's GPU memory, on the same thread. Waits
+    /// until the worker is built and returns its error if it could not be.
     pub(crate) fn spawn<B, K>(
         &mut self,
         rank: u32,
         keep: K,
+        checker: ContentChecker,
         make: impl FnOnce() -> Result<OffloadWorker<B>, PoolError> + Send + 'static,
     ) -> Result<(), PoolError>
     where
@@ -195,7 +204,7 @@ impl WorkerPool {
                 match make() {
                     Ok(worker) => {
                         if itx.send(Ok(())).is_ok() {
-                            worker_loop(worker, rx, rtx);
+                            worker_loop(worker, checker, rx, rtx);
                         }
                     }
                     Err(e) => {
@@ -265,11 +274,16 @@ impl WorkerPool {
             )?;
             let backend = HostBackend::new(
                 layout,
-                vec![gpu, Arc::clone(&pool)],
+                vec![Arc::clone(&gpu), Arc::clone(&pool)],
                 HostBackendOptions::default(),
             )?;
             let remote = remote.clone();
-            me.spawn(rank, (), move || {
+            let checker = ContentChecker::new(
+                Box::new(HostGpuMemory::new(Arc::clone(&gpu))),
+                rank,
+                block_bytes,
+            );
+            me.spawn(rank, (), checker, move || {
                 let w = OffloadWorker::new(FaultInjector::new(backend), true)
                     .with_wait_timeout(Some(STEP_WAIT));
                 attach_remote(w, rank, world, remote)
@@ -300,6 +314,7 @@ impl WorkerPool {
             out.cancelled.extend(reply.cancelled);
             out.tracked_jobs += reply.tracked_jobs;
             out.remote.extend(reply.remote);
+            out.content.push(reply.content);
             let report = reply.report.map_err(|message| PoolError::Worker {
                 worker: i as u32,
                 message,
@@ -359,6 +374,7 @@ fn remote_report<B: TransferBackend>(w: &OffloadWorker<B>) -> Option<RemoteStats
 
 fn worker_loop<B: TransferBackend + FaultControl>(
     mut w: OffloadWorker<B>,
+    mut checker: ContentChecker,
     rx: Receiver<WorkerCommand>,
     tx: Sender<Reply>,
 ) {
@@ -371,7 +387,20 @@ fn worker_loop<B: TransferBackend + FaultControl>(
             release,
             cancel,
             report_remote,
+            content,
         } = cmd;
+        let mut checked = if content.check.is_empty() {
+            Ok(ContentResult::default())
+        } else {
+            // SAFETY: nothing is in flight on this worker's GPU memory here.
+            // The previous command's `run_step` waited for every job this
+            // worker submitted that a stall does not hold (or failed, and the
+            // pool stopped); a held job was never given to the wrapped
+            // backend (the injector keeps only its spec), and nothing of this
+            // command (releases, flushes, hooks) has run yet. Other workers'
+            // transfers never address this worker's memory.
+            unsafe { checker.check(&content) }
+        };
         // A cancelled job never reports: everything kept for it goes now.
         let mut cancelled = Vec::new();
         for job in cancel {
@@ -410,7 +439,27 @@ fn worker_loop<B: TransferBackend + FaultControl>(
         known.extend(plan.loads.iter().map(|l| l.job));
         known.extend(plan.stores.iter().map(|s| s.job));
         known.extend(plan.fetches.iter().map(|f| f.job));
-        let report = run_step(&mut w, &mut plan, &known);
+        let mut report = run_step(&mut w, &mut plan, &known);
+        if let (Ok(_), Ok(r)) = (&report, &mut checked)
+            && !content.write.is_empty()
+        {
+            // SAFETY: `run_step` just waited for every job this worker
+            // submitted that a stall does not hold (held jobs were never given
+            // to the wrapped backend); the stores queued in this step are
+            // submitted by the next command's hooks, after this write.
+            if let Err(e) = unsafe { checker.write(&content, r) } {
+                checked = Err(e);
+            }
+        }
+        let content = match checked {
+            Ok(r) => r,
+            Err(e) => {
+                if report.is_ok() {
+                    report = Err(format!("content check: {e}"));
+                }
+                ContentResult::default()
+            }
+        };
         if let Ok(r) = &report {
             for job in r.completed.keys() {
                 known.remove(job);
@@ -437,6 +486,7 @@ fn worker_loop<B: TransferBackend + FaultControl>(
                 cancelled,
                 tracked_jobs,
                 remote,
+                content,
             })
             .is_err()
         {
