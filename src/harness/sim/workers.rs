@@ -542,6 +542,153 @@ mod tests {
         }
     }
 
+    fn store_plan(job: JobId, block: u32, chunk: u32) -> WorkerPlan {
+        WorkerPlan {
+            stores: vec![crate::worker::StoreJob {
+                job,
+                spec: TransferSpec::new(&[block], 0, &[chunk]),
+                keys: Vec::new(),
+            }],
+            ..WorkerPlan::default()
+        }
+    }
+
+    fn load_into(job: JobId, block: u32, chunk: u32) -> WorkerPlan {
+        WorkerPlan {
+            loads: vec![LoadJob {
+                job,
+                request: Some(RequestId(job.0)),
+                spec: TransferSpec::new(&[block], 0, &[chunk]),
+            }],
+            ..WorkerPlan::default()
+        }
+    }
+
+    fn check(pairs: &[(u32, u64)]) -> ContentOps {
+        ContentOps {
+            check: pairs
+                .iter()
+                .map(|&(b, h)| crate::harness::sim::content::BlockCheck {
+                    block: crate::ids::GpuBlockId(b),
+                    hash: crate::key::BlockHash(h),
+                    kind: crate::harness::sim::content::CheckKind::Load,
+                })
+                .collect(),
+            ..ContentOps::default()
+        }
+    }
+
+    /// Runs the same command on both workers of `pool`.
+    fn both(pool: &mut WorkerPool, cmd: WorkerCommand) -> PoolStep {
+        pool.step(vec![cmd.clone(), cmd]).unwrap()
+    }
+
+    /// The content check through the workers' lock step: a computed block's
+    /// pattern survives a store and a load into another block on each worker
+    /// (each with its own rank's pattern); a block that was never written, a
+    /// failed load's block, and a corrupted block are mismatches.
+    #[test]
+    fn content_survives_a_store_and_a_load_and_garbage_does_not_pass() {
+        let mut pool = WorkerPool::new(geometry(2)).unwrap();
+        let written = |pairs: &[(u32, u64)]| ContentOps {
+            write: pairs
+                .iter()
+                .map(|&(b, h)| (crate::ids::GpuBlockId(b), crate::key::BlockHash(h)))
+                .collect(),
+            ..ContentOps::default()
+        };
+        // Step 1: blocks 1 and 4 computed (hashes 11, 44); block 1 stored to chunk 0.
+        let out = both(
+            &mut pool,
+            WorkerCommand {
+                plan: store_plan(JobId(1), 1, 0),
+                content: written(&[(1, 11), (4, 44)]),
+                ..WorkerCommand::default()
+            },
+        );
+        assert!(out.content.iter().all(|c| c.written == 2));
+        // Step 2: the store runs (queued stores are submitted the step after).
+        let out = both(&mut pool, WorkerCommand::default());
+        assert!(out.reports.iter().all(|r| r.completed.get(&JobId(1)) == Some(&1)));
+        // Step 3: chunk 0 loaded into block 2 on both workers, into block 3
+        // with a failure injected on worker 1.
+        let mut cmds = Vec::new();
+        for rank in 0..2 {
+            let mut plan = load_into(JobId(2), 2, 0);
+            plan.loads.extend(load_into(JobId(3), 3, 0).loads);
+            cmds.push(WorkerCommand {
+                plan,
+                faults: if rank == 1 {
+                    vec![(JobId(3), Fault::Fail)]
+                } else {
+                    Vec::new()
+                },
+                ..WorkerCommand::default()
+            });
+        }
+        let out = pool.step(cmds).unwrap();
+        assert_eq!(out.reports[1].failed, vec![JobId(3)]);
+        // Step 4: the loaded block holds hash 11 on both workers; the failed
+        // load's block does not on worker 1; block 5 was never written.
+        let out = both(&mut pool, WorkerCommand {
+            content: check(&[(2, 11), (1, 11), (4, 44), (3, 11), (5, 55)]),
+            ..WorkerCommand::default()
+        });
+        assert_eq!(out.content[0].checked, 5);
+        assert_eq!(out.content[0].mismatches, 1, "{:?}", out.content[0]);
+        assert_eq!(out.content[0].described[0].check.block.0, 5);
+        assert_eq!(out.content[1].mismatches, 2, "{:?}", out.content[1]);
+        let bad: Vec<u32> = out.content[1]
+            .described
+            .iter()
+            .map(|m| m.check.block.0)
+            .collect();
+        assert_eq!(bad, vec![3, 5]);
+        // A block written corrupted on worker 0, stored and loaded back: only
+        // worker 0 sees the mismatch, in the loaded copy.
+        pool.step(vec![
+            WorkerCommand {
+                plan: store_plan(JobId(4), 6, 1),
+                content: ContentOps {
+                    corrupt_written: true,
+                    ..written(&[(6, 66)])
+                },
+                ..WorkerCommand::default()
+            },
+            WorkerCommand {
+                plan: store_plan(JobId(4), 6, 1),
+                content: written(&[(6, 66)]),
+                ..WorkerCommand::default()
+            },
+        ])
+        .unwrap();
+        both(&mut pool, WorkerCommand::default());
+        both(&mut pool, WorkerCommand {
+            plan: load_into(JobId(5), 7, 1),
+            ..WorkerCommand::default()
+        });
+        let out = both(&mut pool, WorkerCommand {
+            content: check(&[(7, 66)]),
+            ..WorkerCommand::default()
+        });
+        assert_eq!((out.content[0].mismatches, out.content[1].mismatches), (1, 0));
+        assert_eq!(out.content[0].described[0].offset, 0);
+    }
+
+    /// A check of a block outside the memory fails the step with a typed
+    /// error, not a panic.
+    #[test]
+    fn a_check_outside_the_memory_fails_the_step() {
+        let mut pool = WorkerPool::new(geometry(1)).unwrap();
+        let err = pool
+            .step(vec![WorkerCommand {
+                content: check(&[(8, 1)]),
+                ..WorkerCommand::default()
+            }])
+            .unwrap_err();
+        assert!(err.to_string().contains("content check: block 8 is outside"), "{err}");
+    }
+
     /// A stalled job that is cancelled leaves nothing behind on its worker:
     /// many of them must not grow the workers' per-job state.
     #[test]
