@@ -102,7 +102,10 @@ fn faulty_run_drains_clean(seed: u64) {
     // its hashes on every worker, faults or not (failed loads are recomputed,
     // not checked).
     let c = &s.content;
-    assert!(c.enabled && c.loaded_checked > 0 && c.prefix_hits_checked > 0, "{c:?}");
+    assert!(
+        c.enabled && c.loaded_checked > 0 && c.prefix_hits_checked > 0,
+        "{c:?}"
+    );
     assert_eq!(c.blocks_checked, c.loaded_checked + c.prefix_hits_checked);
     assert_eq!(c.mismatches, 0, "{c:?}");
 }
@@ -138,14 +141,24 @@ fn content_check_reports_corrupted_blocks_and_changes_no_decision() {
     assert_eq!(c.blocks_checked, clean.summary.content.blocks_checked);
     assert!(c.mismatches > 0, "{c:?}");
     assert!(!c.first_mismatches.is_empty() && c.first_mismatches.len() <= 8);
-    assert!(c.first_mismatches.iter().all(|m| m.worker == 1 && m.offset == 0 && m.step >= 100));
+    assert!(
+        c.first_mismatches
+            .iter()
+            .all(|m| m.worker == 1 && m.offset == 0 && m.step >= 100)
+    );
     let kinds: std::collections::HashSet<&str> =
         c.first_mismatches.iter().map(|m| m.kind.as_str()).collect();
-    assert!(kinds.contains("load") || kinds.contains("prefix hit"), "{kinds:?}");
+    assert!(
+        kinds.contains("load") || kinds.contains("prefix hit"),
+        "{kinds:?}"
+    );
     // The same corruption with the check off passes unnoticed.
     let u = &unchecked.summary.content;
     assert!(!u.enabled);
-    assert_eq!((u.blocks_checked, u.blocks_written, u.mismatches), (0, 0, 0));
+    assert_eq!(
+        (u.blocks_checked, u.blocks_written, u.mismatches),
+        (0, 0, 0)
+    );
 }
 
 /// Both kinds of check catch corruption: a corrupted block comes back wrong

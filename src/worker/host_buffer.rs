@@ -115,15 +115,15 @@ impl HostBuffer {
     /// # Panics
     /// If the range is out of bounds.
     pub unsafe fn read_into(&self, offset: usize, out: &mut [u8]) {
-        assert!(
-            offset
-                .checked_add(out.len())
-                .is_some_and(|e| e <= self.len)
-        );
+        assert!(offset.checked_add(out.len()).is_some_and(|e| e <= self.len));
         // SAFETY: in bounds (checked above); `out` is a distinct live slice;
         // no concurrent writer (caller contract).
         unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), out.len())
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
         };
     }
 

@@ -255,37 +255,6 @@ fn failure(s: &SimSummary) -> Option<String> {
     None
 }
 
-#[cfg(test)]
-mod tests {
-    use kvoffload::harness::sim::ContentMismatch;
-
-    use super::*;
-
-    #[test]
-    fn leaks_or_content_mismatches_fail_the_run() {
-        let mut s = SimSummary::default();
-        assert_eq!(failure(&s), None);
-        s.content.blocks_checked = 10;
-        s.content.mismatches = 2;
-        s.content.first_mismatches.push(ContentMismatch {
-            step: 7,
-            worker: 1,
-            block: 3,
-            hash: 0xab,
-            kind: "load".into(),
-            offset: 0,
-        });
-        let why = failure(&s).unwrap();
-        assert!(
-            why.starts_with("content check: 2 of 10 blocks checked")
-                && why.contains("step 7 worker 1 block 3 hash 0xab, load"),
-            "{why}"
-        );
-        s.leaks.total = 1;
-        assert!(failure(&s).unwrap().starts_with("leaks after drain"));
-    }
-}
-
 /// One node's run: its summary, or the exit code of its error (printed).
 fn run_node(a: &SimArgs, cfg: OffloadConfig, opts: SimOptions) -> Result<SimSummary, ExitCode> {
     let mut sim = match Sim::new(cfg, opts) {
@@ -348,4 +317,35 @@ fn run_node(a: &SimArgs, cfg: OffloadConfig, opts: SimOptions) -> Result<SimSumm
         eprintln!();
     }
     Ok(out.summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use kvoffload::harness::sim::ContentMismatch;
+
+    use super::*;
+
+    #[test]
+    fn leaks_or_content_mismatches_fail_the_run() {
+        let mut s = SimSummary::default();
+        assert_eq!(failure(&s), None);
+        s.content.blocks_checked = 10;
+        s.content.mismatches = 2;
+        s.content.first_mismatches.push(ContentMismatch {
+            step: 7,
+            worker: 1,
+            block: 3,
+            hash: 0xab,
+            kind: "load".into(),
+            offset: 0,
+        });
+        let why = failure(&s).unwrap();
+        assert!(
+            why.starts_with("content check: 2 of 10 blocks checked")
+                && why.contains("step 7 worker 1 block 3 hash 0xab, load"),
+            "{why}"
+        );
+        s.leaks.total = 1;
+        assert!(failure(&s).unwrap().starts_with("leaks after drain"));
+    }
 }

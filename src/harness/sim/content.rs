@@ -128,10 +128,10 @@ pub trait GpuMemory: Send {
     /// bounds.
     unsafe fn write(&mut self, offset: usize, data: &[u8]) -> Result<(), ContentError>;
 
-    /// Reads the `out.len() / LINE_BYTES` (rounded up) lines `lines` of the
-    /// block at byte `base` of `block_bytes` bytes into `out`, one after the
-    /// other (`out` holds `lines.len()` lines, the block's last line may be
-    /// partial: its part of `out` is then shorter, at the end).
+    /// Reads the 64-byte lines `lines` (line indices) of the block of
+    /// `block_bytes` bytes at byte `base` into `out` (cleared first), one
+    /// after the other; a partial last line of the block is read as far as
+    /// the block goes.
     ///
     /// # Safety
     /// No transfer in flight may write these bytes; the block is in bounds.

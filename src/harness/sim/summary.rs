@@ -531,13 +531,7 @@ impl SimSummary {
                     let _ = write!(
                         v,
                         "\n{:>35}step {} worker {} block {} hash {:#x} ({}): byte {} differs",
-                        "",
-                        m.step,
-                        m.worker,
-                        m.block,
-                        m.hash,
-                        m.kind,
-                        m.offset
+                        "", m.step, m.worker, m.block, m.hash, m.kind, m.offset
                     );
                 }
                 v

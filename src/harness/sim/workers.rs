@@ -609,7 +609,11 @@ mod tests {
         assert!(out.content.iter().all(|c| c.written == 2));
         // Step 2: the store runs (queued stores are submitted the step after).
         let out = both(&mut pool, WorkerCommand::default());
-        assert!(out.reports.iter().all(|r| r.completed.get(&JobId(1)) == Some(&1)));
+        assert!(
+            out.reports
+                .iter()
+                .all(|r| r.completed.get(&JobId(1)) == Some(&1))
+        );
         // Step 3: chunk 0 loaded into block 2 on both workers, into block 3
         // with a failure injected on worker 1.
         let mut cmds = Vec::new();
@@ -630,10 +634,13 @@ mod tests {
         assert_eq!(out.reports[1].failed, vec![JobId(3)]);
         // Step 4: the loaded block holds hash 11 on both workers; the failed
         // load's block does not on worker 1; block 5 was never written.
-        let out = both(&mut pool, WorkerCommand {
-            content: check(&[(2, 11), (1, 11), (4, 44), (3, 11), (5, 55)]),
-            ..WorkerCommand::default()
-        });
+        let out = both(
+            &mut pool,
+            WorkerCommand {
+                content: check(&[(2, 11), (1, 11), (4, 44), (3, 11), (5, 55)]),
+                ..WorkerCommand::default()
+            },
+        );
         assert_eq!(out.content[0].checked, 5);
         assert_eq!(out.content[0].mismatches, 1, "{:?}", out.content[0]);
         assert_eq!(out.content[0].described[0].check.block.0, 5);
@@ -663,15 +670,24 @@ mod tests {
         ])
         .unwrap();
         both(&mut pool, WorkerCommand::default());
-        both(&mut pool, WorkerCommand {
-            plan: load_into(JobId(5), 7, 1),
-            ..WorkerCommand::default()
-        });
-        let out = both(&mut pool, WorkerCommand {
-            content: check(&[(7, 66)]),
-            ..WorkerCommand::default()
-        });
-        assert_eq!((out.content[0].mismatches, out.content[1].mismatches), (1, 0));
+        both(
+            &mut pool,
+            WorkerCommand {
+                plan: load_into(JobId(5), 7, 1),
+                ..WorkerCommand::default()
+            },
+        );
+        let out = both(
+            &mut pool,
+            WorkerCommand {
+                content: check(&[(7, 66)]),
+                ..WorkerCommand::default()
+            },
+        );
+        assert_eq!(
+            (out.content[0].mismatches, out.content[1].mismatches),
+            (1, 0)
+        );
         assert_eq!(out.content[0].described[0].offset, 0);
     }
 
@@ -686,7 +702,11 @@ mod tests {
                 ..WorkerCommand::default()
             }])
             .unwrap_err();
-        assert!(err.to_string().contains("content check: block 8 is outside"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("content check: block 8 is outside"),
+            "{err}"
+        );
     }
 
     /// A stalled job that is cancelled leaves nothing behind on its worker:
