@@ -6,6 +6,11 @@
 //!
 //! Waiting before the report makes what a step reports depend only on the plan
 //! and the injected faults, not on thread timing: a simulation is reproducible.
+//!
+//! Each worker thread also owns a [`ContentChecker`] over its simulated GPU
+//! memory ([`super::content`]): a command's checks run before anything else
+//! of it, its writes after the step's wait, where no transfer of the worker
+//! is in flight.
 
 use std::collections::HashSet;
 use std::sync::Arc;
