@@ -121,12 +121,18 @@ pub trait GpuMemory: Send {
         self.len() == 0
     }
 
-    /// Writes `data` at byte `offset`.
+    /// Fills the `len` bytes at byte `offset` with `fill` (in place where the
+    /// memory allows it).
     ///
     /// # Safety
     /// No transfer in flight may read or write these bytes; the range is in
     /// bounds.
-    unsafe fn write(&mut self, offset: usize, data: &[u8]) -> Result<(), ContentError>;
+    unsafe fn fill(
+        &mut self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]),
+    ) -> Result<(), ContentError>;
 
     /// Reads the 64-byte lines `lines` (line indices) of the block of
     /// `block_bytes` bytes at byte `base` into `out` (cleared first), one
@@ -163,10 +169,16 @@ impl GpuMemory for HostGpuMemory {
         self.buf.len()
     }
 
-    unsafe fn write(&mut self, offset: usize, data: &[u8]) -> Result<(), ContentError> {
+    unsafe fn fill(
+        &mut self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]),
+    ) -> Result<(), ContentError> {
         // SAFETY: in bounds and no transfer in flight on these bytes (this
-        // function's contract, upheld by the worker loop's ordering).
-        unsafe { self.buf.write(offset, data) };
+        // function's contract, upheld by the worker loop's ordering); nothing
+        // else touches them while `fill` runs (this thread does only that).
+        unsafe { self.buf.with_bytes_mut(offset, len, |b| fill(b)) };
         Ok(())
     }
 
@@ -272,7 +284,6 @@ pub struct ContentChecker {
     rank: u32,
     block_bytes: usize,
     blocks: u64,
-    scratch: Vec<u8>,
     got: Vec<u8>,
     want: Vec<u8>,
 }
@@ -298,7 +309,6 @@ impl ContentChecker {
             rank,
             block_bytes,
             blocks,
-            scratch: Vec::new(),
             got: Vec::new(),
             want: Vec::new(),
         }
@@ -361,16 +371,20 @@ impl ContentChecker {
         ops: &ContentOps,
         r: &mut ContentResult,
     ) -> Result<(), ContentError> {
-        self.scratch.resize(self.block_bytes, 0);
         for &(block, hash) in &ops.write {
             let base = self.base(block)?;
-            fill_pattern(pattern_seed(hash, self.rank), 0, &mut self.scratch);
-            if ops.corrupt_written {
-                self.scratch[0] ^= 0xFF;
-            }
+            let seed = pattern_seed(hash, self.rank);
+            let mut pattern = |bytes: &mut [u8]| {
+                fill_pattern(seed, 0, bytes);
+                if ops.corrupt_written
+                    && let Some(b) = bytes.first_mut()
+                {
+                    *b ^= 0xFF;
+                }
+            };
             // SAFETY: the block is in bounds (`base`); no transfer reads or
             // writes it (this function's contract).
-            unsafe { self.memory.write(base, &self.scratch)? };
+            unsafe { self.memory.fill(base, self.block_bytes, &mut pattern)? };
             r.written += 1;
         }
         Ok(())

@@ -27,6 +27,8 @@ use super::workers::{PoolError, PoolGeometry, STEP_WAIT, WorkerPool};
 #[derive(Debug)]
 struct DeviceGpuMemory {
     buf: Arc<DeviceBuffer>,
+    /// The bytes of a block being written, before their upload.
+    staging: Vec<u8>,
 }
 
 impl GpuMemory for DeviceGpuMemory {
@@ -34,10 +36,17 @@ impl GpuMemory for DeviceGpuMemory {
         self.buf.len()
     }
 
-    unsafe fn write(&mut self, offset: usize, data: &[u8]) -> Result<(), ContentError> {
+    unsafe fn fill(
+        &mut self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]),
+    ) -> Result<(), ContentError> {
+        self.staging.resize(len, 0);
+        fill(&mut self.staging);
         // Synchronous (it waits for the context): the bytes are in place
         // before a later store's stream reads them.
-        Ok(self.buf.upload(offset, data)?)
+        Ok(self.buf.upload(offset, &self.staging)?)
     }
 
     unsafe fn read_lines(
@@ -127,6 +136,7 @@ impl WorkerPool {
             let checker = ContentChecker::new(
                 Box::new(DeviceGpuMemory {
                     buf: Arc::clone(&dev),
+                    staging: Vec::new(),
                 }),
                 rank,
                 block_bytes,
