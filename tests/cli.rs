@@ -81,6 +81,54 @@ fn sim_prints_the_summary_writes_the_report_and_a_replayable_trace() {
     assert_eq!(last["has_pending_work"], false);
 }
 
+/// The content check is on by default (its counts in the summary and the
+/// report, 0 mismatches) and `--no-content-check` turns it off without
+/// changing any decision.
+#[test]
+fn sim_content_check_is_reported_and_can_be_turned_off() {
+    let run = |extra: &[&str], name: &str| {
+        let report = tmp(name);
+        let mut args = vec![
+            "sim",
+            "--requests",
+            "80",
+            "--seed",
+            "4",
+            "--report",
+            report.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let out = kvoffload(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        (text(&out.stdout), json)
+    };
+    let (stdout, on) = run(&[], "content-on.json");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("  content check "))
+        .unwrap_or_else(|| panic!("no content check line in\n{stdout}"));
+    assert!(line.ends_with("; 0 mismatches"), "{line}");
+    let c = &on["content"];
+    assert_eq!(c["enabled"], true);
+    assert!(c["blocks_checked"].as_u64().unwrap() > 0, "{c}");
+    assert!(c["loaded_checked"].as_u64().unwrap() > 0, "{c}");
+    assert!(c["blocks_written"].as_u64().unwrap() > 0, "{c}");
+    assert_eq!(c["mismatches"], 0);
+    assert_eq!(c["first_mismatches"], serde_json::json!([]));
+    let (stdout, off) = run(&["--no-content-check"], "content-off.json");
+    assert!(
+        stdout.contains("  content check                    off\n"),
+        "{stdout}"
+    );
+    assert_eq!(off["content"]["enabled"], false);
+    assert_eq!(off["content"]["blocks_checked"], 0);
+    for k in ["work", "faults", "steps", "leaks"] {
+        assert_eq!(on[k], off[k], "{k}");
+    }
+}
+
 #[test]
 fn sim_same_seed_same_report_counts() {
     let run = |seed: &str| {
@@ -433,6 +481,69 @@ fn gpu_sim_on_the_cuda_backend_ends_with_no_leaks() {
     assert_eq!(r["backend"], "cuda");
     assert_eq!(r["leaks"]["total"], 0, "{r}");
     assert!(text(&out.stdout).contains("leaks after drain                0"));
+}
+
+/// The counters of a sim report that follow from its decisions alone (no
+/// wall-clock figure, no backend name).
+fn decision_counters(r: &serde_json::Value) -> serde_json::Value {
+    let t = &r["transfers"];
+    let c = &r["content"];
+    serde_json::json!({
+        "steps": r["steps"],
+        "work": r["work"],
+        "faults": r["faults"],
+        "leaks": r["leaks"],
+        "transfers": [t["bytes_stored"], t["bytes_loaded"], t["store_jobs"], t["load_jobs"]],
+        "content": [c["blocks_written"], c["blocks_checked"], c["loaded_checked"],
+                    c["prefix_hits_checked"]],
+    })
+}
+
+/// The CUDA backend moves the same bytes as the host backend: the same seed
+/// and options run on both with the content check (blocks written with a
+/// pattern of their hash on the device, loads and GPU prefix hits compared
+/// with it) and no mismatch, and every decision counter agrees.
+#[test]
+#[cfg_attr(
+    not(kvoffload_gpu),
+    ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
+)]
+fn gpu_sim_on_cuda_moves_the_same_bytes_as_on_host() {
+    if gpu_missing("gpu_sim_on_cuda_moves_the_same_bytes_as_on_host").is_some() {
+        return;
+    }
+    let run = |backend: &str| {
+        let report = tmp(&format!("same-bytes-{backend}.json"));
+        let out = kvoffload(&[
+            "sim",
+            "--backend",
+            backend,
+            "--requests",
+            "120",
+            "--seed",
+            "3",
+            "--report",
+            report.to_str().unwrap(),
+        ]);
+        assert!(
+            out.status.success(),
+            "{backend}: {}\n{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        );
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        assert_eq!(r["backend"], backend);
+        let c = &r["content"];
+        assert_eq!(c["enabled"], true, "{backend}: {c}");
+        assert!(c["blocks_checked"].as_u64().unwrap() > 0, "{backend}: {c}");
+        assert!(c["loaded_checked"].as_u64().unwrap() > 0, "{backend}: {c}");
+        assert_eq!(c["mismatches"], 0, "{backend}: {c}");
+        r
+    };
+    let cuda = run("cuda");
+    let host = run("host");
+    assert_eq!(decision_counters(&cuda), decision_counters(&host));
 }
 
 #[test]

@@ -691,6 +691,10 @@ fn the_sim_with_a_remote_tier_is_reproducible_and_a_second_node_hits_more() {
     for s in [&a1, &a2, &b, &alone] {
         assert_eq!(s.leaks.total, 0, "{:?}", s.leaks);
         assert_eq!(s.work.finished, s.work.requests);
+        // The chunks that came back through Redis (node B) hold the bytes
+        // node A's workers computed.
+        assert!(s.content.loaded_checked > 0, "{:?}", s.content);
+        assert_eq!(s.content.mismatches, 0, "{:?}", s.content);
     }
     let keys: u64 = s1.cli(&["DBSIZE"]).trim().parse().expect("a count");
     assert!(keys > 0);

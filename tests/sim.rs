@@ -98,6 +98,84 @@ fn faulty_run_drains_clean(seed: u64) {
     );
     assert!(s.hit_rate_with_offload > s.hit_rate_without_offload);
     assert!(s.transfers.bytes_loaded > 0 && s.transfers.bytes_stored > 0);
+    // Every load that completed and every GPU prefix hit held the bytes of
+    // its hashes on every worker, faults or not (failed loads are recomputed,
+    // not checked).
+    let c = &s.content;
+    assert!(
+        c.enabled && c.loaded_checked > 0 && c.prefix_hits_checked > 0,
+        "{c:?}"
+    );
+    assert_eq!(c.blocks_checked, c.loaded_checked + c.prefix_hits_checked);
+    assert_eq!(c.mismatches, 0, "{c:?}");
+}
+
+/// The content check sees wrong bytes: a worker that corrupts the blocks it
+/// computes (one byte each) in a stretch of the run gets mismatches on that
+/// worker only, in loads (the corrupted bytes went through a store and came
+/// back) and in GPU prefix hits, while every decision stays the same. With
+/// the check off, the same corruption goes unnoticed.
+#[test]
+fn content_check_reports_corrupted_blocks_and_changes_no_decision() {
+    let run = |corrupt: bool, check: bool| {
+        let o = SimOptions {
+            content_check: check,
+            ..opts(5, 300, heavy_faults())
+        };
+        let mut sim = Sim::new(default_config(), o).unwrap();
+        sim.keep_decisions();
+        if corrupt {
+            sim.corrupt_computed_blocks(1, 100..400);
+        }
+        sim.run(&mut |_| {}).unwrap()
+    };
+    let clean = run(false, true);
+    let bad = run(true, true);
+    let unchecked = run(true, false);
+    assert_eq!(clean.summary.content.mismatches, 0);
+    assert_eq!(bad.decisions, clean.decisions, "the check decides nothing");
+    assert_eq!(unchecked.decisions, clean.decisions);
+    assert_eq!(bad.summary.faults, clean.summary.faults);
+    assert_eq!(bad.summary.work, clean.summary.work);
+    let c = &bad.summary.content;
+    assert_eq!(c.blocks_checked, clean.summary.content.blocks_checked);
+    assert!(c.mismatches > 0, "{c:?}");
+    assert!(!c.first_mismatches.is_empty() && c.first_mismatches.len() <= 8);
+    assert!(
+        c.first_mismatches
+            .iter()
+            .all(|m| m.worker == 1 && m.offset == 0 && m.step >= 100)
+    );
+    let kinds: std::collections::HashSet<&str> =
+        c.first_mismatches.iter().map(|m| m.kind.as_str()).collect();
+    assert!(
+        kinds.contains("load") || kinds.contains("prefix hit"),
+        "{kinds:?}"
+    );
+    // The same corruption with the check off passes unnoticed.
+    let u = &unchecked.summary.content;
+    assert!(!u.enabled);
+    assert_eq!(
+        (u.blocks_checked, u.blocks_written, u.mismatches),
+        (0, 0, 0)
+    );
+}
+
+/// Both kinds of check catch corruption: a corrupted block comes back wrong
+/// through a load (it was stored, evicted from the GPU, and loaded) and
+/// through the GPU prefix cache.
+#[test]
+fn corrupted_bytes_are_caught_in_loads_and_in_prefix_hits() {
+    let o = SimOptions {
+        content_check: true,
+        ..opts(6, 400, FaultRates::none())
+    };
+    let mut sim = Sim::new(default_config(), o).unwrap();
+    sim.corrupt_computed_blocks(0, 1..u64::MAX);
+    let c = sim.run(&mut |_| {}).unwrap().summary.content;
+    // Every check on worker 0 fails: half of all checks (two workers).
+    assert_eq!(c.mismatches * 2, c.blocks_checked, "{c:?}");
+    assert!(c.loaded_checked > 0 && c.prefix_hits_checked > 0, "{c:?}");
 }
 
 #[test]
@@ -176,6 +254,10 @@ fn record_and_replay(cfg: kvoffload::OffloadConfig, seed: u64) {
     sim.keep_decisions();
     let out = sim.run(&mut |_| {}).unwrap();
     assert_eq!(out.summary.leaks.total, 0);
+    // Multi-block chunks and three ranks move the right bytes too.
+    let c = &out.summary.content;
+    assert!(c.loaded_checked > 0, "{c:?}");
+    assert_eq!(c.mismatches, 0, "{c:?}");
     let trace = buf.0.lock().unwrap().clone();
     let mut replayed = Vec::new();
     kvoffload::harness::replay::run(trace.as_slice(), &mut replayed).unwrap();

@@ -81,6 +81,7 @@ fn soak(opts: SimOptions, check_memory: bool) {
     assert_eq!(s.invariant_error, None);
     assert_eq!(s.leaks.total, 0, "leaks after drain: {:?}", s.leaks);
     assert_eq!(s.work.finished, requests, "every request finishes");
+    assert_eq!(s.content.mismatches, 0, "content check: {:?}", s.content);
     let f = &s.faults;
     assert!(f.injected_stalls > 0, "{f:?}");
     assert_eq!(

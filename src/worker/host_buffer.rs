@@ -107,6 +107,49 @@ impl HostBuffer {
         v
     }
 
+    /// Copies `out.len()` bytes from `offset` into `out` (no allocation).
+    ///
+    /// # Safety
+    /// No in-flight job may write these bytes.
+    ///
+    /// # Panics
+    /// If the range is out of bounds.
+    pub unsafe fn read_into(&self, offset: usize, out: &mut [u8]) {
+        assert!(offset.checked_add(out.len()).is_some_and(|e| e <= self.len));
+        // SAFETY: in bounds (checked above); `out` is a distinct live slice;
+        // no concurrent writer (caller contract).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+    }
+
+    /// Calls `f` with the bytes `offset..offset + len`, mutably (to fill them
+    /// in place, without a staging copy).
+    ///
+    /// # Safety
+    /// No in-flight job may read or write these bytes, and no other access to
+    /// them may happen while `f` runs.
+    ///
+    /// # Panics
+    /// If the range is out of bounds.
+    pub unsafe fn with_bytes_mut<R>(
+        &self,
+        offset: usize,
+        len: usize,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> R {
+        assert!(offset.checked_add(len).is_some_and(|e| e <= self.len));
+        // SAFETY: in bounds (checked above), inside the live allocation; the
+        // caller guarantees no concurrent access for the slice's lifetime,
+        // which ends when `f` returns.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(offset), len) };
+        f(bytes)
+    }
+
     /// Sets every byte to `byte`.
     ///
     /// # Safety
@@ -142,6 +185,11 @@ mod tests {
             assert!(b.read(0, 10_000).iter().all(|&x| x == 0));
             b.write(9_998, &[1, 2]);
             assert_eq!(b.read(9_998, 2), vec![1, 2]);
+            let mut two = [0u8; 2];
+            b.read_into(9_998, &mut two);
+            assert_eq!(two, [1, 2]);
+            b.with_bytes_mut(9_997, 3, |s| s.copy_from_slice(&[7, 8, 9]));
+            assert_eq!(b.read(9_996, 4), vec![0, 7, 8, 9]);
         }
         assert!(b.contains(b.addr(), b.addr() + 10_000));
         assert!(!b.contains(b.addr(), b.addr() + 10_001));

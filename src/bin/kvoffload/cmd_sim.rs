@@ -50,6 +50,10 @@ pub struct SimArgs {
     /// Turn fault injection off.
     #[arg(long)]
     no_faults: bool,
+    /// Turn the content check off (computed blocks written with a pattern of
+    /// their hash, loaded blocks and GPU prefix hits compared with it).
+    #[arg(long)]
+    no_content_check: bool,
     /// Write the summary as JSON to this file.
     #[arg(long)]
     report: Option<PathBuf>,
@@ -178,6 +182,7 @@ pub fn run(a: SimArgs) -> ExitCode {
     if a.no_faults {
         opts.faults = kvoffload::harness::sim::FaultRates::none();
     }
+    opts.content_check = !a.no_content_check;
     if let Some(kb) = cfg.kv_bytes_per_block {
         opts.block_bytes = kb;
     }
@@ -221,11 +226,33 @@ pub fn run(a: SimArgs) -> ExitCode {
         }
     }
     for s in &summaries {
-        if s.leaks.total != 0 {
-            return fail(format!("leaks after drain: {:?}", s.leaks), 1);
+        if let Some(why) = failure(s) {
+            return fail(why, 1);
         }
     }
     ExitCode::SUCCESS
+}
+
+/// Why a finished run fails (exit 1): leaks after the drain, or blocks that
+/// did not hold the bytes of their hash.
+fn failure(s: &SimSummary) -> Option<String> {
+    if s.leaks.total != 0 {
+        return Some(format!("leaks after drain: {:?}", s.leaks));
+    }
+    let c = &s.content;
+    if c.mismatches != 0 {
+        let first = c.first_mismatches.first().map_or(String::new(), |m| {
+            format!(
+                " (first: step {} worker {} block {} hash {:#x}, {}, byte {})",
+                m.step, m.worker, m.block, m.hash, m.kind, m.offset
+            )
+        });
+        return Some(format!(
+            "content check: {} of {} blocks checked do not hold the bytes of their hash{first}",
+            c.mismatches, c.blocks_checked
+        ));
+    }
+    None
 }
 
 /// One node's run: its summary, or the exit code of its error (printed).
@@ -290,4 +317,35 @@ fn run_node(a: &SimArgs, cfg: OffloadConfig, opts: SimOptions) -> Result<SimSumm
         eprintln!();
     }
     Ok(out.summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use kvoffload::harness::sim::ContentMismatch;
+
+    use super::*;
+
+    #[test]
+    fn leaks_or_content_mismatches_fail_the_run() {
+        let mut s = SimSummary::default();
+        assert_eq!(failure(&s), None);
+        s.content.blocks_checked = 10;
+        s.content.mismatches = 2;
+        s.content.first_mismatches.push(ContentMismatch {
+            step: 7,
+            worker: 1,
+            block: 3,
+            hash: 0xab,
+            kind: "load".into(),
+            offset: 0,
+        });
+        let why = failure(&s).unwrap();
+        assert!(
+            why.starts_with("content check: 2 of 10 blocks checked")
+                && why.contains("step 7 worker 1 block 3 hash 0xab, load"),
+            "{why}"
+        );
+        s.leaks.total = 1;
+        assert!(failure(&s).unwrap().starts_with("leaks after drain"));
+    }
 }

@@ -18,7 +18,55 @@ use crate::worker::{
     FaultInjector, GpuLayout, HostRowLayout, LayoutError, OffloadWorker, WorkerLayout,
 };
 
+use super::content::{ContentChecker, ContentError, GpuMemory, LINE_BYTES};
 use super::workers::{PoolError, PoolGeometry, STEP_WAIT, WorkerPool};
+
+/// A worker's device buffer as the content check writes and reads it: with
+/// synchronous copies (`DeviceBuffer::upload` and `download`, which bind the
+/// buffer's context to the calling thread: the worker's own).
+#[derive(Debug)]
+struct DeviceGpuMemory {
+    buf: Arc<DeviceBuffer>,
+    /// The bytes of a block being written, before their upload.
+    staging: Vec<u8>,
+}
+
+impl GpuMemory for DeviceGpuMemory {
+    fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    unsafe fn fill(
+        &mut self,
+        offset: usize,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]),
+    ) -> Result<(), ContentError> {
+        self.staging.resize(len, 0);
+        fill(&mut self.staging);
+        // Synchronous (it waits for the context): the bytes are in place
+        // before a later store's stream reads them.
+        Ok(self.buf.upload(offset, &self.staging)?)
+    }
+
+    unsafe fn read_lines(
+        &mut self,
+        base: usize,
+        block_bytes: usize,
+        lines: &[usize],
+        out: &mut Vec<u8>,
+    ) -> Result<(), ContentError> {
+        // One download of the block (a copy per line costs a round trip each).
+        let block = self.buf.download(base, block_bytes)?;
+        out.clear();
+        for &l in lines {
+            let start = l * LINE_BYTES;
+            let end = (start + LINE_BYTES).min(block_bytes);
+            out.extend_from_slice(block.get(start..end).unwrap_or_default());
+        }
+        Ok(())
+    }
+}
 
 /// Number of CUDA devices (at least 1 once a context opened).
 fn device_count() -> usize {
@@ -73,7 +121,7 @@ impl WorkerPool {
                     c
                 }
             };
-            let dev = DeviceBuffer::new(&ctx, gpu_len).map_err(cuda(rank))?;
+            let dev = Arc::new(DeviceBuffer::new(&ctx, gpu_len).map_err(cuda(rank))?);
             let layout = WorkerLayout::new(
                 GpuLayout::cross_layer(dev.addr(), gpu_blocks, block_bytes, block_bytes)?,
                 row.clone(),
@@ -85,7 +133,15 @@ impl WorkerPool {
                 strategies: Arc::clone(&strategies),
                 ..CudaBackendOptions::default()
             };
-            me.spawn(rank, (dev, Arc::clone(&pool)), move || {
+            let checker = ContentChecker::new(
+                Box::new(DeviceGpuMemory {
+                    buf: Arc::clone(&dev),
+                    staging: Vec::new(),
+                }),
+                rank,
+                block_bytes,
+            );
+            me.spawn(rank, (dev, Arc::clone(&pool)), checker, move || {
                 let compute = ctx
                     .new_stream()
                     .map_err(|e| cuda(rank)(driver("cuStreamCreate")(e)))?;

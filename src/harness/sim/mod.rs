@@ -3,11 +3,13 @@
 //! backend's scheduler (admission, GPU block allocation with a prefix cache,
 //! preemption), the real control plane, worker threads on host backends (or
 //! CUDA backends, [`SimBackend::Cuda`]), faults injected into every backend by
-//! a [`crate::worker::FaultInjector`], and a summary whose leak counts come from the engine's
-//! state after a full drain. Everything runs on a manual clock, so a seed gives
+//! a [`crate::worker::FaultInjector`], an end-to-end check of the bytes the
+//! workers move ([`content`]), and a summary whose leak counts come from the
+//! engine's state after a full drain. Everything runs on a manual clock, so a seed gives
 //! the same control-plane decisions every time.
 
 mod config;
+pub mod content;
 mod cuda_workers;
 mod faults;
 pub mod gpu_pool;
@@ -26,7 +28,8 @@ pub use recorder::Recorder;
 pub use rng::SimRng;
 pub use run::{Progress, Sim, SimError, SimOutput};
 pub use summary::{
-    FaultCounts, Held, Leaks, RemoteCounts, SimSummary, StepTimes, TransferCounts, WorkCounts,
+    ContentCounts, ContentMismatch, FaultCounts, Held, Leaks, RemoteCounts, SimSummary, StepTimes,
+    TransferCounts, WorkCounts,
 };
 pub use workers::{PoolError, PoolGeometry, PoolStep, RemoteAttach, WorkerCommand, WorkerPool};
 pub use workload::{Workload, WorkloadShape};
@@ -97,6 +100,10 @@ pub struct SimOptions {
     /// A remote tier every worker writes its stored chunks through to (host
     /// backends only); `None`: no remote tier.
     pub remote: Option<crate::remote::RemoteTierConfig>,
+    /// Check the bytes the workers move ([`content`]): computed blocks are
+    /// written with a pattern of their hash, loaded blocks and GPU prefix
+    /// hits compared with it. It changes no decision.
+    pub content_check: bool,
 }
 
 impl Default for SimOptions {
@@ -117,6 +124,7 @@ impl Default for SimOptions {
             progress_limit_steps: None,
             backend: SimBackend::Host,
             remote: None,
+            content_check: true,
         }
     }
 }

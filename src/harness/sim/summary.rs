@@ -91,6 +91,47 @@ pub struct FaultCounts {
     pub resets: u64,
 }
 
+/// A block that did not hold the pattern of its hash.
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct ContentMismatch {
+    /// The step whose command checked it.
+    pub step: u64,
+    /// The worker (rank).
+    pub worker: u32,
+    /// The GPU block.
+    pub block: u32,
+    /// The hash whose pattern it should hold.
+    pub hash: u64,
+    /// Why it was checked: `load` or `prefix hit`.
+    pub kind: String,
+    /// The first differing byte found, from the block's start.
+    pub offset: u64,
+}
+
+/// The end-to-end content check ([`crate::harness::sim::content`]): counts
+/// over all workers (a block on two workers counts twice).
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct ContentCounts {
+    /// Whether the check ran (`--no-content-check` turns it off).
+    pub enabled: bool,
+    /// Computed blocks written with their pattern.
+    pub blocks_written: u64,
+    /// Blocks compared with their pattern (loads and prefix hits).
+    pub blocks_checked: u64,
+    /// Of those, blocks of loads that completed.
+    pub loaded_checked: u64,
+    /// Of those, blocks handed out by the GPU prefix cache.
+    pub prefix_hits_checked: u64,
+    /// 64-byte lines compared per block (the first, the last and pseudo-random
+    /// ones), at most.
+    pub lines_per_block: u64,
+    /// Blocks that did not hold their pattern (must be 0: the command exits 1
+    /// otherwise).
+    pub mismatches: u64,
+    /// The first few mismatches.
+    pub first_mismatches: Vec<ContentMismatch>,
+}
+
 /// What is left after the drain (all must be zero).
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct Leaks {
@@ -256,6 +297,8 @@ pub struct SimSummary {
     pub step_time: StepTimes,
     /// The invariant violation found at the end, if any.
     pub invariant_error: Option<String>,
+    /// The end-to-end content check.
+    pub content: ContentCounts,
     /// The remote tier's write-through, all workers together (with a tier).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remote: Option<RemoteCounts>,
@@ -470,6 +513,32 @@ impl SimSummary {
                 ),
             );
         }
+        let c = &self.content;
+        row(
+            "content check",
+            if c.enabled {
+                let mut v = format!(
+                    "{} blocks checked ({} loaded, {} GPU prefix hits; {} sampled 64-byte \
+                     lines each), {} written; {} mismatches",
+                    c.blocks_checked,
+                    c.loaded_checked,
+                    c.prefix_hits_checked,
+                    c.lines_per_block,
+                    c.blocks_written,
+                    c.mismatches
+                );
+                for m in &c.first_mismatches {
+                    let _ = write!(
+                        v,
+                        "\n{:>35}step {} worker {} block {} hash {:#x} ({}): byte {} differs",
+                        "", m.step, m.worker, m.block, m.hash, m.kind, m.offset
+                    );
+                }
+                v
+            } else {
+                "off".to_string()
+            },
+        );
         row(
             "leaks after drain",
             if l.total == 0 {

@@ -6,6 +6,11 @@
 //!
 //! Waiting before the report makes what a step reports depend only on the plan
 //! and the injected faults, not on thread timing: a simulation is reproducible.
+//!
+//! Each worker thread also owns a [`ContentChecker`] over its simulated GPU
+//! memory ([`super::content`]): a command's checks run before anything else
+//! of it, its writes after the step's wait, where no transfer of the worker
+//! is in flight.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -15,6 +20,7 @@ use std::time::Duration;
 
 use thiserror::Error;
 
+use super::content::{ContentChecker, ContentOps, ContentResult, HostGpuMemory};
 use crate::clock::SharedClock;
 use crate::ids::JobId;
 use crate::remote::{Namespace, RedisConnector, RemoteStats, RemoteTier, RemoteTierConfig};
@@ -86,6 +92,9 @@ pub struct WorkerCommand {
     /// After the step, wait (boundedly) until the worker's remote tier has
     /// written every queued put, and report its stats.
     pub report_remote: bool,
+    /// The content check's blocks: checked before anything else of the
+    /// command runs, written after the step's transfers were waited for.
+    pub content: ContentOps,
 }
 
 /// What each worker needs to write its stored chunks through to a remote
@@ -120,6 +129,8 @@ pub struct PoolStep {
     /// Each worker's remote tier stats, by rank (when the command asked and
     /// the worker has a tier).
     pub remote: Vec<RemoteStats>,
+    /// Each worker's content check, by rank.
+    pub content: Vec<ContentResult>,
 }
 
 struct Reply {
@@ -129,6 +140,7 @@ struct Reply {
     cancelled: Vec<JobId>,
     tracked_jobs: u64,
     remote: Option<RemoteStats>,
+    content: ContentResult,
 }
 
 /// The shape of a pool: its workers, their simulated GPU pages and the host
@@ -173,12 +185,14 @@ impl WorkerPool {
 
     /// Starts worker `rank`: `make` builds its worker on the new thread (so a
     /// backend that must not change threads never does) and `keep` is dropped
-    /// after the worker (memory its backend addresses). Waits until the worker
-    /// is built and returns its error if it could not be.
+    /// after the worker (memory its backend addresses); `checker` runs the
+    /// content check on the worker's GPU memory, on the same thread. Waits
+    /// until the worker is built and returns its error if it could not be.
     pub(crate) fn spawn<B, K>(
         &mut self,
         rank: u32,
         keep: K,
+        checker: ContentChecker,
         make: impl FnOnce() -> Result<OffloadWorker<B>, PoolError> + Send + 'static,
     ) -> Result<(), PoolError>
     where
@@ -195,7 +209,7 @@ impl WorkerPool {
                 match make() {
                     Ok(worker) => {
                         if itx.send(Ok(())).is_ok() {
-                            worker_loop(worker, rx, rtx);
+                            worker_loop(worker, checker, rx, rtx);
                         }
                     }
                     Err(e) => {
@@ -265,11 +279,16 @@ impl WorkerPool {
             )?;
             let backend = HostBackend::new(
                 layout,
-                vec![gpu, Arc::clone(&pool)],
+                vec![Arc::clone(&gpu), Arc::clone(&pool)],
                 HostBackendOptions::default(),
             )?;
             let remote = remote.clone();
-            me.spawn(rank, (), move || {
+            let checker = ContentChecker::new(
+                Box::new(HostGpuMemory::new(Arc::clone(&gpu))),
+                rank,
+                block_bytes,
+            );
+            me.spawn(rank, (), checker, move || {
                 let w = OffloadWorker::new(FaultInjector::new(backend), true)
                     .with_wait_timeout(Some(STEP_WAIT));
                 attach_remote(w, rank, world, remote)
@@ -300,6 +319,7 @@ impl WorkerPool {
             out.cancelled.extend(reply.cancelled);
             out.tracked_jobs += reply.tracked_jobs;
             out.remote.extend(reply.remote);
+            out.content.push(reply.content);
             let report = reply.report.map_err(|message| PoolError::Worker {
                 worker: i as u32,
                 message,
@@ -359,6 +379,7 @@ fn remote_report<B: TransferBackend>(w: &OffloadWorker<B>) -> Option<RemoteStats
 
 fn worker_loop<B: TransferBackend + FaultControl>(
     mut w: OffloadWorker<B>,
+    mut checker: ContentChecker,
     rx: Receiver<WorkerCommand>,
     tx: Sender<Reply>,
 ) {
@@ -371,7 +392,20 @@ fn worker_loop<B: TransferBackend + FaultControl>(
             release,
             cancel,
             report_remote,
+            content,
         } = cmd;
+        let mut checked = if content.check.is_empty() {
+            Ok(ContentResult::default())
+        } else {
+            // SAFETY: nothing is in flight on this worker's GPU memory here.
+            // The previous command's `run_step` waited for every job this
+            // worker submitted that a stall does not hold (or failed, and the
+            // pool stopped); a held job was never given to the wrapped
+            // backend (the injector keeps only its spec), and nothing of this
+            // command (releases, flushes, hooks) has run yet. Other workers'
+            // transfers never address this worker's memory.
+            unsafe { checker.check(&content) }
+        };
         // A cancelled job never reports: everything kept for it goes now.
         let mut cancelled = Vec::new();
         for job in cancel {
@@ -410,7 +444,27 @@ fn worker_loop<B: TransferBackend + FaultControl>(
         known.extend(plan.loads.iter().map(|l| l.job));
         known.extend(plan.stores.iter().map(|s| s.job));
         known.extend(plan.fetches.iter().map(|f| f.job));
-        let report = run_step(&mut w, &mut plan, &known);
+        let mut report = run_step(&mut w, &mut plan, &known);
+        if let (Ok(_), Ok(r)) = (&report, &mut checked)
+            && !content.write.is_empty()
+        {
+            // SAFETY: `run_step` just waited for every job this worker
+            // submitted that a stall does not hold (held jobs were never given
+            // to the wrapped backend); the stores queued in this step are
+            // submitted by the next command's hooks, after this write.
+            if let Err(e) = unsafe { checker.write(&content, r) } {
+                checked = Err(e);
+            }
+        }
+        let content = match checked {
+            Ok(r) => r,
+            Err(e) => {
+                if report.is_ok() {
+                    report = Err(format!("content check: {e}"));
+                }
+                ContentResult::default()
+            }
+        };
         if let Ok(r) = &report {
             for job in r.completed.keys() {
                 known.remove(job);
@@ -437,6 +491,7 @@ fn worker_loop<B: TransferBackend + FaultControl>(
                 cancelled,
                 tracked_jobs,
                 remote,
+                content,
             })
             .is_err()
         {
@@ -490,6 +545,173 @@ mod tests {
             }],
             ..WorkerPlan::default()
         }
+    }
+
+    fn store_plan(job: JobId, block: u32, chunk: u32) -> WorkerPlan {
+        WorkerPlan {
+            stores: vec![crate::worker::StoreJob {
+                job,
+                spec: TransferSpec::new(&[block], 0, &[chunk]),
+                keys: Vec::new(),
+            }],
+            ..WorkerPlan::default()
+        }
+    }
+
+    fn load_into(job: JobId, block: u32, chunk: u32) -> WorkerPlan {
+        WorkerPlan {
+            loads: vec![LoadJob {
+                job,
+                request: Some(RequestId(job.0)),
+                spec: TransferSpec::new(&[block], 0, &[chunk]),
+            }],
+            ..WorkerPlan::default()
+        }
+    }
+
+    fn check(pairs: &[(u32, u64)]) -> ContentOps {
+        ContentOps {
+            check: pairs
+                .iter()
+                .map(|&(b, h)| crate::harness::sim::content::BlockCheck {
+                    block: crate::ids::GpuBlockId(b),
+                    hash: crate::key::BlockHash(h),
+                    kind: crate::harness::sim::content::CheckKind::Load,
+                })
+                .collect(),
+            ..ContentOps::default()
+        }
+    }
+
+    /// Runs the same command on both workers of `pool`.
+    fn both(pool: &mut WorkerPool, cmd: WorkerCommand) -> PoolStep {
+        pool.step(vec![cmd.clone(), cmd]).unwrap()
+    }
+
+    /// The content check through the workers' lock step: a computed block's
+    /// pattern survives a store and a load into another block on each worker
+    /// (each with its own rank's pattern); a block that was never written, a
+    /// failed load's block, and a corrupted block are mismatches.
+    #[test]
+    fn content_survives_a_store_and_a_load_and_garbage_does_not_pass() {
+        let mut pool = WorkerPool::new(geometry(2)).unwrap();
+        let written = |pairs: &[(u32, u64)]| ContentOps {
+            write: pairs
+                .iter()
+                .map(|&(b, h)| (crate::ids::GpuBlockId(b), crate::key::BlockHash(h)))
+                .collect(),
+            ..ContentOps::default()
+        };
+        // Step 1: blocks 1 and 4 computed (hashes 11, 44); block 1 stored to chunk 0.
+        let out = both(
+            &mut pool,
+            WorkerCommand {
+                plan: store_plan(JobId(1), 1, 0),
+                content: written(&[(1, 11), (4, 44)]),
+                ..WorkerCommand::default()
+            },
+        );
+        assert!(out.content.iter().all(|c| c.written == 2));
+        // Step 2: the store runs (queued stores are submitted the step after).
+        let out = both(&mut pool, WorkerCommand::default());
+        assert!(
+            out.reports
+                .iter()
+                .all(|r| r.completed.get(&JobId(1)) == Some(&1))
+        );
+        // Step 3: chunk 0 loaded into block 2 on both workers, into block 3
+        // with a failure injected on worker 1.
+        let mut cmds = Vec::new();
+        for rank in 0..2 {
+            let mut plan = load_into(JobId(2), 2, 0);
+            plan.loads.extend(load_into(JobId(3), 3, 0).loads);
+            cmds.push(WorkerCommand {
+                plan,
+                faults: if rank == 1 {
+                    vec![(JobId(3), Fault::Fail)]
+                } else {
+                    Vec::new()
+                },
+                ..WorkerCommand::default()
+            });
+        }
+        let out = pool.step(cmds).unwrap();
+        assert_eq!(out.reports[1].failed, vec![JobId(3)]);
+        // Step 4: the loaded block holds hash 11 on both workers; the failed
+        // load's block does not on worker 1; block 5 was never written.
+        let out = both(
+            &mut pool,
+            WorkerCommand {
+                content: check(&[(2, 11), (1, 11), (4, 44), (3, 11), (5, 55)]),
+                ..WorkerCommand::default()
+            },
+        );
+        assert_eq!(out.content[0].checked, 5);
+        assert_eq!(out.content[0].mismatches, 1, "{:?}", out.content[0]);
+        assert_eq!(out.content[0].described[0].check.block.0, 5);
+        assert_eq!(out.content[1].mismatches, 2, "{:?}", out.content[1]);
+        let bad: Vec<u32> = out.content[1]
+            .described
+            .iter()
+            .map(|m| m.check.block.0)
+            .collect();
+        assert_eq!(bad, vec![3, 5]);
+        // A block written corrupted on worker 0, stored and loaded back: only
+        // worker 0 sees the mismatch, in the loaded copy.
+        pool.step(vec![
+            WorkerCommand {
+                plan: store_plan(JobId(4), 6, 1),
+                content: ContentOps {
+                    corrupt_written: true,
+                    ..written(&[(6, 66)])
+                },
+                ..WorkerCommand::default()
+            },
+            WorkerCommand {
+                plan: store_plan(JobId(4), 6, 1),
+                content: written(&[(6, 66)]),
+                ..WorkerCommand::default()
+            },
+        ])
+        .unwrap();
+        both(&mut pool, WorkerCommand::default());
+        both(
+            &mut pool,
+            WorkerCommand {
+                plan: load_into(JobId(5), 7, 1),
+                ..WorkerCommand::default()
+            },
+        );
+        let out = both(
+            &mut pool,
+            WorkerCommand {
+                content: check(&[(7, 66)]),
+                ..WorkerCommand::default()
+            },
+        );
+        assert_eq!(
+            (out.content[0].mismatches, out.content[1].mismatches),
+            (1, 0)
+        );
+        assert_eq!(out.content[0].described[0].offset, 0);
+    }
+
+    /// A check of a block outside the memory fails the step with a typed
+    /// error, not a panic.
+    #[test]
+    fn a_check_outside_the_memory_fails_the_step() {
+        let mut pool = WorkerPool::new(geometry(1)).unwrap();
+        let err = pool
+            .step(vec![WorkerCommand {
+                content: check(&[(8, 1)]),
+                ..WorkerCommand::default()
+            }])
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("content check: block 8 is outside"),
+            "{err}"
+        );
     }
 
     /// A stalled job that is cancelled leaves nothing behind on its worker:

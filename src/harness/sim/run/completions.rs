@@ -204,11 +204,12 @@ impl Sim {
                 "failed_loads": req_set(&out.failed_loads),
             })
         });
-        for &q in &out.finished_loads {
-            if let Some(q) = self.reqs.get_mut(&q)
+        for &r in &out.finished_loads {
+            if let Some(q) = self.reqs.get_mut(&r)
                 && q.phase == Phase::Loading
             {
                 q.phase = Phase::LoadDone;
+                self.check_loaded(r);
             }
         }
         for &q in &out.failed_loads {

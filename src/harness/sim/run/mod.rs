@@ -22,12 +22,13 @@ use crate::remote::{Namespace, NamespaceParts, RedisConnector, RemoteTier};
 use crate::scheduler::{Scheduler, SchedulerError, StepInput};
 use crate::worker::Fault;
 
+use super::content::{BlockCheck, CheckKind, ContentOps, ContentResult, SAMPLED_LINES};
 use super::faults::{FaultPlan, StallFate};
 use super::gpu_pool::GpuPool;
 use super::limits::derived_progress_limit;
 use super::recorder::{Recorder, jobs_value, req_name, req_set};
 use super::step_times::StepTimeHistogram;
-use super::summary::{Held, SimSummary};
+use super::summary::{ContentCounts, ContentMismatch, Held, SimSummary};
 use super::workload::{Conversation, Workload};
 use super::{
     PoolError, PoolGeometry, RemoteAttach, SimBackend, SimOptions, WorkerCommand, WorkerPool,
@@ -176,6 +177,11 @@ pub struct Sim {
     step_ns: StepTimeHistogram,
     cur_ns: u64,
     summary: SimSummary,
+    /// Blocks the next worker command checks (content check): loads that
+    /// completed, GPU prefix hits.
+    content_checks: Vec<BlockCheck>,
+    /// Test hook: the worker whose computed blocks are corrupted in these steps.
+    corrupt: Option<(u32, std::ops::Range<u64>)>,
 }
 
 impl Sim {
@@ -275,6 +281,15 @@ impl Sim {
             seed: opts.seed,
             world_size: cfg.world_size,
             backend: opts.backend.name().into(),
+            content: ContentCounts {
+                enabled: opts.content_check,
+                lines_per_block: if opts.content_check {
+                    SAMPLED_LINES as u64
+                } else {
+                    0
+                },
+                ..ContentCounts::default()
+            },
             ..SimSummary::default()
         };
         let world = pool.world_size() as usize;
@@ -308,6 +323,8 @@ impl Sim {
             step_ns: StepTimeHistogram::default(),
             cur_ns: 0,
             summary,
+            content_checks: Vec::new(),
+            corrupt: None,
             opts,
         })
     }
@@ -320,6 +337,14 @@ impl Sim {
     /// Keeps the scheduler's decisions (returned in [`SimOutput::decisions`]).
     pub fn keep_decisions(&mut self) {
         self.rec.keep_decisions();
+    }
+
+    /// Test hook: worker `worker` flips the first byte of every block it
+    /// writes as computed in `steps` (the content check must then report
+    /// mismatches; the decisions do not change).
+    #[doc(hidden)]
+    pub fn corrupt_computed_blocks(&mut self, worker: u32, steps: std::ops::Range<u64>) {
+        self.corrupt = Some((worker, steps));
     }
 
     /// Publishes the Prometheus text into `text` while running.
@@ -557,15 +582,19 @@ impl Sim {
         }
         let wplan = to_worker_plan(&plan, self.cfg.blocks_per_chunk);
         let cancels = std::mem::replace(&mut self.cancels, vec![Vec::new(); world]);
+        let written = self.computed_blocks(&input);
+        let content = self.content_ops(written);
         let cmds: Vec<WorkerCommand> = faults
             .into_iter()
             .zip(release)
             .zip(cancels)
-            .map(|((faults, release), cancel)| WorkerCommand {
+            .zip(content)
+            .map(|(((faults, release), cancel), content)| WorkerCommand {
                 plan: wplan.clone(),
                 faults,
                 release,
                 cancel,
+                content,
                 // With a remote tier, each step waits for the workers' puts
                 // and (below) the scheduler's lookups: the run's decisions
                 // then depend on the store's contents, not on thread timing.
@@ -573,6 +602,7 @@ impl Sim {
             })
             .collect();
         let out = self.pool.step(cmds)?;
+        self.content_results(&out.content);
         if self.opts.remote.is_some() {
             self.sched.wait_remote_lookups(REMOTE_WAIT);
         }
@@ -603,6 +633,132 @@ impl Sim {
         Ok(())
     }
 }
+
+impl Sim {
+    /// The blocks the step computes in full (content check): those of each
+    /// scheduled request from its computed tokens to the step's end that are
+    /// complete by then (a block is written once it is whole, with its hash).
+    fn computed_blocks(&self, input: &StepInput) -> Vec<(GpuBlockId, BlockHash)> {
+        let mut out = Vec::new();
+        if !self.opts.content_check {
+            return out;
+        }
+        for s in &input.scheduled {
+            let Some(q) = self.reqs.get(&s.req) else {
+                continue;
+            };
+            if q.phase != Phase::Running {
+                continue;
+            }
+            let from = (s.computed_tokens / self.tpb) as usize;
+            let to = ((s.computed_tokens + s.scheduled_tokens) / self.tpb) as usize;
+            let to = to.min(q.hashes.len()).min(q.blocks.len());
+            out.extend((from..to.max(from)).map(|i| (q.blocks[i], q.hashes[i])));
+        }
+        out
+    }
+
+    /// Each worker's content-check command for this step: the pending checks
+    /// and the blocks `written` (none with the check off).
+    fn content_ops(&mut self, written: Vec<(GpuBlockId, BlockHash)>) -> Vec<ContentOps> {
+        let world = self.pool.world_size();
+        if !self.opts.content_check {
+            return vec![ContentOps::default(); world as usize];
+        }
+        let check = std::mem::take(&mut self.content_checks);
+        let c = &mut self.summary.content;
+        for k in &check {
+            match k.kind {
+                CheckKind::Load => c.loaded_checked += u64::from(world),
+                CheckKind::PrefixHit => c.prefix_hits_checked += u64::from(world),
+            }
+        }
+        let ops = ContentOps {
+            check,
+            write: written,
+            corrupt_written: false,
+        };
+        (0..world)
+            .map(|rank| ContentOps {
+                corrupt_written: self
+                    .corrupt
+                    .as_ref()
+                    .is_some_and(|(w, steps)| *w == rank && steps.contains(&self.step)),
+                ..ops.clone()
+            })
+            .collect()
+    }
+
+    /// Adds the workers' content-check results (by rank) to the summary.
+    fn content_results(&mut self, results: &[ContentResult]) {
+        let c = &mut self.summary.content;
+        for (rank, r) in results.iter().enumerate() {
+            c.blocks_checked += r.checked;
+            c.blocks_written += r.written;
+            c.mismatches += r.mismatches;
+            for m in &r.described {
+                if c.first_mismatches.len() >= MAX_MISMATCHES_DESCRIBED {
+                    break;
+                }
+                tracing::error!(
+                    step = self.step,
+                    worker = rank,
+                    block = m.check.block.0,
+                    hash = m.check.hash.0,
+                    kind = m.check.kind.name(),
+                    offset = m.offset,
+                    "content check: a block does not hold the bytes of its hash"
+                );
+                c.first_mismatches.push(ContentMismatch {
+                    step: self.step,
+                    worker: rank as u32,
+                    block: m.check.block.0,
+                    hash: m.check.hash.0,
+                    kind: m.check.kind.name().into(),
+                    offset: m.offset,
+                });
+            }
+        }
+    }
+
+    /// Content check: the blocks of `req`'s load, which completed, must hold
+    /// the bytes of their hashes (checked by the next worker command).
+    pub(super) fn check_loaded(&mut self, req: RequestId) {
+        if !self.opts.content_check {
+            return;
+        }
+        let Some(q) = self.reqs.get(&req) else {
+            return;
+        };
+        let from = (q.local / self.tpb) as usize;
+        let to = ((q.local + q.external) / self.tpb) as usize;
+        let to = to.min(q.hashes.len()).min(q.blocks.len());
+        for i in from..to.max(from) {
+            self.content_checks.push(BlockCheck {
+                block: q.blocks[i],
+                hash: q.hashes[i],
+                kind: CheckKind::Load,
+            });
+        }
+    }
+
+    /// Content check: `blocks`, handed out by the GPU prefix cache for
+    /// `hashes`, must hold their bytes (checked by this step's worker command).
+    pub(super) fn check_prefix_hit(&mut self, blocks: &[GpuBlockId], hashes: &[BlockHash]) {
+        if !self.opts.content_check {
+            return;
+        }
+        self.content_checks
+            .extend(blocks.iter().zip(hashes).map(|(&block, &hash)| BlockCheck {
+                block,
+                hash,
+                kind: CheckKind::PrefixHit,
+            }));
+    }
+}
+
+/// Mismatches the summary describes (the others are counted).
+const MAX_MISMATCHES_DESCRIBED: usize = 8;
 
 fn ids(blocks: &[GpuBlockId]) -> Vec<u32> {
     blocks.iter().map(|b| b.0).collect()

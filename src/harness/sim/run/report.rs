@@ -16,16 +16,22 @@ impl Sim {
         for job in due {
             self.cancel(job)?;
         }
-        // Their workers drop them: one more worker step, with nothing planned.
-        if self.cancels.iter().any(|c| !c.is_empty()) {
+        // Their workers drop them (and run the content checks still due):
+        // one more worker step, with nothing planned.
+        if self.cancels.iter().any(|c| !c.is_empty()) || !self.content_checks.is_empty() {
+            let content = self.content_ops(Vec::new());
             let cmds = std::mem::take(&mut self.cancels)
                 .into_iter()
-                .map(|cancel| WorkerCommand {
+                .zip(content)
+                .map(|(cancel, content)| WorkerCommand {
                     cancel,
+                    content,
                     ..WorkerCommand::default()
                 })
                 .collect();
-            self.worker_jobs = self.pool.step(cmds)?.tracked_jobs;
+            let out = self.pool.step(cmds)?;
+            self.content_results(&out.content);
+            self.worker_jobs = out.tracked_jobs;
         }
         self.rec.call(|| json!({"op": "state"}));
         let (l, invariant) = self.leaks();

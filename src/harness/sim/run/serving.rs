@@ -210,6 +210,7 @@ impl Sim {
             }
             let hashes = self.reqs[&id].hashes[..local_blocks].to_vec();
             let mut blocks = self.gpu.take_cached(&hashes);
+            self.check_prefix_hit(&blocks, &hashes);
             blocks.extend(self.gpu.alloc(new_needed).unwrap_or_default());
             let job = self.timed(|s| s.on_alloc(id, &blocks, ext))?;
             self.rec.call(|| json!({"op": "alloc", "req": req_name(id), "block_ids": ids(&blocks), "external_tokens": ext}));
