@@ -36,6 +36,7 @@ KEYS: dict[str, str] = {
     "stall_scan_interval_s": "seconds between the stall watchdog's scans (kvoffload; default 10)",
     "spec_name": 'accepted for compatibility only as "CPUOffloadingSpec"',
     "self_describing_kv_events": "accepted only as false (vLLM's default): KV events carry each chunk's key hash, as vLLM's placeholder events",
+    "strategy_table": "path of a CUDA strategy table written by `kvoffload bench --calibrate` (kvoffload; CUDA KV caches; default: the built-in table)",
 }
 
 
@@ -76,6 +77,21 @@ def _bool(extra: dict[str, Any], key: str, default: bool) -> bool:
     raise ValueError(f"kv_connector_extra_config: {key} = {v!r} is not a boolean")
 
 
+def _strategy_table(extra: dict[str, Any]) -> str | None:
+    v = extra.get("strategy_table")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"kv_connector_extra_config: strategy_table = {v!r} is not a file path")
+    from kvoffload._native import check_strategy_table
+
+    try:
+        check_strategy_table(v)
+    except ValueError as e:
+        raise ValueError(f"kv_connector_extra_config: strategy_table = {v!r}: {e}") from None
+    return v
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's configuration for one vLLM deployment."""
@@ -95,6 +111,9 @@ class EngineConfig:
     #: Bytes of one chunk in host memory, every worker's part, aligned to the
     #: host page (vLLM's ``kv_bytes_per_chunk``).
     host_chunk_bytes: int = 0
+    #: The CUDA strategy table file (checked when the configuration is read),
+    #: or None for the built-in table.
+    strategy_table: str | None = None
 
     def to_json(self) -> str:
         """The configuration in the Rust library's keys."""
@@ -188,6 +207,7 @@ class EngineConfig:
             # vLLM: "a threshold of 1 equals no filter".
             threshold = 0
         tracker = _int(extra, "max_tracker_size", 1, 1 << 40)
+        table = _strategy_table(extra)
         return EngineConfig(
             tokens_per_block=tokens_per_block,
             blocks_per_chunk=bpc,
@@ -201,4 +221,5 @@ class EngineConfig:
             stall_scan_interval_ms=_seconds(extra, "stall_scan_interval_s"),
             worker_chunk_bytes=worker_chunk_bytes,
             host_chunk_bytes=per_chunk,
+            strategy_table=table,
         )

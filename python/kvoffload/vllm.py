@@ -373,7 +373,9 @@ class _WorkerSide:
             # Stores read blocks the model wrote on this stream: they are
             # ordered after its work (the CUDA backend records an event on it).
             self.stream = torch.cuda.current_stream(device)
-            self.core = WorkerCore.cuda(*args, device.index or 0, self.stream.cuda_stream)
+            self.core = WorkerCore.cuda(
+                *args, device.index or 0, self.stream.cuda_stream, self.cfg.strategy_table
+            )
         else:
             raise NotImplementedError(
                 f"kvoffload.vllm: KV caches on {device.type} (supported: cpu, cuda)"

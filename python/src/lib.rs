@@ -10,12 +10,14 @@ mod convert;
 mod names;
 mod plan_tools;
 mod scheduler_core;
+mod strategy_table;
 mod worker_core;
 
 use pyo3::prelude::*;
 
 use plan_tools::{chunk_key, plan_jobs, plan_transfers};
 use scheduler_core::SchedulerCore;
+use strategy_table::check_strategy_table;
 use worker_core::WorkerCore;
 
 /// kvoffload's Python module.
@@ -26,6 +28,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(chunk_key, m)?)?;
     m.add_function(wrap_pyfunction!(plan_jobs, m)?)?;
     m.add_function(wrap_pyfunction!(plan_transfers, m)?)?;
+    m.add_function(wrap_pyfunction!(check_strategy_table, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -8,9 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvoffload::JobId;
-use kvoffload::worker::cuda::{
-    CudaBackend, CudaBackendOptions, PinnedBuffer, borrowed_stream, open_context,
-};
+use kvoffload::worker::cuda::{CudaBackend, PinnedBuffer, borrowed_stream, open_context};
 use kvoffload::worker::{
     Fault, FaultControl, FaultInjector, GpuLayout, GpuLayoutKind, GpuRegion, HostBackend,
     HostBackendOptions, HostBuffer, HostRowLayout, OffloadWorker, TransferBackend, WorkerLayout,
@@ -145,10 +143,17 @@ impl WorkerCore {
     /// legacy default stream). Raises `RuntimeError` without a CUDA driver or
     /// device.
     ///
+    /// `strategy_table`: the path of a table written by `kvoffload bench
+    /// --calibrate` (its rules choose each job's copy strategy, its tuning
+    /// sets the backend's launch shape, ring depth and prefer-overlap);
+    /// without it, the built-in defaults. A bad file raises `ValueError`
+    /// naming it.
+    ///
     /// The caller keeps the tensors and the stream alive for the lifetime of
     /// this object, as for `host`.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, device, stream, strategy_table=None))]
     fn cuda(
         tensors: Vec<(u64, u64, u64)>,
         num_blocks: u32,
@@ -157,7 +162,9 @@ impl WorkerCore {
         cross_layer: bool,
         device: usize,
         stream: u64,
+        strategy_table: Option<String>,
     ) -> PyResult<Self> {
+        let options = crate::strategy_table::cuda_options(strategy_table.as_deref())?;
         let (gpu, row, pool_bytes) = layouts(
             &tensors,
             num_blocks,
@@ -178,8 +185,7 @@ impl WorkerCore {
         // the pinned, mapped pool is owned by this object and dropped after
         // the backend (which synchronises its streams on drop).
         let backend =
-            unsafe { CudaBackend::new(ctx, layout, compute, CudaBackendOptions::default()) }
-                .map_err(runtime_error)?;
+            unsafe { CudaBackend::new(ctx, layout, compute, options) }.map_err(runtime_error)?;
         Ok(Self {
             worker: Worker::Cuda(Box::new(OffloadWorker::new(
                 FaultInjector::new(backend),

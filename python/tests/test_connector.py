@@ -220,6 +220,31 @@ def test_bad_configuration_stops_startup_naming_the_key(extra, needle):
         harness.build(extra=extra)
 
 
+def test_a_strategy_table_is_checked_at_startup_and_a_bad_one_named(tmp_path):
+    good = tmp_path / "table.json"
+    good.write_text(
+        '{"rules": [{"min_descriptors": 0, "max_descriptors": 7, "strategy": "dma"}],'
+        ' "fallback": "kernel_graph", "tuning": {"kernel_ctas": 16, "ring_slots": 8}}'
+    )
+    e = harness.build(extra={"cpu_bytes_to_use": 10**9, "strategy_table": str(good)})
+    assert e.connector.engine_config.strategy_table == str(good)
+    assert harness.build(extra={"cpu_bytes_to_use": 10**9}).connector.engine_config.strategy_table is None
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rules": [], "fallback": "warp"}')
+    ranged = tmp_path / "ranged.json"
+    ranged.write_text('{"rules": [], "fallback": "dma", "tuning": {"ring_slots": 0}}')
+    for path, needle in [
+        (bad, "warp"),
+        (ranged, "ring_slots = 0"),
+        (tmp_path / "missing.json", "missing.json"),
+    ]:
+        with pytest.raises(ValueError, match="strategy_table") as err:
+            harness.build(extra={"cpu_bytes_to_use": 10**9, "strategy_table": str(path)})
+        assert needle in str(err.value), err.value
+    with pytest.raises(ValueError, match="strategy_table = 3 is not a file path"):
+        harness.build(extra={"cpu_bytes_to_use": 10**9, "strategy_table": 3})
+
+
 def test_cpu_bytes_to_use_sizes_the_tier_as_vllm_does():
     e = harness.build(extra={"cpu_bytes_to_use": 10 * 4096 + 17, "offload_prompt_only": False})
     cfg = e.connector.engine_config

@@ -84,7 +84,8 @@ impl WorkerPool {
     /// blocks of `block_bytes` (cross-layer pages), sharing a pinned host pool
     /// of `num_chunks` rows of `blocks_per_chunk` blocks per worker; jobs choose
     /// their copy strategy from `strategies`, one table all the workers read
-    /// (replace it through the same handle while they run).
+    /// (replace it through the same handle while they run; its `tuning` is
+    /// applied when the backends are built).
     pub fn cuda(
         geometry: PoolGeometry,
         strategies: Arc<SharedStrategyTable>,
@@ -129,10 +130,13 @@ impl WorkerPool {
                 pool.addr(),
                 num_chunks,
             )?;
-            let options = CudaBackendOptions {
+            let mut options = CudaBackendOptions {
                 strategies: Arc::clone(&strategies),
                 ..CudaBackendOptions::default()
             };
+            // A calibrated table's tuning (launch shape, ring depth,
+            // prefer-overlap) applies when the backend is built.
+            strategies.snapshot().tuning.apply(&mut options);
             let checker = ContentChecker::new(
                 Box::new(DeviceGpuMemory {
                     buf: Arc::clone(&dev),

@@ -12,6 +12,7 @@ mod kernel;
 mod memory;
 mod shared_table;
 mod strategy;
+mod tuning;
 
 pub use backend::{CudaBackend, CudaBackendOptions, CudaBackendStats};
 pub use context::{borrowed_stream, driver_present, open_context};
@@ -20,3 +21,4 @@ pub use kernel::LaunchShape;
 pub use memory::{DeviceBuffer, PinnedBuffer, PinnedKind};
 pub use shared_table::SharedStrategyTable;
 pub use strategy::{Strategy, StrategyFileError, StrategyRule, StrategyTable, StrategyTableError};
+pub use tuning::BackendTuning;

@@ -10,6 +10,8 @@ use thiserror::Error;
 
 use crate::Direction;
 
+use super::tuning::BackendTuning;
+
 /// A copy strategy of the CUDA backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -90,6 +92,10 @@ pub struct StrategyTable {
     pub rules: Vec<StrategyRule>,
     /// Used when no rule matches.
     pub fallback: Strategy,
+    /// Backend options a calibration found better than the defaults (applied
+    /// when a backend is built; absent in files without it).
+    #[serde(default, skip_serializing_if = "BackendTuning::is_empty")]
+    pub tuning: BackendTuning,
 }
 
 /// A strategy file could not be read or written.
@@ -149,6 +155,16 @@ pub enum StrategyTableError {
         /// The maximum.
         max: usize,
     },
+    /// A `tuning` field out of its range.
+    #[error("tuning: {field} = {value} is out of range: allowed {allowed}")]
+    Tuning {
+        /// The field.
+        field: &'static str,
+        /// Its value.
+        value: u64,
+        /// The range allowed.
+        allowed: &'static str,
+    },
 }
 
 impl Default for StrategyTable {
@@ -186,6 +202,7 @@ impl Default for StrategyTable {
                 },
             ],
             fallback: Strategy::Dma,
+            tuning: BackendTuning::default(),
         }
     }
 }
@@ -196,6 +213,7 @@ impl StrategyTable {
         Self {
             rules: Vec::new(),
             fallback: strategy,
+            tuning: BackendTuning::default(),
         }
     }
 
@@ -215,8 +233,10 @@ impl StrategyTable {
             .map_or(self.fallback, |r| r.strategy)
     }
 
-    /// Checks that every rule can match (each minimum at most its maximum).
+    /// Checks that every rule can match (each minimum at most its maximum)
+    /// and that the tuning is in range.
     pub fn validate(&self) -> Result<(), StrategyTableError> {
+        self.tuning.validate()?;
         for (rule, r) in self.rules.iter().enumerate() {
             if let Some(max) = r.max_bytes_per_descriptor
                 && r.min_bytes_per_descriptor > max
@@ -285,6 +305,43 @@ impl StrategyTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tuning_section_round_trips_and_files_without_it_still_load() {
+        let plain: StrategyTable =
+            serde_json::from_str(r#"{"rules":[],"fallback":"dma"}"#).unwrap();
+        assert!(plain.tuning.is_empty());
+        assert!(
+            !serde_json::to_string(&plain).unwrap().contains("tuning"),
+            "an empty tuning is not written"
+        );
+        let tuned = StrategyTable {
+            tuning: BackendTuning {
+                kernel_ctas: Some(16),
+                ring_slots: Some(8),
+                ..BackendTuning::default()
+            },
+            ..StrategyTable::always(Strategy::Kernel)
+        };
+        let path = tmp("tuned.json");
+        tuned.save(&path).unwrap();
+        assert_eq!(StrategyTable::load(&path).unwrap(), tuned);
+        let e = StrategyTable::from_json_str(
+            r#"{"rules":[],"fallback":"dma","tuning":{"ring_slots":0}}"#,
+            "t.json",
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("t.json") && e.to_string().contains("ring_slots = 0"),
+            "{e}"
+        );
+        let e = StrategyTable::from_json_str(
+            r#"{"rules":[],"fallback":"dma","tuning":{"warps":3}}"#,
+            "t.json",
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("warps"), "{e}");
+    }
 
     #[test]
     fn files_with_the_block_names_still_load() {
@@ -456,6 +513,7 @@ mod tests {
                 strategy: Strategy::Dma,
             }],
             fallback: Strategy::Dma,
+            tuning: BackendTuning::default(),
         };
         let out = tmp("not-written.json");
         assert!(matches!(

@@ -3,12 +3,14 @@
 //! together: a per-layer block is one descriptor per tensor), each cell
 //! taking the strategy that won at the nearest measured point. Where the
 //! sweep ran with `--contend`, a strategy that slowed the model by more than
-//! the policy allows wins only where none stayed within it.
+//! the policy allows wins only where none stayed within it. The table's
+//! `tuning` comes from the measured variants ([`super::tune`]).
 
 use crate::Direction;
 use crate::worker::cuda::{Strategy, StrategyRule, StrategyTable};
 
 use super::CudaPoint;
+use super::tune::calibrated_tuning;
 
 /// How calibration weighs what a strategy costs the model.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -133,6 +135,7 @@ pub fn calibrated_table(points: &[CudaPoint], policy: CalibrationPolicy) -> Stra
     StrategyTable {
         rules,
         fallback: StrategyTable::default().fallback,
+        tuning: calibrated_tuning(points, policy),
     }
 }
 

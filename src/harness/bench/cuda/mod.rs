@@ -32,6 +32,7 @@ use super::BenchRow;
 mod calibrate;
 mod contention;
 mod swap;
+mod tune;
 mod verify;
 
 pub use calibrate::{CalibrationPolicy, calibrated_table};
