@@ -27,13 +27,15 @@
 # source; each strategy also beside a train of compute kernels: its GB/s
 # there and the compute slowdown, which the calibrated table weighs; rows in
 # $OUT/bench-cuda.json, the table in $OUT/strategy-table.json), then
-#   kvoffload bench --backend cuda --quick --tensors 1 --contend --sweep-launch --sweep-batch-overlap --sweep-ring --json
+#   kvoffload bench --backend cuda --quick --tensors 1 --contend --sweep-launch --sweep-batch-overlap --sweep-ring --json --calibrate
 # (the kernel strategy with 4..64 CTAs and 16..256 KiB pieces, batch DMA
 # with the prefer-overlap-with-compute flag, kernel_graph jobs pipelined
 # through rings of 2..16 tables; rows in $OUT/bench-launch.json, the fastest
-# shape per point on stderr), then
+# shape per point on stderr, the tuning they support in
+# $OUT/strategy-table-tuned.json), then
 #   kvoffload sim --backend cuda            (default strategy table)
 #   kvoffload sim --backend cuda --strategy-table $OUT/strategy-table.json
+#   kvoffload sim --backend cuda --strategy-table $OUT/strategy-table-tuned.json
 # (summaries in $OUT/sim-cuda*.json; exit 1 on any leak), and the vLLM
 # connector's binding over device memory (python/tests/binding_roundtrip.py
 # --backend cuda: store, wipe, load back, compare; no vLLM or torch needed).
@@ -166,8 +168,8 @@ run() {
         "$carry/kvoffload" "$quick" "$table" "$out/bench-cuda.csv" "$out/bench-cuda.json"
     # shellcheck disable=SC2016  # expanded by the inner shell
     step "bench --sweep-launch/-batch-overlap/-ring" 100 bash -c \
-        '"$1" bench --backend cuda --json --quick --tensors 1 --contend --sweep-launch --sweep-batch-overlap --sweep-ring > "$2"' _ \
-        "$carry/kvoffload" "$out/bench-launch.json"
+        '"$1" bench --backend cuda --json --quick --tensors 1 --contend --sweep-launch --sweep-batch-overlap --sweep-ring --calibrate "$3" > "$2"' _ \
+        "$carry/kvoffload" "$out/bench-launch.json" "$out/strategy-table-tuned.json"
     if command -v python3 >/dev/null; then
         step "binding_roundtrip.py --backend cuda" 60 env PYTHONPATH="$carry/python" \
             python3 "$carry/python/binding_roundtrip.py" --backend cuda
@@ -180,6 +182,11 @@ run() {
         step "sim --backend cuda (calibrated table)" 90 \
             "$carry/kvoffload" sim --backend cuda --requests "$requests" --strategy-table "$table" \
             --report "$out/sim-cuda-calibrated.json"
+    fi
+    if [[ -f "$out/strategy-table-tuned.json" ]]; then
+        step "sim --backend cuda (tuned table)" 90 \
+            "$carry/kvoffload" sim --backend cuda --requests "$requests" \
+            --strategy-table "$out/strategy-table-tuned.json" --report "$out/sim-cuda-tuned.json"
     fi
     echo
     echo "=== summary: steps"

@@ -262,8 +262,9 @@ pub fn run(a: BenchArgs) -> ExitCode {
                 return fail(e, 1);
             }
             eprintln!(
-                "cuda: wrote the calibrated strategy table ({} rules) to {}",
+                "cuda: wrote the calibrated strategy table ({} rules, tuning {}) to {}",
                 table.rules.len(),
+                serde_json::to_string(&table.tuning).unwrap_or_default(),
                 path.display()
             );
             // The table goes into running backends through the shared
