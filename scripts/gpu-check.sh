@@ -36,9 +36,10 @@
 #   kvoffload sim --backend cuda            (default strategy table)
 #   kvoffload sim --backend cuda --strategy-table $OUT/strategy-table.json
 #   kvoffload sim --backend cuda --strategy-table $OUT/strategy-table-tuned.json
-# (summaries in $OUT/sim-cuda*.json; exit 1 on any leak), and the vLLM
+# (summaries in $OUT/sim-cuda*.json; exit 1 on any leak or byte mismatch), and the vLLM
 # connector's binding over device memory (python/tests/binding_roundtrip.py
-# --backend cuda: store, wipe, load back, compare; no vLLM or torch needed).
+# --backend cuda: store, wipe, load back, compare; no vLLM or torch needed;
+# once more with a strategy table forcing the kernel).
 # Pass `--quick` after
 # `run` for a short sweep and short sims.
 set -euo pipefail
@@ -173,6 +174,12 @@ run() {
     if command -v python3 >/dev/null; then
         step "binding_roundtrip.py --backend cuda" 60 env PYTHONPATH="$carry/python" \
             python3 "$carry/python/binding_roundtrip.py" --backend cuda
+        # Again with a table given to the worker: every job on the kernel,
+        # a tuned launch shape and a ring of 2 (the binding's table path).
+        printf '%s\n' '{"rules": [], "fallback": "kernel", "tuning": {"kernel_ctas": 16, "ring_slots": 2}}' \
+            > "$out/kernel-table.json"
+        step "binding_roundtrip.py --backend cuda (table)" 60 env PYTHONPATH="$carry/python" \
+            python3 "$carry/python/binding_roundtrip.py" --backend cuda --strategy-table "$out/kernel-table.json"
     else
         summary+=("$(printf '%-44s %-14s' "binding_roundtrip.py --backend cuda" "SKIP: no python3")")
     fi

@@ -127,7 +127,7 @@ def wait_done(core: Any, worker: Any, jobs: set[int], timeout_s: float = 30.0) -
         time.sleep(0.001)
 
 
-def roundtrip(backend: str) -> dict[str, Any]:
+def roundtrip(backend: str, strategy_table: str | None = None) -> dict[str, Any]:
     size = LAYERS * NUM_BLOCKS * PAGE
     mem = CudaMemory(size) if backend == "cuda" else HostMemory(size)
     # Layer-outermost, as vLLM's kernel blocks: layer l, block b at (l * NUM_BLOCKS + b) * PAGE.
@@ -136,7 +136,7 @@ def roundtrip(backend: str) -> dict[str, Any]:
            "offload_prompt_only": True}
     core = native.SchedulerCore(json.dumps(cfg), watchdog=False, kv_events=False)
     if backend == "cuda":
-        worker = native.WorkerCore.cuda(tensors, NUM_BLOCKS, 1, 32, False, 0, 0)
+        worker = native.WorkerCore.cuda(tensors, NUM_BLOCKS, 1, 32, False, 0, 0, strategy_table)
     else:
         worker = native.WorkerCore.host(tensors, NUM_BLOCKS, 1, 32, False)
     image = bytearray(size)
@@ -189,9 +189,13 @@ def roundtrip(backend: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=("host", "cuda"), default="host")
+    ap.add_argument("--strategy-table", metavar="FILE",
+                    help="a strategy table for the CUDA worker (kvoffload bench --calibrate's format)")
     args = ap.parse_args(argv)
+    if args.strategy_table and args.backend != "cuda":
+        ap.error("--strategy-table goes with --backend cuda")
     try:
-        out = roundtrip(args.backend)
+        out = roundtrip(args.backend, args.strategy_table)
     except Unavailable as e:
         print(f"SKIP: binding round trip on {args.backend}: {e}")
         return 2
