@@ -300,6 +300,26 @@ impl DeviceBuffer {
         self.ctx.synchronize().map_err(driver("cuCtxSynchronize"))
     }
 
+    /// Sets the first `len` bytes to `value`, and waits for it (setup and
+    /// checks only: the legacy-stream memset does not order itself with the
+    /// backend's non-blocking streams, so the context is synchronised).
+    pub fn fill(&self, value: u8, len: usize) -> Result<(), CudaError> {
+        if len > self.len {
+            return Err(CudaError::Driver {
+                op: "cuMemsetD8",
+                message: "out of bounds".into(),
+            });
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))?;
+        // SAFETY: `len` bytes from the start lie in this allocation (checked).
+        check("cuMemsetD8", unsafe {
+            sys::cuMemsetD8_v2(self.ptr, value, len)
+        })?;
+        self.ctx.synchronize().map_err(driver("cuCtxSynchronize"))
+    }
+
     /// Synchronous download of `len` bytes from `offset` (tests only).
     pub fn download(&self, offset: usize, len: usize) -> Result<Vec<u8>, CudaError> {
         if offset.checked_add(len).is_none_or(|e| e > self.len) {

@@ -434,11 +434,8 @@ impl Buffers {
                 unsafe { std::ptr::write_bytes(self.pool.addr() as *mut u8, 0, pool_bytes) };
                 Ok(())
             }
-            Direction::Load => {
-                // SAFETY: `dev_bytes ≤ dev.len()`; synchronous, no job in flight.
-                let r = unsafe { sys::cuMemsetD8_v2(self.dev.addr(), 0, dev_bytes) };
-                r.result().map_err(driver("cuMemsetD8"))
-            }
+            // Waits for the memset: the jobs' non-blocking streams would not.
+            Direction::Load => self.dev.fill(0, dev_bytes),
         }
     }
 
