@@ -14,7 +14,7 @@
 #
 # Carried: the library's unit tests, tests/gpu.rs and tests/cli.rs (the CPU
 # suites run in CI), the kvoffload binary and the Python binding.
-# `run` gives every step its own timeout, cut to what is left of 510 s,
+# `run` gives every step its own timeout, cut to what is left of 460 s,
 # shows every step's output, fails on any failed or timed-out step, and ends
 # with a summary of the steps and one table of the copies. It executes every
 # carried test binary with `--nocapture --test-threads=1`,
@@ -132,9 +132,9 @@ run() {
     # One step: its own timeout, its output shown, its status kept (a failed
     # or timed-out step fails the check, never hidden); the summary at the end.
     # Seconds for all the steps: each step's limit is cut to what is left, so
-    # the summary always prints within the device call's 600 s (the steps'
+    # the check ends within 8 minutes, summary included (the steps'
     # own limits add up to more; a hung step cannot take the rest).
-    local budget=510
+    local budget=460
     step() {
         local name=$1 limit=$2
         shift 2
