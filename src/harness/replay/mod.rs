@@ -89,7 +89,7 @@ pub fn run(input: impl BufRead, out: impl Write) -> Result<(), ReplayError> {
 }
 
 /// [`run`], also measuring the time spent in the engine per step (see
-/// [`timing`] for which operations count toward which step). Only the
+/// `timing` for which operations count toward which step). Only the
 /// scheduler calls are timed: not reading or parsing the trace, not building
 /// or writing the output, which is byte-identical to [`run`]'s.
 pub fn run_timed(input: impl BufRead, out: impl Write) -> Result<StepTimings, ReplayError> {
