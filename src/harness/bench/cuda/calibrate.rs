@@ -142,7 +142,7 @@ pub fn calibrated_table(points: &[CudaPoint], policy: CalibrationPolicy) -> Stra
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::bench::cuda::LaunchVariant;
+    use crate::harness::bench::cuda::{LaunchVariant, test_point};
     use Direction::{Load, Store};
     use Strategy::{BatchDma, Dma, Kernel, KernelGraph};
 
@@ -153,22 +153,7 @@ mod tests {
         strategy: Strategy,
         gbps: f64,
     ) -> CudaPoint {
-        CudaPoint {
-            direction,
-            block_bytes,
-            blocks,
-            tensors: 1,
-            strategy,
-            gbps,
-            submit_us: 1.0,
-            device_us: 1.0,
-            verified_bytes: None,
-            contended_gbps: None,
-            compute_slowdown: None,
-            launch: None,
-            prefer_overlap: false,
-            ring: None,
-        }
+        test_point(direction, block_bytes, blocks, strategy, gbps)
     }
 
     fn table(points: &[CudaPoint]) -> StrategyTable {

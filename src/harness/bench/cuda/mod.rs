@@ -231,6 +231,57 @@ pub struct CudaPoint {
     pub ring: Option<(u32, u64)>,
 }
 
+impl CudaPoint {
+    /// A point of `strategy` at `g` with the backend's default options and
+    /// only its rates measured (the variants, checks and contention are set
+    /// by the caller).
+    fn measured(
+        direction: Direction,
+        g: Geometry,
+        strategy: Strategy,
+        gbps: f64,
+        submit_us: f64,
+        device_us: f64,
+    ) -> Self {
+        Self {
+            direction,
+            block_bytes: g.block,
+            blocks: g.count,
+            tensors: g.tensors,
+            strategy,
+            gbps,
+            submit_us,
+            device_us,
+            verified_bytes: None,
+            contended_gbps: None,
+            compute_slowdown: None,
+            launch: None,
+            prefer_overlap: false,
+            ring: None,
+        }
+    }
+}
+
+/// A point for the unit tests: `blocks` blocks of `block_bytes`, cross-layer,
+/// 1 µs per submit and job.
+#[cfg(test)]
+pub(super) fn test_point(
+    direction: Direction,
+    block_bytes: u64,
+    blocks: u32,
+    strategy: Strategy,
+    gbps: f64,
+) -> CudaPoint {
+    let g = Geometry {
+        block: block_bytes,
+        count: blocks,
+        tensors: 1,
+        page: block_bytes,
+        tensor_span: block_bytes * (2 * u64::from(blocks) + 1),
+    };
+    CudaPoint::measured(direction, g, strategy, gbps, 1.0, 1.0)
+}
+
 /// What a CUDA sweep measured.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CudaSweepOutput {
@@ -788,22 +839,14 @@ fn measure(
     if best_dev == Duration::MAX || best_dev.is_zero() {
         return Ok(None);
     }
-    Ok(Some(CudaPoint {
-        direction: dir,
-        block_bytes: g.block,
-        blocks: g.count,
-        tensors: g.tensors,
-        strategy: Strategy::Dma,
-        gbps: bytes as f64 / best_dev.as_secs_f64() / 1e9,
-        submit_us: best_submit.as_secs_f64() * 1e6,
-        device_us: best_dev.as_secs_f64() * 1e6,
-        verified_bytes: None,
-        contended_gbps: None,
-        compute_slowdown: None,
-        launch: None,
-        prefer_overlap: false,
-        ring: None,
-    }))
+    Ok(Some(CudaPoint::measured(
+        dir,
+        g,
+        Strategy::Dma,
+        bytes as f64 / best_dev.as_secs_f64() / 1e9,
+        best_submit.as_secs_f64() * 1e6,
+        best_dev.as_secs_f64() * 1e6,
+    )))
 }
 
 /// [`PIPELINE`] jobs submitted back to back, then waited for: GB/s over
@@ -835,22 +878,14 @@ fn measure_pipelined(
     if ok == 0 || wall.is_zero() {
         return Ok(None);
     }
-    Ok(Some(CudaPoint {
-        direction: dir,
-        block_bytes: g.block,
-        blocks: g.count,
-        tensors: g.tensors,
-        strategy: Strategy::KernelGraph,
-        gbps: (ok * bytes) as f64 / wall.as_secs_f64() / 1e9,
-        submit_us: submit_time.as_secs_f64() * 1e6 / f64::from(PIPELINE),
-        device_us: wall.as_secs_f64() * 1e6 / f64::from(PIPELINE),
-        verified_bytes: None,
-        contended_gbps: None,
-        compute_slowdown: None,
-        launch: None,
-        prefer_overlap: false,
-        ring: None,
-    }))
+    Ok(Some(CudaPoint::measured(
+        dir,
+        g,
+        Strategy::KernelGraph,
+        (ok * bytes) as f64 / wall.as_secs_f64() / 1e9,
+        submit_time.as_secs_f64() * 1e6 / f64::from(PIPELINE),
+        wall.as_secs_f64() * 1e6 / f64::from(PIPELINE),
+    )))
 }
 
 /// Jobs one after another while a compute train runs (timed alone just
@@ -931,20 +966,8 @@ mod tests {
 
     fn point(direction: Direction, strategy: Strategy, gbps: f64) -> CudaPoint {
         CudaPoint {
-            direction,
-            block_bytes: 4096,
-            blocks: 64,
-            tensors: 1,
-            strategy,
-            gbps,
-            submit_us: 1.0,
-            device_us: 1.0,
             verified_bytes: Some(4096 * 64),
-            contended_gbps: None,
-            compute_slowdown: None,
-            launch: None,
-            prefer_overlap: false,
-            ring: None,
+            ..test_point(direction, 4096, 64, strategy, gbps)
         }
     }
 

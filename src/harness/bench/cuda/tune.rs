@@ -156,25 +156,11 @@ pub fn calibrated_tuning(points: &[CudaPoint], policy: CalibrationPolicy) -> Bac
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::harness::bench::cuda::test_point;
     use Direction::{Load, Store};
 
     fn p(direction: Direction, blocks: u32, strategy: Strategy, gbps: f64) -> CudaPoint {
-        CudaPoint {
-            direction,
-            block_bytes: 16 << 10,
-            blocks,
-            tensors: 1,
-            strategy,
-            gbps,
-            submit_us: 1.0,
-            device_us: 1.0,
-            verified_bytes: None,
-            contended_gbps: None,
-            compute_slowdown: None,
-            launch: None,
-            prefer_overlap: false,
-            ring: None,
-        }
+        test_point(direction, 16 << 10, blocks, strategy, gbps)
     }
 
     fn shaped(mut q: CudaPoint, ctas: u32) -> CudaPoint {
