@@ -142,19 +142,9 @@ pub fn calibrated_table(points: &[CudaPoint], policy: CalibrationPolicy) -> Stra
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::bench::cuda::{LaunchVariant, test_point};
+    use crate::harness::bench::cuda::{LaunchVariant, test_point as p};
     use Direction::{Load, Store};
     use Strategy::{BatchDma, Dma, Kernel, KernelGraph};
-
-    fn p(
-        direction: Direction,
-        block_bytes: u64,
-        blocks: u32,
-        strategy: Strategy,
-        gbps: f64,
-    ) -> CudaPoint {
-        test_point(direction, block_bytes, blocks, strategy, gbps)
-    }
 
     fn table(points: &[CudaPoint]) -> StrategyTable {
         calibrated_table(points, CalibrationPolicy::default())
