@@ -18,7 +18,10 @@ use crate::worker::cuda::{
 };
 use crate::worker::{HostRowLayout, TransferBackend, TransferSpec, WorkerLayout};
 
-use super::{Buffers, CudaBenchError, CudaSweep, Geometry, JOB_WAIT, submit};
+use super::buffers::Buffers;
+use super::geometry::Geometry;
+use super::measure::{JOB_WAIT, submit};
+use super::{CudaBenchError, CudaSweep};
 
 /// What the swap check saw.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
