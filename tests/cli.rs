@@ -747,6 +747,20 @@ fn bench_refuses_zero_tensors_and_a_negative_slowdown_by_name() {
 }
 
 #[test]
+fn cuda_sweep_flags_with_the_host_backend_are_refused_by_name() {
+    for flag in ["--contend", "--sweep-launch", "--sweep-ring", "--no-verify"] {
+        let out = kvoffload(&["bench", "--backend", "host", flag]);
+        assert_eq!(out.status.code(), Some(2), "{flag}");
+        assert!(
+            text(&out.stderr).contains(&format!("{flag} measures the CUDA backend")),
+            "{}",
+            text(&out.stderr)
+        );
+        assert!(out.stdout.is_empty());
+    }
+}
+
+#[test]
 fn calibration_with_the_host_backend_is_refused() {
     // Calibration measures CUDA: with --backend host it is refused.
     let out = kvoffload(&["bench", "--backend", "host", "--calibrate"]);

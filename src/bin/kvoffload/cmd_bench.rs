@@ -129,6 +129,14 @@ pub fn run(a: BenchArgs) -> ExitCode {
     if a.blocks.as_ref().is_some_and(|b| b.contains(&0)) {
         return fail("blocks = 0 is out of range: allowed 1..", 2);
     }
+    if matches!(backend, BenchBackend::Host | BenchBackend::Remote)
+        && let Some(flag) = cuda_only_flag(&a)
+    {
+        return fail(
+            format!("{flag} measures the CUDA backend: not allowed with --backend host or remote"),
+            2,
+        );
+    }
     if a.tensors.as_ref().is_some_and(|t| t.contains(&0)) {
         return fail("tensors = 0 is out of range: allowed 1..", 2);
     }
@@ -293,6 +301,20 @@ pub fn run(a: BenchArgs) -> ExitCode {
         }
     }
     output(&a, &rows)
+}
+
+/// The first CUDA-sweep flag given, if any.
+fn cuda_only_flag(a: &BenchArgs) -> Option<&'static str> {
+    [
+        (a.tensors.is_some(), "--tensors"),
+        (a.no_verify, "--no-verify"),
+        (a.contend, "--contend"),
+        (a.sweep_launch, "--sweep-launch"),
+        (a.sweep_batch_overlap, "--sweep-batch-overlap"),
+        (a.sweep_ring, "--sweep-ring"),
+    ]
+    .into_iter()
+    .find_map(|(given, flag)| given.then_some(flag))
 }
 
 /// `--backend remote`: the remote tier against a plain client loop.
