@@ -15,6 +15,9 @@
 //! - a GPU block handed to a new owner while a store that may still come back
 //!   successful reads it puts that store in the same step's flush (a stalled
 //!   store, or one dropped by a reset, can never make its bytes readable);
+//! - a GPU block handed to a new owner while a load may still write it (live,
+//!   or stalled and not yet ended by its late reports or its cancellation)
+//!   puts that load in the same step's flush, across resets too;
 //! - every job in flight at a reset is in the next step's flush.
 
 mod common;
@@ -84,6 +87,18 @@ impl Witness {
                     assert!(
                         !j.blocks.contains(b) || plan.flush.contains(&id),
                         "block {b:?} handed over while store {id} reads it, and not flushed"
+                    );
+                }
+            }
+        }
+        // A load that may still write its GPU blocks (a stalled one too: its
+        // DMA may land late) must finish before they change hands.
+        for (&id, j) in &self.jobs {
+            if j.kind == Direction::Load && !j.done && !j.flushed {
+                for b in reused {
+                    assert!(
+                        !j.blocks.contains(b) || plan.flush.contains(&id),
+                        "block {b:?} handed over while load {id} may still write it, and not flushed"
                     );
                 }
             }

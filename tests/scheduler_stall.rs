@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use kvoffload::manager::{LookupResult, StoreOutcome};
-use kvoffload::scheduler::{CompletionReport, LookupOutcome, SchedulerError};
+use kvoffload::scheduler::{CompletionReport, LookupOutcome, SchedulerError, StepPlan};
 use kvoffload::{ChunkId, GpuBlockId, JobId};
 
 /// One request (family 1, 8 tokens = 2 chunks) with a store in flight.
@@ -48,6 +48,15 @@ fn late(h: &mut H, job: JobId, n: u32) {
         "late loads are never finished loads"
     );
     h.check();
+}
+
+/// A new request `id` (family `fam`, 4 tokens, one chunk) admitted into the
+/// GPU block `block` and prefilled: the step's plan.
+fn prefill_one_block(h: &mut H, id: u64, fam: u64, block: u32) -> StepPlan {
+    h.add(id, fam, 4);
+    h.lookup(id, 0);
+    h.alloc(id, &b([block]), 0);
+    h.run(&[(id, b([block]), 0, 4)], &[], &[])
 }
 
 // E.4.1
@@ -337,6 +346,78 @@ fn stalled_load_is_reported_as_a_failed_load() {
     assert_eq!(h.s.request_jobs(r(2)), Some(vec![]));
 }
 
+// A stalled load is reported failed, so the backend may free (or recompute
+// into) its destination blocks while its late DMA may still write them: the
+// blocks are fenced, a reuse flushes the load, and the late reports end it.
+#[test]
+fn stalled_load_fences_its_destination_blocks_until_its_late_reports() {
+    let (mut h, l) = with_load(1);
+    h.advance_s(301);
+    assert_eq!(h.s.scan_now().stalled, vec![l]);
+    h.check();
+    // Blocks 1 and 2 receive the 8 loaded tokens; block 3 is computed.
+    assert_eq!(h.s.fenced_jobs(GpuBlockId(1)), vec![l]);
+    assert_eq!(h.s.fenced_jobs(GpuBlockId(2)), vec![l]);
+    assert!(h.s.fenced_jobs(GpuBlockId(3)).is_empty());
+    assert_eq!(h.s.state().fenced_blocks, 2);
+    // The backend gives up on request 2 and hands block 2 to request 3.
+    h.finish(2, &b(1..=3));
+    h.run(&[], &[], &[2]);
+    let plan = prefill_one_block(&mut h, 3, 3, 2);
+    assert_eq!(
+        plan.flush,
+        vec![l],
+        "a reused destination block waits for the stalled load"
+    );
+    late(&mut h, l, 1);
+    assert_eq!(
+        h.s.state().fenced_blocks,
+        0,
+        "the late reports end the fence"
+    );
+    h.finish(3, &b([2]));
+    h.run(&[], &[], &[3]);
+    assert!(prefill_one_block(&mut h, 4, 4, 1).flush.is_empty());
+}
+
+// A reset drops stalled stores' GPU fences (a late store only lands in its own
+// quarantined slot) but keeps stalled loads' (a late load writes GPU blocks);
+// a confirmed cancellation ends them.
+#[test]
+fn stalled_load_keeps_its_block_fences_across_a_reset() {
+    let (mut h, l) = with_load(1);
+    h.add(1, 2, 8);
+    h.lookup(1, 0);
+    h.alloc(1, &b(5..=6), 0);
+    let s = h.run(&[(1, b(5..=6), 0, 8)], &[], &[]).stores[0].job;
+    h.finish(1, &b(5..=6));
+    h.run(&[], &[], &[1]);
+    h.advance_s(301);
+    assert_eq!(h.s.scan_now().stalled, vec![l, s]);
+    assert_eq!(
+        h.s.state().fenced_blocks,
+        4,
+        "2 load blocks + 2 store blocks"
+    );
+    h.s.reset().unwrap();
+    h.check();
+    assert_eq!(h.s.state().fenced_blocks, 2);
+    assert_eq!(h.s.fenced_jobs(GpuBlockId(1)), vec![l]);
+    assert!(h.s.fenced_jobs(GpuBlockId(5)).is_empty());
+    h.finish(2, &b(1..=3));
+    h.run(&[], &[], &[2]);
+    h.add(3, 3, 8);
+    h.lookup(3, 0);
+    h.alloc(3, &b([1, 5]), 0);
+    let plan = h.run(&[(3, b([1, 5]), 0, 8)], &[], &[]);
+    assert_eq!(plan.flush, vec![l], "only the load's block still fences");
+    h.s.confirm_cancelled(l).unwrap();
+    h.check();
+    assert_eq!(h.s.state().fenced_blocks, 0);
+    late(&mut h, s, 1);
+    assert_eq!(h.s.state().stalled_jobs, 0);
+}
+
 /// The real watchdog thread does the scan (nothing here scans): once the
 /// manual clock passes the deadline and the thread is woken, a scan at or
 /// after that time hands the store over; the scheduler cleans it up only at
@@ -413,10 +494,7 @@ fn stalled_store_of_a_finished_request_keeps_fencing_its_blocks() {
     h.run(&[], &[], &[1]);
     h.advance_s(301);
     h.s.scan_now();
-    h.add(2, 2, 4);
-    h.lookup(2, 0);
-    h.alloc(2, &b([2]), 0);
-    let plan = h.run(&[(2, b([2]), 0, 4)], &[], &[]);
+    let plan = prefill_one_block(&mut h, 2, 2, 2);
     assert_eq!(
         plan.flush,
         vec![s],
@@ -490,10 +568,7 @@ fn stalled_store_of_a_running_request_fences_its_blocks_too() {
     assert_eq!(h.s.fenced_jobs(GpuBlockId(1)), vec![s]);
     // Preempted: its blocks go back to the pool and block 1 is reused at once.
     h.run(&[], &[1], &[]);
-    h.add(2, 2, 4);
-    h.lookup(2, 0);
-    h.alloc(2, &b([1]), 0);
-    let plan = h.run(&[(2, b([1]), 0, 4)], &[], &[]);
+    let plan = prefill_one_block(&mut h, 2, 2, 1);
     assert!(plan.flush.contains(&s));
     h.s.confirm_cancelled(s).unwrap();
     h.check();

@@ -246,6 +246,11 @@ impl Scheduler {
                 self.counters.stalled_loads += 1;
                 self.failed_loads.push(req);
                 let chunk_ids = JobSlots::from_slice(e.chunk_ids());
+                // The failed load lets the backend free or recompute its
+                // destination blocks while the late DMA may still write them:
+                // they are fenced, and a reuse flushes the job.
+                let blocks = JobBlocks::from_slice(e.blocks());
+                self.fences.add(job, &blocks);
                 self.stalled.insert(
                     job,
                     StalledJob {
@@ -253,8 +258,8 @@ impl Scheduler {
                         req,
                         keys: e.keys,
                         chunk_ids,
-                        blocks: JobBlocks::new(),
-                        fenced: false,
+                        blocks,
+                        fenced: true,
                         load_quarantined: false,
                         remaining: e.latch.pending(),
                     },

@@ -18,7 +18,8 @@ impl Scheduler {
     /// - every request: one load xor only stores; a finished-and-signaled
     ///   request still has jobs (else it should be gone);
     /// - the being-loaded set is exactly the keys of live loads;
-    /// - every fence entry names a live or stalled store over that block;
+    /// - every fence entry names a live or stalled store over that block, or a
+    ///   stalled load into it; every stalled load's blocks are fenced;
     /// - stalled jobs still owe reports; their host chunks are held (stores:
     ///   quarantined, loads: pinned) and account for every quarantined slot;
     /// - the manager's pending chunks are those of live stores, its pinned
@@ -145,13 +146,13 @@ impl Scheduler {
                 let ok = if let Some(e) = self.jobs.get(*j) {
                     e.kind == Direction::Store && e.fenced && e.blocks().contains(&b)
                 } else if let Some(s) = self.stalled.get(j) {
-                    s.kind == Direction::Store && s.fenced && s.blocks.contains(&b)
+                    s.fenced && s.blocks.contains(&b)
                 } else {
                     false
                 };
                 if !ok {
                     return Err(format!(
-                        "block {} fenced by {j}, which is not a store over it",
+                        "block {} fenced by {j}, which is not a store over it nor a stalled load into it",
                         b.0
                     ));
                 }
@@ -185,6 +186,16 @@ impl Scheduler {
                 Direction::Load => {
                     for k in s.keys.iter() {
                         pinned.insert(*k);
+                    }
+                }
+            }
+            if s.kind == Direction::Load {
+                if !s.fenced {
+                    return Err(format!("stalled load {j}: its GPU blocks are not fenced"));
+                }
+                for b in s.blocks.iter().filter(|b| b.0 != 0) {
+                    if !self.fences.jobs(*b).contains(j) {
+                        return Err(format!("stalled load {j}: block {} not fenced", b.0));
                     }
                 }
             }

@@ -50,9 +50,11 @@ pub struct JobEntry {
     pub created_ns: u64,
     /// Chunk keys transferred.
     pub keys: JobKeys,
-    /// By `kind`: a load's host slots (co-indexed with `keys`), or a store's
-    /// GPU source blocks (fenced once its request finishes). One list, as a
-    /// job never has both (a stalled store gets its held slots from the manager).
+    /// By `kind`: a store's GPU source blocks (fenced once its request
+    /// finishes); a load's host slots (co-indexed with `keys`, so the first
+    /// `keys.len()`) followed by its GPU destination blocks (fenced if it
+    /// stalls). One list, so that the entry stays small (a stalled store gets
+    /// its held slots from the manager).
     ids: SmallVec<[u32; 4]>,
 }
 
@@ -79,14 +81,19 @@ impl JobEntry {
         }
     }
 
-    /// A load of `keys` from the host slots `chunk_ids`, created at `created_ns`.
+    /// A load of `keys` from the host slots `chunk_ids` (one per key) into
+    /// the GPU blocks `blocks`, created at `created_ns`.
     pub fn load(
         req: RequestId,
         created_ns: u64,
         latch: JobLatch,
         keys: JobKeys,
         chunk_ids: &[ChunkId],
+        blocks: &[GpuBlockId],
     ) -> Self {
+        debug_assert_eq!(chunk_ids.len(), keys.len(), "one host slot per key");
+        let mut ids: SmallVec<[u32; 4]> = copy_small(bytemuck::cast_slice(chunk_ids));
+        ids.extend_from_slice(bytemuck::cast_slice(blocks));
         Self {
             kind: Direction::Load,
             failed: false,
@@ -95,22 +102,26 @@ impl JobEntry {
             req,
             created_ns,
             keys,
-            ids: copy_small(bytemuck::cast_slice(chunk_ids)),
+            ids,
         }
     }
 
-    /// A store's GPU source blocks (empty for a load).
+    /// The GPU blocks it touches: a store's source blocks, or a load's
+    /// destination blocks.
     pub fn blocks(&self) -> &[GpuBlockId] {
         match self.kind {
             Direction::Store => bytemuck::cast_slice(&self.ids),
-            Direction::Load => &[],
+            Direction::Load => bytemuck::cast_slice(self.ids.get(self.keys.len()..).unwrap_or(&[])),
         }
     }
 
     /// A load's host slots, co-indexed with `keys` (empty for a store).
     pub fn chunk_ids(&self) -> &[ChunkId] {
         match self.kind {
-            Direction::Load => bytemuck::cast_slice(&self.ids),
+            Direction::Load => {
+                let n = self.keys.len().min(self.ids.len());
+                bytemuck::cast_slice(&self.ids[..n])
+            }
             Direction::Store => &[],
         }
     }

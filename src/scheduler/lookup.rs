@@ -248,7 +248,14 @@ impl Scheduler {
         }
         let deadline = self.jobs.deadline_for(now);
         let latch = super::latch::JobLatch::new(g.world_size);
-        let entry = JobEntry::load(req, now, latch, JobKeys::from_slice(&keys), &chunk_ids);
+        let entry = JobEntry::load(
+            req,
+            now,
+            latch,
+            JobKeys::from_slice(&keys),
+            &chunk_ids,
+            &block_ids[sb..eb],
+        );
         self.jobs.insert(job, entry);
         // After the insert: the watchdog drops deadline entries of absent jobs.
         self.watch.track(job, deadline);

@@ -25,8 +25,10 @@ impl Scheduler {
     /// arrive or their cancellation is confirmed: a stalled store's quarantined
     /// slots stay held (the manager's reset keeps them), and a stalled load's
     /// pinned chunks are turned into quarantined slots before the manager's
-    /// reset would free them. Their GPU fences are dropped (a late store reading
-    /// a reused GPU block can only land in its own quarantined slot).
+    /// reset would free them. Stalled stores' GPU fences are dropped (a late
+    /// store reading a reused GPU block can only land in its own quarantined
+    /// slot); stalled loads keep theirs (a late load writes its GPU blocks,
+    /// so their reuse must still wait for it).
     pub fn reset(&mut self) -> Result<(), SchedulerError> {
         self.apply_stalls();
         if !self.batch.loads.is_empty() {
@@ -118,10 +120,18 @@ impl Scheduler {
         self.jobs.clear();
         self.fences.clear();
         self.being_loaded.clear();
-        self.stalled.retain(|_, s| !s.chunk_ids.is_empty());
-        for s in self.stalled.values_mut() {
-            s.fenced = false;
-            s.blocks = JobBlocks::new();
+        // A stalled job is kept while it holds host slots, or (a load) GPU blocks.
+        self.stalled
+            .retain(|_, s| !s.chunk_ids.is_empty() || (s.kind == Direction::Load && s.fenced));
+        for (&job, s) in self.stalled.iter_mut() {
+            if s.kind == Direction::Load {
+                if s.fenced {
+                    self.fences.add(job, &s.blocks);
+                }
+            } else {
+                s.fenced = false;
+                s.blocks = JobBlocks::new();
+            }
         }
         self.watch.reset_schedule();
         if self.reset_fence.is_empty() {

@@ -19,7 +19,7 @@ pub(crate) struct StalledJob {
     pub keys: JobKeys,
     /// Host slots held back: a store's quarantined slots, a load's pinned slots.
     pub chunk_ids: JobSlots,
-    /// A store's GPU source blocks.
+    /// Its GPU blocks: a store's source blocks, a load's destination blocks.
     pub blocks: JobBlocks,
     /// `blocks` are registered in the fence index.
     pub fenced: bool,

@@ -20,9 +20,12 @@ pub struct FaultRates {
     /// Longest delay of a late report, in steps.
     pub max_delay_steps: u32,
     /// A detected stall is never resolved: the backend neither resumes nor
-    /// cancels the transfer (a hung device). The engine keeps serving, but
-    /// the run cannot drain, and ends with [`crate::harness::sim::SimError::NoDrain`]
-    /// naming what is still held. Off (0) by default.
+    /// cancels the transfer (a hung device). The engine keeps serving while
+    /// nothing needs the transfer; a flush that must wait for it (its GPU
+    /// blocks handed to a new owner) stops the run with
+    /// [`crate::harness::sim::SimError::FlushWaitsOnHung`], and otherwise the
+    /// run cannot drain and ends with [`crate::harness::sim::SimError::NoDrain`],
+    /// each naming what is still held. Off (0) by default.
     pub hang: f64,
 }
 

@@ -49,6 +49,7 @@ impl Sim {
                     StallFate::ReleaseAfter(n) | StallFate::CancelAfter(n) => n,
                     StallFate::Never => {
                         self.summary.faults.hung += 1;
+                        self.hung.insert(job);
                         continue;
                     }
                 };

@@ -75,6 +75,25 @@ pub enum SimError {
         /// What was still held.
         held: Box<Held>,
     },
+    /// A step's flush names a hung transfer (a detected stall the backend
+    /// never resumes nor cancels) whose GPU blocks are being handed to a new
+    /// owner: a real worker would block in that flush (or fail the step once
+    /// its wait timeout passes), so the run stops there.
+    #[error(
+        "step {step}: the flush must wait for {job}, a hung {kind} whose GPU blocks are \
+         being handed to a new owner (a real engine blocks here, or fails the step once \
+         its wait timeout passes); still held {held}"
+    )]
+    FlushWaitsOnHung {
+        /// The step whose flush names it.
+        step: u64,
+        /// The hung job.
+        job: JobId,
+        /// `load` or `store`.
+        kind: &'static str,
+        /// What was still held.
+        held: Box<Held>,
+    },
     /// Writing the trace.
     #[error("writing the trace: {0}")]
     Trace(#[from] std::io::Error),
@@ -166,6 +185,8 @@ pub struct Sim {
     /// Every job in flight: its kind and whether a late report was injected.
     jobs: HashMap<JobId, SimJob>,
     open_stalls: std::collections::HashSet<JobId>,
+    /// Detected stalls whose fate is to hang (never resumed nor cancelled).
+    hung: std::collections::HashSet<JobId>,
     due: Vec<(u64, JobId, StallFate)>,
     /// Cancelled stalled jobs, by worker, for the next step's commands.
     cancels: Vec<Vec<JobId>>,
@@ -315,6 +336,7 @@ impl Sim {
             stall_faulted: HashMap::new(),
             jobs: HashMap::new(),
             open_stalls: Default::default(),
+            hung: Default::default(),
             due: Vec::new(),
             cancels: vec![Vec::new(); world],
             worker_jobs: 0,
@@ -520,6 +542,15 @@ impl Sim {
         let input = self.schedule()?;
         self.rec.call(|| step_line(&input));
         let plan = self.timed(|s| s.build_step(&input))?;
+        if let Some(&job) = plan.flush.iter().find(|j| self.hung.contains(j)) {
+            let kind = self.jobs.get(&job).map_or("transfer", |i| i.kind.as_str());
+            return Err(SimError::FlushWaitsOnHung {
+                step,
+                job,
+                kind,
+                held: Box::new(self.held()),
+            });
+        }
         self.rec.decision(|| {
             json!({
                 "op": "step",
@@ -609,8 +640,10 @@ impl Sim {
         self.worker_jobs = out.tracked_jobs;
         self.summary.faults.released += out.released.len() as u64;
         for job in &out.released_by_flush {
-            // It runs now: nothing is left to release or cancel on its worker.
+            // It runs now: nothing is left to release or cancel on its worker,
+            // and its late reports end it (no fate is due any more).
             self.stall_faulted.remove(job);
+            self.due.retain(|(_, j, _)| j != job);
             if self.open_stalls.remove(job) {
                 self.summary.faults.stalls_forced_by_flush += 1;
             } else {
