@@ -154,10 +154,20 @@ impl Sim {
         }
         // A job is forgotten once the scheduler owes it nothing (a job of
         // several workers stays until its last report; a stalled one until
-        // its late reports or its cancellation).
-        for (j, _) in &good.completed {
-            if !self.sched.is_job_live(*j) && !self.sched.is_job_stalled(*j) {
-                self.jobs.remove(j);
+        // its late reports or its cancellation). A job made before a reset
+        // is owed only to the reset fence, which the scheduler does not show
+        // per job: it stays until every worker reported, since a late report
+        // of it still holds back the jobs queued behind it on its worker.
+        let world = self.pool.world_size();
+        let stale = self.sched.stale_threshold();
+        for &(j, n) in &good.completed {
+            let all_in = self.jobs.get_mut(&j).is_some_and(|i| {
+                i.reports += n;
+                i.reports >= world
+            });
+            if !self.sched.is_job_live(j) && !self.sched.is_job_stalled(j) && (j >= stale || all_in)
+            {
+                self.jobs.remove(&j);
             }
         }
         for b in bad {

@@ -141,6 +141,10 @@ struct SimJob {
     late: bool,
     /// A remote fetch (a store into the host tier from the remote tier).
     fetch: bool,
+    /// Worker reports delivered so far (a job made before a reset is
+    /// forgotten only once every worker reported: its late report may still
+    /// hold back the jobs queued behind it).
+    reports: u32,
 }
 
 #[derive(Debug)]
@@ -577,6 +581,7 @@ impl Sim {
                         kind,
                         late: false,
                         fetch: false,
+                        reports: 0,
                     },
                 );
                 if draining {
@@ -608,6 +613,7 @@ impl Sim {
                     kind: Direction::Store,
                     late: false,
                     fetch: true,
+                    reports: 0,
                 },
             );
         }
