@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Host chunks are aligned to the host page, as vLLM's CPU offloading aligns
@@ -37,7 +37,12 @@ KEYS: dict[str, str] = {
     "spec_name": 'accepted for compatibility only as "CPUOffloadingSpec"',
     "self_describing_kv_events": "accepted only as false (vLLM's default): KV events carry each chunk's key hash, as vLLM's placeholder events",
     "strategy_table": "path of a CUDA strategy table written by `kvoffload bench --calibrate` (kvoffload; CUDA KV caches; default: the built-in table)",
+    "remote_tier": "a Redis (or Redis Cluster) store shared across nodes, as a dict (or its JSON) of the remote tier's keys (docs/remote-tier.md: url, cluster, username, password, tls_ca_file, timeouts, write, ...) plus 'deployment', a text kept in the namespace (kvoffload; default: no remote tier)",
 }
+
+#: The connector's own key inside ``remote_tier`` (the rest go to the Rust
+#: library, which rejects unknown ones).
+REMOTE_DEPLOYMENT_KEY = "deployment"
 
 
 def _int(extra: dict[str, Any], key: str, lo: int, hi: int | None = None) -> int | None:
@@ -92,6 +97,38 @@ def _strategy_table(extra: dict[str, Any]) -> str | None:
     return v
 
 
+def _remote_tier(extra: dict[str, Any]) -> tuple[str | None, str]:
+    """The remote tier's configuration as the library's JSON (checked now:
+    a bad key or value raises naming it, never a password), and the
+    deployment text; ``(None, "")`` without one."""
+    v = extra.get("remote_tier")
+    if v is None:
+        return None, ""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"kv_connector_extra_config: remote_tier is not valid JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise ValueError(
+            f"kv_connector_extra_config: remote_tier must be a dict of the remote tier's keys, not {type(v).__name__}"
+        )
+    v = dict(v)
+    deployment = v.pop(REMOTE_DEPLOYMENT_KEY, "")
+    if not isinstance(deployment, str):
+        raise ValueError(
+            f"kv_connector_extra_config: remote_tier.{REMOTE_DEPLOYMENT_KEY} = {deployment!r} is not a string"
+        )
+    from kvoffload._native import check_remote_config
+
+    text = json.dumps(v)
+    try:
+        check_remote_config(text)
+    except ValueError as e:
+        raise ValueError(f"kv_connector_extra_config: remote_tier: {e}") from None
+    return text, deployment
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's configuration for one vLLM deployment."""
@@ -114,6 +151,10 @@ class EngineConfig:
     #: The CUDA strategy table file (checked when the configuration is read),
     #: or None for the built-in table.
     strategy_table: str | None = None
+    #: The remote tier's configuration (the library's JSON keys), or None.
+    remote_tier_json: str | None = field(default=None, repr=False)
+    #: A text the operator adds to the remote tier's namespace.
+    remote_deployment: str = ""
 
     def to_json(self) -> str:
         """The configuration in the Rust library's keys."""
@@ -208,6 +249,7 @@ class EngineConfig:
             threshold = 0
         tracker = _int(extra, "max_tracker_size", 1, 1 << 40)
         table = _strategy_table(extra)
+        remote, deployment = _remote_tier(extra)
         return EngineConfig(
             tokens_per_block=tokens_per_block,
             blocks_per_chunk=bpc,
@@ -222,4 +264,6 @@ class EngineConfig:
             worker_chunk_bytes=worker_chunk_bytes,
             host_chunk_bytes=per_chunk,
             strategy_table=table,
+            remote_tier_json=remote,
+            remote_deployment=deployment,
         )

@@ -79,6 +79,9 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     failed: set[int] = field(default_factory=set)
     #: ``{"load"|"store": [bytes, seconds, [sizes]]}``.
     stats: dict[str, list[Any]] = field(default_factory=dict)
+    #: The remote tier's write counters since the last report
+    #: (``{"bytes_put": n, "puts_written": n, "puts_failed": n, "puts_dropped": n}``).
+    remote: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvOffloadWorkerMetadata)
@@ -91,7 +94,10 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
             mine[0] += b
             mine[1] += t
             mine[2].extend(sizes)
-        return KvOffloadWorkerMetadata(completed, self.failed | other.failed, stats)
+        remote = dict(self.remote)
+        for k, n in other.remote.items():
+            remote[k] = remote.get(k, 0) + n
+        return KvOffloadWorkerMetadata(completed, self.failed | other.failed, stats, remote)
 
 
 def _histogram_tag() -> str:
@@ -145,6 +151,39 @@ STALL_METRICS = {
     ),
 }
 
+#: The remote tier's metrics (with ``remote_tier`` configured): the
+#: scheduler's lookups and fetches, the workers' writes (summed over workers).
+REMOTE_METRICS = {
+    "kvoffload_remote_chunks_found": OffloadingCounterMetadata(
+        documentation="Chunks the remote store held when a lookup missed the host tier.",
+    ),
+    "kvoffload_remote_chunks_fetched": OffloadingCounterMetadata(
+        documentation="Chunks fetched from the remote store into the host tier.",
+    ),
+    "kvoffload_remote_fetches_failed": OffloadingCounterMetadata(
+        documentation="Remote fetch jobs that missed, failed or stalled (their requests recompute).",
+    ),
+    "kvoffload_remote_bytes_written": OffloadingCounterMetadata(
+        documentation="Bytes the workers wrote to the remote store.",
+    ),
+    "kvoffload_remote_puts_failed": OffloadingCounterMetadata(
+        documentation="Chunk shares the remote store refused or failed to write.",
+    ),
+    "kvoffload_remote_puts_dropped": OffloadingCounterMetadata(
+        documentation="Chunk shares not written: queue full, store unreachable or value too large.",
+    ),
+    "kvoffload_remote_connected": OffloadingGaugeMetadata(
+        documentation="1 while the scheduler's connection to the remote store is up.",
+    ),
+}
+
+#: The worker's remote counters reported to the scheduler.
+_REMOTE_WRITE_COUNTERS = {
+    "bytes_put": "kvoffload_remote_bytes_written",
+    "puts_failed": "kvoffload_remote_puts_failed",
+    "puts_dropped": "kvoffload_remote_puts_dropped",
+}
+
 
 def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
     """The engine configuration from vLLM's: one full-attention KV group."""
@@ -171,16 +210,75 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
     )
 
 
+def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: EngineConfig) -> int:
+    """The deployment's namespace in the remote store: the same on every node
+    (and in both roles) exactly when their chunks' bytes are interchangeable:
+    model and revision, the KV spec (dtype, heads, head size, layers), the
+    block and chunk sizes, the bytes per block, the world size, the block
+    hash function, the attention backend, and the operator's ``deployment``."""
+    from kvoffload._native import remote_namespace
+
+    group = kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    mc = vllm_config.model_config
+    model = f"{mc.model if mc else ''}@{(mc.revision if mc else None) or ''}|{cfg.remote_deployment}"
+    attention = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    layout = "|".join(
+        str(x)
+        for x in (
+            "vllm-per-layer-LBHNC",
+            type(spec).__name__,
+            getattr(spec, "num_kv_heads", ""),
+            getattr(spec, "head_size", ""),
+            getattr(spec, "dtype", ""),
+            vllm_config.cache_config.cache_dtype,
+            len(group.layer_names),
+            vllm_config.cache_config.prefix_caching_hash_algo,
+            attention or "auto",
+        )
+    )
+    return remote_namespace(
+        model,
+        layout,
+        cfg.tokens_per_block,
+        cfg.blocks_per_chunk,
+        cfg.worker_chunk_bytes // cfg.blocks_per_chunk,
+        cfg.world_size,
+    )
+
+
+def _worker_rank(world_size: int) -> int:
+    """This worker's rank among the engine's ``world_size`` workers (tensor
+    rank within its pipeline stage, stages outermost): the share of each
+    chunk it writes and fetches."""
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        tp = ps.get_tp_group()
+        pp = ps.get_pp_group()
+        return pp.rank_in_group * tp.world_size + tp.rank_in_group
+    if world_size == 1:
+        return 0
+    raise RuntimeError(
+        "kvoffload.vllm: remote_tier with several workers needs vLLM's model parallel "
+        "groups initialised (each worker writes its own share of a chunk)"
+    )
+
+
 class _SchedulerSide:
     """The scheduler role: vLLM's objects in, kvoffload's scheduler calls out."""
 
-    def __init__(self, cfg: EngineConfig, vllm_config: VllmConfig):
+    def __init__(self, cfg: EngineConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
         self.cfg = cfg
         events = vllm_config.kv_events_config
         # As vLLM's manager: no KV events unless vLLM publishes them.
         self.core = SchedulerCore(
             cfg.to_json(), kv_events=bool(events is not None and events.enable_kv_cache_events)
         )
+        #: The remote stats already reported (the payload carries increments).
+        self.remote_last: dict[str, int] = {}
+        if cfg.remote_tier_json is not None:
+            self._attach_remote(vllm_config, kv_cache_config)
         # Requests the connector was told of (the engine reads their token
         # counts and block hashes from the objects, at the hooks that need them).
         self.requests: set[str] = set()
@@ -201,6 +299,29 @@ class _SchedulerSide:
                 cfg.num_cpu_chunks * max_len // -(-max_len // chunk_tokens) if max_len > 0 else None
             ),
         }
+
+    def _attach_remote(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+        import os
+
+        from kvoffload._native import check_remote_config
+
+        assert self.cfg.remote_tier_json is not None
+        algo = vllm_config.cache_config.prefix_caching_hash_algo
+        if os.getenv("PYTHONHASHSEED") is None and not str(algo).startswith("sha256"):
+            logger.warning(
+                "kvoffload: remote_tier with prefix_caching_hash_algo=%s and no PYTHONHASHSEED: "
+                "vLLM seeds its block hashes at random per process, so no other node (nor this "
+                "one after a restart) finds this node's chunks; set PYTHONHASHSEED to one value "
+                "on every node, or use sha256",
+                algo,
+            )
+        self.core.attach_remote(
+            self.cfg.remote_tier_json, _remote_namespace(vllm_config, kv_cache_config, self.cfg)
+        )
+        logger.info(
+            "kvoffload: remote tier %s attached (lookups that miss the host tier ask it)",
+            check_remote_config(self.cfg.remote_tier_json),
+        )
 
     def on_new_request(self, request: Request) -> None:
         self.core.add_request(request)
@@ -256,6 +377,10 @@ class _SchedulerSide:
             _, _, rejected = self.core.on_worker_output(meta.completed, sorted(meta.failed))
             for r in rejected:
                 logger.warning("kvoffload: rejected worker report %s", r)
+        for key, n in meta.remote.items():
+            name = _REMOTE_WRITE_COUNTERS.get(key)
+            if name is not None and n:
+                self.stats.increase_counter(name, n)
         for name, (b, t, sizes) in meta.stats.items():
             if not (b or t or sizes):
                 continue
@@ -325,6 +450,18 @@ class _SchedulerSide:
             out.increase_counter("kvoffload_late_reports", st["late_reports"])
         out.set_gauge("kvoffload_stalled_jobs", st["stalled_jobs"])
         out.set_gauge("kvoffload_quarantined_chunks", st["quarantined_chunks"])
+        remote = self.core.remote_stats()
+        if remote is not None:
+            for key, name in (
+                ("chunks_found", "kvoffload_remote_chunks_found"),
+                ("chunks_fetched", "kvoffload_remote_chunks_fetched"),
+                ("fetches_failed", "kvoffload_remote_fetches_failed"),
+            ):
+                n = remote[key] - self.remote_last.get(key, 0)
+                self.remote_last[key] = remote[key]
+                if n:
+                    out.increase_counter(name, n)
+            out.set_gauge("kvoffload_remote_connected", int(remote["tier"]["connected"]))
         if not self.info_sent:
             out.set_info([self.info])
             self.info_sent = True
@@ -336,7 +473,10 @@ class _WorkerSide:
 
     def __init__(self, cfg: EngineConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
         self.cfg = cfg
+        self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
+        #: The remote write counters already reported.
+        self.remote_last: dict[str, int] = {}
         self.core: WorkerCore | None = None
         # The CUDA stream transfers are ordered after (kept alive here).
         self.stream: Any = None
@@ -379,6 +519,14 @@ class _WorkerSide:
         else:
             raise NotImplementedError(
                 f"kvoffload.vllm: KV caches on {device.type} (supported: cpu, cuda)"
+            )
+        if self.cfg.remote_tier_json is not None:
+            rank = _worker_rank(self.cfg.world_size)
+            self.core.attach_remote(
+                self.cfg.remote_tier_json,
+                _remote_namespace(self.vllm_config, self.kv_cache_config, self.cfg),
+                rank,
+                self.cfg.world_size,
             )
         logger.info(
             "kvoffload: %d KV tensors on %s, %d blocks, host pool of %d chunks (%d bytes, %s backend)",
@@ -449,6 +597,13 @@ class _WorkerSide:
                 mine[0] += b
                 mine[1] += t
                 mine[2].extend(sizes)
+        remote = self.core.remote_stats()
+        if remote is not None:
+            for key in _REMOTE_WRITE_COUNTERS:
+                n = remote[key] - self.remote_last.get(key, 0)
+                self.remote_last[key] = remote[key]
+                if n:
+                    self.meta.remote[key] = self.meta.remote.get(key, 0) + n
         recv, self.finished_recving = self.finished_recving, set()
         return set(), recv
 
@@ -457,7 +612,7 @@ class _WorkerSide:
         return out
 
     def build_connector_worker_meta(self) -> KvOffloadWorkerMetadata | None:
-        if not self.meta.completed and not self.meta.stats:
+        if not self.meta.completed and not self.meta.stats and not self.meta.remote:
             return None
         out, self.meta = self.meta, KvOffloadWorkerMetadata()
         return out
@@ -468,7 +623,7 @@ class KvOffloadPromMetrics(OffloadPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        for name, metadata in STALL_METRICS.items():
+        for name, metadata in {**STALL_METRICS, **REMOTE_METRICS}.items():
             self._offloading_metric_metadata[name] = metadata
             self._offloading_metric_defs[name] = self._create_metric(name, metadata)
 
@@ -490,7 +645,7 @@ class KvOffloadConnector(KVConnectorBase_V1):
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerSide(cfg, vllm_config)
+            self._scheduler = _SchedulerSide(cfg, vllm_config, kv_cache_config)
         else:
             self._worker = _WorkerSide(cfg, vllm_config, kv_cache_config)
 

@@ -9,6 +9,7 @@ mod borrowed;
 mod convert;
 mod names;
 mod plan_tools;
+mod remote;
 mod scheduler_core;
 mod strategy_table;
 mod worker_core;
@@ -16,6 +17,7 @@ mod worker_core;
 use pyo3::prelude::*;
 
 use plan_tools::{chunk_key, plan_jobs, plan_transfers};
+use remote::{check_remote_config, remote_namespace};
 use scheduler_core::SchedulerCore;
 use strategy_table::check_strategy_table;
 use worker_core::WorkerCore;
@@ -29,6 +31,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_jobs, m)?)?;
     m.add_function(wrap_pyfunction!(plan_transfers, m)?)?;
     m.add_function(wrap_pyfunction!(check_strategy_table, m)?)?;
+    m.add_function(wrap_pyfunction!(check_remote_config, m)?)?;
+    m.add_function(wrap_pyfunction!(remote_namespace, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

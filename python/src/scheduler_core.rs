@@ -10,6 +10,7 @@ use kvoffload::scheduler::{
 };
 use kvoffload::{
     BlockHash, ChunkKey, GpuBlockId, JobId, ManualClock, MonotonicClock, OffloadConfig, RequestId,
+    SharedClock,
 };
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -139,6 +140,8 @@ pub(crate) struct SchedulerCore {
     input: StepInput,
     /// Set when the scheduler runs on a manual clock (tests).
     manual: Option<ManualClock>,
+    /// The scheduler's clock (also the remote tier's, for its deadlines).
+    clock: SharedClock,
     /// Counter values at the last `take_stats` (its counters are deltas).
     last_counters: Counters,
 }
@@ -249,7 +252,7 @@ impl SchedulerCore {
         self.finishing = finishing;
     }
 
-    /// Records vLLM's hash bytes of the keys a store job writes: the job's
+    /// Records vLLM's hash bytes of the keys a store (or fetch) job writes: the job's
     /// keys are chunks of its request in increasing order (chunks the tier
     /// already holds are left out), the first found from the request's end.
     fn remember_store_keys(
@@ -494,7 +497,9 @@ impl SchedulerCore {
             }
         }
         if self.kv_events {
-            for st in &plan.stores {
+            // A fetch job brings chunks into the tier as a store does: its
+            // completion announces them (`BlockStored`) by these hashes.
+            for st in plan.stores.iter().chain(&plan.fetches) {
                 self.remember_store_keys(py, st.req, &st.keys)?;
             }
         }
@@ -537,7 +542,7 @@ impl SchedulerCore {
             Some(c) => c.shared(),
             None => MonotonicClock::shared(),
         };
-        let mut s = Scheduler::new(&cfg, clock).map_err(value_error)?;
+        let mut s = Scheduler::new(&cfg, clock.clone()).map_err(value_error)?;
         if watchdog {
             s.start_watchdog().map_err(runtime_error)?;
         }
@@ -557,7 +562,59 @@ impl SchedulerCore {
             parts: Vec::new(),
             input: StepInput::default(),
             manual,
+            clock,
         })
+    }
+
+    /// Puts a remote tier behind the host tier (`config_json`: the remote
+    /// tier's keys; `namespace`: the deployment's fingerprint, from
+    /// `remote_namespace`): a lookup that misses the host tier asks the store
+    /// ("not yet" until it answers), and chunks found there become fetch
+    /// jobs in the workers' plan, then host hits. Raises `ValueError` for a
+    /// bad configuration, `RuntimeError` if the store refuses the credentials
+    /// or a tier is already attached. An unreachable store is not an error.
+    fn attach_remote(&mut self, config_json: &str, namespace: u64) -> PyResult<()> {
+        if self.s.remote_tier().is_some() {
+            return Err(runtime_error("a remote tier is already attached"));
+        }
+        let tier = crate::remote::start_tier(
+            config_json,
+            namespace,
+            self.cfg.world_size,
+            self.clock.clone(),
+        )?;
+        self.s.attach_remote(tier);
+        Ok(())
+    }
+
+    /// Waits (at most `timeout_s`, real time) until every remote lookup in
+    /// flight is answered, so that the next lookups see the answers (tests:
+    /// decisions independent of the I/O thread's timing; a serving engine
+    /// never calls it).
+    #[pyo3(signature = (timeout_s = 10.0))]
+    fn wait_remote_lookups(&mut self, timeout_s: f64) {
+        let limit = std::time::Duration::from_secs_f64(timeout_s.clamp(0.0, 3600.0));
+        self.s.wait_remote_lookups(limit);
+    }
+
+    /// The remote side's cumulative counts (`lookups`, `chunks_found`,
+    /// `fetch_jobs`, `chunks_fetched`, `fetches_failed`,
+    /// `allocation_failures`, `requests_held`) and, under `tier`, the scheduler's
+    /// own connection's stats; `None` without a tier.
+    fn remote_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let (Some(st), Some(tier)) = (self.s.remote_lookup_stats(), self.s.remote_tier()) else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("lookups", st.lookups)?;
+        d.set_item("chunks_found", st.chunks_found)?;
+        d.set_item("fetch_jobs", st.fetch_jobs)?;
+        d.set_item("chunks_fetched", st.chunks_fetched)?;
+        d.set_item("fetches_failed", st.fetches_failed)?;
+        d.set_item("allocation_failures", st.allocation_failures)?;
+        d.set_item("requests_held", self.s.remote_probes())?;
+        d.set_item("tier", crate::remote::stats_dict(py, &tier.stats())?)?;
+        Ok(Some(d))
     }
 
     /// Moves a manual clock forward (`manual_clock=True` only).
@@ -892,6 +949,7 @@ impl SchedulerCore {
         d.set_item("pinned_chunks", st.manager.pinned)?;
         d.set_item("pending_chunks", st.manager.pending)?;
         d.set_item("cached_chunks", st.manager.cached)?;
+        d.set_item("remote_probes", self.s.remote_probes())?;
         d.set_item("invariants", self.s.check_invariants().err())?;
         Ok(d)
     }

@@ -320,6 +320,75 @@ impl WorkerCore {
         cancelled
     }
 
+    /// Writes every chunk this worker stores through to a remote tier, as
+    /// rank `rank` of `world_size`, and runs the plans' remote fetches from
+    /// it (`config_json` and `namespace` as `SchedulerCore.attach_remote`;
+    /// call before the first step). Raises `ValueError` for a bad
+    /// configuration or rank, `RuntimeError` if the store refuses the
+    /// credentials or a tier is already attached. An unreachable store is
+    /// not an error (puts are dropped and counted, fetches miss).
+    fn attach_remote(
+        &mut self,
+        config_json: &str,
+        namespace: u64,
+        rank: u32,
+        world_size: u32,
+    ) -> PyResult<()> {
+        if rank >= world_size {
+            return Err(value_error(format!(
+                "rank {rank} is out of range: allowed 0..{world_size}"
+            )));
+        }
+        if with_worker!(&self.worker, w => w.remote_tier().is_some()) {
+            return Err(runtime_error("a remote tier is already attached"));
+        }
+        let tier = crate::remote::start_tier(
+            config_json,
+            namespace,
+            world_size,
+            kvoffload::MonotonicClock::shared(),
+        )?;
+        with_worker!(&mut self.worker, w => w.set_remote_tier(tier, rank));
+        Ok(())
+    }
+
+    /// Waits (at most `timeout_s`, real time) until every remote fetch in
+    /// flight has its answers (their reports come at the next
+    /// `get_finished`) and every queued put is written (tests: what a step
+    /// fetches and what another node finds do not depend on the I/O thread's
+    /// timing; a serving engine never calls it). Whether nothing was left
+    /// waiting.
+    #[pyo3(signature = (timeout_s = 10.0))]
+    fn wait_remote(&mut self, py: Python<'_>, timeout_s: f64) -> bool {
+        let limit = Duration::from_secs_f64(timeout_s.clamp(0.0, 3600.0));
+        let start = std::time::Instant::now();
+        with_worker!(&mut self.worker, w => {
+            py.detach(|| {
+                w.wait_fetches(limit);
+                let Some(tier) = w.remote_tier() else {
+                    return true;
+                };
+                while tier.queued_puts() > 0 && start.elapsed() < limit {
+                    // Waiting for the tier's I/O thread to write, not a timer.
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                tier.queued_puts() == 0 && w.pending_fetches() == 0
+            })
+        })
+    }
+
+    /// The worker's remote tier stats (puts written, bytes, drops, fetch
+    /// hits and misses, ...), or `None` without a tier.
+    fn remote_stats<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<Bound<'py, pyo3::types::PyDict>>> {
+        match with_worker!(&self.worker, w => w.remote_tier().map(|t| t.stats())) {
+            Some(st) => crate::remote::stats_dict(py, &st).map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// Jobs submitted and not reported yet.
     fn in_flight(&self) -> usize {
         match &self.worker {

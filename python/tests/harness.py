@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+from unittest import mock
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,10 @@ class Engine:
     #: In place of the worker connectors (a scheduler-only engine): called as
     #: ``fake_worker(worker, metadata)``, returns ``(finished_recving, worker_meta)``.
     fake_worker: Any = None
+    #: A remote tier is configured: each step first waits for the
+    #: scheduler's remote lookups, and each worker for its fetches and puts,
+    #: so what a run decides does not depend on the I/O threads' timing.
+    remote: bool = False
 
     @property
     def connector(self) -> Any:
@@ -157,6 +162,8 @@ class Engine:
     def step(self) -> Any:
         """One engine step; returns the scheduler output."""
         self.steps += 1
+        if self.remote:
+            self.connector._scheduler.core.wait_remote_lookups()
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
         outs = []
@@ -175,6 +182,8 @@ class Engine:
             # Every transfer not stalled on purpose has copied by now: which
             # step a job completes in does not depend on thread timing.
             wc._worker.core.settle()
+            if self.remote:
+                assert wc._worker.core.wait_remote(), "remote fetches or puts still waiting"
             res = wc.get_transfer_results(so.finished_req_ids)
             wmeta = wc.build_connector_worker_meta()
             wc.clear_connector_metadata()
@@ -225,6 +234,12 @@ class Engine:
         return self._output(
             so, KVConnectorOutput(finished_recving=recv or None, kv_connector_worker_meta=wmeta)
         )
+
+    def drain_remote(self) -> None:
+        """Waits until every worker's queued remote puts are written (another
+        node may then find them)."""
+        for wc in self.workers:
+            assert wc._worker.core.wait_remote(), "remote puts still queued"
 
     def flush_async(self) -> None:
         if self.pending is not None:
@@ -321,13 +336,16 @@ def build(
         caches = []
         # A scheduler-only engine has no worker connectors: `fake_worker`
         # answers for them.
-        for _ in range(0 if fake_worker is not None else world_size):
+        for rank in range(0 if fake_worker is not None else world_size):
             wc = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
             cache = {
                 name: torch.zeros(num_gpu_blocks, 2, tpb, HEADS, HEAD_SIZE, dtype=torch.float32)
                 for name in layers
             }
-            wc.register_kv_caches(cache)
+            # vLLM's model-parallel groups do not exist in this process: each
+            # worker is told its rank (the share of a chunk it writes).
+            with mock.patch("kvoffload.vllm._worker_rank", lambda _ws, r=rank: r):
+                wc.register_kv_caches(cache)
             workers.append(wc)
             caches.append(cache)
     init_none_hash(sha256)
@@ -342,6 +360,7 @@ def build(
         hasher=get_request_block_hasher(tpb, sha256),
         world=world_size,
         fake_worker=fake_worker,
+        remote="remote_tier" in extra,
     )
 
 

@@ -83,6 +83,14 @@ impl<B: TransferBackend> OffloadWorker<B> {
     /// host and CUDA backends do); with one that does not, nothing is written
     /// and fetches fail (their requests recompute).
     pub fn with_remote_tier(mut self, tier: RemoteTier, rank: u32) -> Self {
+        self.set_remote_tier(tier, rank);
+        self
+    }
+
+    /// [`Self::with_remote_tier`] on a worker already built (for embedders
+    /// that hold it behind a reference), before its first step. A tier set
+    /// before is dropped, with its fetches in flight (never reported).
+    pub fn set_remote_tier(&mut self, tier: RemoteTier, rank: u32) {
         self.remote = Some(RemoteWrite {
             tier,
             rank,
@@ -91,7 +99,6 @@ impl<B: TransferBackend> OffloadWorker<B> {
             tickets: HashMap::new(),
             answers: Vec::new(),
         });
-        self
     }
 
     /// Fetch jobs started and not reported yet.
