@@ -329,3 +329,45 @@ def test_written_on_eviction_a_prefix_the_host_tier_evicted_is_found_by_another_
     assert r in b.loaded, (remote_stats(b), writes(a), writes(b))
     assert remote_stats(b)["chunks_fetched"] == 10
     leak_free(b)
+
+
+def _pause_clients(url: str, ms: int) -> None:
+    """The store stops answering every client for `ms` (CLIENT PAUSE)."""
+    port = int(url.rsplit(":", 1)[1])
+    out = subprocess.run([REDIS_CLI, "-p", str(port), "client", "pause", str(ms), "all"],
+                         capture_output=True, text=True, timeout=10).stdout
+    assert out.strip() == "OK", out
+
+
+def test_an_abort_and_a_reset_with_a_fetch_in_flight_leak_nothing(redis_url):
+    remote = {"url": redis_url}
+    node_one(remote, 1)
+    b = harness.build(extra=extra_for(remote))
+    core = b.connector._scheduler.core
+    r = b.add(PREFIX + [7, 8, 9], max_tokens=3)
+    b.step()  # the lookup asks the store: "not yet"
+    core.wait_remote_lookups()
+    # The store stalls; the next step plans the fetch, whose answers cannot
+    # come before the abort and the reset below.
+    _pause_clients(redis_url, 1500)
+    b.remote = False
+    b.step()
+    st = remote_stats(b)
+    assert st["fetch_jobs"] == 1 and st["chunks_fetched"] == 0, st
+    assert b.connector.scheduler_state()["jobs"] == 1, "the fetch is in flight"
+    b.scheduler.finish_requests(r, harness.RequestStatus.FINISHED_ABORTED)
+    assert b.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    # The fetch ends after the reset (its late report): nothing of it stays.
+    b.remote = True
+    for _ in range(50):
+        if not core.has_pending_work():
+            break
+        b.step()
+    b.flush_async()
+    leak_free(b)
+    # The engine is whole: the same prefix is fetched and loaded again.
+    r2 = b.add(PREFIX + [4, 5, 6], max_tokens=3)
+    run_checked(b)
+    assert r2 in b.loaded
+    assert remote_stats(b)["fetch_jobs"] == 2
+    leak_free(b)
