@@ -371,3 +371,11 @@ def test_an_abort_and_a_reset_with_a_fetch_in_flight_leak_nothing(redis_url):
     assert r2 in b.loaded
     assert remote_stats(b)["fetch_jobs"] == 2
     leak_free(b)
+
+
+def test_a_worker_rank_needs_vllm_s_groups_beyond_one_worker():
+    from kvoffload.vllm import _worker_rank
+
+    assert _worker_rank(1) == 0
+    with pytest.raises(RuntimeError, match="model parallel"):
+        _worker_rank(2)
