@@ -111,9 +111,16 @@ def redis_url(tmp_path):
     _stop([proc])
 
 
+class Cluster(str):
+    """A cluster's seed URLs, comma-separated (the string), and its servers."""
+
+    procs: list[subprocess.Popen]
+
+
 @pytest.fixture
 def redis_cluster(tmp_path):
-    """A fresh cluster of three masters; its seed URLs, comma-separated."""
+    """A fresh cluster of three masters: its seed URLs, comma-separated (a
+    `Cluster`, which also holds the server processes)."""
     _need_redis()
     ports = [_free_port(cluster_bus=True) for _ in range(3)]
     procs = [
@@ -135,7 +142,9 @@ def redis_cluster(tmp_path):
                 break
             assert time.monotonic() < end, f"the cluster did not come up: {info}"
             time.sleep(0.05)
-        yield ",".join(f"redis://127.0.0.1:{p}" for p in ports)
+        cluster = Cluster(",".join(f"redis://127.0.0.1:{p}" for p in ports))
+        cluster.procs = procs
+        yield cluster
     finally:
         _stop(procs)
 
@@ -379,3 +388,45 @@ def test_a_worker_rank_needs_vllm_s_groups_beyond_one_worker():
     assert _worker_rank(1) == 0
     with pytest.raises(RuntimeError, match="model parallel"):
         _worker_rank(2)
+
+
+def _keys_on(port: int) -> set[str]:
+    out = subprocess.run([REDIS_CLI, "-p", str(port), "--scan"], capture_output=True, text=True,
+                         timeout=10).stdout
+    return set(out.split())
+
+
+def test_a_cluster_master_down_leaves_a_partial_prefix_and_correct_bytes(redis_cluster):
+    # The first node writes its prefix over three masters; then a master that
+    # holds some of its chunks, but not the first, dies. The second node
+    # finds the leading chunks up to the first one on the dead master (a key
+    # there is a miss, whatever the client answers for it), fetches and loads
+    # those, computes the rest, and every byte is right.
+    from kvoffload._native import chunk_key
+
+    remote = {"url": str(redis_cluster), "cluster": True, "connect_timeout_ms": 200,
+              "response_timeout_ms": 500, "op_timeout_ms": 3000}
+    node_one(remote, 1)
+    b = harness.build(extra=extra_for(remote))
+    r = b.add(PREFIX + [7, 8, 9], max_tokens=3)
+    chunks = [f":0:{chunk_key(bytes(h)):016x}" for h in b.scheduler.requests[r].block_hashes[:10]]
+    ports = [int(u.rsplit(":", 1)[1]) for u in str(redis_cluster).split(",")]
+    holder = {}
+    for i, port in enumerate(ports):
+        for k in _keys_on(port):
+            for c, suffix in enumerate(chunks):
+                if k.endswith(suffix):
+                    holder[c] = i
+    assert sorted(holder) == list(range(10)), holder
+    # The master holding the earliest chunk after chunk 0 that chunk 0's
+    # master does not hold.
+    first_lost = next(c for c in range(1, 10) if holder[c] != holder[0])
+    dead = redis_cluster.procs[holder[first_lost]]
+    dead.kill()
+    dead.wait(timeout=10)
+    run_checked(b)
+    st = remote_stats(b)
+    assert st["chunks_found"] == first_lost and st["chunks_fetched"] == first_lost, (first_lost, st)
+    assert st["fetches_failed"] == 0, st
+    assert r in b.loaded
+    leak_free(b)
