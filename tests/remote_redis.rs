@@ -842,7 +842,15 @@ fn on_eviction_the_sim_writes_only_evicted_chunks_and_still_drains_clean() {
         write: WritePolicy::OnEviction,
         ..RemoteTierConfig::for_url(s2.url())
     });
-    let (rt, re) = (through.remote.unwrap(), evicting.remote.unwrap());
+    let printed = evicting.render();
+    let (rt, re) = (through.remote.unwrap(), evicting.remote.clone().unwrap());
+    assert_eq!(
+        (rt.write.as_str(), re.write.as_str()),
+        ("through", "on_eviction")
+    );
+    let printed = evicting.render();
+    assert!(printed.contains("remote tier (on eviction)"), "{printed}");
+    assert!(!printed.contains("write-through"), "{printed}");
     assert!(re.puts_written > 0, "the small tier evicts: {re:?}");
     // Every evicted chunk is written, but not one the remote tier gave back.
     assert!(re.puts_written <= rt.puts_written, "{re:?} vs {rt:?}");

@@ -309,6 +309,9 @@ pub struct SimSummary {
 pub struct RemoteCounts {
     /// The store, password removed.
     pub target: String,
+    /// When the workers wrote: `through` (every stored chunk) or
+    /// `on_eviction` (chunks the host tier evicted).
+    pub write: String,
     /// Chunk shares written.
     pub puts_written: u64,
     /// Value bytes written.
@@ -496,7 +499,11 @@ impl SimSummary {
                 ),
             );
             row(
-                "remote tier (write-through)",
+                if r.write == "on_eviction" {
+                    "remote tier (on eviction)"
+                } else {
+                    "remote tier (write-through)"
+                },
                 format!(
                     "{} chunk shares ({}, {:.2} GB/s) written to {}; {} failed, {} dropped, {} \
                      still queued; {} outages, {}/{} workers connected at the end",

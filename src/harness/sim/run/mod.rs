@@ -444,6 +444,10 @@ impl Sim {
             return Ok(());
         };
         let target = rc.redacted_url();
+        let write = match rc.write {
+            crate::remote::WritePolicy::Through => "through",
+            crate::remote::WritePolicy::OnEviction => "on_eviction",
+        };
         let world = self.pool.world_size() as usize;
         let cmds = vec![
             WorkerCommand {
@@ -458,6 +462,7 @@ impl Sim {
         self.deliver(merged, true)?;
         let mut r = super::summary::RemoteCounts {
             target,
+            write: write.into(),
             ..Default::default()
         };
         if let Some(l) = self.sched.remote_lookup_stats() {
