@@ -842,7 +842,6 @@ fn on_eviction_the_sim_writes_only_evicted_chunks_and_still_drains_clean() {
         write: WritePolicy::OnEviction,
         ..RemoteTierConfig::for_url(s2.url())
     });
-    let printed = evicting.render();
     let (rt, re) = (through.remote.unwrap(), evicting.remote.clone().unwrap());
     assert_eq!(
         (rt.write.as_str(), re.write.as_str()),
