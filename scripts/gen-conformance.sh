@@ -64,6 +64,35 @@ cp "$NOTES/s11000/connector_index.jsonl" "$OUT/connector/seed11000/index.jsonl"
     --count 600 --start-seed 30000 --world-sizes 1,2,3,4,8 --arc-fraction 0.5
 cp "$NOTES/s30000/connector_index.jsonl" "$OUT/connector/seed30000/index.jsonl"
 "$PY" "$ORACLE/vllm_connector_recorder.py" scenarios --out "$OUT/connector/scenarios" --notes-out "$NOTES/scenarios"
+
+# The wide sets, committed packed (one gzipped tar each: scripts/pack-corpus.sh):
+# 2000 more host-tier traces and two reuse-filter sets over them, and 2000 more
+# engine-loop traces (world sizes 1-8, ARC half of the time) with the 220 their
+# seeds set aside.
+WIDE=$NOTES/wide
+"$PY" "$ORACLE/gen_manager_traces.py" --out "$WIDE/m/seed4404" --seed 4404 --lru 1000 --arc 1000
+for cfg in "2 5" "3 64000"; do
+    set -- $cfg
+    "$PY" "$ROOT/scripts/vllm-threshold-oracle.py" --oracle "$ORACLE" "$WIDE/m/seed4404" \
+        "$WIDE/t/seed4404_t$1_k$2" "$1" "$2"
+done
+"$PY" "$ORACLE/vllm_connector_recorder.py" corpus --out "$WIDE/c/seed50000" \
+    --gaps-out "$WIDE/a/seed50000" --notes-out "$NOTES/s50000" \
+    --count 2000 --start-seed 50000 --world-sizes 1,2,3,4,8 --arc-fraction 0.5
+cp "$NOTES/s50000/connector_index.jsonl" "$WIDE/c/seed50000/index.jsonl"
+if [ $CHECK = 1 ]; then
+    # Unpacked and compared below (gzip's bytes may differ between versions).
+    mkdir -p "$OUT/wide"
+    mv "$WIDE"/* "$OUT/wide/"
+else
+    mkdir -p "$OUT/manager" "$OUT/manager_threshold" "$OUT/connector" "$OUT/connector_amended"
+    "$ROOT/scripts/pack-corpus.sh" "$WIDE/m/seed4404" "$OUT/manager/seed4404.tar.gz"
+    for t in seed4404_t2_k5 seed4404_t3_k64000; do
+        "$ROOT/scripts/pack-corpus.sh" "$WIDE/t/$t" "$OUT/manager_threshold/$t.tar.gz"
+    done
+    "$ROOT/scripts/pack-corpus.sh" "$WIDE/c/seed50000" "$OUT/connector/seed50000.tar.gz"
+    "$ROOT/scripts/pack-corpus.sh" "$WIDE/a/seed50000" "$OUT/connector_amended/seed50000.tar.gz"
+fi
 # The example traces whose expected outputs are vLLM's (examples/traces/README.md).
 EX=$ROOT/examples/traces
 if [ $CHECK = 1 ]; then EXOUT=$OUT/examples; else EXOUT=$EX; fi
@@ -87,10 +116,23 @@ if [ $CHECK = 1 ]; then
         cmp -s "$OUT/examples/$t.expected.jsonl" "$EX/$t.expected.jsonl" \
             || { echo "gen-conformance: examples/traces/$t.expected.jsonl differs from vLLM's output" >&2; exit 1; }
     done
-    if diff -r -q -x '*.notes.jsonl' -x 'index.jsonl' "$OUT/manager" "$ROOT/tests/conformance/manager" \
-        && diff -r -q "$OUT/manager_threshold" "$ROOT/tests/conformance/manager_threshold" \
-        && diff -r -q -x 'index.jsonl' "$OUT/connector" "$ROOT/tests/conformance/connector" \
-        && diff -r -q "$OUT/connector_amended" "$ROOT/tests/conformance/connector_amended"; then
+    # The committed packs, unpacked beside the fresh wide sets.
+    PACKED=$(mktemp -d)
+    trap 'rm -rf "$OUT" "$PACKED"' EXIT
+    C=$ROOT/tests/conformance
+    mkdir -p "$PACKED/m" "$PACKED/t" "$PACKED/c" "$PACKED/a"
+    tar -xzf "$C/manager/seed4404.tar.gz" -C "$PACKED/m"
+    for t in seed4404_t2_k5 seed4404_t3_k64000; do tar -xzf "$C/manager_threshold/$t.tar.gz" -C "$PACKED/t"; done
+    tar -xzf "$C/connector/seed50000.tar.gz" -C "$PACKED/c"
+    tar -xzf "$C/connector_amended/seed50000.tar.gz" -C "$PACKED/a"
+    if diff -r -q -x '*.notes.jsonl' -x 'index.jsonl' -x '*.tar.gz' "$OUT/manager" "$C/manager" \
+        && diff -r -q -x '*.tar.gz' "$OUT/manager_threshold" "$C/manager_threshold" \
+        && diff -r -q -x 'index.jsonl' -x '*.tar.gz' "$OUT/connector" "$C/connector" \
+        && diff -r -q -x '*.tar.gz' "$OUT/connector_amended" "$C/connector_amended" \
+        && diff -r -q -x '*.notes.jsonl' "$OUT/wide/m" "$PACKED/m" \
+        && diff -r -q "$OUT/wide/t" "$PACKED/t" \
+        && diff -r -q -x 'index.jsonl' "$OUT/wide/c" "$PACKED/c" \
+        && diff -r -q "$OUT/wide/a" "$PACKED/a"; then
         echo "gen-conformance: the committed corpora are exactly what vLLM generates"
     else
         echo "gen-conformance: the committed corpora differ from a fresh generation" >&2

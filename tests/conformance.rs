@@ -24,12 +24,24 @@
 #[path = "conformance/compare.rs"]
 mod compare;
 
-use std::path::{Path, PathBuf};
+use std::io::Read;
+use std::path::Path;
+
+/// One corpus trace: its name (`<dir>/<seed set>/<stem>`), the trace and
+/// vLLM's expected output.
+struct Trace {
+    name: String,
+    trace: String,
+    expected: String,
+}
 
 /// Every `NAME.trace.jsonl` with its `NAME.expected.jsonl` under
-/// `tests/conformance/<dir>` (subfolders included: one per seed set), sorted.
-fn corpus(dir: &str) -> Vec<(String, PathBuf, PathBuf)> {
-    fn walk(root: &Path, rel: &str, out: &mut Vec<(String, PathBuf, PathBuf)>) {
+/// `tests/conformance/<dir>` (subfolders included: one per seed set), and
+/// those of every packed seed set there (`SET.tar.gz`: a gzipped tar of
+/// `SET/NAME.trace.jsonl` and `SET/NAME.expected.jsonl`, for the large
+/// generated sets), sorted by name.
+fn corpus(dir: &str) -> Vec<Trace> {
+    fn walk(root: &Path, rel: &str, out: &mut Vec<Trace>) {
         let here = root.join(rel);
         let entries =
             std::fs::read_dir(&here).unwrap_or_else(|e| panic!("{}: {e}", here.display()));
@@ -42,24 +54,73 @@ fn corpus(dir: &str) -> Vec<(String, PathBuf, PathBuf)> {
                 .to_string();
             if path.is_dir() {
                 walk(root, &format!("{rel}/{name}"), out);
+            } else if name.ends_with(".tar.gz") {
+                unpack(&path, rel, out);
             } else if let Some(stem) = name.strip_suffix(".trace.jsonl") {
                 let expected = here.join(format!("{stem}.expected.jsonl"));
                 assert!(expected.exists(), "{rel}/{stem}: no expected output");
-                out.push((format!("{rel}/{stem}"), path, expected));
+                out.push(Trace {
+                    name: format!("{rel}/{stem}"),
+                    trace: std::fs::read_to_string(&path).expect("trace"),
+                    expected: std::fs::read_to_string(&expected).expect("expected output"),
+                });
             }
         }
     }
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/conformance");
     let mut out = Vec::new();
     walk(&root, dir, &mut out);
-    out.sort();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
     out
 }
 
-fn replay(trace: &Path) -> Result<String, String> {
-    let text = std::fs::read_to_string(trace).map_err(|e| e.to_string())?;
+/// The traces of a packed seed set, named as if unpacked under `rel`.
+fn unpack(path: &Path, rel: &str, out: &mut Vec<Trace>) {
+    let file = std::fs::File::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(file));
+    let mut traces = std::collections::BTreeMap::<String, (Option<String>, Option<String>)>::new();
+    for entry in archive
+        .entries()
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    {
+        let mut entry = entry.unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let inner = entry
+            .path()
+            .expect("entry path")
+            .to_string_lossy()
+            .to_string();
+        let (stem, is_trace) = if let Some(stem) = inner.strip_suffix(".trace.jsonl") {
+            (stem.to_string(), true)
+        } else if let Some(stem) = inner.strip_suffix(".expected.jsonl") {
+            (stem.to_string(), false)
+        } else {
+            continue;
+        };
+        let mut text = String::new();
+        entry
+            .read_to_string(&mut text)
+            .unwrap_or_else(|e| panic!("{}: {inner}: {e}", path.display()));
+        let slot = traces.entry(stem).or_default();
+        if is_trace {
+            slot.0 = Some(text);
+        } else {
+            slot.1 = Some(text);
+        }
+    }
+    assert!(!traces.is_empty(), "{}: no traces", path.display());
+    for (stem, (trace, expected)) in traces {
+        let name = format!("{rel}/{stem}");
+        out.push(Trace {
+            trace: trace.unwrap_or_else(|| panic!("{name}: no trace")),
+            expected: expected.unwrap_or_else(|| panic!("{name}: no expected output")),
+            name,
+        });
+    }
+}
+
+fn replay(trace: &str) -> Result<String, String> {
     let mut out = Vec::new();
-    kvoffload::harness::replay::run(text.as_bytes(), &mut out).map_err(|e| e.to_string())?;
+    kvoffload::harness::replay::run(trace.as_bytes(), &mut out).map_err(|e| e.to_string())?;
     String::from_utf8(out).map_err(|e| e.to_string())
 }
 
@@ -68,22 +129,18 @@ fn replay(trace: &Path) -> Result<String, String> {
 fn check_corpus(dir: &str) -> usize {
     let traces = corpus(dir);
     let mut bad = Vec::new();
-    for (name, trace, expected) in &traces {
-        let want = std::fs::read_to_string(expected).expect("expected output");
-        let result = replay(trace).and_then(|got| {
-            compare::compare_outputs(&want, &got).map_err(|m| {
+    for t in &traces {
+        let result = replay(&t.trace).and_then(|got| {
+            compare::compare_outputs(&t.expected, &got).map_err(|m| {
                 let input = m
                     .line
-                    .and_then(|l| {
-                        let text = std::fs::read_to_string(trace).ok()?;
-                        text.lines().nth(l as usize - 1).map(str::to_string)
-                    })
+                    .and_then(|l| t.trace.lines().nth(l as usize - 1).map(str::to_string))
                     .unwrap_or_default();
                 format!("line {:?}: {}\n    input: {input}", m.line, m.msg)
             })
         });
         if let Err(e) = result {
-            bad.push(format!("{name}: {e}"));
+            bad.push(format!("{}: {e}", t.name));
         }
     }
     assert!(
@@ -132,12 +189,12 @@ fn stall_extension_matches_its_derived_outputs() {
 /// event and an unexpected error are all caught.
 #[test]
 fn the_comparison_catches_differences() {
-    let (_, trace, expected) = corpus("manager")
+    let t = corpus("manager")
         .into_iter()
-        .find(|(n, _, _)| n.ends_with("seed1101/000"))
+        .find(|t| t.name.ends_with("seed1101/000"))
         .expect("manager/seed1101/000");
-    let want = std::fs::read_to_string(expected).unwrap();
-    let got = replay(&trace).unwrap();
+    let want = t.expected;
+    let got = replay(&t.trace).unwrap();
     compare::compare_outputs(&want, &got).expect("agrees as committed");
     let store_line = got
         .lines()
