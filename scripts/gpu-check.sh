@@ -36,7 +36,12 @@
 #   kvoffload sim --backend cuda            (default strategy table)
 #   kvoffload sim --backend cuda --strategy-table $OUT/strategy-table.json
 #   kvoffload sim --backend cuda --strategy-table $OUT/strategy-table-tuned.json
-# (summaries in $OUT/sim-cuda*.json; exit 1 on any leak or byte mismatch), and the vLLM
+# (summaries in $OUT/sim-cuda*.json; exit 1 on any leak or byte mismatch),
+#   kvoffload sim --backend cuda --nodes 2 --remote-tier redis://127.0.0.1:PORT
+# (the remote tier written from and fetched into the pinned pool, against the
+# Debian redis-server carried from the build machine with the libraries it
+# links that are not glibc's; shown as SKIP, with the reason, where it does
+# not start there), and the vLLM
 # connector's binding over device memory (python/tests/binding_roundtrip.py
 # --backend cuda: store, wipe, load back, compare; no vLLM or torch needed;
 # once more with a strategy table forcing the kernel).
@@ -111,10 +116,52 @@ build() {
     cp python/kvoffload/__init__.py "$carry/python/kvoffload/"
     cp python/tests/binding_roundtrip.py "$carry/python/"
     echo "carried: the Python binding and python/tests/binding_roundtrip.py"
+    carry_redis
     du -sh "$carry"
     echo
     echo "Run on the GPU machine, from the repo root, carrying gpu-carry/ (device tool: carry=[\"gpu-carry\"]):"
     echo "  bash scripts/gpu-check.sh run            # or: bash scripts/gpu-check.sh run --quick"
+}
+
+# Carries this machine's redis-server (Debian's; scripts/setup-redis.sh
+# installs it) and the shared libraries it links, glibc's own left out (the
+# GPU machine's are used), for the remote tier's CUDA sim. Nothing carried,
+# and the run step shows SKIP, where it is not installed.
+carry_redis() {
+    local exe
+    exe=$(command -v redis-server || true)
+    if [[ -z "$exe" ]]; then
+        echo "not carried: redis-server (not installed here: scripts/setup-redis.sh)"
+        return
+    fi
+    mkdir -p "$carry/redis/lib"
+    # redis-server is a link to redis-check-rdb: the name chooses the mode.
+    cp "$(readlink -f "$exe")" "$carry/redis/redis-server"
+    local lib
+    for lib in $(ldd "$exe" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }'); do
+        case "$(basename "$lib")" in
+            libc.so.*|libm.so.*|libpthread.so.*|libdl.so.*|librt.so.*|ld-linux*) ;;
+            *) cp -L "$lib" "$carry/redis/lib/" ;;
+        esac
+    done
+    echo "carried: redis-server ($("$exe" --version | grep -o 'v=[0-9.]*')) and $(ls "$carry/redis/lib" | wc -l) libraries ($(du -sh "$carry/redis" | cut -f1))"
+}
+
+# Starts the carried redis-server on a free loopback port; prints the port,
+# or nothing (and why, on stderr) if it does not start.
+start_redis() {
+    local port=6479 dir
+    dir=$(mktemp -d)
+    [[ -x "$carry/redis/redis-server" ]] || { echo "no redis-server carried" >&2; return; }
+    LD_LIBRARY_PATH="$carry/redis/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        "$carry/redis/redis-server" --port "$port" --bind 127.0.0.1 --dir "$dir" --save "" \
+        --appendonly no --daemonize yes --logfile "$dir/redis.log" >&2 || { echo "redis-server did not start" >&2; return; }
+    local i
+    for i in $(seq 1 100); do
+        if (exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null; then echo "$port"; return; fi
+        sleep 0.05
+    done
+    echo "redis-server did not answer on $port: $(tail -n 3 "$dir/redis.log" 2>/dev/null)" >&2
 }
 
 run() {
@@ -200,6 +247,18 @@ run() {
         step "sim --backend cuda (tuned table)" 90 \
             "$carry/kvoffload" sim --backend cuda --requests "$requests" \
             --strategy-table "$out/strategy-table-tuned.json" --report "$out/sim-cuda-tuned.json"
+    fi
+    local rport
+    rport=$(start_redis 2>"$out/redis-start.err" || true)
+    if [[ -n "$rport" ]]; then
+        step "sim --backend cuda --nodes 2 --remote-tier" 90 \
+            "$carry/kvoffload" sim --backend cuda --requests "$requests" --nodes 2 \
+            --remote-tier "redis://127.0.0.1:$rport" --report "$out/sim-cuda-remote.json"
+        # The server's own shutdown (the carried client is not needed).
+        # shellcheck disable=SC2016
+        bash -c 'exec 3<>/dev/tcp/127.0.0.1/$1; printf "SHUTDOWN NOSAVE\r\n" >&3; sleep 0.2' _ "$rport" || true
+    else
+        summary+=("$(printf '%-44s %-14s' "sim --backend cuda --remote-tier" "SKIP: $(tr '\n' ' ' < "$out/redis-start.err")")")
     fi
     echo
     echo "=== summary: steps"

@@ -19,7 +19,7 @@ use crate::worker::{
 };
 
 use super::content::{ContentChecker, ContentError, GpuMemory, LINE_BYTES};
-use super::workers::{PoolError, PoolGeometry, STEP_WAIT, WorkerPool};
+use super::workers::{PoolError, PoolGeometry, RemoteAttach, STEP_WAIT, WorkerPool, attach_remote};
 
 /// A worker's device buffer as the content check writes and reads it: with
 /// synchronous copies (`DeviceBuffer::upload` and `download`, which bind the
@@ -85,10 +85,14 @@ impl WorkerPool {
     /// of `num_chunks` rows of `blocks_per_chunk` blocks per worker; jobs choose
     /// their copy strategy from `strategies`, one table all the workers read
     /// (replace it through the same handle while they run; its `tuning` is
-    /// applied when the backends are built).
+    /// applied when the backends are built). With `remote`, each worker also
+    /// writes its share of the chunks it stores to its own connection to that
+    /// store and runs the plans' fetches from it, as the host pool's workers
+    /// do ([`WorkerPool::host_with_remote`]).
     pub fn cuda(
         geometry: PoolGeometry,
         strategies: Arc<SharedStrategyTable>,
+        remote: Option<RemoteAttach>,
     ) -> Result<Self, PoolError> {
         let PoolGeometry {
             world_size,
@@ -145,6 +149,7 @@ impl WorkerPool {
                 rank,
                 block_bytes,
             );
+            let remote = remote.clone();
             me.spawn(rank, (dev, Arc::clone(&pool)), checker, move || {
                 let compute = ctx
                     .new_stream()
@@ -156,8 +161,9 @@ impl WorkerPool {
                 // writes them but this pool's jobs.
                 let backend = unsafe { CudaBackend::new(ctx, layout, compute, options) }
                     .map_err(cuda(rank))?;
-                Ok(OffloadWorker::new(FaultInjector::new(backend), true)
-                    .with_wait_timeout(Some(STEP_WAIT)))
+                let w = OffloadWorker::new(FaultInjector::new(backend), true)
+                    .with_wait_timeout(Some(STEP_WAIT));
+                attach_remote(w, rank, world, remote)
             })?;
         }
         Ok(me)
@@ -183,6 +189,7 @@ mod tests {
                 num_chunks: 8,
             },
             table,
+            None,
         ) {
             Ok(p) => {
                 assert_eq!(p.world_size(), 2);

@@ -346,7 +346,7 @@ const REMOTE_FLUSH_WAIT: Duration = Duration::from_secs(30);
 
 /// `w` writing through to its own tier on `remote` (if any), as `rank` of
 /// `world` ranks.
-fn attach_remote<B: TransferBackend>(
+pub(super) fn attach_remote<B: TransferBackend>(
     w: OffloadWorker<B>,
     rank: u32,
     world: u32,

@@ -280,19 +280,13 @@ impl Sim {
         };
         let pool = match (&opts.backend, remote) {
             (SimBackend::Host, Some(r)) => WorkerPool::host_with_remote(geometry, r)?,
-            (SimBackend::Cuda { .. }, Some(_)) => {
-                return Err(SimError::Options(
-                    "the sim attaches a remote tier to host-backend workers only (its CUDA \
-                     worker pool does not take one yet)"
-                        .into(),
-                ));
-            }
             (SimBackend::Host, None) => WorkerPool::new(geometry)?,
-            (SimBackend::Cuda { strategies }, None) => WorkerPool::cuda(
+            (SimBackend::Cuda { strategies }, remote) => WorkerPool::cuda(
                 geometry,
                 std::sync::Arc::new(crate::worker::cuda::SharedStrategyTable::new(
                     strategies.clone(),
                 )),
+                remote,
             )?,
         };
         let tpb = u64::from(cfg.tokens_per_block.max(1));
