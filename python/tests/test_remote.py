@@ -430,3 +430,17 @@ def test_a_cluster_master_down_leaves_a_partial_prefix_and_correct_bytes(redis_c
     assert st["fetches_failed"] == 0, st
     assert r in b.loaded
     leak_free(b)
+
+
+def test_the_namespace_separates_every_part():
+    from kvoffload._native import remote_namespace
+
+    base = ("org/model@rev|", "vllm-per-layer-LBHNC|FullAttentionSpec|2|4|torch.float32", 16, 1, 2048, 2)
+    ns = remote_namespace(*base)
+    assert ns == remote_namespace(*base), "deterministic"
+    for i in range(len(base)):
+        other = list(base)
+        other[i] = other[i] + "x" if isinstance(other[i], str) else other[i] + 1
+        assert remote_namespace(*other) != ns, f"part {i} does not change the namespace"
+    # Free-text parts are length-prefixed: moving text across them changes it.
+    assert remote_namespace("ab", "c", *base[2:]) != remote_namespace("a", "bc", *base[2:])
