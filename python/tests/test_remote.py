@@ -134,13 +134,18 @@ def redis_cluster(tmp_path):
              "--cluster-replicas", "0", "--cluster-yes"],
             check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=60,
         )
+        # Until every node says the cluster is ok and knows all three
+        # (the cluster is converging: not a timer).
         end = time.monotonic() + 20
         while True:
-            info = subprocess.run([REDIS_CLI, "-p", str(ports[0]), "cluster", "info"],
-                                  capture_output=True, text=True, timeout=10).stdout
-            if "cluster_state:ok" in info:
+            infos = [
+                subprocess.run([REDIS_CLI, "-p", str(p), "cluster", "info"],
+                               capture_output=True, text=True, timeout=10).stdout
+                for p in ports
+            ]
+            if all("cluster_state:ok" in i and "cluster_known_nodes:3" in i for i in infos):
                 break
-            assert time.monotonic() < end, f"the cluster did not come up: {info}"
+            assert time.monotonic() < end, f"the cluster did not come up: {infos}"
             time.sleep(0.05)
         cluster = Cluster(",".join(f"redis://127.0.0.1:{p}" for p in ports))
         cluster.procs = procs
