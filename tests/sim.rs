@@ -7,7 +7,7 @@ use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 
 use kvoffload::harness::sim::limits::derived_progress_limit;
-use kvoffload::harness::sim::{FaultRates, Sim, SimError, SimOptions, default_config};
+use kvoffload::harness::sim::{FaultCounts, FaultRates, Sim, SimError, SimOptions, default_config};
 use kvoffload::metrics::{MetricsServer, SharedMetricsText};
 use serde_json::Value;
 
@@ -51,6 +51,18 @@ fn sim_under_faults_detects_every_stall_and_drains_to_zero_leaks() {
     );
 }
 
+/// Every stall the watchdog declared has a named cause: an injected stall,
+/// an injected late report past the timeout, or a job queued behind one on
+/// its worker (a worker reports one direction's jobs in order).
+fn assert_every_stall_has_a_named_cause(f: &FaultCounts, context: &str) {
+    assert_eq!(
+        f.stalled_stores + f.stalled_loads,
+        f.injected_stalls_detected + f.late_reports_detected + f.queued_behind_late_detected,
+        "{context}: every detected stall has a named cause: {f:?}"
+    );
+    assert_eq!(f.other_stalls_detected, 0, "{context}: {f:?}");
+}
+
 /// One faulty run's checks; returns its cancellations.
 fn faulty_run_drains_clean(seed: u64) -> u64 {
     let out = Sim::new(default_config(), opts(seed, 300, heavy_faults()))
@@ -75,15 +87,7 @@ fn faulty_run_drains_clean(seed: u64) -> u64 {
         f.injected_stalls,
         "{f:?}"
     );
-    // Every stall the watchdog declared has a named cause: an injected stall,
-    // an injected late report past the timeout, or a job queued behind one on
-    // its worker (a worker reports one direction's jobs in order).
-    assert_eq!(
-        f.stalled_stores + f.stalled_loads,
-        f.injected_stalls_detected + f.late_reports_detected + f.queued_behind_late_detected,
-        "{f:?}"
-    );
-    assert_eq!(f.other_stalls_detected, 0, "{f:?}");
+    assert_every_stall_has_a_named_cause(f, &format!("seed {seed}"));
     assert!(f.late_reports_detected > 0, "{f:?}");
     assert!(s.longest_steps_without_progress <= s.progress_limit_steps);
     assert!(f.stalled_loads > 0 && f.stalled_stores > 0, "{f:?}");
@@ -158,12 +162,7 @@ fn stalls_queued_behind_a_late_pre_reset_job_have_a_named_cause() {
             f.resets > 10 && f.queued_behind_late_detected > 0,
             "seed {seed}: {f:?}"
         );
-        assert_eq!(
-            f.stalled_stores + f.stalled_loads,
-            f.injected_stalls_detected + f.late_reports_detected + f.queued_behind_late_detected,
-            "seed {seed}: every detected stall has a named cause: {f:?}"
-        );
-        assert_eq!(f.other_stalls_detected, 0, "seed {seed}: {f:?}");
+        assert_every_stall_has_a_named_cause(f, &format!("seed {seed}"));
     }
 }
 
