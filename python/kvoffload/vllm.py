@@ -80,7 +80,7 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     #: ``{"load"|"store": [bytes, seconds, [sizes]]}``.
     stats: dict[str, list[Any]] = field(default_factory=dict)
     #: The remote tier's write counters since the last report
-    #: (``{"bytes_put": n, "puts_written": n, "puts_failed": n, "puts_dropped": n}``).
+    #: (``{"bytes_put": n, "puts_failed": n, "puts_dropped": n}``, non-zero ones).
     remote: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
@@ -183,6 +183,25 @@ _REMOTE_WRITE_COUNTERS = {
     "puts_failed": "kvoffload_remote_puts_failed",
     "puts_dropped": "kvoffload_remote_puts_dropped",
 }
+
+#: The scheduler's remote counters (``SchedulerCore.remote_stats``) and their metrics.
+_REMOTE_LOOKUP_COUNTERS = {
+    "chunks_found": "kvoffload_remote_chunks_found",
+    "chunks_fetched": "kvoffload_remote_chunks_fetched",
+    "fetches_failed": "kvoffload_remote_fetches_failed",
+}
+
+
+def _increments(now: dict[str, Any], last: dict[str, int], keys: Iterable[str]) -> dict[str, int]:
+    """The non-zero increments of the cumulative counters `keys` of `now`
+    since `last`, which is brought up to `now`."""
+    out = {}
+    for key in keys:
+        n = now[key] - last.get(key, 0)
+        last[key] = now[key]
+        if n:
+            out[key] = n
+    return out
 
 
 def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
@@ -452,15 +471,8 @@ class _SchedulerSide:
         out.set_gauge("kvoffload_quarantined_chunks", st["quarantined_chunks"])
         remote = self.core.remote_stats()
         if remote is not None:
-            for key, name in (
-                ("chunks_found", "kvoffload_remote_chunks_found"),
-                ("chunks_fetched", "kvoffload_remote_chunks_fetched"),
-                ("fetches_failed", "kvoffload_remote_fetches_failed"),
-            ):
-                n = remote[key] - self.remote_last.get(key, 0)
-                self.remote_last[key] = remote[key]
-                if n:
-                    out.increase_counter(name, n)
+            for key, n in _increments(remote, self.remote_last, _REMOTE_LOOKUP_COUNTERS).items():
+                out.increase_counter(_REMOTE_LOOKUP_COUNTERS[key], n)
             out.set_gauge("kvoffload_remote_connected", int(remote["tier"]["connected"]))
         if not self.info_sent:
             out.set_info([self.info])
@@ -599,11 +611,8 @@ class _WorkerSide:
                 mine[2].extend(sizes)
         remote = self.core.remote_stats()
         if remote is not None:
-            for key in _REMOTE_WRITE_COUNTERS:
-                n = remote[key] - self.remote_last.get(key, 0)
-                self.remote_last[key] = remote[key]
-                if n:
-                    self.meta.remote[key] = self.meta.remote.get(key, 0) + n
+            for key, n in _increments(remote, self.remote_last, _REMOTE_WRITE_COUNTERS).items():
+                self.meta.remote[key] = self.meta.remote.get(key, 0) + n
         recv, self.finished_recving = self.finished_recving, set()
         return set(), recv
 

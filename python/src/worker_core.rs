@@ -368,11 +368,8 @@ impl WorkerCore {
                 let Some(tier) = w.remote_tier() else {
                     return true;
                 };
-                while tier.queued_puts() > 0 && start.elapsed() < limit {
-                    // Waiting for the tier's I/O thread to write, not a timer.
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                tier.queued_puts() == 0 && w.pending_fetches() == 0
+                tier.wait_queued_puts(limit.saturating_sub(start.elapsed()))
+                    && w.pending_fetches() == 0
             })
         })
     }

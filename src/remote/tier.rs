@@ -295,6 +295,18 @@ impl RemoteTier {
         self.counters.puts_queued.load(Ordering::Relaxed)
     }
 
+    /// Waits (in real time, at most `limit`) until the I/O thread has handled
+    /// every queued put; whether none is left. For tools and tests (another
+    /// node must find what this one wrote): the engine's step never waits.
+    pub fn wait_queued_puts(&self, limit: Duration) -> bool {
+        let start = std::time::Instant::now();
+        while self.queued_puts() > 0 && start.elapsed() < limit {
+            // Waiting for the I/O thread to write, not a timer of the engine.
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.queued_puts() == 0
+    }
+
     /// Lookups and fetches not answered yet.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len() + self.ready.len()

@@ -369,11 +369,7 @@ pub(super) fn attach_remote<B: TransferBackend>(
 /// bound passed: the stats then show them as queued).
 fn remote_report<B: TransferBackend>(w: &OffloadWorker<B>) -> Option<RemoteStats> {
     let tier = w.remote_tier()?;
-    let t0 = std::time::Instant::now();
-    while tier.queued_puts() > 0 && t0.elapsed() < REMOTE_FLUSH_WAIT {
-        // Waiting for the I/O thread to write (not a timer of the engine).
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    tier.wait_queued_puts(REMOTE_FLUSH_WAIT);
     Some(tier.stats())
 }
 
