@@ -79,8 +79,8 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     failed: set[int] = field(default_factory=set)
     #: ``{"load"|"store": [bytes, seconds, [sizes]]}``.
     stats: dict[str, list[Any]] = field(default_factory=dict)
-    #: The remote tier's write counters since the last report
-    #: (``{"bytes_put": n, "puts_failed": n, "puts_dropped": n}``, non-zero ones).
+    #: The remote tier's worker counters since the last report (the non-zero
+    #: ones of ``_REMOTE_WORKER_COUNTERS``: writes, and the fetches' reads).
     remote: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
@@ -152,7 +152,7 @@ STALL_METRICS = {
 }
 
 #: The remote tier's metrics (with ``remote_tier`` configured): the
-#: scheduler's lookups and fetches, the workers' writes (summed over workers).
+#: scheduler's lookups and fetches, the workers' writes and reads (summed over workers).
 REMOTE_METRICS = {
     "kvoffload_remote_chunks_found": OffloadingCounterMetadata(
         documentation="Chunks the remote store held when a lookup missed the host tier.",
@@ -172,16 +172,34 @@ REMOTE_METRICS = {
     "kvoffload_remote_puts_dropped": OffloadingCounterMetadata(
         documentation="Chunk shares not written: queue full, store unreachable or value too large.",
     ),
+    "kvoffload_remote_shares_fetched": OffloadingCounterMetadata(
+        documentation="Chunk shares the workers read back from the remote store and accepted.",
+    ),
+    "kvoffload_remote_shares_missed": OffloadingCounterMetadata(
+        documentation="Chunk shares the workers asked for and did not get "
+        "(absent, rejected, store unreachable or timed out).",
+    ),
+    "kvoffload_remote_values_rejected": OffloadingCounterMetadata(
+        documentation="Values read back and rejected: corrupt, truncated, foreign or oversized.",
+    ),
+    "kvoffload_remote_bytes_read": OffloadingCounterMetadata(
+        documentation="Bytes the workers read back from the remote store (accepted or not).",
+    ),
     "kvoffload_remote_connected": OffloadingGaugeMetadata(
         documentation="1 while the scheduler's connection to the remote store is up.",
     ),
 }
 
-#: The worker's remote counters reported to the scheduler.
-_REMOTE_WRITE_COUNTERS = {
+#: The worker's remote counters (``WorkerCore.remote_stats``: its writes and
+#: its fetches' reads) reported to the scheduler, and their metrics.
+_REMOTE_WORKER_COUNTERS = {
     "bytes_put": "kvoffload_remote_bytes_written",
     "puts_failed": "kvoffload_remote_puts_failed",
     "puts_dropped": "kvoffload_remote_puts_dropped",
+    "hits": "kvoffload_remote_shares_fetched",
+    "misses": "kvoffload_remote_shares_missed",
+    "rejected_values": "kvoffload_remote_values_rejected",
+    "bytes_got": "kvoffload_remote_bytes_read",
 }
 
 #: The scheduler's remote counters (``SchedulerCore.remote_stats``) and their metrics.
@@ -397,7 +415,7 @@ class _SchedulerSide:
             for r in rejected:
                 logger.warning("kvoffload: rejected worker report %s", r)
         for key, n in meta.remote.items():
-            name = _REMOTE_WRITE_COUNTERS.get(key)
+            name = _REMOTE_WORKER_COUNTERS.get(key)
             if name is not None and n:
                 self.stats.increase_counter(name, n)
         for name, (b, t, sizes) in meta.stats.items():
@@ -487,7 +505,7 @@ class _WorkerSide:
         self.cfg = cfg
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
-        #: The remote write counters already reported.
+        #: The remote worker counters already reported.
         self.remote_last: dict[str, int] = {}
         self.core: WorkerCore | None = None
         # The CUDA stream transfers are ordered after (kept alive here).
@@ -611,7 +629,7 @@ class _WorkerSide:
                 mine[2].extend(sizes)
         remote = self.core.remote_stats()
         if remote is not None:
-            for key, n in _increments(remote, self.remote_last, _REMOTE_WRITE_COUNTERS).items():
+            for key, n in _increments(remote, self.remote_last, _REMOTE_WORKER_COUNTERS).items():
                 self.meta.remote[key] = self.meta.remote.get(key, 0) + n
         recv, self.finished_recving = self.finished_recving, set()
         return set(), recv

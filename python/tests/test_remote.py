@@ -234,6 +234,10 @@ def test_a_prefix_computed_on_one_node_is_loaded_on_another_with_its_bytes(store
     assert prom.value("kvoffload_remote_chunks_fetched_total") == 10
     assert prom.value("kvoffload_remote_connected") == 1
     assert prom.value("kvoffload_remote_bytes_written_total") == fetched["bytes_put"] > 0
+    # The workers' reads, summed over the workers.
+    assert prom.value("kvoffload_remote_shares_fetched_total") == 10 * world_size
+    assert prom.value("kvoffload_remote_bytes_read_total") == fetched["bytes_got"] > 0
+    assert not prom.value("kvoffload_remote_shares_missed_total"), "never increased"
     # The fetched chunks entered the host tier: vLLM's KV events announce
     # them by vLLM's own block hashes (then the new request's own stores).
     assert stored[:10] == hashes[:10], (stored, hashes)
@@ -345,12 +349,44 @@ def test_written_on_eviction_a_prefix_the_host_tier_evicted_is_found_by_another_
     leak_free(b)
 
 
+def _redis_cli(url: str, *args: str) -> str:
+    port = int(url.rsplit(":", 1)[1])
+    return subprocess.run([REDIS_CLI, "-p", str(port), *args], capture_output=True, text=True,
+                          timeout=10).stdout.strip()
+
+
 def _pause_clients(url: str, ms: int) -> None:
     """The store stops answering every client for `ms` (CLIENT PAUSE)."""
-    port = int(url.rsplit(":", 1)[1])
-    out = subprocess.run([REDIS_CLI, "-p", str(port), "client", "pause", str(ms), "all"],
-                         capture_output=True, text=True, timeout=10).stdout
-    assert out.strip() == "OK", out
+    out = _redis_cli(url, "client", "pause", str(ms), "all")
+    assert out == "OK", out
+
+
+def test_chunks_gone_between_the_lookup_and_the_fetch_are_recomputed(redis_url):
+    # The lookup finds the prefix; then the store loses it (an operator's
+    # FLUSHALL, an eviction under maxmemory) before the workers read it. The
+    # fetch fails, the request computes its prefix, and nothing leaks.
+    remote = {"url": redis_url}
+    node_one(remote, 2)
+    b = harness.build(world_size=2, extra=extra_for(remote))
+    prom = harness.PromRecorder(b)
+    core = b.connector._scheduler.core
+    r = b.add(PREFIX + [7, 8, 9], max_tokens=3)
+    b.step()  # the lookup asks the store: "not yet"
+    core.wait_remote_lookups()
+    assert _redis_cli(redis_url, "flushall") == "OK"
+    checked = run_checked(b)
+    assert checked > 0, "the request finished with the right KV"
+    assert r not in b.loaded and r not in b.failed, "nothing was loaded: the tokens were computed"
+    st = remote_stats(b)
+    assert st["chunks_found"] == 10 and st["fetch_jobs"] == 1, st
+    assert st["chunks_fetched"] == 0 and st["fetches_failed"] == 1, st
+    w = writes(b)
+    assert w["hits"] == 0 and w["misses"] == 10 * 2, w
+    assert prom.value("kvoffload_remote_fetches_failed_total") == 1
+    assert prom.value("kvoffload_remote_shares_missed_total") == 10 * 2
+    assert not prom.value("kvoffload_remote_shares_fetched_total"), "never increased"
+    leak_free(b)
+    assert b.connector.scheduler_state()["remote_probes"] == 0
 
 
 def test_an_abort_and_a_reset_with_a_fetch_in_flight_leak_nothing(redis_url):
