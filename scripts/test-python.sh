@@ -12,6 +12,11 @@ PY=$(scripts/setup-vllm.sh)
 # maturin (the build backend) runs its own executable from the venv.
 export PATH="$(dirname "$PY"):$PATH"
 root="${KVOFFLOAD_VLLM_ROOT:-$HOME/.cache/kvoffload}"
+# The binding's own Rust unit tests (next to its code in python/src), linked
+# to the venv's libpython (maturin builds the extension module without it).
+echo "test-python: the binding's Rust unit tests (cargo test in python/)"
+libdir=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))")
+(cd python && PYO3_PYTHON="$PY" LD_LIBRARY_PATH="$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --quiet)
 echo "test-python: pip install ./python into $(dirname "$(dirname "$PY")")"
 # No build isolation: maturin comes from the venv (pinned there), and the
 # Rust build reuses python/target between runs.

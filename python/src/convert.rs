@@ -71,3 +71,100 @@ pub(crate) fn block_list(ids: &Bound<'_, PyAny>) -> PyResult<Vec<GpuBlockId>> {
 pub(crate) fn blocks(ids: &[u32]) -> Vec<GpuBlockId> {
     ids.iter().map(|&b| GpuBlockId(b)).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_digest_s_first_eight_bytes_are_the_key_with_the_top_bit_cleared() {
+        let mut h = [0u8; 32];
+        h[..8].copy_from_slice(&0xF123_4567_89AB_CDEFu64.to_le_bytes());
+        h[8] = 0xFF; // bytes past the eighth do not matter
+        assert_eq!(block_hash(&h), BlockHash(0x7123_4567_89AB_CDEF));
+        let mut other = h;
+        other[31] = 1;
+        assert_eq!(block_hash(&other), block_hash(&h));
+        assert_eq!(block_hash(&h[..8]), block_hash(&h));
+    }
+
+    #[test]
+    fn short_hashes_are_folded_and_stay_apart() {
+        let keys: Vec<BlockHash> = [&b""[..], b"\x00", b"\x01", b"\x00\x00", b"abcdefg"]
+            .iter()
+            .map(|h| block_hash(h))
+            .collect();
+        for (i, a) in keys.iter().enumerate() {
+            assert!(a.0 < 1 << 63, "{a:?} prints as a plain integer");
+            for b in &keys[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+        // FNV-1a of the empty input is its offset basis (top bit cleared).
+        assert_eq!(keys[0], BlockHash(0xcbf2_9ce4_8422_2325 & (u64::MAX >> 1)));
+    }
+
+    /// Runs `f` with the interpreter (started once per test binary).
+    pub(crate) fn with_python<R>(f: impl for<'py> FnOnce(Python<'py>) -> R) -> R {
+        Python::initialize();
+        Python::attach(f)
+    }
+
+    #[test]
+    fn ints_are_read_exactly_and_out_of_range_ones_refused() {
+        with_python(|py| {
+            let read = |src: &str| {
+                let v = py
+                    .eval(&std::ffi::CString::new(src).unwrap(), None, None)
+                    .unwrap();
+                int_u64(v.as_borrowed())
+            };
+            assert_eq!(read("0").ok(), Some(0));
+            assert_eq!(
+                read("2**64 - 1").ok(),
+                Some(u64::MAX),
+                "the largest u64 is not an error"
+            );
+            assert_eq!(
+                read("True").ok(),
+                Some(1),
+                "an int subclass goes through pyo3"
+            );
+            for bad in ["-1", "2**64", "1.5", "'7'", "None"] {
+                let e = read(bad).expect_err(bad);
+                assert!(
+                    !PyErr::occurred(py),
+                    "{bad}: the error is returned, not left set"
+                );
+                let overflow = e.is_instance_of::<pyo3::exceptions::PyOverflowError>(py);
+                assert_eq!(overflow, bad.starts_with(['-', '2']), "{bad}: {e}");
+            }
+        });
+    }
+
+    #[test]
+    fn block_lists_come_from_lists_and_other_sequences() {
+        with_python(|py| {
+            let read = |src: &str| {
+                let v = py
+                    .eval(&std::ffi::CString::new(src).unwrap(), None, None)
+                    .unwrap();
+                block_list(&v)
+            };
+            assert_eq!(read("[4, 2]").ok(), Some(blocks(&[4, 2])));
+            assert_eq!(read("(4, 2)").ok(), Some(blocks(&[4, 2])));
+            assert_eq!(read("[]").ok(), Some(vec![]));
+            for bad in ["[-1]", "[2**32]", "['a']", "[1, None]", "7"] {
+                assert!(read(bad).is_err(), "{bad}");
+            }
+        });
+    }
+
+    #[test]
+    fn block_ids_keep_their_order() {
+        assert_eq!(
+            blocks(&[3, 1, u32::MAX]),
+            vec![GpuBlockId(3), GpuBlockId(1), GpuBlockId(u32::MAX)]
+        );
+    }
+}

@@ -44,3 +44,33 @@ impl Names {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_name_keeps_its_id_until_forgotten_and_then_gets_a_new_one() {
+        let mut n = Names::default();
+        let a = n.intern("req-a");
+        let b = n.intern("req-b");
+        assert_ne!(a, b);
+        assert_eq!(n.intern("req-a"), a);
+        assert_eq!(n.get("req-a").ok(), Some(a));
+        assert_eq!(n.name(b), "req-b");
+        n.forget(a);
+        assert!(n.get("req-a").is_err(), "a forgotten name is unknown");
+        assert_eq!(n.name(a), "", "a forgotten id has no name");
+        assert!(n.ids.len() == 1 && n.names.len() == 1);
+        let again = n.intern("req-a");
+        assert!(again != a && again != b, "ids are never reused");
+    }
+
+    #[test]
+    fn forgetting_an_unknown_id_changes_nothing() {
+        let mut n = Names::default();
+        let a = n.intern("x");
+        n.forget(RequestId(a.0 + 100));
+        assert_eq!(n.get("x").ok(), Some(a));
+    }
+}

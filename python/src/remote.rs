@@ -107,3 +107,45 @@ pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &RemoteStats) -> PyResult<Boun
     d.set_item("get_seconds", s.get_latency.sum())?;
     Ok(d)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fingerprint(change: impl FnOnce(&mut (String, String, u32, u32, u64, u32))) -> u64 {
+        let mut p = ("m@rev".to_owned(), "LBHNC".to_owned(), 16, 4, 4096, 2);
+        change(&mut p);
+        remote_namespace(p.0, p.1, p.2, p.3, p.4, p.5)
+    }
+
+    #[test]
+    fn every_part_of_the_namespace_separates() {
+        let base = fingerprint(|_| {});
+        assert_eq!(
+            fingerprint(|_| {}),
+            base,
+            "the same parts, the same namespace"
+        );
+        let changed = [
+            fingerprint(|p| p.0.push('x')),
+            fingerprint(|p| p.1 = "NLBHC".to_owned()),
+            fingerprint(|p| p.2 = 32),
+            fingerprint(|p| p.3 = 8),
+            fingerprint(|p| p.4 = 8192),
+            fingerprint(|p| p.5 = 4),
+        ];
+        for (i, f) in changed.iter().enumerate() {
+            assert_ne!(*f, base, "part {i}");
+        }
+    }
+
+    #[test]
+    fn a_good_configuration_is_checked_without_its_password() {
+        let url = check_remote_config(r#"{"url": "redis://:hunter2@127.0.0.1:6379"}"#)
+            .expect("a good configuration");
+        assert!(!url.contains("hunter2"), "{url}");
+        assert!(url.contains("127.0.0.1:6379"), "{url}");
+        assert!(check_remote_config(r#"{"url": "redis://127.0.0.1:6379", "bogus": 1}"#).is_err());
+        assert!(check_remote_config("{not json").is_err());
+    }
+}
