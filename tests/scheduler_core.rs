@@ -125,6 +125,42 @@ fn a_pending_chunk_beyond_the_last_useful_one_does_not_defer() {
     assert_eq!(h.lookup(1, 8), LookupOutcome::Defer);
 }
 
+/// The chunks a lookup's scan found (vLLM's `record_lookup` set for its
+/// self-describing KV events): the leading run of hit or pending chunks from
+/// the computed boundary, whatever the answer made of it.
+#[test]
+fn last_lookup_hits_is_the_scanned_run() {
+    let mut h = H::new(Geo::default());
+    h.add(1, 1, 16); // 4 chunks of 1 block
+    let m = h.s.manager_mut();
+    // chunk 0 hit, chunk 1 pending, chunk 2 miss, chunk 3 hit.
+    m.prepare_store(&[key(1, 0, 1), key(1, 1, 1), key(1, 3, 1)], None)
+        .unwrap();
+    m.complete_store(&[key(1, 0, 1), key(1, 3, 1)], StoreOutcome::Success, None)
+        .unwrap();
+    // Deferred by the pending chunk: both leading chunks were found.
+    assert_eq!(h.lookup(1, 0), LookupOutcome::Defer);
+    assert_eq!(h.s.last_lookup_hits(), Some(0..2));
+    // From 4 computed tokens the scan starts at chunk 1.
+    assert_eq!(h.lookup(1, 4), LookupOutcome::Defer);
+    assert_eq!(h.s.last_lookup_hits(), Some(1..2));
+    // From 8 the scan misses at once.
+    assert_eq!(h.lookup(1, 8), LookupOutcome::Hit(0));
+    assert_eq!(h.s.last_lookup_hits(), Some(2..2));
+    // Less than a chunk left to find: nothing is scanned.
+    assert_eq!(h.lookup(1, 13), LookupOutcome::Hit(0));
+    assert_eq!(h.s.last_lookup_hits(), None);
+    // The request's own job in flight defers before any scan.
+    h.s.manager_mut()
+        .complete_store(&[key(1, 1, 1)], StoreOutcome::Success, None)
+        .unwrap();
+    assert_eq!(h.lookup(1, 0), LookupOutcome::Hit(8));
+    assert_eq!(h.s.last_lookup_hits(), Some(0..2));
+    h.alloc(1, &b(1..=4), 8);
+    assert_eq!(h.lookup(1, 0), LookupOutcome::Defer);
+    assert_eq!(h.s.last_lookup_hits(), None);
+}
+
 #[test]
 fn pending_transfer_defers_prefix_lookup_and_clears_blocks() {
     let mut h = H::new(Geo::default());

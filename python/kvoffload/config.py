@@ -35,7 +35,7 @@ KEYS: dict[str, str] = {
     "stall_timeout_s": "seconds after which a transfer job is declared stalled (kvoffload; default 300)",
     "stall_scan_interval_s": "seconds between the stall watchdog's scans (kvoffload; default 10)",
     "spec_name": 'accepted for compatibility only as "CPUOffloadingSpec"',
-    "self_describing_kv_events": "accepted only as false (vLLM's default): KV events carry each chunk's key hash, as vLLM's placeholder events",
+    "self_describing_kv_events": "KV events carry each stored chunk's block hashes, tokens, parent hash and LoRA, as vLLM's (vLLM's key, default false: each chunk's key hash only)",
     "strategy_table": "path of a CUDA strategy table written by `kvoffload bench --calibrate` (kvoffload; CUDA KV caches; default: the built-in table)",
     "remote_tier": "a Redis (or Redis Cluster) store shared across nodes, as a dict (or its JSON) of the remote tier's keys (docs/remote-tier.md: url, cluster, username, password, tls_ca_file, timeouts, write, ...) plus 'deployment', a text kept in the namespace (kvoffload; default: no remote tier)",
 }
@@ -155,6 +155,9 @@ class EngineConfig:
     remote_tier_json: str | None = field(default=None, repr=False)
     #: A text the operator adds to the remote tier's namespace.
     remote_deployment: str = ""
+    #: KV events carry each chunk's block hashes, tokens, parent and LoRA
+    #: (vLLM's ``self_describing_kv_events``; effective with KV events on).
+    self_describing_kv_events: bool = False
 
     def to_json(self) -> str:
         """The configuration in the Rust library's keys."""
@@ -190,12 +193,6 @@ class EngineConfig:
             allowed = ", ".join(sorted(KEYS))
             raise ValueError(
                 f"kv_connector_extra_config: unknown key {unknown[0]!r} (allowed: {allowed})"
-            )
-        if extra.get("self_describing_kv_events", False) not in (False, 0, "false", "False"):
-            raise ValueError(
-                "kv_connector_extra_config: self_describing_kv_events = "
-                f"{extra['self_describing_kv_events']!r} is not supported: kvoffload emits "
-                "vLLM's placeholder KV events (each chunk's key hash; leave the key out)"
             )
         spec = extra.get("spec_name", "CPUOffloadingSpec")
         if spec != "CPUOffloadingSpec":
@@ -266,4 +263,5 @@ class EngineConfig:
             strategy_table=table,
             remote_tier_json=remote,
             remote_deployment=deployment,
+            self_describing_kv_events=_bool(extra, "self_describing_kv_events", False),
         )

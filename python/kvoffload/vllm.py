@@ -30,6 +30,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+    get_offloading_event_group_spec,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
     OffloadPromMetrics,
@@ -309,8 +312,19 @@ class _SchedulerSide:
         self.cfg = cfg
         events = vllm_config.kv_events_config
         # As vLLM's manager: no KV events unless vLLM publishes them.
+        publish = bool(events is not None and events.enable_kv_cache_events)
         self.core = SchedulerCore(
-            cfg.to_json(), kv_events=bool(events is not None and events.enable_kv_cache_events)
+            cfg.to_json(),
+            kv_events=publish,
+            self_describing=publish and cfg.self_describing_kv_events,
+        )
+        #: The events' payload shape: self-describing events carry the KV
+        #: group's kind (and window) in every ``BlockStored``.
+        self.self_describing = publish and cfg.self_describing_kv_events
+        self.event_spec = (
+            get_offloading_event_group_spec(kv_cache_config.kv_cache_groups[0])
+            if self.self_describing
+            else None
         )
         #: The remote stats already reported (the payload carries increments).
         self.remote_last: dict[str, int] = {}
@@ -437,24 +451,45 @@ class _SchedulerSide:
         return False, None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """vLLM's placeholder KV events (its default, without
-        ``self_describing_kv_events``): a ``BlockStored`` per stored chunk
-        and a ``BlockRemoved`` per eviction, each naming chunks by the hash
-        of their last block."""
-        for removed, metadata_only, hashes in self.core.take_events():
-            if metadata_only:
-                # A failed store's cleanup: its blocks were never announced.
-                continue
+        """vLLM's KV events for the host tier: a ``BlockStored`` per stored
+        chunk and a ``BlockRemoved`` per eviction. By default (vLLM's
+        placeholder payload) each names a chunk by the hash of its last
+        block; with ``self_describing_kv_events`` a stored chunk carries its
+        block hashes, tokens, parent hash, LoRA and KV group kind, and its
+        removal names the same block hashes (vLLM's ``OffloadingEventsTracker``)."""
+        spec = self.event_spec
+        kind = spec.kv_cache_spec_kind if spec is not None else None
+        window = spec.kv_cache_spec_sliding_window if spec is not None else None
+        tpb = self.cfg.tokens_per_block
+        for removed, items in self.core.take_events():
             if removed:
                 yield BlockRemoved(
-                    block_hashes=[maybe_convert_block_hash(h) for h in hashes],
+                    block_hashes=[maybe_convert_block_hash(h) for h in items],
                     medium="CPU",
                     group_idx=0,
                 )
                 continue
-            for h in hashes:
+            for item in items:
+                if isinstance(item, tuple):
+                    hashes, parent, tokens, lora_id, lora_name = item
+                    yield BlockStored(
+                        block_hashes=[maybe_convert_block_hash(h) for h in hashes],
+                        parent_block_hash=(
+                            maybe_convert_block_hash(parent) if parent is not None else None
+                        ),
+                        token_ids=tokens,
+                        block_size=tpb,
+                        lora_id=lora_id,
+                        medium="CPU",
+                        lora_name=lora_name,
+                        extra_keys=None,
+                        group_idx=0,
+                        kv_cache_spec_kind=kind,
+                        kv_cache_spec_sliding_window=window,
+                    )
+                    continue
                 yield BlockStored(
-                    block_hashes=[maybe_convert_block_hash(h)],
+                    block_hashes=[maybe_convert_block_hash(item)],
                     parent_block_hash=None,
                     token_ids=[],
                     lora_id=None,
@@ -462,6 +497,8 @@ class _SchedulerSide:
                     medium="CPU",
                     lora_name=None,
                     group_idx=0,
+                    kv_cache_spec_kind=kind,
+                    kv_cache_spec_sliding_window=window,
                 )
 
     def get_stats(self) -> OffloadingConnectorStats | None:

@@ -73,7 +73,7 @@ pub(crate) fn blocks(ids: &[u32]) -> Vec<GpuBlockId> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]

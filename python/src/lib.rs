@@ -7,6 +7,7 @@
 
 mod borrowed;
 mod convert;
+mod kv_events;
 mod names;
 mod plan_tools;
 mod remote;

@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 
 use kvoffload::adapter::encode_worker_plan;
-use kvoffload::manager::LookupResult;
 use kvoffload::scheduler::{
     CompletionReport, LookupOutcome, ScheduledRequest, Scheduler, StepInput,
 };
@@ -19,6 +18,7 @@ use rustc_hash::FxHashMap;
 
 use crate::borrowed::{for_each_entry, list_item};
 use crate::convert::{block_hash, block_list, blocks, int_u64, runtime_error, value_error};
+use crate::kv_events::{ChunkSource, EventTracker};
 use crate::names::Names;
 
 /// A request the scheduler tracks: vLLM's `Request` object (read for its
@@ -126,9 +126,8 @@ pub(crate) struct SchedulerCore {
     /// Finished requests the scheduler may still track (jobs in flight):
     /// forgotten once it no longer does.
     finishing: Vec<RequestId>,
-    /// vLLM's block hash (bytes) of every chunk key stored or being stored,
-    /// for the KV events; dropped when the key leaves the tier.
-    key_bytes: FxHashMap<u64, Py<PyAny>>,
+    /// The KV events' hashes and payloads of the chunks in the tier.
+    events: EventTracker,
     /// Whether vLLM publishes KV events (`kv_events_config`): without, the
     /// tier's events are dropped and no hash is kept for them.
     kv_events: bool,
@@ -252,39 +251,22 @@ impl SchedulerCore {
         self.finishing = finishing;
     }
 
-    /// Records vLLM's hash bytes of the keys a store (or fetch) job writes: the job's
-    /// keys are chunks of its request in increasing order (chunks the tier
-    /// already holds are left out), the first found from the request's end.
+    /// Records the chunks a store (or fetch) job writes for the KV events.
     fn remember_store_keys(
         &mut self,
         py: Python<'_>,
         req: RequestId,
         keys: &[ChunkKey],
     ) -> PyResult<()> {
-        let (Some(t), Some(first)) = (self.tracked.get(&req), keys.first()) else {
+        let Some(t) = self.tracked.get(&req) else {
             return Ok(());
         };
-        let bpc = self.cfg.blocks_per_chunk as usize;
-        let chunks = t.hashes.len() / bpc;
-        let key_of = |c: usize| ChunkKey::for_group(t.hashes[(c + 1) * bpc - 1], 0);
-        let Some(mut c) = (0..chunks).rev().find(|&c| key_of(c) == *first) else {
-            return Ok(());
+        let request = t.request.bind(py);
+        let src = ChunkSource {
+            request,
+            hashes: &t.hashes,
         };
-        let list = t.request.bind(py).getattr(intern!(py, "block_hashes"))?;
-        let list = list.cast::<PyList>()?;
-        for k in keys {
-            while c < chunks && key_of(c) != *k {
-                c += 1;
-            }
-            if c == chunks {
-                break;
-            }
-            self.key_bytes
-                .entry(k.0)
-                .or_insert(list.get_item((c + 1) * bpc - 1)?.unbind());
-            c += 1;
-        }
-        Ok(())
+        self.events.record_store(&src, keys)
     }
 
     /// The part of cached request `i` (`None`: not tracked).
@@ -528,13 +510,17 @@ impl SchedulerCore {
     /// naming it). `watchdog`: start the stall watchdog thread.
     /// `manual_clock`: time moves only with `advance_clock` (tests).
     /// `kv_events`: vLLM publishes KV events (else `take_events` is empty).
+    /// `self_describing`: the events carry each chunk's block hashes, tokens,
+    /// parent hash and LoRA (vLLM's `self_describing_kv_events`; only with
+    /// `kv_events`).
     #[new]
-    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true))]
+    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false))]
     fn new(
         config_json: &str,
         watchdog: bool,
         manual_clock: bool,
         kv_events: bool,
+        self_describing: bool,
     ) -> PyResult<Self> {
         let cfg = OffloadConfig::from_json_str(config_json).map_err(value_error)?;
         let manual = manual_clock.then(ManualClock::new);
@@ -543,6 +529,11 @@ impl SchedulerCore {
             None => MonotonicClock::shared(),
         };
         let mut s = Scheduler::new(&cfg, clock.clone()).map_err(value_error)?;
+        let events = EventTracker::new(
+            cfg.blocks_per_chunk,
+            cfg.tokens_per_block,
+            kv_events && self_describing,
+        );
         if watchdog {
             s.start_watchdog().map_err(runtime_error)?;
         }
@@ -555,7 +546,7 @@ impl SchedulerCore {
             positions: Vec::new(),
             listed: Vec::new(),
             finishing: Vec::new(),
-            key_bytes: FxHashMap::default(),
+            events,
             kv_events,
             last_counters: Counters::default(),
             wire: Vec::new(),
@@ -664,7 +655,18 @@ impl SchedulerCore {
         for p in self.positions.iter_mut().filter(|p| p.id == id) {
             p.horizon = 0;
         }
-        match self.s.lookup(id, computed_tokens).map_err(value_error)? {
+        let outcome = self.s.lookup(id, computed_tokens).map_err(value_error)?;
+        if self.events.self_describing()
+            && let (Some(found), Some(t)) = (self.s.last_lookup_hits(), self.tracked.get(&id))
+        {
+            let request = t.request.bind(py);
+            let src = ChunkSource {
+                request,
+                hashes: &t.hashes,
+            };
+            self.events.record_lookup(&src, found)?;
+        }
+        match outcome {
             LookupOutcome::Hit(n) => Ok(Some(n)),
             LookupOutcome::Defer => Ok(None),
         }
@@ -797,7 +799,7 @@ impl SchedulerCore {
             p.horizon = 0;
         }
         // The tier is empty: as vLLM, no removal event follows a reset.
-        self.key_bytes.clear();
+        self.events.reset();
         self.forget_finished();
         Ok(())
     }
@@ -807,45 +809,30 @@ impl SchedulerCore {
         self.tracked.len()
     }
 
-    /// The host tier's events: `(removed, metadata_only, [block hash, ...])`,
-    /// each key as vLLM's block hash (bytes) of the chunk's last block (or
-    /// its 8-byte key where the hash is not known).
-    #[allow(clippy::type_complexity)]
-    fn take_events(&mut self, py: Python<'_>) -> Vec<(bool, bool, Vec<Py<PyAny>>)> {
+    /// The host tier's events since the last call, as vLLM publishes them:
+    /// `(removed, items)`. A removal's items are vLLM's block hashes (bytes:
+    /// each chunk's last block's, or all of its blocks' where its
+    /// self-describing payload is known); a store's are, per chunk, that hash
+    /// or, self-describing, the tuple `(block_hashes, parent_block_hash,
+    /// token_ids, lora_id, lora_name)`. A failed store's cleanup announces
+    /// nothing. A key whose hash is not known is its 8-byte key.
+    fn take_events(&mut self, py: Python<'_>) -> PyResult<Vec<(bool, Vec<Py<PyAny>>)>> {
         if !self.kv_events {
             self.s.discard_events();
-            return Vec::new();
+            return Ok(Vec::new());
         }
-        let events = self.s.take_events();
-        let mut out = Vec::with_capacity(events.len());
-        let mut removed: Vec<ChunkKey> = Vec::new();
-        for e in events {
-            let mut hashes = Vec::with_capacity(e.keys.len());
-            for k in e.keys.iter() {
-                if e.removed {
-                    removed.push(*k);
-                }
-                let known = self.key_bytes.get(&k.0).map(|b| b.clone_ref(py));
-                hashes.push(
-                    known.unwrap_or_else(|| {
-                        PyBytes::new(py, &k.0.to_le_bytes()).into_any().unbind()
-                    }),
-                );
-            }
-            out.push((e.removed, e.metadata_only, hashes));
-        }
-        // A key evicted and stored again in one batch stays known.
-        for k in removed {
-            if self.s.manager().lookup(k) == LookupResult::Miss {
-                self.key_bytes.remove(&k.0);
-            }
-        }
-        out
+        self.events.take(py, &mut self.s)
     }
 
     /// Chunk keys whose vLLM hash is held for the events (a leak check).
     fn held_hashes(&self) -> usize {
-        self.key_bytes.len()
+        self.events.held_hashes()
+    }
+
+    /// Self-describing payloads held for the events (a leak check: at most
+    /// the chunks the tier holds or is writing).
+    fn held_payloads(&self) -> usize {
+        self.events.held_payloads()
     }
 
     /// Whether the engine must keep stepping (jobs in flight, a reset not

@@ -28,6 +28,8 @@ def leak_free(e: harness.Engine) -> dict:
     assert core.held_requests() == 0, "the binding still holds finished requests"
     # vLLM's hash of every chunk in the tier is held for its events, nothing more.
     assert core.held_hashes() == st["cached_chunks"], (core.held_hashes(), st)
+    # Self-describing payloads: at most one per chunk in the tier.
+    assert core.held_payloads() <= st["cached_chunks"], (core.held_payloads(), st)
     return st
 
 
@@ -148,13 +150,19 @@ def manual_clock(e: harness.Engine, timeout_s: float = 1.0) -> kvoffload.Schedul
     cfg = json.loads(side.cfg.to_json())
     cfg["stall_timeout_ms"] = int(timeout_s * 1000)
     cfg["stall_scan_interval_ms"] = 100
-    side.core = kvoffload.SchedulerCore(json.dumps(cfg), watchdog=False, manual_clock=True)
+    side.core = kvoffload.SchedulerCore(
+        json.dumps(cfg), watchdog=False, manual_clock=True, self_describing=side.self_describing
+    )
     side.scan_in_hooks = True
     return side.core
 
 
-def test_a_stalled_store_and_a_stalled_load_end_with_every_request_finished_and_nothing_left():
-    e = harness.build(num_gpu_blocks=32, extra={"num_cpu_chunks": 256, "offload_prompt_only": False})
+@pytest.mark.parametrize("self_describing", [False, True], ids=["placeholder-events", "self-describing-events"])
+def test_a_stalled_store_and_a_stalled_load_end_with_every_request_finished_and_nothing_left(self_describing):
+    e = harness.build(
+        num_gpu_blocks=32,
+        extra={"num_cpu_chunks": 256, "offload_prompt_only": False, "self_describing_kv_events": self_describing},
+    )
     core = manual_clock(e)
     prom = harness.PromRecorder(e)
     stalled: dict[str, int] = {}
@@ -200,6 +208,8 @@ def test_a_stalled_store_and_a_stalled_load_end_with_every_request_finished_and_
     assert prom.value(stalled_transfers, transfer_type="GPU_to_CPU") == 1
     assert prom.value(stalled_transfers, transfer_type="CPU_to_GPU") == 1
     assert prom.value("kvoffload_quarantined_chunks") == 0, "the quarantine ended"
+    if self_describing:
+        assert core.held_payloads() > 0, "payloads are kept for the chunks in the tier"
 
 
 @pytest.mark.parametrize(
@@ -212,6 +222,7 @@ def test_a_stalled_store_and_a_stalled_load_end_with_every_request_finished_and_
         ({"cpu_bytes_to_use": "lots"}, "cpu_bytes_to_use"),
         ({}, "cpu_bytes_to_use"),
         ({"cpu_bytes_to_use": 10**9, "spec_name": "Other"}, "spec_name"),
+        ({"cpu_bytes_to_use": 10**9, "self_describing_kv_events": "yes"}, "self_describing_kv_events"),
         ({"cpu_bytes_to_use": 10**9, "stall_timeout_s": 1, "stall_scan_interval_s": 5}, "stall_scan_interval_ms"),
     ],
 )

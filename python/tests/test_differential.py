@@ -103,6 +103,19 @@ def comparable_stats(st: Any) -> Any:
     return out, st.data.get("info")
 
 
+def event_fields(ev: Any) -> tuple:
+    """An event as compared: its type and every field of it (lists as
+    tuples); a removal's hashes sorted (vLLM fans a batch of keys out in set
+    order), a store's in the chunk's order."""
+    fields = []
+    for name in ev.__struct_fields__:
+        v = getattr(ev, name)
+        if isinstance(v, list):
+            v = tuple(sorted(v)) if name == "block_hashes" and type(ev).__name__ == "BlockRemoved" else tuple(v)
+        fields.append((name, v))
+    return (type(ev).__name__, tuple(fields))
+
+
 def order_free(events: list[tuple]) -> list[tuple]:
     """The events with each run of one kind sorted: vLLM iterates a job's
     keys in set order ("key order is free", its events tracker says), so only
@@ -111,10 +124,10 @@ def order_free(events: list[tuple]) -> list[tuple]:
     run: list[tuple] = []
     for ev in events:
         if run and run[0][0] != ev[0]:
-            out += sorted(run)
+            out += sorted(run, key=repr)
             run = []
         run.append(ev)
-    return out + sorted(run)
+    return out + sorted(run, key=repr)
 
 
 def workload(seed: int, n: int) -> list[tuple[int, list[int], int]]:
@@ -151,11 +164,7 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
 
     def take_events() -> list:
         got = list(take())
-        events.extend(
-            (type(ev).__name__, tuple(sorted(ev.block_hashes)), getattr(ev, "block_size", None),
-             getattr(ev, "token_ids", None), ev.medium, ev.group_idx)
-            for ev in got
-        )
+        events.extend(event_fields(ev) for ev in got)
         return got
 
     e.connector.take_events = take_events
@@ -219,10 +228,16 @@ CASES = [
     # runs): a chunk pending past the request's last full chunk made kvoffload
     # defer a lookup that vLLM answers with zero.
     (88, {"block_size": 2 * TPB, "eviction_policy": "arc"}, {"async_scheduling": True}),
+    # Self-describing KV events: every stored chunk's block hashes, tokens and
+    # parent, and removals fanned out to the same hashes.
+    (9, {"self_describing_kv_events": True}, {}),
+    (10, {"self_describing_kv_events": True, "block_size": 2 * TPB, "eviction_policy": "arc"}, {"async_scheduling": True}),
+    (11, {"self_describing_kv_events": True, "offload_prompt_only": False}, {"world_size": 2}),
 ]
 # KVOFFLOAD_DIFF_SEEDS=N adds N more seeds, cycling through the cases' configurations.
+_CONFIGS = [c for c in CASES if c[0] != 88]
 CASES += [
-    (1000 + k, CASES[k % 8][1], CASES[k % 8][2])
+    (1000 + k, _CONFIGS[k % len(_CONFIGS)][1], _CONFIGS[k % len(_CONFIGS)][2])
     for k in range(int(os.environ.get("KVOFFLOAD_DIFF_SEEDS", "0")))
 ]
 
@@ -247,6 +262,11 @@ def test_same_steps_as_vllms_offloading_connector(seed: int, extra: dict, opts: 
     if seed < 1000:
         assert sum(len(s.get("loads", ())) for s in want) > 0, "no load in the workload"
         assert sum(len(s.get("stores", ())) for s in want) > 0, "no store in the workload"
+    if extra.get("self_describing_kv_events") and seed < 1000:
+        stored = [dict(ev[1]) for st in want for ev in st.get("events", ()) if ev[0] == "BlockStored"]
+        assert any(f["token_ids"] for f in stored), "no self-describing payload in the workload"
+        removed = [ev for st in want for ev in st.get("events", ()) if ev[0] == "BlockRemoved"]
+        assert removed, "no removal in the workload (the fan-out is not compared)"
     for n, (w, g) in enumerate(zip(want, got)):
         assert g == w, f"step {n}: kvoffload {g} != vLLM {w}"
     assert len(got) == len(want), f"{len(got)} steps != vLLM's {len(want)}"

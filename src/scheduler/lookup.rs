@@ -87,6 +87,16 @@ impl Scheduler {
         Ok(outcome)
     }
 
+    /// The chunks the last [`Self::lookup`] found in the host tier (hit or
+    /// still being written), as indices in its request's chunk keys: the
+    /// leading run its scan counted, before any cap or deferral applied to
+    /// the answer (vLLM records these for its self-describing KV events).
+    /// `None` when that lookup scanned nothing (the request's own jobs in
+    /// flight, less than a chunk to find, an unknown request).
+    pub fn last_lookup_hits(&self) -> Option<std::ops::Range<usize>> {
+        self.last_lookup_hits.clone()
+    }
+
     /// The answer, and whether the tier was looked up (`false`: deferred by
     /// the request's own jobs in flight, before any lookup).
     fn lookup_inner(
@@ -94,6 +104,7 @@ impl Scheduler {
         req: RequestId,
         computed_tokens: u64,
     ) -> Result<(LookupOutcome, bool), SchedulerError> {
+        self.last_lookup_hits = None;
         self.apply_stalls();
         let g = self.geo;
         let rs = self
@@ -131,6 +142,7 @@ impl Scheduler {
             &self.manager,
             (start..end).map(|i| rs.key(i, g.blocks_per_chunk)),
         );
+        self.last_lookup_hits = Some(start..start + scan.hits);
         if scan.defer {
             return Ok((LookupOutcome::Defer, true));
         }

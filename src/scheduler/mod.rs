@@ -199,6 +199,9 @@ pub struct Scheduler {
     scratch_keys: Vec<ChunkKey>,
     /// The remote tier behind the host tier, if one is attached.
     remote: Option<Box<remote::RemoteSide>>,
+    /// The chunks (indices in the request's keys) the last lookup's scan
+    /// found in the host tier, hit or pending: vLLM's `record_lookup` set.
+    last_lookup_hits: Option<std::ops::Range<usize>>,
 }
 
 impl Scheduler {
@@ -248,6 +251,7 @@ impl Scheduler {
             scratch_pos: Vec::new(),
             scratch_keys: Vec::new(),
             remote: None,
+            last_lookup_hits: None,
         }
     }
 

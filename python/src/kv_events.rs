@@ -1,0 +1,469 @@
+//! The host tier's KV events in vLLM's terms (its `OffloadingEventsTracker`).
+//!
+//! The scheduler names a chunk by its [`ChunkKey`]; vLLM's events name it by
+//! vLLM's block hash of the chunk's last block (the placeholder payload, its
+//! default) or, with `self_describing_kv_events`, by every block hash of the
+//! chunk with its tokens, parent hash and LoRA (the self-describing payload).
+//! Both are read from the request while the binding still holds it: when a
+//! store (or fetch) job is planned, and, self-describing, when a lookup finds
+//! the chunk. As vLLM, a payload stays until the chunk's removal event has
+//! been translated (or a reset), so the removal fans out to the same hashes;
+//! a chunk removed and stored again in one batch of events loses it (vLLM's
+//! tracker does the same: its later removal is a placeholder).
+
+use kvoffload::manager::LookupResult;
+use kvoffload::scheduler::Scheduler;
+use kvoffload::{BlockHash, ChunkKey};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PySlice, PyTuple};
+use rustc_hash::FxHashMap;
+
+/// A chunk's self-describing payload (vLLM's `_OffloadEventMetadata` for a
+/// full-attention group), as Python objects ready for `BlockStored`.
+struct Payload {
+    /// `(block_hashes, parent_block_hash, token_ids, lora_id, lora_name)`.
+    fields: Py<PyTuple>,
+    /// The chunk's block hashes (the removal fans out to them).
+    block_hashes: Py<PyAny>,
+    /// Whether the host tier holds it as far as the events know (vLLM's
+    /// primary residency): set when recorded, cleared by a removal.
+    resident: bool,
+}
+
+/// The chunks of one request a store or lookup records: its block hashes as
+/// the scheduler has them, and where chunk `c`'s key is.
+pub(crate) struct ChunkSource<'a> {
+    /// vLLM's `Request`.
+    pub request: &'a Bound<'a, PyAny>,
+    /// Its block hashes as given to the scheduler (one per GPU block).
+    pub hashes: &'a [BlockHash],
+}
+
+impl ChunkSource<'_> {
+    fn chunks(&self, bpc: usize) -> usize {
+        self.hashes.len() / bpc
+    }
+
+    fn key(&self, c: usize, bpc: usize) -> ChunkKey {
+        ChunkKey::for_group(self.hashes[(c + 1) * bpc - 1], 0)
+    }
+}
+
+/// One translated event: `(removed, items)`. A removal's items are block
+/// hashes (bytes); a store's are, per chunk, its hash (placeholder) or its
+/// payload tuple (self-describing).
+pub(crate) type Event = (bool, Vec<Py<PyAny>>);
+
+/// vLLM's KV events for the host tier: the hashes (and payloads) of the
+/// chunks the tier holds or is being written, and the translation.
+pub(crate) struct EventTracker {
+    /// vLLM's block hash (bytes) of every chunk key stored or being stored,
+    /// for the placeholder payload; dropped when the key leaves the tier.
+    key_bytes: FxHashMap<u64, Py<PyAny>>,
+    /// Self-describing payloads by chunk key (`None`: placeholders only).
+    payloads: Option<FxHashMap<u64, Payload>>,
+    blocks_per_chunk: usize,
+    tokens_per_chunk: usize,
+}
+
+impl EventTracker {
+    /// A tracker for chunks of `blocks_per_chunk` blocks of `tokens_per_block`
+    /// tokens; `self_describing`: keep the payloads too.
+    pub(crate) fn new(blocks_per_chunk: u32, tokens_per_block: u32, self_describing: bool) -> Self {
+        let bpc = blocks_per_chunk.max(1) as usize;
+        Self {
+            key_bytes: FxHashMap::default(),
+            payloads: self_describing.then(FxHashMap::default),
+            blocks_per_chunk: bpc,
+            tokens_per_chunk: bpc * tokens_per_block.max(1) as usize,
+        }
+    }
+
+    /// Whether payloads are kept (`self_describing_kv_events`).
+    pub(crate) fn self_describing(&self) -> bool {
+        self.payloads.is_some()
+    }
+
+    /// Chunk keys whose hash is held (a leak check).
+    pub(crate) fn held_hashes(&self) -> usize {
+        self.key_bytes.len()
+    }
+
+    /// Payloads held (a leak check: never more than the tier's chunks).
+    pub(crate) fn held_payloads(&self) -> usize {
+        self.payloads.as_ref().map_or(0, FxHashMap::len)
+    }
+
+    /// A reset: the tier is empty, and as vLLM no removal event follows.
+    pub(crate) fn reset(&mut self) {
+        self.key_bytes.clear();
+        if let Some(p) = &mut self.payloads {
+            p.clear();
+        }
+    }
+
+    /// Records the keys a store (or fetch) job writes (vLLM's
+    /// `record_store`): the job's keys are chunks of the request in
+    /// increasing order (chunks the tier already holds are left out), the
+    /// first found from the request's end.
+    pub(crate) fn record_store(
+        &mut self,
+        src: &ChunkSource<'_>,
+        keys: &[ChunkKey],
+    ) -> PyResult<()> {
+        let bpc = self.blocks_per_chunk;
+        let chunks = src.chunks(bpc);
+        let Some(first) = keys.first() else {
+            return Ok(());
+        };
+        let Some(mut c) = (0..chunks).rev().find(|&c| src.key(c, bpc) == *first) else {
+            return Ok(());
+        };
+        let py = src.request.py();
+        let list = src.request.getattr(intern!(py, "block_hashes"))?;
+        let list = list.cast::<PyList>()?;
+        for k in keys {
+            while c < chunks && src.key(c, bpc) != *k {
+                c += 1;
+            }
+            if c == chunks {
+                break;
+            }
+            if let std::collections::hash_map::Entry::Vacant(e) = self.key_bytes.entry(k.0) {
+                e.insert(list.get_item((c + 1) * bpc - 1)?.unbind());
+            }
+            if self.payloads.is_some() {
+                let payload = self.payload(src.request, list, c)?;
+                if let Some(p) = &mut self.payloads {
+                    p.insert(k.0, payload);
+                }
+            }
+            c += 1;
+        }
+        Ok(())
+    }
+
+    /// Records the chunks `first..end` a lookup found in the tier (vLLM's
+    /// `record_lookup`, self-describing only): a payload for each that has
+    /// none, and each counts as resident again.
+    pub(crate) fn record_lookup(
+        &mut self,
+        src: &ChunkSource<'_>,
+        found: std::ops::Range<usize>,
+    ) -> PyResult<()> {
+        if self.payloads.is_none() {
+            return Ok(());
+        }
+        let bpc = self.blocks_per_chunk;
+        let end = found.end.min(src.chunks(bpc));
+        if found.start >= end {
+            return Ok(());
+        }
+        let py = src.request.py();
+        let list = src.request.getattr(intern!(py, "block_hashes"))?;
+        let list = list.cast::<PyList>()?;
+        for c in found.start..end {
+            let k = src.key(c, bpc);
+            let known = self.payloads.as_mut().and_then(|p| p.get_mut(&k.0));
+            if let Some(p) = known {
+                p.resident = true;
+                continue;
+            }
+            let payload = self.payload(src.request, list, c)?;
+            if let Some(p) = &mut self.payloads {
+                p.insert(k.0, payload);
+            }
+        }
+        Ok(())
+    }
+
+    /// Chunk `c`'s payload, read from the request: its block hashes, the
+    /// hash before them, its tokens and the request's LoRA.
+    fn payload(
+        &self,
+        request: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyList>,
+        c: usize,
+    ) -> PyResult<Payload> {
+        let py = request.py();
+        let bpc = self.blocks_per_chunk;
+        let first = c * bpc;
+        let hashes = block_hashes.get_slice(first, first + bpc);
+        let parent = if first == 0 {
+            py.None()
+        } else {
+            block_hashes.get_item(first - 1)?.unbind()
+        };
+        let tokens = request.getattr(intern!(py, "all_token_ids"))?;
+        let start = (c * self.tokens_per_chunk) as isize;
+        let tokens = tokens.get_item(PySlice::new(
+            py,
+            start,
+            start + self.tokens_per_chunk as isize,
+            1,
+        ))?;
+        let tokens = PyList::new(py, tokens.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
+        let lora = request.getattr(intern!(py, "lora_request"))?;
+        let (lora_id, lora_name) = if lora.is_none() {
+            (py.None(), py.None())
+        } else {
+            (
+                lora.getattr(intern!(py, "adapter_id"))?.unbind(),
+                lora.getattr(intern!(py, "name"))?.unbind(),
+            )
+        };
+        let block_hashes = hashes.into_any().unbind();
+        let fields = PyTuple::new(
+            py,
+            [
+                block_hashes.clone_ref(py),
+                parent,
+                tokens.into_any().unbind(),
+                lora_id,
+                lora_name,
+            ],
+        )?;
+        Ok(Payload {
+            fields: fields.unbind(),
+            block_hashes,
+            resident: true,
+        })
+    }
+
+    /// The scheduler's pending events, translated (vLLM's `take_events`):
+    /// a removal fans out to the chunks' block hashes where a payload is
+    /// held, a failed store's cleanup (`metadata_only`) announces nothing,
+    /// and a store carries each chunk's payload or its hash.
+    pub(crate) fn take(&mut self, py: Python<'_>, s: &mut Scheduler) -> PyResult<Vec<Event>> {
+        let events = s.take_events();
+        let mut out = Vec::with_capacity(events.len());
+        let mut removed: Vec<ChunkKey> = Vec::new();
+        for e in events {
+            let mut items = Vec::with_capacity(e.keys.len());
+            for k in e.keys.iter() {
+                let payload = self.payloads.as_mut().and_then(|p| p.get_mut(&k.0));
+                if e.removed {
+                    removed.push(*k);
+                    if let Some(p) = payload {
+                        p.resident = false;
+                        if !e.metadata_only {
+                            items.extend(
+                                p.block_hashes
+                                    .bind(py)
+                                    .try_iter()?
+                                    .map(|h| h.map(Bound::unbind))
+                                    .collect::<PyResult<Vec<_>>>()?,
+                            );
+                        }
+                        continue;
+                    }
+                    if !e.metadata_only {
+                        items.push(self.hash_of(py, *k));
+                    }
+                    continue;
+                }
+                items.push(match payload {
+                    Some(p) => p.fields.clone_ref(py).into_any(),
+                    None => self.hash_of(py, *k),
+                });
+            }
+            if !(e.removed && items.is_empty()) {
+                out.push((e.removed, items));
+            }
+        }
+        // A payload whose chunk left the tier goes; one removed and stored
+        // again in the batch loses it too (vLLM keeps it only while resident).
+        if let Some(p) = &mut self.payloads {
+            for k in &removed {
+                if p.get(&k.0).is_some_and(|p| !p.resident) {
+                    p.remove(&k.0);
+                }
+            }
+        }
+        // A key evicted and stored again in one batch keeps its hash.
+        for k in removed {
+            if s.manager().lookup(k) == LookupResult::Miss {
+                self.key_bytes.remove(&k.0);
+            }
+        }
+        Ok(out)
+    }
+
+    /// vLLM's hash of chunk `k` (its 8-byte key where the hash is not known).
+    fn hash_of(&self, py: Python<'_>, k: ChunkKey) -> Py<PyAny> {
+        self.key_bytes
+            .get(&k.0)
+            .map(|b| b.clone_ref(py))
+            .unwrap_or_else(|| PyBytes::new(py, &k.0.to_le_bytes()).into_any().unbind())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::convert::block_hash;
+    use crate::convert::tests::with_python;
+    use kvoffload::manager::StoreOutcome;
+    use kvoffload::{ManualClock, OffloadConfig};
+
+    /// A scheduler with a tier of `chunks` chunks of 2 blocks of 2 tokens.
+    fn scheduler(chunks: u32) -> Scheduler {
+        let cfg = OffloadConfig::from_json_str(&format!(
+            r#"{{"tokens_per_block": 2, "blocks_per_chunk": 2, "num_cpu_chunks": {chunks}, "world_size": 1}}"#
+        ))
+        .unwrap();
+        Scheduler::new(&cfg, ManualClock::new().shared()).unwrap()
+    }
+
+    /// A request of 8 tokens (4 blocks, 2 chunks) whose block hashes are
+    /// `{tag}0`..`{tag}3`, as vLLM's `Request` shows them.
+    fn request<'py>(py: Python<'py>, tag: &str) -> (Bound<'py, PyAny>, Vec<BlockHash>) {
+        let src = format!(
+            "__import__('types').SimpleNamespace(block_hashes=[b'{tag}0', b'{tag}1', b'{tag}2', b'{tag}3'], \
+             all_token_ids=list(range(100, 108)), lora_request=None)"
+        );
+        let req = py
+            .eval(&std::ffi::CString::new(src).unwrap(), None, None)
+            .unwrap();
+        let hashes = (0..4)
+            .map(|i| block_hash(format!("{tag}{i}").as_bytes()))
+            .collect();
+        (req, hashes)
+    }
+
+    fn keys(hashes: &[BlockHash]) -> Vec<ChunkKey> {
+        vec![
+            ChunkKey::for_group(hashes[1], 0),
+            ChunkKey::for_group(hashes[3], 0),
+        ]
+    }
+
+    /// Stores `keys` in the tier (prepared, then completed with `outcome`).
+    fn store(s: &mut Scheduler, keys: &[ChunkKey], outcome: StoreOutcome) {
+        s.manager_mut().prepare_store(keys, None).unwrap();
+        s.manager_mut().complete_store(keys, outcome, None).unwrap();
+    }
+
+    fn text(py: Python<'_>, v: &Py<PyAny>) -> String {
+        v.bind(py).repr().unwrap().to_string()
+    }
+
+    #[test]
+    fn a_stored_chunk_carries_its_hashes_tokens_and_parent_and_its_removal_fans_out() {
+        with_python(|py| {
+            let mut s = scheduler(2);
+            let mut t = EventTracker::new(2, 2, true);
+            let (req, hashes) = request(py, "a");
+            let k = keys(&hashes);
+            let src = ChunkSource {
+                request: &req,
+                hashes: &hashes,
+            };
+            t.record_store(&src, &k).unwrap();
+            store(&mut s, &k, StoreOutcome::Success);
+            let ev = t.take(py, &mut s).unwrap();
+            assert_eq!(ev.len(), 1);
+            assert!(!ev[0].0, "a store");
+            let items: Vec<String> = ev[0].1.iter().map(|i| text(py, i)).collect();
+            assert_eq!(
+                items,
+                [
+                    "([b'a0', b'a1'], None, [100, 101, 102, 103], None, None)",
+                    "([b'a2', b'a3'], b'a1', [104, 105, 106, 107], None, None)",
+                ]
+            );
+            assert_eq!(t.held_payloads(), 2);
+            // A third chunk evicts the least recently used (chunk 0): its
+            // removal names both of its blocks, and its payload goes.
+            let (other, other_hashes) = request(py, "b");
+            let k2 = keys(&other_hashes);
+            t.record_store(
+                &ChunkSource {
+                    request: &other,
+                    hashes: &other_hashes,
+                },
+                &k2[..1],
+            )
+            .unwrap();
+            store(&mut s, &k2[..1], StoreOutcome::Success);
+            let ev = t.take(py, &mut s).unwrap();
+            assert_eq!(ev.len(), 2, "a removal, then a store");
+            assert!(ev[0].0);
+            let removed: Vec<String> = ev[0].1.iter().map(|i| text(py, i)).collect();
+            assert_eq!(removed, ["b'a0'", "b'a1'"]);
+            assert_eq!(t.held_payloads(), 2, "chunk a1 and b0 remain");
+            assert_eq!(t.held_hashes(), 2);
+        });
+    }
+
+    #[test]
+    fn a_failed_store_announces_nothing_and_drops_its_payload() {
+        with_python(|py| {
+            let mut s = scheduler(4);
+            let mut t = EventTracker::new(2, 2, true);
+            let (req, hashes) = request(py, "c");
+            let k = keys(&hashes);
+            let src = ChunkSource {
+                request: &req,
+                hashes: &hashes,
+            };
+            t.record_store(&src, &k).unwrap();
+            store(&mut s, &k, StoreOutcome::Failure);
+            assert!(t.take(py, &mut s).unwrap().is_empty(), "nothing announced");
+            assert_eq!((t.held_payloads(), t.held_hashes()), (0, 0));
+        });
+    }
+
+    #[test]
+    fn a_lookup_records_the_chunks_it_found() {
+        with_python(|py| {
+            let mut s = scheduler(4);
+            let mut t = EventTracker::new(2, 2, true);
+            let (req, hashes) = request(py, "d");
+            let k = keys(&hashes);
+            // Stored without a record (as vLLM after a removal and a store in
+            // one batch): the store is a placeholder, the lookup records it.
+            store(&mut s, &k, StoreOutcome::Success);
+            let src = ChunkSource {
+                request: &req,
+                hashes: &hashes,
+            };
+            t.record_lookup(&src, 1..5).unwrap();
+            assert_eq!(t.held_payloads(), 1, "chunk 1 only (the range is clipped)");
+            let ev = t.take(py, &mut s).unwrap();
+            let items: Vec<String> = ev[0].1.iter().map(|i| text(py, i)).collect();
+            // Chunk 0: neither recorded nor its hash known: its 8-byte key.
+            let key0 = PyBytes::new(py, &k[0].0.to_le_bytes())
+                .repr()
+                .unwrap()
+                .to_string();
+            assert_eq!(items[0], key0);
+            assert_eq!(
+                items[1],
+                "([b'd2', b'd3'], b'd1', [104, 105, 106, 107], None, None)"
+            );
+        });
+    }
+
+    #[test]
+    fn placeholders_name_each_chunk_by_its_last_block() {
+        with_python(|py| {
+            let mut s = scheduler(4);
+            let mut t = EventTracker::new(2, 2, false);
+            let (req, hashes) = request(py, "e");
+            let k = keys(&hashes);
+            let src = ChunkSource {
+                request: &req,
+                hashes: &hashes,
+            };
+            t.record_store(&src, &k).unwrap();
+            t.record_lookup(&src, 0..2).unwrap();
+            store(&mut s, &k, StoreOutcome::Success);
+            let ev = t.take(py, &mut s).unwrap();
+            let items: Vec<String> = ev[0].1.iter().map(|i| text(py, i)).collect();
+            assert_eq!(items, ["b'e1'", "b'e3'"]);
+            assert_eq!(t.held_payloads(), 0);
+        });
+    }
+}
