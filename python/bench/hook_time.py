@@ -91,7 +91,13 @@ class HookTimer:
 
 
 def measure(
-    connector: str, module: str | None, worker: Any, n: int, steps: int, kv_events: bool = False
+    connector: str,
+    module: str | None,
+    worker: Any,
+    n: int,
+    steps: int,
+    kv_events: bool = False,
+    self_describing: bool = False,
 ) -> dict[str, Any]:
     batched = max(8192, n)
     # Every request decodes through the prefill of the last one and the timed steps.
@@ -104,7 +110,11 @@ def measure(
     e = build(
         connector=connector,
         module=module,
-        extra={"cpu_bytes_to_use": num_gpu_blocks * block_bytes, "offload_prompt_only": False},
+        extra={
+            "cpu_bytes_to_use": num_gpu_blocks * block_bytes,
+            "offload_prompt_only": False,
+            "self_describing_kv_events": self_describing,
+        },
         tpb=TPB,
         num_gpu_blocks=num_gpu_blocks,
         max_num_seqs=n,
@@ -165,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kv-events",
         default="off,on",
-        help="KV events published (vLLM's kv_events_config): off (vLLM's default), on, or both",
+        help="KV events published (vLLM's kv_events_config): off (vLLM's default), on, "
+        "self-describing (on, with self_describing_kv_events), comma-separated",
     )
     ap.add_argument(
         "--repeat",
@@ -182,17 +193,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     for ev in args.kv_events.split(","):
         for n in (int(x) for x in args.requests.split(",")):
-            on = ev == "on"
+            on, sd = ev in ("on", "self-describing"), ev == "self-describing"
             vs, ks = [], []
             for _ in range(max(1, args.repeat)):
-                vs.append(measure("OffloadingConnector", None, vllm_worker, n, args.steps, on))
-                ks.append(measure("KvOffloadConnector", "kvoffload.vllm", kvoffload_worker, n, args.steps, on))
+                vs.append(measure("OffloadingConnector", None, vllm_worker, n, args.steps, on, sd))
+                ks.append(
+                    measure("KvOffloadConnector", "kvoffload.vllm", kvoffload_worker, n, args.steps, on, sd)
+                )
             v = sorted(vs, key=lambda r: r["median_us"])[len(vs) // 2]
             k = sorted(ks, key=lambda r: r["median_us"])[len(ks) // 2]
             v["runs_median_us"] = [r["median_us"] for r in vs]
             k["runs_median_us"] = [r["median_us"] for r in ks]
             ratio = v["median_us"] / k["median_us"]
-            rows.append({"requests": n, "kv_events": on, "vllm": v, "kvoffload": k, "ratio": ratio})
+            rows.append({"requests": n, "kv_events": ev, "vllm": v, "kvoffload": k, "ratio": ratio})
             print(
                 f"{n:>8} {ev:>9} {k['stores_per_step']:>11.1f} {v['median_us']:>15.0f}"
                 f" {k['median_us']:>20.0f} {ratio:>6.1f}x",

@@ -319,9 +319,18 @@ mod tests {
     /// A request of 8 tokens (4 blocks, 2 chunks) whose block hashes are
     /// `{tag}0`..`{tag}3`, as vLLM's `Request` shows them.
     fn request<'py>(py: Python<'py>, tag: &str) -> (Bound<'py, PyAny>, Vec<BlockHash>) {
+        request_with_lora(py, tag, "None")
+    }
+
+    /// [`request`] with `lora` (Python source) as its `lora_request`.
+    fn request_with_lora<'py>(
+        py: Python<'py>,
+        tag: &str,
+        lora: &str,
+    ) -> (Bound<'py, PyAny>, Vec<BlockHash>) {
         let src = format!(
             "__import__('types').SimpleNamespace(block_hashes=[b'{tag}0', b'{tag}1', b'{tag}2', b'{tag}3'], \
-             all_token_ids=list(range(100, 108)), lora_request=None)"
+             all_token_ids=list(range(100, 108)), lora_request={lora})"
         );
         let req = py
             .eval(&std::ffi::CString::new(src).unwrap(), None, None)
@@ -464,6 +473,28 @@ mod tests {
             let items: Vec<String> = ev[0].1.iter().map(|i| text(py, i)).collect();
             assert_eq!(items, ["b'e1'", "b'e3'"]);
             assert_eq!(t.held_payloads(), 0);
+        });
+    }
+
+    #[test]
+    fn a_payload_carries_the_requests_lora() {
+        with_python(|py| {
+            let mut s = scheduler(4);
+            let mut t = EventTracker::new(2, 2, true);
+            let lora = "__import__('types').SimpleNamespace(adapter_id=7, name='sql-adapter')";
+            let (req, hashes) = request_with_lora(py, "f", lora);
+            let k = keys(&hashes);
+            let src = ChunkSource {
+                request: &req,
+                hashes: &hashes,
+            };
+            t.record_store(&src, &k[..1]).unwrap();
+            store(&mut s, &k[..1], StoreOutcome::Success);
+            let ev = t.take(py, &mut s).unwrap();
+            assert_eq!(
+                text(py, &ev[0].1[0]),
+                "([b'f0', b'f1'], None, [100, 101, 102, 103], 7, 'sql-adapter')"
+            );
         });
     }
 }

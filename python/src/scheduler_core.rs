@@ -581,11 +581,12 @@ impl SchedulerCore {
     /// Waits (at most `timeout_s`, real time) until every remote lookup in
     /// flight is answered, so that the next lookups see the answers (tests:
     /// decisions independent of the I/O thread's timing; a serving engine
-    /// never calls it).
+    /// never calls it). Other Python threads run meanwhile.
     #[pyo3(signature = (timeout_s = 10.0))]
-    fn wait_remote_lookups(&mut self, timeout_s: f64) {
+    fn wait_remote_lookups(&mut self, py: Python<'_>, timeout_s: f64) {
         let limit = std::time::Duration::from_secs_f64(timeout_s.clamp(0.0, 3600.0));
-        self.s.wait_remote_lookups(limit);
+        let s = &mut self.s;
+        py.detach(move || s.wait_remote_lookups(limit));
     }
 
     /// The remote side's cumulative counts (`lookups`, `chunks_found`,
