@@ -65,16 +65,22 @@ fn offloading_connector_basic_flow() {
     assert_eq!(h.lookup(3, 0), LookupOutcome::Hit(0));
 }
 
-#[test]
-fn maximal_prefix_lookup_rules() {
+/// Request 1 of 16 tokens (4 chunks of 1 block) whose chunk 0 is in the
+/// tier, chunk 1 being written, chunk 2 absent and chunk 3 in the tier.
+fn hit_pending_miss_hit() -> H {
     let mut h = H::new(Geo::default());
-    h.add(1, 1, 16); // 4 chunks of 1 block
+    h.add(1, 1, 16);
     let m = h.s.manager_mut();
-    // chunk 0 hit, chunk 1 pending, chunk 2 miss, chunk 3 hit.
     m.prepare_store(&[key(1, 0, 1), key(1, 1, 1), key(1, 3, 1)], None)
         .unwrap();
     m.complete_store(&[key(1, 0, 1), key(1, 3, 1)], StoreOutcome::Success, None)
         .unwrap();
+    h
+}
+
+#[test]
+fn maximal_prefix_lookup_rules() {
+    let mut h = hit_pending_miss_hit();
     assert_eq!(h.lookup(1, 0), LookupOutcome::Defer, "pending defers");
     h.s.manager_mut()
         .complete_store(&[key(1, 1, 1)], StoreOutcome::Success, None)
@@ -130,14 +136,7 @@ fn a_pending_chunk_beyond_the_last_useful_one_does_not_defer() {
 /// the computed boundary, whatever the answer made of it.
 #[test]
 fn last_lookup_hits_is_the_scanned_run() {
-    let mut h = H::new(Geo::default());
-    h.add(1, 1, 16); // 4 chunks of 1 block
-    let m = h.s.manager_mut();
-    // chunk 0 hit, chunk 1 pending, chunk 2 miss, chunk 3 hit.
-    m.prepare_store(&[key(1, 0, 1), key(1, 1, 1), key(1, 3, 1)], None)
-        .unwrap();
-    m.complete_store(&[key(1, 0, 1), key(1, 3, 1)], StoreOutcome::Success, None)
-        .unwrap();
+    let mut h = hit_pending_miss_hit();
     // Deferred by the pending chunk: both leading chunks were found.
     assert_eq!(h.lookup(1, 0), LookupOutcome::Defer);
     assert_eq!(h.s.last_lookup_hits(), Some(0..2));

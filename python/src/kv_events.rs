@@ -341,6 +341,10 @@ mod tests {
         (req, hashes)
     }
 
+    fn source<'a>(request: &'a Bound<'a, PyAny>, hashes: &'a [BlockHash]) -> ChunkSource<'a> {
+        ChunkSource { request, hashes }
+    }
+
     fn keys(hashes: &[BlockHash]) -> Vec<ChunkKey> {
         vec![
             ChunkKey::for_group(hashes[1], 0),
@@ -365,10 +369,7 @@ mod tests {
             let mut t = EventTracker::new(2, 2, true);
             let (req, hashes) = request(py, "a");
             let k = keys(&hashes);
-            let src = ChunkSource {
-                request: &req,
-                hashes: &hashes,
-            };
+            let src = source(&req, &hashes);
             t.record_store(&src, &k).unwrap();
             store(&mut s, &k, StoreOutcome::Success);
             let ev = t.take(py, &mut s).unwrap();
@@ -387,14 +388,8 @@ mod tests {
             // removal names both of its blocks, and its payload goes.
             let (other, other_hashes) = request(py, "b");
             let k2 = keys(&other_hashes);
-            t.record_store(
-                &ChunkSource {
-                    request: &other,
-                    hashes: &other_hashes,
-                },
-                &k2[..1],
-            )
-            .unwrap();
+            t.record_store(&source(&other, &other_hashes), &k2[..1])
+                .unwrap();
             store(&mut s, &k2[..1], StoreOutcome::Success);
             let ev = t.take(py, &mut s).unwrap();
             assert_eq!(ev.len(), 2, "a removal, then a store");
@@ -413,10 +408,7 @@ mod tests {
             let mut t = EventTracker::new(2, 2, true);
             let (req, hashes) = request(py, "c");
             let k = keys(&hashes);
-            let src = ChunkSource {
-                request: &req,
-                hashes: &hashes,
-            };
+            let src = source(&req, &hashes);
             t.record_store(&src, &k).unwrap();
             store(&mut s, &k, StoreOutcome::Failure);
             assert!(t.take(py, &mut s).unwrap().is_empty(), "nothing announced");
@@ -434,10 +426,7 @@ mod tests {
             // Stored without a record (as vLLM after a removal and a store in
             // one batch): the store is a placeholder, the lookup records it.
             store(&mut s, &k, StoreOutcome::Success);
-            let src = ChunkSource {
-                request: &req,
-                hashes: &hashes,
-            };
+            let src = source(&req, &hashes);
             t.record_lookup(&src, 1..5).unwrap();
             assert_eq!(t.held_payloads(), 1, "chunk 1 only (the range is clipped)");
             let ev = t.take(py, &mut s).unwrap();
@@ -462,10 +451,7 @@ mod tests {
             let mut t = EventTracker::new(2, 2, false);
             let (req, hashes) = request(py, "e");
             let k = keys(&hashes);
-            let src = ChunkSource {
-                request: &req,
-                hashes: &hashes,
-            };
+            let src = source(&req, &hashes);
             t.record_store(&src, &k).unwrap();
             t.record_lookup(&src, 0..2).unwrap();
             store(&mut s, &k, StoreOutcome::Success);
@@ -484,10 +470,7 @@ mod tests {
             let lora = "__import__('types').SimpleNamespace(adapter_id=7, name='sql-adapter')";
             let (req, hashes) = request_with_lora(py, "f", lora);
             let k = keys(&hashes);
-            let src = ChunkSource {
-                request: &req,
-                hashes: &hashes,
-            };
+            let src = source(&req, &hashes);
             t.record_store(&src, &k[..1]).unwrap();
             store(&mut s, &k[..1], StoreOutcome::Success);
             let ev = t.take(py, &mut s).unwrap();
