@@ -242,12 +242,38 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
     else:
         per_block = spec.page_size_bytes * len(groups[0].layer_names)
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    _warn_if_replicated(vllm_config, kv_cache_config)
     return EngineConfig.from_extra(
         extra,
         tokens_per_block=spec.block_size,
         world_size=vllm_config.parallel_config.world_size,
         worker_bytes_per_block=per_block,
     )
+
+
+def _warn_if_replicated(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """Warns where vLLM's own connector would keep one copy of each chunk
+    (MLA replicated on every tensor-parallel rank, one node, the ``mp``
+    executor) and kvoffload keeps one per worker: the same ``cpu_bytes_to_use``
+    then holds ``tensor_parallel_size`` times fewer chunks than vLLM's."""
+    pc = vllm_config.parallel_config
+    mc = vllm_config.model_config
+    tp = pc.tensor_parallel_size
+    if (
+        mc is not None
+        and getattr(mc, "use_mla", False)
+        and tp > 1
+        and getattr(kv_cache_config, "kv_tp_replicas", 1) == tp
+        and pc.world_size == tp
+    ):
+        logger.warning(
+            "kvoffload: MLA KV replicated on %d tensor-parallel ranks: each worker keeps its own "
+            "copy of every chunk, so cpu_bytes_to_use holds %d times fewer chunks than vLLM's "
+            "OffloadingConnector (which keeps one copy in a shared region); raise cpu_bytes_to_use "
+            "to match its hit rate",
+            tp,
+            tp,
+        )
 
 
 def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: EngineConfig) -> int:

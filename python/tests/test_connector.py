@@ -262,3 +262,27 @@ def test_cpu_bytes_to_use_sizes_the_tier_as_vllm_does():
     # 2 layers x 256-byte pages = 512 bytes per block, aligned up to a 4 KiB page.
     assert cfg.worker_chunk_bytes == 512 and cfg.num_cpu_chunks == 10
     assert isinstance(e.connector, KvOffloadConnector)
+
+
+def test_mla_replicated_on_every_tensor_rank_is_warned_of(monkeypatch):
+    """vLLM keeps one copy of replicated MLA KV; kvoffload one per worker:
+    the operator is told that the same cpu_bytes_to_use holds fewer chunks."""
+    from types import SimpleNamespace
+
+    import kvoffload.vllm as kv
+
+    said: list[str] = []
+    monkeypatch.setattr(kv.logger, "warning", lambda msg, *a: said.append(msg % a))
+
+    def cfg(use_mla: bool, tp: int, replicas: int, world: int | None = None) -> tuple:
+        vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(use_mla=use_mla),
+            parallel_config=SimpleNamespace(tensor_parallel_size=tp, world_size=world or tp),
+        )
+        return vllm_config, SimpleNamespace(kv_tp_replicas=replicas)
+
+    kv._warn_if_replicated(*cfg(True, 8, 8))
+    assert len(said) == 1 and "8 times fewer chunks" in said[0], said
+    for quiet in (cfg(False, 8, 1), cfg(True, 1, 1), cfg(True, 8, 1), cfg(True, 4, 4, world=8)):
+        kv._warn_if_replicated(*quiet)
+    assert len(said) == 1, said
