@@ -485,3 +485,35 @@ def test_the_namespace_separates_every_part():
         assert remote_namespace(*other) != ns, f"part {i} does not change the namespace"
     # Free-text parts are length-prefixed: moving text across them changes it.
     assert remote_namespace("ab", "c", *base[2:]) != remote_namespace("a", "bc", *base[2:])
+
+
+def test_fetched_chunks_are_announced_with_self_describing_payloads(redis_url):
+    """With ``self_describing_kv_events``, the chunks a fetch brings in are
+    announced as stored ones are: their block hash, parent, tokens and KV
+    group kind, read from the request that looked them up."""
+    remote = {"url": redis_url}
+    node_one(remote, 1)
+    b = harness.build(world_size=1, extra={**extra_for(remote), "self_describing_kv_events": True})
+    events: list = []
+    take = b.connector.take_events
+
+    def take_events() -> list:
+        got = list(take())
+        events.extend(got)
+        return got
+
+    b.connector.take_events = take_events
+    prompt = PREFIX + [7, 8, 9]
+    r = b.add(prompt, max_tokens=3)
+    hashes = [maybe_convert_block_hash(h) for h in b.scheduler.requests[r].block_hashes]
+    run_checked(b)
+    assert r in b.loaded, "the prefix came from the other node's chunks"
+    assert remote_stats(b)["chunks_fetched"] == 10
+    by_hash = {ev.block_hashes[0]: ev for ev in events if isinstance(ev, BlockStored)}
+    for i in range(10):  # the 10 fetched chunks of one block of 4 tokens
+        ev = by_hash[hashes[i]]
+        assert ev.block_hashes == [hashes[i]]
+        assert ev.token_ids == prompt[4 * i : 4 * i + 4], (i, ev)
+        assert ev.parent_block_hash == (hashes[i - 1] if i else None), (i, ev)
+        assert ev.block_size == 4 and ev.kv_cache_spec_kind == "full_attention", ev
+    leak_free(b)
