@@ -234,6 +234,15 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
             f"(this model has {len(groups)} groups)"
         )
     spec = groups[0].kv_cache_spec
+    dcp = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1)
+    if dcp > 1 and getattr(spec, "dcp_sharded", False):
+        # vLLM's block then spans block_size x dcp tokens (its block hashes
+        # too): not what kvoffload's chunk keys assume, and not tested.
+        raise ValueError(
+            "KvOffloadConnector does not support decode context parallelism "
+            f"(decode_context_parallel_size={dcp}): a KV block then spans "
+            f"{spec.block_size} x {dcp} tokens"
+        )
     num_blocks = kv_cache_config.num_blocks
     if kv_cache_config.kv_cache_tensors and num_blocks > 0:
         # As vLLM's offloading: every KVCacheTensor describes placement in the

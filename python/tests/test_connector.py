@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+import torch
 from vllm.v1.request import RequestStatus
 
 import harness
@@ -286,3 +287,18 @@ def test_mla_replicated_on_every_tensor_rank_is_warned_of(monkeypatch):
     for quiet in (cfg(False, 8, 1), cfg(True, 1, 1), cfg(True, 8, 1), cfg(True, 4, 4, world=8)):
         kv._warn_if_replicated(*quiet)
     assert len(said) == 1, said
+
+
+def test_decode_context_parallelism_stops_startup():
+    """With DCP a KV block spans block_size x dcp tokens: refused, not mis-keyed."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    import kvoffload.vllm as kv
+
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=4, dtype=torch.float32, dcp_sharded=True)
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=2))
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0"])])
+    with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
+        kv._engine_config(vllm_config, kv_cache_config)
