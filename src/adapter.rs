@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::ids::JobId;
+use crate::ids::{JobId, RequestId};
 use crate::scheduler::{self, TransferJob};
 use crate::worker::{self, FetchJob, LoadJob, SpecParts, StoreJob, TransferSpec};
 
@@ -33,9 +33,13 @@ fn spec(job: &TransferJob, blocks_per_chunk: u32) -> TransferSpec {
 /// allocation per job.
 pub fn encode_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32, out: &mut Vec<u8>) {
     worker::encode_plan_parts(
-        plan.loads
-            .iter()
-            .map(|j| (j.job, Some(j.req), spec_parts(j, blocks_per_chunk))),
+        plan.loads.iter().map(|j| {
+            (
+                j.job,
+                load_request(plan, j),
+                spec_parts(j, blocks_per_chunk),
+            )
+        }),
         plan.stores
             .iter()
             .map(|j| (j.job, spec_parts(j, blocks_per_chunk), j.keys.as_slice())),
@@ -48,7 +52,14 @@ pub fn encode_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32, out
     );
 }
 
-/// The plan every worker receives for a scheduler step (loads carry their request).
+/// The request a load reports to when it ends: `None` for a synchronous load
+/// (the workers wait for it within the step; its request is already running).
+fn load_request(plan: &scheduler::StepPlan, j: &scheduler::TransferJob) -> Option<RequestId> {
+    (plan.sync_loads.binary_search(&j.job).is_err()).then_some(j.req)
+}
+
+/// The plan every worker receives for a scheduler step (loads carry their
+/// request, synchronous loads none).
 pub fn to_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32) -> worker::WorkerPlan {
     worker::WorkerPlan {
         loads: plan
@@ -56,7 +67,7 @@ pub fn to_worker_plan(plan: &scheduler::StepPlan, blocks_per_chunk: u32) -> work
             .iter()
             .map(|j| LoadJob {
                 job: j.job,
-                request: Some(j.req),
+                request: load_request(plan, j),
                 spec: spec(j, blocks_per_chunk),
             })
             .collect(),
@@ -107,7 +118,7 @@ pub fn merge_reports<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids::{ChunkId, GpuBlockId, RequestId};
+    use crate::ids::{ChunkId, GpuBlockId};
     use crate::key::ChunkKey;
 
     #[test]
@@ -126,6 +137,15 @@ mod tests {
         let w = to_worker_plan(&plan, 2);
         assert_eq!(w.loads[0].spec.first_block_index, 1);
         assert_eq!(w.loads[0].request, Some(RequestId(1)));
+        let sync = scheduler::StepPlan {
+            sync_loads: vec![JobId(3)],
+            ..plan.clone()
+        };
+        assert_eq!(
+            to_worker_plan(&sync, 2).loads[0].request,
+            None,
+            "a synchronous load reports to no request"
+        );
         let mut a = worker::WorkerReport::default();
         a.completed.insert(JobId(3), 1);
         a.failed.push(JobId(3));
@@ -154,6 +174,7 @@ mod tests {
                 failed_loads: vec![RequestId(5)],
                 fetches: vec![job(5, &[], &[6, 7])],
                 evictions: vec![(ChunkKey(70), ChunkId(3))],
+                sync_loads: vec![JobId(2)],
             },
         ];
         for plan in &plans {

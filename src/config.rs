@@ -61,6 +61,15 @@ pub struct OffloadConfig {
     pub stall_timeout_ms: u64,
     /// How often the stall watchdog scans the job table (milliseconds).
     pub stall_scan_interval_ms: u64,
+    /// KV bytes (on one worker) a step may load synchronously: a lookup hit
+    /// that fits what is left of it is loaded inside the step, before its
+    /// compute, and its request runs at once (vLLM's
+    /// `sync_load_budget_bytes`). 0: every load is asynchronous.
+    pub sync_load_budget_bytes: u64,
+    /// KV bytes per token on one worker, as the budget counts them (vLLM:
+    /// page bytes x layers / tokens per block). Default: `kv_bytes_per_block
+    /// / tokens_per_block`; needed when `sync_load_budget_bytes` is set.
+    pub sync_load_bytes_per_token: Option<u64>,
 }
 
 impl Default for OffloadConfig {
@@ -78,6 +87,8 @@ impl Default for OffloadConfig {
             offload_prompt_only: true,
             stall_timeout_ms: 300_000,
             stall_scan_interval_ms: 10_000,
+            sync_load_budget_bytes: 0,
+            sync_load_bytes_per_token: None,
         }
     }
 }
@@ -236,7 +247,23 @@ impl OffloadConfig {
         {
             return Err(out_of_range("kv_bytes_per_block", 0, ">= 1"));
         }
+        if self.sync_load_budget_bytes > 0 && self.sync_load_bytes_per_token().is_none() {
+            return Err(ConfigError::Conflict(
+                "sync_load_budget_bytes needs sync_load_bytes_per_token (or kv_bytes_per_block)"
+                    .into(),
+            ));
+        }
         self.num_chunks().map(|_| ())
+    }
+
+    /// KV bytes per token on one worker as the sync-load budget counts them:
+    /// `sync_load_bytes_per_token`, else `kv_bytes_per_block /
+    /// tokens_per_block`; `None` if neither is known.
+    pub fn sync_load_bytes_per_token(&self) -> Option<u64> {
+        self.sync_load_bytes_per_token.or_else(|| {
+            self.kv_bytes_per_block
+                .map(|kv| kv / u64::from(self.tokens_per_block.max(1)))
+        })
     }
 
     /// Host chunk slots this configuration gives (validated: at least 1, at most `u32::MAX`).
@@ -314,6 +341,34 @@ mod tests {
         assert_eq!(c.stall_scan_interval(), Duration::from_secs(10));
         assert!(c.validate().is_err(), "no size given");
         assert!(OffloadConfig::with_chunks(8).validate().is_ok());
+    }
+
+    #[test]
+    fn a_sync_load_budget_needs_the_bytes_per_token() {
+        let e = OffloadConfig::from_json_str(
+            r#"{"num_cpu_chunks": 4, "sync_load_budget_bytes": 4096}"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("sync_load_bytes_per_token"), "{e}");
+        let c = OffloadConfig::from_json_str(
+            r#"{"num_cpu_chunks": 4, "sync_load_budget_bytes": 4096, "kv_bytes_per_block": 1024, "tokens_per_block": 16}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.sync_load_bytes_per_token(),
+            Some(64),
+            "from the block size"
+        );
+        let c = OffloadConfig::from_json_str(
+            r#"{"num_cpu_chunks": 4, "sync_load_budget_bytes": 4096, "sync_load_bytes_per_token": 96, "kv_bytes_per_block": 1024}"#,
+        )
+        .unwrap();
+        assert_eq!(c.sync_load_bytes_per_token(), Some(96), "given");
+        assert_eq!(
+            OffloadConfig::with_chunks(4).sync_load_budget_bytes,
+            0,
+            "off by default"
+        );
     }
 
     #[test]

@@ -435,3 +435,38 @@ fn run_timed_writes_what_run_writes_and_times_the_steady_steps() {
     assert_eq!((t.steps, t.steady_steps, t.engine_us), (17, 0, None));
     assert!(t.to_json().ends_with(r#""engine_us":null}"#));
 }
+
+#[test]
+fn a_sync_load_budget_shows_in_the_lookup_and_the_step() {
+    // Budget 8 tokens (one byte each); r2's 8-token hit of its 9 is sync.
+    let header = r#"{"kvoffload_trace": 1, "config": {"tokens_per_block": 4, "num_cpu_chunks": 4, "offload_prompt_only": false, "sync_load_budget_bytes": 8, "sync_load_bytes_per_token": 1}}"#;
+    let ops = [
+        r#"{"op": "add_request", "req": "r1", "prompt_tokens": 8, "block_hashes": [11, 12]}"#,
+        r#"{"op": "lookup", "req": "r1", "computed_tokens": 0}"#,
+        r#"{"op": "alloc", "req": "r1", "block_ids": [1, 2], "external_tokens": 0}"#,
+        r#"{"op": "step", "scheduled": [{"req": "r1", "new_block_ids": [1, 2], "computed_tokens": 0, "scheduled_tokens": 8}]}"#,
+        r#"{"op": "worker_output", "completed": {"0": 1}}"#,
+        r#"{"op": "add_request", "req": "r2", "prompt_tokens": 9, "block_hashes": [11, 12]}"#,
+        r#"{"op": "lookup", "req": "r2", "computed_tokens": 0}"#,
+        r#"{"op": "alloc", "req": "r2", "block_ids": [5, 6, 7], "external_tokens": 8}"#,
+        r#"{"op": "step", "scheduled": [{"req": "r2", "new_block_ids": [5, 6, 7], "computed_tokens": 8, "scheduled_tokens": 1}]}"#,
+    ];
+    let out = replay_lib(&format!("{header}\n{}\n", ops.join("\n"))).unwrap();
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        !lines[1].contains("sync"),
+        "r1's lookup finds nothing: {}",
+        lines[1]
+    );
+    assert!(
+        lines[6].contains(r#""hit_tokens":8"#) && lines[6].contains(r#""sync":true"#),
+        "{}",
+        lines[6]
+    );
+    assert!(lines[8].contains(r#""sync_loads":[1]"#), "{}", lines[8]);
+    assert!(
+        !lines[3].contains("sync_loads"),
+        "a step without one prints none: {}",
+        lines[3]
+    );
+}

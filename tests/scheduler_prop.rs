@@ -274,6 +274,9 @@ impl Model {
     fn step(&mut self, preempt: Option<u8>, finish: Option<u8>, abort: bool) {
         let tpb = self.tpb;
         let mut input = StepInput::default();
+        // Synchronous loads of this step: the workers finish them before
+        // its compute, so they report with the step.
+        let mut sync_jobs = Vec::new();
         // Admission of waiting requests.
         for i in 0..self.reqs.len() {
             if self.reqs[i].st != ReqState::Waiting {
@@ -283,10 +286,17 @@ impl Model {
             match self.h.lookup(id, 0) {
                 LookupOutcome::Defer => {}
                 LookupOutcome::Hit(n) => {
+                    let sync = self.h.s.sync_load_reserved(RequestId(id));
                     let job =
                         driver::admit(&mut self.h.s, &mut self.reqs[i], &mut self.blocks, tpb, n);
-                    if let Some(job) = job {
-                        self.inflight.push((job, self.world));
+                    match job {
+                        // Runs in this step, past its loaded tokens.
+                        Some(job) if sync => {
+                            self.reqs[i].st = ReqState::Running;
+                            sync_jobs.push(job);
+                        }
+                        Some(job) => self.inflight.push((job, self.world)),
+                        None => {}
                     }
                 }
             }
@@ -314,17 +324,36 @@ impl Model {
         let plan = self.h.step(input);
         let reused = self.blocks.take_reused();
         self.witness.on_plan(&reused, &plan);
+        assert_eq!(plan.sync_loads, sync_jobs, "the step lists its sync loads");
         for s in &plan.stores {
             self.inflight.push((s.job, self.world));
         }
         self.on_loads(&[], &plan.failed_loads);
+        if !sync_jobs.is_empty() {
+            let all: Vec<(JobId, u32)> = sync_jobs.iter().map(|&j| (j, self.world)).collect();
+            let out = self.h.s.on_worker_output(&CompletionReport {
+                completed: all,
+                failed: vec![],
+            });
+            assert!(out.rejected.is_empty(), "{:?}", out.rejected);
+            self.h.check();
+            for &j in &sync_jobs {
+                self.witness.on_report(j, self.world, false);
+            }
+        }
     }
 }
 
 fn run(ops: Vec<Op>, world: u32, chunks: u64) {
+    run_with_sync_budget(ops, world, chunks, 0);
+}
+
+/// [`run`] with a sync-load budget of `sync_budget` tokens per step.
+fn run_with_sync_budget(ops: Vec<Op>, world: u32, chunks: u64, sync_budget: u64) {
     let h = H::new(Geo {
         chunks,
         world,
+        sync_budget,
         ..Geo::default()
     });
     let mut m = Model {
@@ -442,8 +471,9 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..80),
         world in 1u32..3,
         chunks in prop_oneof![Just(4u64), Just(16), Just(64)],
+        sync_budget in prop_oneof![Just(0u64), Just(8), Just(64)],
     ) {
-        run(ops, world, chunks);
+        run_with_sync_budget(ops, world, chunks, sync_budget);
     }
 }
 

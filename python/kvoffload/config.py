@@ -37,6 +37,7 @@ KEYS: dict[str, str] = {
     "spec_name": 'accepted for compatibility only as "CPUOffloadingSpec"',
     "self_describing_kv_events": "KV events carry each stored chunk's block hashes, tokens, parent hash and LoRA, as vLLM's (vLLM's key, default false: each chunk's key hash only)",
     "strategy_table": "path of a CUDA strategy table written by `kvoffload bench --calibrate` (kvoffload; CUDA KV caches; default: the built-in table)",
+    "sync_load_budget_bytes": "KV bytes per worker a step may load synchronously: a hit that fits is loaded inside the step and its request runs at once (vLLM's key, default 0: every load asynchronous)",
     "remote_tier": "a Redis (or Redis Cluster) store shared across nodes, as a dict (or its JSON) of the remote tier's keys (docs/remote-tier.md: url, cluster, username, password, tls_ca_file, timeouts, write, ...) plus 'deployment', a text kept in the namespace (kvoffload; default: no remote tier)",
 }
 
@@ -158,6 +159,10 @@ class EngineConfig:
     #: KV events carry each chunk's block hashes, tokens, parent and LoRA
     #: (vLLM's ``self_describing_kv_events``; effective with KV events on).
     self_describing_kv_events: bool = False
+    #: KV bytes per worker a step may load synchronously (0: none), and the
+    #: bytes per token it counts (vLLM's page bytes x layers / block tokens).
+    sync_load_budget_bytes: int = 0
+    kv_bytes_per_token: int = 0
 
     def to_json(self) -> str:
         """The configuration in the Rust library's keys."""
@@ -175,6 +180,9 @@ class EngineConfig:
             d["stall_timeout_ms"] = self.stall_timeout_ms
         if self.stall_scan_interval_ms is not None:
             d["stall_scan_interval_ms"] = self.stall_scan_interval_ms
+        if self.sync_load_budget_bytes:
+            d["sync_load_budget_bytes"] = self.sync_load_budget_bytes
+            d["sync_load_bytes_per_token"] = self.kv_bytes_per_token
         return json.dumps(d)
 
     @staticmethod
@@ -184,10 +192,12 @@ class EngineConfig:
         tokens_per_block: int,
         world_size: int,
         worker_bytes_per_block: int,
+        kv_bytes_per_token: int = 0,
     ) -> "EngineConfig":
         """From ``kv_connector_extra_config`` and what vLLM knows of the engine:
-        the GPU block size in tokens, the workers, and one worker's KV bytes per
-        GPU block (all its layers)."""
+        the GPU block size in tokens, the workers, one worker's KV bytes per
+        GPU block (all its layers), and the KV bytes per token vLLM counts
+        against ``sync_load_budget_bytes`` (default: per block / tokens)."""
         unknown = sorted(set(extra) - set(KEYS))
         if unknown:
             allowed = ", ".join(sorted(KEYS))
@@ -264,4 +274,6 @@ class EngineConfig:
             remote_tier_json=remote,
             remote_deployment=deployment,
             self_describing_kv_events=_bool(extra, "self_describing_kv_events", False),
+            sync_load_budget_bytes=_int(extra, "sync_load_budget_bytes", 0, 1 << 62) or 0,
+            kv_bytes_per_token=kv_bytes_per_token or worker_bytes_per_block // max(tokens_per_block, 1),
         )

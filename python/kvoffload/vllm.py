@@ -257,6 +257,8 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
         tokens_per_block=spec.block_size,
         world_size=vllm_config.parallel_config.world_size,
         worker_bytes_per_block=per_block,
+        # As vLLM counts a hit against sync_load_budget_bytes.
+        kv_bytes_per_token=spec.page_size_bytes * len(groups[0].layer_names) // spec.block_size,
     )
 
 
@@ -363,6 +365,8 @@ class _SchedulerSide:
         )
         #: The remote stats already reported (the payload carries increments).
         self.remote_last: dict[str, int] = {}
+        #: Whether lookups may reserve a sync load (``sync_load_budget_bytes``).
+        self.sync_loads = cfg.sync_load_budget_bytes > 0
         if cfg.remote_tier_json is not None:
             self._attach_remote(vllm_config, kv_cache_config)
         # Requests the connector was told of (the engine reads their token
@@ -421,6 +425,10 @@ class _SchedulerSide:
         hit = self.core.lookup(request.request_id, num_computed_tokens)
         if hit is None:
             return None, False
+        if hit and self.sync_loads and self.core.sync_load_reserved(request.request_id):
+            # Loaded inside the step (the workers wait for it): the request
+            # runs at once, as vLLM's sync loads.
+            return hit, False
         return hit, hit > 0
 
     def update_state_after_alloc(
@@ -591,6 +599,10 @@ class _WorkerSide:
         self.failed_recving: set[str] = set()
         # Loads the scheduler declared failed or stalled, still in flight.
         self.abandoned: set[int] = set()
+        # Synchronous loads in flight, with their GPU blocks; the blocks of
+        # those that failed, for vLLM to recompute (invalid_block_ids).
+        self.sync_blocks: dict[int, list[int]] = {}
+        self.invalid_blocks: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
@@ -643,7 +655,13 @@ class _WorkerSide:
     def bind(self, meta: KvOffloadMetadata) -> None:
         assert self.core is not None, "register_kv_caches first"
         self.core.bind(meta.plan)
+        sync = self.core.sync_loads()
+        for job, blocks in sync:
+            self.sync_blocks[job] = blocks
         for job, req in meta.load_requests.items():
+            if job in self.sync_blocks:
+                # Its request runs in this step already: no finished load.
+                continue
             self.loads[job] = req
             self.loads_of[req] = job
         # Loads the scheduler gave up on (stalled): once the transfer can no
@@ -692,6 +710,12 @@ class _WorkerSide:
             self.meta.completed[job] = self.meta.completed.get(job, 0) + n
             if job in self.loads:
                 self._end_load(job, failed=job in failed)
+            blocks = self.sync_blocks.pop(job, None)
+            if blocks is not None and job in failed:
+                # A synchronous load's request computed over these blocks in
+                # this step: vLLM recomputes from the first one (or fails the
+                # request, per its kv_load_failure_policy).
+                self.invalid_blocks.update(blocks)
         self.meta.failed.update(failed)
         for name, (b, t, sizes) in stats.items():
             if b or sizes:
@@ -708,6 +732,10 @@ class _WorkerSide:
 
     def take_failed_recving(self) -> set[str]:
         out, self.failed_recving = self.failed_recving, set()
+        return out
+
+    def take_invalid_blocks(self) -> set[int]:
+        out, self.invalid_blocks = self.invalid_blocks, set()
         return out
 
     def build_connector_worker_meta(self) -> KvOffloadWorkerMetadata | None:
@@ -795,6 +823,14 @@ class KvOffloadConnector(KVConnectorBase_V1):
         return KVConnectorTransferResults(
             finished_recving=recving, failed_recving=self._worker.take_failed_recving()
         )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The GPU blocks of synchronous loads that failed, reported in the
+        step they were detected (vLLM recomputes them, or fails their
+        requests, per ``kv_load_failure_policy``)."""
+        if self._worker is None:
+            return set()
+        return self._worker.take_invalid_blocks()
 
     def build_connector_worker_meta(self) -> KvOffloadWorkerMetadata | None:
         if self._worker is None:

@@ -16,6 +16,18 @@ pub(crate) fn plan_jobs(plan: &[u8]) -> PyResult<(Vec<u64>, Vec<u64>, Vec<u64>)>
     ))
 }
 
+/// The synchronous loads of an encoded plan (no request to report to: the
+/// workers finish them within the step), by job id (tests, debugging).
+#[pyfunction]
+pub(crate) fn plan_sync_loads(plan: &[u8]) -> PyResult<Vec<u64>> {
+    let p = decode_plan(plan).map_err(value_error)?;
+    Ok(p.loads
+        .iter()
+        .filter(|l| l.request.is_none())
+        .map(|l| l.job.0)
+        .collect())
+}
+
 /// A step plan's transfers with their GPU blocks, for tests and tools:
 /// `(loads, stores, flush)`, each load and store as `(job, gpu_blocks)`.
 #[pyfunction]

@@ -673,6 +673,14 @@ impl SchedulerCore {
         }
     }
 
+    /// Whether the request's last lookup in this step reserved the step's
+    /// sync-load budget (`sync_load_budget_bytes`): its load is then
+    /// synchronous and vLLM schedules it at once (`load_kv_async = False`).
+    fn sync_load_reserved(&self, req: &str) -> PyResult<bool> {
+        let id = self.names.get(req)?;
+        Ok(self.s.sync_load_reserved(id))
+    }
+
     /// The request's allocated blocks; creates its load job when
     /// `external_tokens > 0` (vLLM's `update_state_after_alloc`).
     fn on_alloc(

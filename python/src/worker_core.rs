@@ -218,6 +218,22 @@ impl WorkerCore {
         Ok(())
     }
 
+    /// The bound plan's synchronous loads (finished within the step, before
+    /// its compute): `[(job, [GPU block, ...])]`, the blocks vLLM must
+    /// recompute if the load fails.
+    fn sync_loads(&self) -> PyResult<Vec<(u64, Vec<u32>)>> {
+        let plan = self
+            .plan
+            .as_ref()
+            .ok_or_else(|| runtime_error("no plan bound"))?;
+        Ok(plan
+            .loads
+            .iter()
+            .filter(|l| l.request.is_none())
+            .map(|l| (l.job.0, l.spec.gpu_blocks.iter().map(|b| b.0).collect()))
+            .collect())
+    }
+
     /// Hook 1: flushed jobs are finished before the step reuses their blocks.
     fn handle_preemptions(&mut self) -> PyResult<()> {
         let plan = self
@@ -227,7 +243,8 @@ impl WorkerCore {
         with_worker!(&mut self.worker, w => w.handle_preemptions(plan)).map_err(runtime_error)
     }
 
-    /// Hook 2: stores queued last step, then this step's loads, start.
+    /// Hook 2: stores queued last step, then this step's loads, start; the
+    /// synchronous loads are waited for.
     fn start_transfers(&mut self) -> PyResult<()> {
         let plan = self
             .plan

@@ -195,6 +195,7 @@ class Engine:
                     KVConnectorOutput(
                         finished_recving=res.finished_recving or None,
                         failed_recving=res.failed_recving,
+                        invalid_block_ids=wc.get_block_ids_with_load_errors(),
                         kv_connector_worker_meta=wmeta,
                     ),
                 )

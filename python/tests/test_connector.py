@@ -302,3 +302,69 @@ def test_decode_context_parallelism_stops_startup():
     kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0"])])
     with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
         kv._engine_config(vllm_config, kv_cache_config)
+
+
+def _sync_engine(world_size: int) -> tuple[harness.Engine, list]:
+    """An engine whose loads are synchronous (a budget far above any hit),
+    with every lookup's answer recorded as ``(request, hit, load_async)``."""
+    e = harness.build(
+        num_gpu_blocks=32,
+        world_size=world_size,
+        extra={"num_cpu_chunks": 256, "offload_prompt_only": False, "sync_load_budget_bytes": 1 << 20},
+    )
+    answers: list = []
+    inner = e.connector.get_num_new_matched_tokens
+
+    def lookup(request, num_computed, *a, **k):
+        got = inner(request, num_computed, *a, **k)
+        answers.append((request.request_id, got[0], got[1]))
+        return got
+
+    e.connector.get_num_new_matched_tokens = lookup
+    return e, answers
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_sync_load_runs_its_request_in_the_same_step_with_the_computed_bytes(world_size):
+    e, answers = _sync_engine(world_size)
+    e.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(e)
+    evict_gpu_prefix(e)
+    b = e.add(PREFIX + [7, 8, 9], max_tokens=3)
+    so = e.step()
+    hits = [(hit, load_async) for rid, hit, load_async in answers if rid == b]
+    assert hits and hits[-1][0] > 0 and hits[-1][1] is False, hits
+    # Scheduled in the step its load was planned, past the loaded tokens,
+    # and its KV (loaded and computed) is right at the end of that step.
+    assert b in so.num_scheduled_tokens and so.num_scheduled_tokens[b] < len(PREFIX) + 3, so.num_scheduled_tokens
+    assert e.scheduler.requests[b].status == RequestStatus.RUNNING
+    assert e.check_kv(b) > 0
+    run_checked(e)
+    assert b not in e.loaded, "a sync load reports no finished load to vLLM"
+    leak_free(e)
+
+
+def test_a_failed_sync_load_has_its_blocks_recomputed():
+    e, answers = _sync_engine(2)
+    e.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(e)
+    evict_gpu_prefix(e)
+    failed: list[int] = []
+
+    def inject(w, meta):
+        loads, _, _ = kvoffload._native.plan_jobs(meta.plan)
+        if w == 1 and loads and not failed:
+            failed.append(loads[0])
+            e.workers[1]._worker.core.set_fault(loads[0], "fail")
+
+    e.on_worker_meta = inject
+    b = e.add(PREFIX + [7, 8, 9], max_tokens=3)
+    e.step()
+    assert failed, "a load was planned"
+    assert any(rid == b and hit and not load_async for rid, hit, load_async in answers)
+    # vLLM was told the blocks are invalid (kv_load_failure_policy="recompute"):
+    # it computes them again; every step's KV check holds from here on.
+    checked = run_checked(e)
+    assert checked > 0
+    assert e.scheduler.requests.get(b) is None, "the request finished"
+    leak_free(e)

@@ -27,7 +27,9 @@ TPB = 4
 
 class FakeWorkers:
     """The workers, faked: a job planned in a step finishes `delay` steps
-    later, or in the step a flush names it (the worker waits for it then)."""
+    later, or in the step a flush names it (the worker waits for it then); a
+    synchronous load finishes in its own step, and its request (running
+    already) is not reported as finished receiving."""
 
     def __init__(self, jobs: Any, meta_of: Any, delay: int) -> None:
         self.jobs, self.meta_of, self.delay = jobs, meta_of, delay
@@ -37,7 +39,7 @@ class FakeWorkers:
     def __call__(self, w: int, meta: Any) -> tuple[set[str], Any]:
         loads, stores, flush = self.jobs(meta)
         mine = self.pending.setdefault(w, [])
-        mine.extend([self.delay, j, r] for j, r in loads)
+        mine.extend([0, j, None] if sync else [self.delay, j, r] for j, r, sync in loads)
         mine.extend([self.delay, j, None] for j in stores)
         flush = set(flush)
         done, recv, left = {}, set(), []
@@ -54,13 +56,14 @@ class FakeWorkers:
 
 
 def vllm_jobs(meta: Any) -> tuple[list, list, list]:
-    loads = [(j, job.req_id) for j, job in meta.load_jobs.items()]
+    loads = [(j, job.req_id, job.sync) for j, job in meta.load_jobs.items()]
     return loads, list(meta.store_jobs), list(meta.jobs_to_flush or ())
 
 
 def kvoffload_jobs(meta: Any) -> tuple[list, list, list]:
     loads, stores, flush = native.plan_jobs(meta.plan)
-    return [(j, meta.load_requests[j]) for j in loads], stores, flush
+    sync = set(native.plan_sync_loads(meta.plan))
+    return [(j, meta.load_requests[j], j in sync) for j in loads], stores, flush
 
 
 def vllm_worker(delay: int) -> FakeWorkers:
@@ -233,6 +236,12 @@ CASES = [
     (9, {"self_describing_kv_events": True}, {}),
     (10, {"self_describing_kv_events": True, "block_size": 2 * TPB, "eviction_policy": "arc"}, {"async_scheduling": True}),
     (11, {"self_describing_kv_events": True, "offload_prompt_only": False}, {"world_size": 2}),
+    # Sync loads: hits within a per-step byte budget (128 bytes a token on a
+    # worker: here 4 to 8 blocks) load inside the step and their requests run
+    # at once; larger ones stay asynchronous.
+    (12, {"sync_load_budget_bytes": 4096}, {}),
+    (13, {"sync_load_budget_bytes": 4096, "block_size": 2 * TPB, "eviction_policy": "arc"}, {"async_scheduling": True}),
+    (14, {"sync_load_budget_bytes": 2048, "offload_prompt_only": False}, {"world_size": 2}),
 ]
 # KVOFFLOAD_DIFF_SEEDS=N adds N more seeds, cycling through the cases' configurations.
 _CONFIGS = [c for c in CASES if c[0] != 88]
@@ -262,6 +271,10 @@ def test_same_steps_as_vllms_offloading_connector(seed: int, extra: dict, opts: 
     if seed < 1000:
         assert sum(len(s.get("loads", ())) for s in want) > 0, "no load in the workload"
         assert sum(len(s.get("stores", ())) for s in want) > 0, "no store in the workload"
+    if extra.get("sync_load_budget_bytes") and seed < 1000:
+        lookups = [lk for st in want for lk in st.get("lookups", ())]
+        assert any(hit and not load_async for _, _, hit, load_async in lookups), "no sync load"
+        assert any(hit and load_async for _, _, hit, load_async in lookups), "no async load"
     if extra.get("self_describing_kv_events") and seed < 1000:
         stored = [dict(ev[1]) for st in want for ev in st.get("events", ()) if ev[0] == "BlockStored"]
         assert any(f["token_ids"] for f in stored), "no self-describing payload in the workload"

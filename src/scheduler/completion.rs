@@ -238,11 +238,15 @@ impl Scheduler {
                 if let Err(err) = self.manager.complete_load(&e.keys, Some(req)) {
                     tracing::error!(%job, error = %err, "complete_load refused");
                 }
-                self.unmark_loading(&e.keys);
+                if !e.sync {
+                    self.unmark_loading(&e.keys);
+                }
             }
             (Direction::Load, Ending::Stalled) => {
                 // Chunks stay pinned (quarantined) until the late reports arrive.
-                self.unmark_loading(&e.keys);
+                if !e.sync {
+                    self.unmark_loading(&e.keys);
+                }
                 self.counters.stalled_loads += 1;
                 self.failed_loads.push(req);
                 let chunk_ids = JobSlots::from_slice(e.chunk_ids());

@@ -40,6 +40,7 @@ impl Scheduler {
             kind: Direction,
             req: crate::ids::RequestId,
             fenced: bool,
+            sync: bool,
             blocks: Vec<crate::ids::GpuBlockId>,
             keys: Vec<ChunkKey>,
             pending: u32,
@@ -51,6 +52,7 @@ impl Scheduler {
                 kind: e.kind,
                 req: e.req,
                 fenced: e.fenced,
+                sync: e.sync,
                 blocks: e.blocks().to_vec(),
                 keys: e.keys.to_vec(),
                 pending: e.latch.pending(),
@@ -64,6 +66,7 @@ impl Scheduler {
             kind,
             req,
             fenced,
+            sync,
             blocks,
             keys,
             pending,
@@ -90,7 +93,10 @@ impl Scheduler {
             match kind {
                 Direction::Load => {
                     for k in keys {
-                        *loading.entry(*k).or_default() += 1;
+                        // A synchronous load's keys are not marked as being loaded.
+                        if !*sync {
+                            *loading.entry(*k).or_default() += 1;
+                        }
                         pinned.insert(*k);
                     }
                 }
@@ -116,10 +122,13 @@ impl Scheduler {
                 if !seen.insert(*j) {
                     return Err(format!("{req} lists {j} twice"));
                 }
-                match self.jobs.get(*j).map(|e| e.kind) {
+                match self.jobs.get(*j).map(|e| (e.kind, e.sync)) {
                     None => return Err(format!("{req} lists {j}, which is not live")),
-                    Some(Direction::Load) => loads += 1,
-                    Some(Direction::Store) => {}
+                    // Stores may be planned beside a synchronous load (its
+                    // request runs in the step).
+                    Some((Direction::Load, true)) => {}
+                    Some((Direction::Load, false)) => loads += 1,
+                    Some((Direction::Store, _)) => {}
                 }
             }
             if loads > 0 && rs.jobs.len() != 1 {

@@ -40,6 +40,9 @@ pub struct JobEntry {
     pub failed: bool,
     /// `blocks` are registered in the fence index.
     pub fenced: bool,
+    /// A load its request does not wait for: the workers finish it before
+    /// the step's compute (its keys are not marked as being loaded).
+    pub sync: bool,
     /// Worker reports still expected, and the stall/completion race (set once
     /// by the watchdog when it hands the job over as stalled).
     pub latch: JobLatch,
@@ -73,6 +76,7 @@ impl JobEntry {
             kind: Direction::Store,
             failed: false,
             fenced,
+            sync: false,
             latch,
             req,
             created_ns,
@@ -82,7 +86,8 @@ impl JobEntry {
     }
 
     /// A load of `keys` from the host slots `chunk_ids` (one per key) into
-    /// the GPU blocks `blocks`, created at `created_ns`.
+    /// the GPU blocks `blocks`, created at `created_ns`; `sync`: finished by
+    /// the workers within its step.
     pub fn load(
         req: RequestId,
         created_ns: u64,
@@ -90,6 +95,7 @@ impl JobEntry {
         keys: JobKeys,
         chunk_ids: &[ChunkId],
         blocks: &[GpuBlockId],
+        sync: bool,
     ) -> Self {
         debug_assert_eq!(chunk_ids.len(), keys.len(), "one host slot per key");
         let mut ids: SmallVec<[u32; 4]> = copy_small(bytemuck::cast_slice(chunk_ids));
@@ -98,6 +104,7 @@ impl JobEntry {
             kind: Direction::Load,
             failed: false,
             fenced: false,
+            sync,
             latch,
             req,
             created_ns,

@@ -69,6 +69,7 @@ impl Scheduler {
         if !looked_up {
             return Ok(outcome);
         }
+        self.reserve_sync_load(req, computed_tokens, outcome);
         let now = self.now_ns();
         let secs = |ns: u64| ns as f64 / 1e9;
         self.lookup_delays
@@ -85,6 +86,36 @@ impl Scheduler {
             }
         }
         Ok(outcome)
+    }
+
+    /// Whether `req`'s last lookup in this step reserved the step's sync-load
+    /// budget: its load, if the backend allocates it, is synchronous (the
+    /// workers finish it before the step's compute) and the request runs in
+    /// this step (vLLM's `load_kv_async = False`).
+    pub fn sync_load_reserved(&self, req: RequestId) -> bool {
+        self.batch.sync_reserved.contains(&req)
+    }
+
+    /// vLLM's `_reserve_sync_load`: a hit that leaves a token to compute and
+    /// fits what is left of the step's budget reserves it; any other answer
+    /// drops an earlier reservation of the request in this step.
+    fn reserve_sync_load(&mut self, req: RequestId, computed_tokens: u64, outcome: LookupOutcome) {
+        self.batch.sync_reserved.retain(|r| *r != req);
+        let LookupOutcome::Hit(hit) = outcome else {
+            return;
+        };
+        let Some(num_tokens) = self.requests.get(&req).map(|rs| rs.num_tokens) else {
+            return;
+        };
+        if self.sync_budget == 0 || hit == 0 || computed_tokens.saturating_add(hit) >= num_tokens {
+            return;
+        }
+        let bytes = hit.saturating_mul(self.sync_bytes_per_token);
+        if self.batch.sync_bytes.saturating_add(bytes) > self.sync_budget {
+            return;
+        }
+        self.batch.sync_bytes += bytes;
+        self.batch.sync_reserved.push(req);
     }
 
     /// The chunks the last [`Self::lookup`] found in the host tier (hit or
@@ -255,8 +286,15 @@ impl Scheduler {
         };
         let job = self.new_job_id();
         let now = self.now_ns();
-        for &k in &keys {
-            *self.being_loaded.entry(k).or_insert(0) += 1;
+        // A synchronous load ends before the step's compute: other requests'
+        // lookups need not wait for its chunks (vLLM marks only async ones).
+        let sync = self.batch.sync_reserved.contains(&req);
+        if sync {
+            self.batch.sync_loads.push(job);
+        } else {
+            for &k in &keys {
+                *self.being_loaded.entry(k).or_insert(0) += 1;
+            }
         }
         let deadline = self.jobs.deadline_for(now);
         let latch = super::latch::JobLatch::new(g.world_size);
@@ -267,6 +305,7 @@ impl Scheduler {
             JobKeys::from_slice(&keys),
             &chunk_ids,
             &block_ids[sb..eb],
+            sync,
         );
         self.jobs.insert(job, entry);
         // After the insert: the watchdog drops deadline entries of absent jobs.

@@ -103,6 +103,12 @@ pub(crate) struct Batch {
     /// Store-list buffer handed back by [`Scheduler::recycle_plan`], reused
     /// by the next plan (empty, with its capacity).
     spare_stores: Vec<TransferJob>,
+    /// Requests whose lookup reserved the step's sync-load budget (vLLM's
+    /// `_current_batch_sync_loads`), and the bytes reserved.
+    sync_reserved: Vec<RequestId>,
+    sync_bytes: u64,
+    /// This step's synchronous load jobs.
+    sync_loads: Vec<JobId>,
 }
 
 /// The offload scheduler (control plane) for one KV group.
@@ -202,6 +208,10 @@ pub struct Scheduler {
     /// The chunks (indices in the request's keys) the last lookup's scan
     /// found in the host tier, hit or pending: vLLM's `record_lookup` set.
     last_lookup_hits: Option<std::ops::Range<usize>>,
+    /// KV bytes per step that may be loaded synchronously (0: none), and
+    /// the bytes per token it counts.
+    sync_budget: u64,
+    sync_bytes_per_token: u64,
 }
 
 impl Scheduler {
@@ -252,6 +262,8 @@ impl Scheduler {
             scratch_keys: Vec::new(),
             remote: None,
             last_lookup_hits: None,
+            sync_budget: cfg.sync_load_budget_bytes,
+            sync_bytes_per_token: cfg.sync_load_bytes_per_token().unwrap_or(0),
         }
     }
 

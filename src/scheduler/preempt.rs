@@ -14,7 +14,8 @@ impl Scheduler {
     }
 
     /// Invariant D.3 at a preemption flush: apart from loads created in this
-    /// step, a preempted request's pending jobs must all be stores.
+    /// step, a preempted request's pending jobs must all be stores or
+    /// synchronous loads.
     pub(crate) fn check_preemption_flush(
         &self,
         preempted: &[RequestId],
@@ -27,8 +28,11 @@ impl Scheduler {
                 if self.is_current_load(job) {
                     continue;
                 }
-                let kind = self.jobs.get(job).map(|e| e.kind);
-                if kind != Some(Direction::Store) {
+                let (kind, sync) = self
+                    .jobs
+                    .get(job)
+                    .map_or((None, false), |e| (Some(e.kind), e.sync));
+                if kind != Some(Direction::Store) && !sync {
                     return Err(SchedulerError::PreemptedWithPendingLoad {
                         req,
                         job,

@@ -100,6 +100,11 @@ impl Scheduler {
             failed_loads,
             fetches: std::mem::take(&mut self.batch.fetches),
             evictions,
+            sync_loads: {
+                let mut s = std::mem::take(&mut self.batch.sync_loads);
+                s.sort_unstable();
+                s
+            },
         };
         // 6. Finished requests: the manager hears it once, after their last store.
         for &req in &input.finished {
@@ -107,6 +112,8 @@ impl Scheduler {
         }
         // 7. Per-step state; the new jobs' deadlines go to the watchdog.
         self.batch.allocated.clear();
+        self.batch.sync_reserved.clear();
+        self.batch.sync_bytes = 0;
         self.batch.now_ns = None;
         self.watch.track_all(&mut self.batch.deadlines);
         Ok(plan)
@@ -123,6 +130,7 @@ impl Scheduler {
             mut failed_loads,
             fetches: _,
             evictions: _,
+            sync_loads: _,
         } = plan;
         if stores.capacity() > self.batch.spare_stores.capacity() {
             stores.clear();

@@ -88,6 +88,10 @@ pub struct StepPlan {
     /// held (a remote tier written on eviction): every worker writes its
     /// share of each to the remote tier before any job of this plan runs.
     pub evictions: Vec<(ChunkKey, ChunkId)>,
+    /// The loads of `loads` that are synchronous (sorted): the workers
+    /// finish them before this step's compute, and their requests, which run
+    /// in this step, are not told of a finished load.
+    pub sync_loads: Vec<JobId>,
 }
 
 /// Completions from the workers, summed over workers (vLLM's worker metadata, aggregated).

@@ -21,6 +21,8 @@ pub struct Geo {
     pub chunks: u64,
     pub world: u32,
     pub prompt_only: bool,
+    /// The step's sync-load budget, in tokens (one byte per token); 0: off.
+    pub sync_budget: u64,
 }
 
 impl Default for Geo {
@@ -31,6 +33,7 @@ impl Default for Geo {
             chunks: 64,
             world: 1,
             prompt_only: false,
+            sync_budget: 0,
         }
     }
 }
@@ -71,6 +74,8 @@ impl H {
             blocks_per_chunk: g.bpc,
             world_size: g.world,
             offload_prompt_only: g.prompt_only,
+            sync_load_budget_bytes: g.sync_budget,
+            sync_load_bytes_per_token: Some(1),
             ..OffloadConfig::with_chunks(g.chunks)
         };
         let (s, clock) = driver::scheduler_on_manual_clock(&cfg);

@@ -282,6 +282,11 @@ impl Engine {
                     .timed(|s| s.lookup(req, computed))
                     .map_err(|e| self.rejected_req(e))?
                 {
+                    // `sync` only where a sync-load budget reserved the hit.
+                    LookupOutcome::Hit(n) if self.sched.sync_load_reserved(req) => Ok(vec![
+                        ("hit_tokens", Value::from(n)),
+                        ("sync", Value::Bool(true)),
+                    ]),
                     LookupOutcome::Hit(n) => Ok(vec![("hit_tokens", Value::from(n))]),
                     LookupOutcome::Defer => Ok(vec![("defer", Value::Bool(true))]),
                 }
@@ -433,7 +438,7 @@ impl Engine {
         let plan = self
             .timed(|s| s.build_step(&input))
             .map_err(|e| self.rejected_req(e))?;
-        Ok(vec![
+        let mut out = vec![
             ("loads", self.jobs_out(&plan.loads)),
             ("stores", self.jobs_out(&plan.stores)),
             (
@@ -441,6 +446,14 @@ impl Engine {
                 Value::from(plan.flush.iter().map(|j| j.0).collect::<Vec<_>>()),
             ),
             ("failed_loads", self.req_set(&plan.failed_loads)),
-        ])
+        ];
+        // Only with a sync-load budget, so that other traces' outputs stay as they were.
+        if !plan.sync_loads.is_empty() {
+            out.push((
+                "sync_loads",
+                Value::from(plan.sync_loads.iter().map(|j| j.0).collect::<Vec<_>>()),
+            ));
+        }
+        Ok(out)
     }
 }
