@@ -16,7 +16,7 @@ made here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +39,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 )
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 from vllm.logger import init_logger
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.kv_cache_interface import AttentionSpec, group_kernel_blocks
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
@@ -223,6 +222,25 @@ def _increments(now: dict[str, Any], last: dict[str, int], keys: Iterable[str]) 
         if n:
             out[key] = n
     return out
+
+
+def _hash_as_bytes(h: bytes) -> bytes:
+    return h
+
+
+def _hash_as_int(h: bytes) -> int:
+    return int.from_bytes(h, byteorder="big") & ((1 << 64) - 1)
+
+
+def block_hash_converter() -> Callable[[bytes], Any]:
+    """vLLM's ``maybe_convert_block_hash`` with its environment flag
+    (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``) read once: vLLM reads it from
+    the environment for every hash, which was most of this connector's
+    ``take_events`` time (``tests/test_connector.py`` checks both settings
+    against vLLM's function)."""
+    import vllm.envs as envs
+
+    return _hash_as_int if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else _hash_as_bytes
 
 
 def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
@@ -504,10 +522,11 @@ class _SchedulerSide:
         kind = spec.kv_cache_spec_kind if spec is not None else None
         window = spec.kv_cache_spec_sliding_window if spec is not None else None
         tpb = self.cfg.tokens_per_block
+        convert = block_hash_converter()
         for removed, items in self.core.take_events():
             if removed:
                 yield BlockRemoved(
-                    block_hashes=[maybe_convert_block_hash(h) for h in items],
+                    block_hashes=[convert(h) for h in items],
                     medium="CPU",
                     group_idx=0,
                 )
@@ -516,10 +535,8 @@ class _SchedulerSide:
                 if isinstance(item, tuple):
                     hashes, parent, tokens, lora_id, lora_name = item
                     yield BlockStored(
-                        block_hashes=[maybe_convert_block_hash(h) for h in hashes],
-                        parent_block_hash=(
-                            maybe_convert_block_hash(parent) if parent is not None else None
-                        ),
+                        block_hashes=[convert(h) for h in hashes],
+                        parent_block_hash=convert(parent) if parent is not None else None,
                         token_ids=tokens,
                         block_size=tpb,
                         lora_id=lora_id,
@@ -532,7 +549,7 @@ class _SchedulerSide:
                     )
                     continue
                 yield BlockStored(
-                    block_hashes=[maybe_convert_block_hash(item)],
+                    block_hashes=[convert(item)],
                     parent_block_hash=None,
                     token_ids=[],
                     lora_id=None,

@@ -368,3 +368,18 @@ def test_a_failed_sync_load_has_its_blocks_recomputed():
     assert checked > 0
     assert e.scheduler.requests.get(b) is None, "the request finished"
     leak_free(e)
+
+
+@pytest.mark.parametrize("as_int", ["0", "1"])
+def test_the_event_hash_converter_is_vllms(monkeypatch, as_int):
+    """The events' hashes, converted with the flag read once per call, are
+    what vLLM's maybe_convert_block_hash gives, bytes or 64-bit ints."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    import kvoffload.vllm as kv
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", as_int)
+    convert = kv.block_hash_converter()
+    for h in (bytes(32), bytes(range(32)), b"\xff" * 32, b"\x01" * 8, b"abc"):
+        assert convert(h) == maybe_convert_block_hash(h), (as_int, h)
+        assert type(convert(h)) is type(maybe_convert_block_hash(h))
