@@ -770,3 +770,36 @@ fn a_recycled_plan_lends_its_buffers_and_nothing_else() {
     let plan = h.run(&[], &[], &[]);
     assert!(plan.loads.is_empty() && plan.stores.is_empty() && plan.flush.is_empty());
 }
+
+/// vLLM's `skip_reading_prefix_cache` (prompt-logprob requests): no hit
+/// however much the tier holds, no lookup delay observed, the request
+/// restarted all the same; its own jobs in flight still defer it.
+#[test]
+fn a_request_that_skips_reading_the_cache_gets_no_hit() {
+    let mut h = H::new(Geo::default());
+    h.add(1, 1, 12);
+    h.cache(&[key(1, 0, 1), key(1, 1, 1)]);
+    let _ = h.s.take_lookup_delays();
+    assert_eq!(
+        h.s.lookup_skip_reading(r(1), 0).unwrap(),
+        LookupOutcome::Hit(0)
+    );
+    assert_eq!(
+        h.s.take_lookup_delays(),
+        (vec![], vec![]),
+        "no lookup observed"
+    );
+    assert_eq!(h.s.last_lookup_hits(), None);
+    // It computes its prompt and stores it as any request does.
+    assert_eq!(h.alloc(1, &b(1..=3), 0), None);
+    let plan = h.run(&[(1, b(1..=3), 0, 12)], &[], &[]);
+    assert_eq!(plan.stores.len(), 1, "the third chunk is stored");
+    // With that store in flight it is deferred, as every request is.
+    assert_eq!(
+        h.s.lookup_skip_reading(r(1), 0).unwrap(),
+        LookupOutcome::Defer
+    );
+    // A request of the same prefix that reads the cache hits.
+    h.add(2, 1, 9);
+    assert_eq!(h.lookup(2, 0), LookupOutcome::Hit(8));
+}

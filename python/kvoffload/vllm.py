@@ -440,7 +440,11 @@ class _SchedulerSide:
     ) -> tuple[int | None, bool]:
         if request.request_id not in self.requests:
             self.on_new_request(request)
-        hit = self.core.lookup(request.request_id, num_computed_tokens)
+        # Prompt-logprob requests (and any that asks) must compute their
+        # prompt: no hit, as vLLM's connector and its GPU prefix cache.
+        hit = self.core.lookup(
+            request.request_id, num_computed_tokens, bool(request.skip_reading_prefix_cache)
+        )
         if hit is None:
             return None, False
         if hit and self.sync_loads and self.core.sync_load_reserved(request.request_id):

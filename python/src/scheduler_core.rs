@@ -649,14 +649,28 @@ impl SchedulerCore {
 
     /// Tokens beyond `computed_tokens` the host tier can supply, or `None`:
     /// ask again later (vLLM's `get_num_new_matched_tokens`).
-    fn lookup(&mut self, py: Python<'_>, req: &str, computed_tokens: u64) -> PyResult<Option<u64>> {
+    /// `skip_reading`: the request must not read cached KV (vLLM's
+    /// `skip_reading_prefix_cache`): zero, without looking the tier up.
+    #[pyo3(signature = (req, computed_tokens, skip_reading = false))]
+    fn lookup(
+        &mut self,
+        py: Python<'_>,
+        req: &str,
+        computed_tokens: u64,
+        skip_reading: bool,
+    ) -> PyResult<Option<u64>> {
         let id = self.names.get(req)?;
         self.sync(py, id, true)?;
         // A lookup restarts the request's stores: its horizon may go down.
         for p in self.positions.iter_mut().filter(|p| p.id == id) {
             p.horizon = 0;
         }
-        let outcome = self.s.lookup(id, computed_tokens).map_err(value_error)?;
+        let outcome = if skip_reading {
+            self.s.lookup_skip_reading(id, computed_tokens)
+        } else {
+            self.s.lookup(id, computed_tokens)
+        }
+        .map_err(value_error)?;
         if self.events.self_describing()
             && let (Some(found), Some(t)) = (self.s.last_lookup_hits(), self.tracked.get(&id))
         {

@@ -94,10 +94,16 @@ class Engine:
     def connector(self) -> Any:
         return self.scheduler.connector
 
-    def add(self, tokens: list[int], max_tokens: int = 4, req_id: str | None = None) -> str:
+    def add(
+        self, tokens: list[int], max_tokens: int = 4, req_id: str | None = None, skip_cache: bool = False
+    ) -> str:
+        """Adds a request; `skip_cache`: it must not read cached KV (vLLM's
+        ``skip_reading_prefix_cache``, as for prompt logprobs)."""
         rid = req_id or f"r{self.next_id}"
         self.next_id += 1
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        sp = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, skip_reading_prefix_cache=skip_cache or None
+        )
         sp.update_from_generation_config({}, EOS)
         req = Request(
             request_id=rid,

@@ -383,3 +383,26 @@ def test_the_event_hash_converter_is_vllms(monkeypatch, as_int):
     for h in (bytes(32), bytes(range(32)), b"\xff" * 32, b"\x01" * 8, b"abc"):
         assert convert(h) == maybe_convert_block_hash(h), (as_int, h)
         assert type(convert(h)) is type(maybe_convert_block_hash(h))
+
+
+def test_a_request_that_skips_reading_the_cache_computes_its_prompt():
+    """vLLM's skip_reading_prefix_cache (set for prompt logprobs): the host
+    tier holds the prefix, yet the connector answers zero without looking it
+    up (vLLM's scheduler also discards a hit for such a request, but the
+    lookup's delay observation and a sync-load reservation would remain),
+    and the prompt is computed."""
+    e, answers = _sync_engine(1)
+    e.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(e)
+    evict_gpu_prefix(e)
+    answers.clear()
+    b = e.add(PREFIX + [7, 8, 9], max_tokens=3, skip_cache=True)
+    assert run_checked(e) > 0
+    assert [hit for rid, hit, _ in answers if rid == b] == [0], answers
+    assert b not in e.loaded, "nothing was loaded for it"
+    # (It left the prefix in the GPU prefix cache: evicted again first.)
+    evict_gpu_prefix(e)
+    c = e.add(PREFIX + [4, 5, 6], max_tokens=3)
+    run_checked(e)
+    assert any(rid == c and hit for rid, hit, _ in answers), "a request that reads the cache hits"
+    leak_free(e)

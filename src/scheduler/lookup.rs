@@ -88,6 +88,31 @@ impl Scheduler {
         Ok(outcome)
     }
 
+    /// [`Self::lookup`] for a request that must not read cached KV (vLLM's
+    /// `skip_reading_prefix_cache`, set for prompt-logprob requests): it is
+    /// restarted as a lookup restarts it, and answered zero without looking
+    /// the tier up (no lookup delay is observed, no sync load reserved). Its
+    /// own jobs in flight still defer it, as in vLLM.
+    pub fn lookup_skip_reading(
+        &mut self,
+        req: RequestId,
+        computed_tokens: u64,
+    ) -> Result<LookupOutcome, SchedulerError> {
+        self.last_lookup_hits = None;
+        self.apply_stalls();
+        let rs = self
+            .requests
+            .get_mut(&req)
+            .ok_or(SchedulerError::UnknownRequest(req))?;
+        rs.restart();
+        rs.lookup_computed = Some(computed_tokens);
+        if !rs.jobs.is_empty() {
+            return Ok(LookupOutcome::Defer);
+        }
+        self.batch.sync_reserved.retain(|r| *r != req);
+        Ok(LookupOutcome::Hit(0))
+    }
+
     /// Whether `req`'s last lookup in this step reserved the step's sync-load
     /// budget: its load, if the backend allocates it, is synchronous (the
     /// workers finish it before the step's compute) and the request runs in
