@@ -227,6 +227,9 @@ run() {
     if command -v python3 >/dev/null; then
         step "binding_roundtrip.py --backend cuda" 60 env PYTHONPATH="$carry/python" \
             python3 "$carry/python/binding_roundtrip.py" --backend cuda
+        # A synchronous load: the bytes must be back when start_transfers returns.
+        step "binding_roundtrip.py --backend cuda --sync" 60 env PYTHONPATH="$carry/python" \
+            python3 "$carry/python/binding_roundtrip.py" --backend cuda --sync
         # Again with a table given to the worker: every job on the kernel,
         # a tuned launch shape and a ring of 2 (the binding's table path).
         printf '%s\n' '{"rules": [], "fallback": "kernel", "tuning": {"kernel_ctas": 16, "ring_slots": 2}}' \

@@ -2,6 +2,8 @@
 `SchedulerCore` plans a request's stores, a `WorkerCore` copies its KV blocks
 to the host pool, the blocks are wiped, a second request with the same prefix
 looks it up, and its load must bring the same bytes back into other blocks.
+With `--sync` the load is synchronous (a sync-load budget): the worker waits
+for it inside `start_transfers`, so the bytes must be back before any poll.
 
 It runs on the host backend here (pytest: `test_binding_roundtrip.py`) and,
 with `--backend cuda`, on the CUDA backend over device memory allocated
@@ -102,12 +104,18 @@ def pattern(layer: int, block: int) -> bytes:
     return (seed * (PAGE // len(seed) + 1))[:PAGE]
 
 
+#: The plan bytes of the last `step`.
+last_plan = b""
+
+
 def step(core: Any, worker: Any, scheduled: dict[str, int], new: list, finished: list | None = None) -> tuple:
     plan, load_requests, failed = core.build_step(scheduled, new, [], [], [], set(), [], finished or [])
     worker.bind(plan)
     worker.handle_preemptions()
     worker.start_transfers()
     worker.queue_stores()
+    global last_plan
+    last_plan = plan
     return native.plan_jobs(plan), load_requests, failed
 
 
@@ -127,13 +135,27 @@ def wait_done(core: Any, worker: Any, jobs: set[int], timeout_s: float = 30.0) -
         time.sleep(0.001)
 
 
-def roundtrip(backend: str, strategy_table: str | None = None) -> dict[str, Any]:
+def wrong_blocks(got: bytes, first: list[int], second: list[int]) -> list[tuple[int, int]]:
+    """The (layer, block) of `second` whose bytes are not those of `first`'s block."""
+    return [
+        (l, b)
+        for l in range(LAYERS)
+        for i, b in enumerate(second[:PROMPT_BLOCKS])
+        if got[(l * NUM_BLOCKS + b) * PAGE:(l * NUM_BLOCKS + b + 1) * PAGE] != pattern(l, first[i])
+    ]
+
+
+def roundtrip(backend: str, strategy_table: str | None = None, sync: bool = False) -> dict[str, Any]:
     size = LAYERS * NUM_BLOCKS * PAGE
     mem = CudaMemory(size) if backend == "cuda" else HostMemory(size)
     # Layer-outermost, as vLLM's kernel blocks: layer l, block b at (l * NUM_BLOCKS + b) * PAGE.
     tensors = [(mem.addr + l * NUM_BLOCKS * PAGE, PAGE, PAGE) for l in range(LAYERS)]
     cfg = {"tokens_per_block": TOKENS_PER_BLOCK, "blocks_per_chunk": 1, "num_cpu_chunks": 32,
            "offload_prompt_only": True}
+    if sync:
+        # Room for the whole prefix: its load is synchronous.
+        cfg["sync_load_budget_bytes"] = PROMPT_BLOCKS * LAYERS * PAGE
+        cfg["sync_load_bytes_per_token"] = LAYERS * PAGE // TOKENS_PER_BLOCK
     core = native.SchedulerCore(json.dumps(cfg), watchdog=False, kv_events=False)
     if backend == "cuda":
         worker = native.WorkerCore.cuda(tensors, NUM_BLOCKS, 1, 32, False, 0, 0, strategy_table)
@@ -167,35 +189,39 @@ def roundtrip(backend: str, strategy_table: str | None = None) -> dict[str, Any]
     core.add_request(Request("b", tokens + 1, hashes))
     hit = core.lookup("b", 0)
     assert hit == tokens, f"lookup hit {hit} tokens, {tokens} expected"
+    assert core.sync_load_reserved("b") == sync, "a sync load exactly with a budget"
     load = core.on_alloc("b", second, hit)
     assert load is not None, "a load job"
     (loads, _, _), load_requests, _ = step(core, worker, {}, [])
     assert loads == [load] and load_requests == {load: "b"}, (loads, load_requests)
+    if sync:
+        # The worker waited for it in start_transfers: the bytes are back
+        # before any poll, and the plan names it synchronous.
+        assert native.plan_sync_loads(last_plan) == [load], "the plan names it synchronous"
+        early = wrong_blocks(mem.read(), first, second)
+        if early:
+            raise AssertionError(f"sync load: {len(early)} blocks not back after start_transfers")
     wait_done(core, worker, {load})
-    got = mem.read()
-    wrong = [
-        (l, b)
-        for l in range(LAYERS)
-        for i, b in enumerate(second[:PROMPT_BLOCKS])
-        if got[(l * NUM_BLOCKS + b) * PAGE:(l * NUM_BLOCKS + b + 1) * PAGE] != pattern(l, first[i])
-    ]
+    wrong = wrong_blocks(mem.read(), first, second)
     if wrong:
         raise AssertionError(f"{len(wrong)} blocks came back wrong, first (layer, block): {wrong[0]}")
     state = core.state()
-    return {"backend": worker.backend, "blocks": PROMPT_BLOCKS * LAYERS,
+    return {"backend": worker.backend, "sync": sync, "blocks": PROMPT_BLOCKS * LAYERS,
             "bytes": PROMPT_BLOCKS * LAYERS * PAGE, "jobs_left": state["jobs"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=("host", "cuda"), default="host")
+    ap.add_argument("--sync", action="store_true",
+                    help="a synchronous load (a sync-load budget): the bytes must be back when start_transfers returns")
     ap.add_argument("--strategy-table", metavar="FILE",
                     help="a strategy table for the CUDA worker (kvoffload bench --calibrate's format)")
     args = ap.parse_args(argv)
     if args.strategy_table and args.backend != "cuda":
         ap.error("--strategy-table goes with --backend cuda")
     try:
-        out = roundtrip(args.backend, args.strategy_table)
+        out = roundtrip(args.backend, args.strategy_table, args.sync)
     except Unavailable as e:
         print(f"SKIP: binding round trip on {args.backend}: {e}")
         return 2
@@ -207,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     except AssertionError as e:
         print(f"FAIL: binding round trip on {args.backend}: {e}")
         return 1
-    print(f"PASS: binding round trip on {out['backend']}: {out['blocks']} blocks ({out['bytes']} bytes) "
+    kind = "sync load, " if out["sync"] else ""
+    print(f"PASS: binding round trip on {out['backend']} ({kind}{out['blocks']} blocks, {out['bytes']} bytes): "
           f"stored, wiped and loaded back equal; jobs left {out['jobs_left']}")
     return 0
 

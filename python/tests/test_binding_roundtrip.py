@@ -13,6 +13,11 @@ def test_round_trip_on_the_host_backend():
     assert out["jobs_left"] == 0
 
 
+def test_a_sync_load_is_back_when_start_transfers_returns():
+    out = rt.roundtrip("host", sync=True)
+    assert out["sync"] and out["jobs_left"] == 0
+
+
 def test_round_trip_on_the_cuda_backend():
     try:
         out = rt.roundtrip("cuda")
