@@ -368,14 +368,10 @@ class _SchedulerSide:
         events = vllm_config.kv_events_config
         # As vLLM's manager: no KV events unless vLLM publishes them.
         publish = bool(events is not None and events.enable_kv_cache_events)
-        self.core = SchedulerCore(
-            cfg.to_json(),
-            kv_events=publish,
-            self_describing=publish and cfg.self_describing_kv_events,
-        )
-        #: The events' payload shape: self-describing events carry the KV
-        #: group's kind (and window) in every ``BlockStored``.
+        #: Whether the events carry each chunk's payload (and every
+        #: ``BlockStored`` the KV group's kind and window).
         self.self_describing = publish and cfg.self_describing_kv_events
+        self.core = SchedulerCore(cfg.to_json(), kv_events=publish, self_describing=self.self_describing)
         self.event_spec = (
             get_offloading_event_group_spec(kv_cache_config.kv_cache_groups[0])
             if self.self_describing
@@ -676,9 +672,7 @@ class _WorkerSide:
     def bind(self, meta: KvOffloadMetadata) -> None:
         assert self.core is not None, "register_kv_caches first"
         self.core.bind(meta.plan)
-        sync = self.core.sync_loads()
-        for job, blocks in sync:
-            self.sync_blocks[job] = blocks
+        self.sync_blocks.update(self.core.sync_loads())
         for job, req in meta.load_requests.items():
             if job in self.sync_blocks:
                 # Its request runs in this step already: no finished load.
