@@ -114,3 +114,22 @@ fn a_preempted_request_may_have_a_sync_load_of_an_earlier_step_in_flight() {
     h.complete(&[job], 1);
     assert_eq!(h.s.state().jobs, 0);
 }
+
+#[test]
+fn a_reset_between_a_reservation_and_its_step_is_refused() {
+    let mut h = h(64);
+    with_two_cached_chunks(&mut h, 1, 1);
+    assert_eq!(h.lookup(1, 0), LookupOutcome::Hit(8));
+    // vLLM asserts no sync load is reserved when its cache is reset.
+    assert!(matches!(
+        h.s.reset(),
+        Err(kvoffload::scheduler::SchedulerError::ResetMidStep)
+    ));
+    assert_eq!(
+        h.lookup_key(key(1, 0, 1)),
+        kvoffload::manager::LookupResult::Hit,
+        "nothing changed"
+    );
+    h.run(&[], &[], &[]);
+    h.s.reset().expect("between steps");
+}

@@ -31,7 +31,9 @@ impl Scheduler {
     /// so their reuse must still wait for it).
     pub fn reset(&mut self) -> Result<(), SchedulerError> {
         self.apply_stalls();
-        if !self.batch.loads.is_empty() {
+        // As vLLM (it asserts both): not between a step's lookups or loads
+        // and its build.
+        if !self.batch.loads.is_empty() || !self.batch.sync_reserved.is_empty() {
             return Err(SchedulerError::ResetMidStep);
         }
         let mut live: Vec<(JobId, FencedReset)> = Vec::with_capacity(self.jobs.len());

@@ -193,8 +193,11 @@ pub enum SchedulerError {
         /// Its kind.
         kind: &'static str,
     },
-    /// `reset` between a step's `alloc` and its `step`.
-    #[error("reset with a step in progress (loads or allocations not yet planned)")]
+    /// `reset` between a step's `alloc` (or a lookup that reserved a sync
+    /// load) and its `step`.
+    #[error(
+        "reset with a step in progress (loads, allocations or sync-load reservations not yet planned)"
+    )]
     ResetMidStep,
     /// `confirm_cancelled` for a job that is not stalled.
     #[error("{0} is not a stalled job")]
