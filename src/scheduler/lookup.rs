@@ -64,12 +64,37 @@ impl Scheduler {
         req: RequestId,
         computed_tokens: u64,
     ) -> Result<LookupOutcome, SchedulerError> {
+        self.lookup_with(req, computed_tokens, false)
+    }
+
+    /// [`Self::lookup`] for a request that must not read cached KV (vLLM's
+    /// `skip_reading_prefix_cache`, set for prompt-logprob requests): it is
+    /// restarted as a lookup restarts it, and answered zero without looking
+    /// the tier up (no lookup delay is observed, no sync load reserved). Its
+    /// own jobs in flight still defer it, as in vLLM.
+    pub fn lookup_skip_reading(
+        &mut self,
+        req: RequestId,
+        computed_tokens: u64,
+    ) -> Result<LookupOutcome, SchedulerError> {
+        self.lookup_with(req, computed_tokens, true)
+    }
+
+    fn lookup_with(
+        &mut self,
+        req: RequestId,
+        computed_tokens: u64,
+        skip_reading: bool,
+    ) -> Result<LookupOutcome, SchedulerError> {
         let start = self.now_ns();
-        let (outcome, looked_up) = self.lookup_inner(req, computed_tokens)?;
+        let (outcome, looked_up) = self.lookup_inner(req, computed_tokens, skip_reading)?;
         if !looked_up {
             return Ok(outcome);
         }
         self.reserve_sync_load(req, computed_tokens, outcome);
+        if skip_reading {
+            return Ok(outcome);
+        }
         let now = self.now_ns();
         let secs = |ns: u64| ns as f64 / 1e9;
         self.lookup_delays
@@ -86,31 +111,6 @@ impl Scheduler {
             }
         }
         Ok(outcome)
-    }
-
-    /// [`Self::lookup`] for a request that must not read cached KV (vLLM's
-    /// `skip_reading_prefix_cache`, set for prompt-logprob requests): it is
-    /// restarted as a lookup restarts it, and answered zero without looking
-    /// the tier up (no lookup delay is observed, no sync load reserved). Its
-    /// own jobs in flight still defer it, as in vLLM.
-    pub fn lookup_skip_reading(
-        &mut self,
-        req: RequestId,
-        computed_tokens: u64,
-    ) -> Result<LookupOutcome, SchedulerError> {
-        self.last_lookup_hits = None;
-        self.apply_stalls();
-        let rs = self
-            .requests
-            .get_mut(&req)
-            .ok_or(SchedulerError::UnknownRequest(req))?;
-        rs.restart();
-        rs.lookup_computed = Some(computed_tokens);
-        if !rs.jobs.is_empty() {
-            return Ok(LookupOutcome::Defer);
-        }
-        self.batch.sync_reserved.retain(|r| *r != req);
-        Ok(LookupOutcome::Hit(0))
     }
 
     /// Whether `req`'s last lookup in this step reserved the step's sync-load
@@ -154,11 +154,13 @@ impl Scheduler {
     }
 
     /// The answer, and whether the tier was looked up (`false`: deferred by
-    /// the request's own jobs in flight, before any lookup).
+    /// the request's own jobs in flight, before any lookup); `skip_reading`:
+    /// zero once the request is restarted (vLLM's `skip_reading_prefix_cache`).
     fn lookup_inner(
         &mut self,
         req: RequestId,
         computed_tokens: u64,
+        skip_reading: bool,
     ) -> Result<(LookupOutcome, bool), SchedulerError> {
         self.last_lookup_hits = None;
         self.apply_stalls();
@@ -171,6 +173,9 @@ impl Scheduler {
         rs.lookup_computed = Some(computed_tokens);
         if !rs.jobs.is_empty() {
             return Ok((LookupOutcome::Defer, false));
+        }
+        if skip_reading {
+            return Ok((LookupOutcome::Hit(0), true));
         }
         // As vLLM: no hit past the request's last full chunk, and the
         // less-than-a-chunk answer (zero) comes before any key is looked up,
