@@ -6,6 +6,7 @@ use crate::ids::{JobId, RequestId};
 use crate::manager::StoreOutcome;
 
 use super::Scheduler;
+use super::jobs::JobEntry;
 use super::latch::ReportEffect;
 use super::stall::StalledJob;
 use super::types::{CompletionReport, Ending, SchedulerError, WorkerOutcome};
@@ -238,15 +239,11 @@ impl Scheduler {
                 if let Err(err) = self.manager.complete_load(&e.keys, Some(req)) {
                     tracing::error!(%job, error = %err, "complete_load refused");
                 }
-                if !e.sync {
-                    self.unmark_loading(&e.keys);
-                }
+                self.unmark_loading(&e);
             }
             (Direction::Load, Ending::Stalled) => {
                 // Chunks stay pinned (quarantined) until the late reports arrive.
-                if !e.sync {
-                    self.unmark_loading(&e.keys);
-                }
+                self.unmark_loading(&e);
                 self.counters.stalled_loads += 1;
                 self.failed_loads.push(req);
                 let chunk_ids = JobSlots::from_slice(e.chunk_ids());
@@ -279,8 +276,13 @@ impl Scheduler {
         Some((e.kind, req))
     }
 
-    fn unmark_loading(&mut self, keys: &[crate::key::ChunkKey]) {
-        for k in keys {
+    /// A load's keys are no longer being loaded (a synchronous load never
+    /// marked them).
+    fn unmark_loading(&mut self, e: &JobEntry) {
+        if e.sync {
+            return;
+        }
+        for k in e.keys.iter() {
             if let Some(n) = self.being_loaded.get_mut(k) {
                 *n -= 1;
                 if *n == 0 {
