@@ -141,6 +141,89 @@ fn a_remote_hit_is_fetched_into_the_host_tier_then_loaded() {
     assert!(t.s.check_invariants().is_ok());
 }
 
+/// Fetches (for `req`, looked up from `computed` tokens) what the remote tier
+/// holds past the host tier's hits, and returns the lookup's answer once the
+/// fetch is done.
+fn fetch_then_lookup(t: &mut Rig, req: u64, computed: u64) -> LookupOutcome {
+    assert_eq!(t.s.lookup(r(req), computed).unwrap(), LookupOutcome::Defer);
+    t.s.wait_remote_lookups(WAIT);
+    assert_eq!(t.s.lookup(r(req), computed).unwrap(), LookupOutcome::Defer);
+    let plan = t.step();
+    assert_eq!(plan.fetches.len(), 1);
+    t.report(plan.fetches[0].job, false);
+    t.s.lookup(r(req), computed).unwrap()
+}
+
+#[test]
+fn hit_sources_name_the_chunks_a_request_fetched_remote_and_the_rest_host() {
+    let mut t = rig();
+    // Request 3 fetches chunk 0 of prefix 1 into the host tier.
+    t.put(key(1, 0, 1));
+    t.s.add_request(r(3), 8, &hashes(1, 0..2)).unwrap();
+    assert_eq!(fetch_then_lookup(&mut t, 3, 0), LookupOutcome::Hit(4));
+    let src = t.s.hit_sources(r(3), 4).unwrap();
+    assert_eq!((src.host_tokens, src.remote_tokens), (0, 4));
+    // Request 1 finds chunk 0 in the host tier and fetches chunks 1 and 2.
+    t.put(key(1, 1, 1));
+    t.put(key(1, 2, 1));
+    t.s.add_request(r(1), 20, &hashes(1, 0..5)).unwrap();
+    assert_eq!(fetch_then_lookup(&mut t, 1, 0), LookupOutcome::Hit(12));
+    let src = t.s.hit_sources(r(1), 12).unwrap();
+    assert_eq!((src.host_tokens, src.remote_tokens), (4, 8));
+    // From a GPU hit of one block on, only the fetched chunks remain.
+    assert_eq!(t.s.lookup(r(1), 4).unwrap(), LookupOutcome::Hit(8));
+    let src = t.s.hit_sources(r(1), 8).unwrap();
+    assert_eq!((src.host_tokens, src.remote_tokens), (0, 8));
+    // Another request reading the same chunks reads them from the host tier.
+    t.s.add_request(r(2), 20, &hashes(1, 0..5)).unwrap();
+    assert_eq!(t.lookup(2), LookupOutcome::Defer, "chunk 3 is asked for");
+    t.s.wait_remote_lookups(WAIT);
+    assert_eq!(t.lookup(2), LookupOutcome::Hit(12));
+    let src = t.s.hit_sources(r(2), 12).unwrap();
+    assert_eq!((src.host_tokens, src.remote_tokens), (12, 0));
+    for q in [1, 2, 3] {
+        t.s.request_finished(r(q), &[], true, 0).unwrap();
+    }
+    t.step();
+    assert_eq!(
+        t.s.remote_probes(),
+        0,
+        "the fetched ranges go with their request"
+    );
+}
+
+#[test]
+fn a_request_that_skips_the_remote_tier_never_asks_it() {
+    let mut t = rig();
+    for c in 0..3 {
+        t.put(key(1, c, 1));
+    }
+    t.s.add_request(r(1), 20, &hashes(1, 0..5)).unwrap();
+    t.s.set_request_caps(
+        r(1),
+        kvoffload::scheduler::RequestCaps {
+            skip_remote_tier: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        t.lookup(1),
+        LookupOutcome::Hit(0),
+        "answered from the host tier at once"
+    );
+    assert_eq!(t.s.remote_lookup_stats().unwrap().lookups, 0);
+    assert!(t.step().fetches.is_empty());
+    // The same prefix without the filter asks, and is fetched.
+    t.s.add_request(r(2), 20, &hashes(1, 0..5)).unwrap();
+    assert_eq!(fetch_then_lookup(&mut t, 2, 0), LookupOutcome::Hit(12));
+    for q in [1, 2] {
+        t.s.request_finished(r(q), &[], true, 0).unwrap();
+    }
+    t.step();
+    assert_eq!(t.s.remote_probes(), 0);
+}
+
 #[test]
 fn a_remote_miss_answers_from_the_host_tier_and_asks_once() {
     let mut t = rig();

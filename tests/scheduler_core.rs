@@ -697,9 +697,42 @@ fn max_load_tokens_caps_hits() {
     .unwrap();
     assert_eq!(
         h.lookup(1, 0),
-        LookupOutcome::Hit(9),
-        "min(cap, covered chunks), as vLLM"
+        LookupOutcome::Hit(8),
+        "min(cap, covered chunks) rounded down to a chunk, as vLLM 0.33.0"
     );
+    // The cap counts from the GPU prefix hit: 4 computed + 9 reaches token
+    // 13, past the last full chunk (12): 8 more tokens.
+    assert_eq!(h.lookup(1, 4), LookupOutcome::Hit(8));
+    h.s.set_request_caps(
+        r(1),
+        kvoffload::scheduler::RequestCaps {
+            max_load_tokens: Some(7),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    // 4 + 7 = 11, rounded down to 8: one chunk past the computed ones.
+    assert_eq!(h.lookup(1, 4), LookupOutcome::Hit(4));
+    // 0 + 7 rounded down to 4.
+    assert_eq!(h.lookup(1, 0), LookupOutcome::Hit(4));
+    h.s.set_request_caps(
+        r(1),
+        kvoffload::scheduler::RequestCaps {
+            max_load_tokens: Some(3),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(h.lookup(1, 0), LookupOutcome::Hit(0), "less than a chunk");
+    h.s.set_request_caps(
+        r(1),
+        kvoffload::scheduler::RequestCaps {
+            max_load_tokens: Some(0),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(h.lookup(1, 0), LookupOutcome::Hit(0), "0 loads nothing");
 }
 
 #[test]

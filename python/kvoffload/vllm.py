@@ -45,6 +45,7 @@ from vllm.v1.request import RequestStatus
 
 from kvoffload._native import SchedulerCore, WorkerCore
 from kvoffload.config import EngineConfig
+from kvoffload.request_params import parse_request_params
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -430,6 +431,32 @@ class _SchedulerSide:
     def on_new_request(self, request: Request) -> None:
         self.core.add_request(request)
         self.requests.add(request.request_id)
+        params = request.kv_transfer_params
+        if params:
+            # vLLM's per-request limits (``max_load_tokens``,
+            # ``max_offload_tokens``) and tier filter (``kv_load_tiers``).
+            p = parse_request_params(params)
+            if not p.is_default:
+                self.core.set_request_caps(
+                    request.request_id,
+                    p.max_load_tokens,
+                    p.max_offload_tokens,
+                    p.skips_remote_tier,
+                )
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The accepted hit split by the tier that supplied it: ``host`` for
+        chunks the host tier held; ``external_unspecified`` (vLLM's label for
+        a remote store) for chunks the request's own fetches brought from the
+        remote tier. Only non-zero counts."""
+        if num_external_tokens == 0:
+            return {}
+        rid = request.request_id
+        if rid not in self.requests:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        host, remote = self.core.hit_sources(rid, num_external_tokens)
+        out = {CacheHitSource.HOST: host, CacheHitSource.EXTERNAL_UNSPECIFIED: remote}
+        return {k: v for k, v in out.items() if v}
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -868,6 +895,12 @@ class KvOffloadConnector(KVConnectorBase_V1):
     ) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        assert self._scheduler is not None
+        return self._scheduler.hit_sources(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None

@@ -687,6 +687,42 @@ impl SchedulerCore {
         }
     }
 
+    /// Sets a request's limits from its `kv_transfer_params` (parsed and
+    /// checked by the caller): `max_load_tokens` (a lookup answers at most
+    /// that many tokens past the computed ones, in whole chunks),
+    /// `max_offload_tokens` (at most that many leading tokens stored; 0
+    /// stores nothing), `skip_remote_tier` (its lookups never ask the remote
+    /// tier, a `kv_load_tiers` filter without it).
+    #[pyo3(signature = (req, max_load_tokens = None, max_offload_tokens = None, skip_remote_tier = false))]
+    fn set_request_caps(
+        &mut self,
+        req: &str,
+        max_load_tokens: Option<u64>,
+        max_offload_tokens: Option<u64>,
+        skip_remote_tier: bool,
+    ) -> PyResult<()> {
+        let id = self.names.get(req)?;
+        let caps = kvoffload::scheduler::RequestCaps {
+            max_load_tokens,
+            max_offload_tokens,
+            skip_remote_tier,
+        };
+        self.s.set_request_caps(id, caps).map_err(value_error)
+    }
+
+    /// `external_tokens` (the request's accepted hit) split by source:
+    /// `(host, remote)`, the tokens from chunks the host tier held and from
+    /// chunks the request's own fetches brought from the remote tier (vLLM's
+    /// `get_external_cache_hit_sources`).
+    fn hit_sources(&self, req: &str, external_tokens: u64) -> PyResult<(u64, u64)> {
+        let id = self.names.get(req)?;
+        let src = self
+            .s
+            .hit_sources(id, external_tokens)
+            .map_err(value_error)?;
+        Ok((src.host_tokens, src.remote_tokens))
+    }
+
     /// Whether the request's last lookup in this step reserved the step's
     /// sync-load budget (`sync_load_budget_bytes`): its load is then
     /// synchronous and vLLM schedules it at once (`load_kv_async = False`).

@@ -95,14 +95,23 @@ class Engine:
         return self.scheduler.connector
 
     def add(
-        self, tokens: list[int], max_tokens: int = 4, req_id: str | None = None, skip_cache: bool = False
+        self,
+        tokens: list[int],
+        max_tokens: int = 4,
+        req_id: str | None = None,
+        skip_cache: bool = False,
+        kv_transfer_params: dict | None = None,
     ) -> str:
         """Adds a request; `skip_cache`: it must not read cached KV (vLLM's
-        ``skip_reading_prefix_cache``, as for prompt logprobs)."""
+        ``skip_reading_prefix_cache``, as for prompt logprobs);
+        `kv_transfer_params`: the request's, as a client sends them."""
         rid = req_id or f"r{self.next_id}"
         self.next_id += 1
         sp = SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True, skip_reading_prefix_cache=skip_cache or None
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            skip_reading_prefix_cache=skip_cache or None,
+            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None,
         )
         sp.update_from_generation_config({}, EOS)
         req = Request(

@@ -150,12 +150,30 @@ def workload(seed: int, n: int) -> list[tuple[int, list[int], int]]:
     return out
 
 
+def transfer_params(rng: random.Random) -> dict:
+    """Per-request limits as a client may send them: token limits (chunk
+    multiples or not, 0, or invalid values both connectors ignore) and a
+    ``kv_load_tiers`` filter (no secondary tier here: it changes nothing)."""
+    limits = [0, 3, 4, 8, 9, 16, 21, 40, -1, True, 8.0, "8", None]
+    out: dict = {}
+    for name in ("max_load_tokens", "max_offload_tokens"):
+        if rng.random() < 0.6:
+            out[name] = rng.choice(limits)
+    if rng.random() < 0.3:
+        out["kv_load_tiers"] = rng.choice([[], [{"medium": "cpu"}], [{"locality": "remote"}], "all", [1]])
+    return out
+
+
 def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int, **kw: Any) -> list[dict]:
     extra = dict(kw.pop("extra"))
     # A share of the requests that must not read cached KV (prompt
     # logprobs), drawn apart so that the workload itself stays the seed's.
     skip_share = kw.pop("skip_share", 0.0)
     skip_rng = random.Random(seed * 7919 + 1)
+    # A share of the requests with per-request limits in their
+    # kv_transfer_params (some of them invalid, which both ignore).
+    params_share = kw.pop("params_share", 0.0)
+    params_rng = random.Random(seed * 104729 + 2)
     e = build(connector=connector, module=module, extra=extra, fake_worker=fake, tpb=TPB, **kw)
     lookups: list[tuple[str, Any]] = []
     inner = e.connector.get_num_new_matched_tokens
@@ -166,6 +184,18 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
         return got
 
     e.connector.get_num_new_matched_tokens = lookup
+    # The hit's split by source, asked right after the allocation, as vLLM's
+    # scheduler asks it for its connector prefix-cache stats.
+    sources: list[tuple[str, int, dict]] = []
+    alloc = e.connector.update_state_after_alloc
+
+    def update_state_after_alloc(request: Any, blocks: Any, n: int) -> Any:
+        got = alloc(request, blocks, n)
+        split = e.connector.get_external_cache_hit_sources(request, n)
+        sources.append((request.request_id, n, {str(k.value): v for k, v in split.items()}))
+        return got
+
+    e.connector.update_state_after_alloc = update_state_after_alloc
     events: list[tuple] = []
     take = e.connector.take_events
 
@@ -191,7 +221,8 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
         while i < len(arrivals) and arrivals[i][0] <= step:
             _, prompt, max_tokens = arrivals[i]
             skip = skip_rng.random() < skip_share
-            e.add(prompt, max_tokens=max_tokens, req_id=f"q{i}", skip_cache=skip)
+            params = transfer_params(params_rng) if params_rng.random() < params_share else None
+            e.add(prompt, max_tokens=max_tokens, req_id=f"q{i}", skip_cache=skip, kv_transfer_params=params)
             i += 1
         if i == len(arrivals) and not e.scheduler.has_requests() and e.pending is None:
             break
@@ -206,6 +237,7 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
                 "scheduled": dict(so.num_scheduled_tokens),
                 "preempted": sorted(so.preempted_req_ids or ()),
                 "lookups": lookups[:],
+                "sources": sources[:],
                 "loads": loads,
                 "stores": stores,
                 # The KV events taken in the step (vLLM takes them at update_from_output).
@@ -214,6 +246,7 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
             }
         )
         lookups.clear()
+        sources.clear()
         events.clear()
         stats.clear()
     else:
@@ -251,6 +284,12 @@ CASES = [
     # set for prompt logprobs): their lookups answer zero; they still store.
     (15, {}, {"skip_share": 0.3}),
     (16, {"sync_load_budget_bytes": 1536, "eviction_policy": "arc"}, {"skip_share": 0.3, "async_scheduling": True}),
+    # Per-request kv_transfer_params limits (max_load_tokens counts from the
+    # GPU prefix hit and rounds down to a chunk; max_offload_tokens bounds the
+    # stored prefix), valid and invalid.
+    (17, {}, {"params_share": 0.5}),
+    (18, {"block_size": 2 * TPB, "offload_prompt_only": False}, {"params_share": 0.5, "async_scheduling": True}),
+    (19, {"sync_load_budget_bytes": 2048, "eviction_policy": "arc"}, {"params_share": 0.5, "world_size": 2}),
 ]
 # KVOFFLOAD_DIFF_SEEDS=N adds N more seeds, cycling through the cases' configurations.
 _CONFIGS = [c for c in CASES if c[0] != 88]
@@ -285,6 +324,10 @@ def test_same_steps_as_vllms_offloading_connector(seed: int, extra: dict, opts: 
         assert any(hit and not load_async for _, _, hit, load_async in lookups), "no sync load"
         if seed in (12, 13, 14):
             assert any(hit and load_async for _, _, hit, load_async in lookups), "no async load"
+    if opts.get("params_share") and seed < 1000:
+        hits = [lk for st in want for lk in st.get("lookups", ()) if lk[2]]
+        assert any(st.get("sources") for st in want), "no hit source asked"
+        assert hits, "no hit in the workload"
     if extra.get("self_describing_kv_events") and seed < 1000:
         stored = [dict(ev[1]) for st in want for ev in st.get("events", ()) if ev[0] == "BlockStored"]
         assert any(f["token_ids"] for f in stored), "no self-describing payload in the workload"

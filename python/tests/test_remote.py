@@ -517,3 +517,69 @@ def test_fetched_chunks_are_announced_with_self_describing_payloads(redis_url):
         assert ev.parent_block_hash == (hashes[i - 1] if i else None), (i, ev)
         assert ev.block_size == 4 and ev.kv_cache_spec_kind == "full_attention", ev
     leak_free(b)
+
+
+def record_hit_sources(e: harness.Engine) -> list:
+    """``(request, hit, {source: tokens})`` for every allocation with a hit,
+    asked right after it as vLLM's scheduler asks for its prefix-cache stats."""
+    seen: list = []
+    alloc = e.connector.update_state_after_alloc
+
+    def update_state_after_alloc(request, blocks, n):
+        got = alloc(request, blocks, n)
+        if n:
+            split = e.connector.get_external_cache_hit_sources(request, n)
+            seen.append((request.request_id, n, {k.value: v for k, v in split.items()}))
+        return got
+
+    e.connector.update_state_after_alloc = update_state_after_alloc
+    return seen
+
+
+def test_hits_fetched_from_the_remote_tier_are_reported_as_a_remote_store(redis_url):
+    node_one({"url": redis_url}, 1)
+    b = harness.build(extra=extra_for({"url": redis_url}))
+    sources = record_hit_sources(b)
+    r = b.add(PREFIX + [7, 8, 9], max_tokens=3)
+    run_checked(b)
+    assert r in b.loaded
+    # The 10 fetched chunks of 4 tokens: vLLM's label for a remote store.
+    assert sources == [(r, 40, {"external_unspecified": 40})], sources
+    leak_free(b)
+
+
+@pytest.mark.parametrize(
+    "tiers,fetched",
+    [
+        ([{"locality": "local"}], False),
+        ([], False),
+        ([{"medium": "storage"}], False),
+        ([{"medium": "cpu"}], True),
+        ([{"locality": "REMOTE"}], True),
+        ([{"medium": "tape"}], True),  # only invalid entries: every tier
+    ],
+    ids=["local-only", "empty", "storage", "cpu", "remote", "invalid"],
+)
+def test_kv_load_tiers_decides_whether_a_request_reads_the_remote_tier(redis_url, tiers, fetched):
+    node_one({"url": redis_url}, 1)
+    b = harness.build(extra=extra_for({"url": redis_url}))
+    r = b.add(PREFIX + [7, 8, 9], max_tokens=3, kv_transfer_params={"kv_load_tiers": tiers})
+    run_checked(b)
+    st = remote_stats(b)
+    assert (r in b.loaded) == fetched
+    assert (st["lookups"] > 0) == fetched, st
+    assert st["chunks_fetched"] == (10 if fetched else 0), st
+    leak_free(b)
+
+
+def test_max_load_tokens_bounds_what_is_fetched_and_loaded(redis_url):
+    node_one({"url": redis_url}, 1)
+    b = harness.build(extra=extra_for({"url": redis_url}))
+    sources = record_hit_sources(b)
+    # 18 tokens past no GPU hit: 4 whole chunks.
+    r = b.add(PREFIX + [7, 8, 9], max_tokens=3, kv_transfer_params={"max_load_tokens": 18})
+    run_checked(b)
+    assert r in b.loaded
+    assert sources == [(r, 16, {"external_unspecified": 16})], sources
+    assert remote_stats(b)["chunks_fetched"] == 4
+    leak_free(b)

@@ -43,6 +43,27 @@ pub(crate) fn maximal_prefix(
     scan
 }
 
+/// The furthest token a lookup may answer up to (vLLM 0.33.0's
+/// `max_hit_size_tokens` for one full-attention group): the request's
+/// tokens, its last keyed chunk, and with a `max_load_tokens` cap, at most
+/// `cap` tokens past `computed`, rounded down to a whole chunk.
+pub(crate) fn max_hit_tokens(
+    num_tokens: u64,
+    full_chunk_tokens: u64,
+    computed: u64,
+    max_load_tokens: Option<u64>,
+    tokens_per_chunk: u64,
+) -> u64 {
+    let mut max_hit = num_tokens.min(full_chunk_tokens);
+    if let Some(cap) = max_load_tokens {
+        max_hit = max_hit.min(computed.saturating_add(cap));
+        if tokens_per_chunk > 0 {
+            max_hit -= max_hit % tokens_per_chunk;
+        }
+    }
+    max_hit
+}
+
 impl Scheduler {
     /// How many tokens beyond `computed_tokens` the host tier can supply for
     /// `req` (vLLM `get_num_new_matched_tokens`).
@@ -182,11 +203,14 @@ impl Scheduler {
         // so a pending chunk past that bound never defers the request.
         let full_chunk_tokens =
             (rs.num_keys(g.blocks_per_chunk) as u64).saturating_mul(g.tokens_per_chunk);
-        let max_hit = rs
-            .caps
-            .max_load_tokens
-            .map_or(rs.num_tokens, |cap| cap.min(rs.num_tokens))
-            .min(full_chunk_tokens);
+        let max_hit = max_hit_tokens(
+            rs.num_tokens,
+            full_chunk_tokens,
+            computed_tokens,
+            rs.caps.max_load_tokens,
+            g.tokens_per_chunk,
+        );
+        let skip_remote = rs.caps.skip_remote_tier;
         if max_hit.saturating_sub(computed_tokens) < g.tokens_per_chunk {
             return Ok((LookupOutcome::Hit(0), true));
         }
@@ -210,7 +234,7 @@ impl Scheduler {
         // The host tier misses from chunk `first` on: the remote tier, if
         // one is attached, is asked about the rest (`remote.rs`).
         let first = start + scan.hits;
-        if self.remote.is_some() && first < end {
+        if self.remote.is_some() && first < end && !skip_remote {
             let keys: Vec<ChunkKey> = (first..end)
                 .map(|i| rs.key(i, g.blocks_per_chunk))
                 .collect();

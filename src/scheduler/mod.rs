@@ -13,6 +13,7 @@
 mod allocated;
 mod completion;
 mod fences;
+mod hit_sources;
 mod invariants;
 mod jobs;
 mod latch;
@@ -48,6 +49,7 @@ use metrics::Counters;
 use request::{FinishInfo, RequestState};
 use request_table::RequestTable;
 
+pub use hit_sources::HitSources;
 pub use request::RequestCaps;
 use stall::StalledJob;
 use watchdog::{Watchdog, WatchdogShared, nanos};

@@ -14,6 +14,7 @@
 //! behaviour is vLLM's, exactly (`tests/conformance`).
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use crate::ids::{ChunkId, JobId, RequestId};
 use crate::key::ChunkKey;
@@ -79,6 +80,9 @@ pub(crate) struct RemoteSide {
     /// Chunks in the host tier that came from the remote tier (written on
     /// eviction: not written back, the remote tier has them).
     from_remote: std::collections::HashSet<ChunkKey>,
+    /// Per live request, the chunk ranges its fetches brought into the host
+    /// tier (what its loads report as read from the remote tier).
+    fetched: HashMap<RequestId, Vec<Range<usize>>>,
     scratch: Vec<(Ticket, Answer)>,
     stats: RemoteLookupStats,
 }
@@ -121,6 +125,7 @@ impl Scheduler {
             answered: HashMap::new(),
             fetch_jobs: HashMap::new(),
             from_remote: std::collections::HashSet::new(),
+            fetched: HashMap::new(),
             scratch: Vec::new(),
             stats: RemoteLookupStats::default(),
         }));
@@ -140,7 +145,7 @@ impl Scheduler {
     /// every request has finished).
     pub fn remote_probes(&self) -> usize {
         self.remote.as_ref().map_or(0, |r| {
-            r.probes.len() + r.asked.len() + r.answered.len() + r.fetch_jobs.len()
+            r.probes.len() + r.asked.len() + r.answered.len() + r.fetch_jobs.len() + r.fetched.len()
         })
     }
 
@@ -299,6 +304,16 @@ impl Scheduler {
         Some(LookupOutcome::Defer)
     }
 
+    /// The chunk ranges (indices in the request's chunk keys) that `req`'s
+    /// fetches brought from the remote tier into the host tier, while it
+    /// lives: empty without a remote tier or such a fetch.
+    pub fn remote_fetched_chunks(&self, req: RequestId) -> &[Range<usize>] {
+        self.remote
+            .as_ref()
+            .and_then(|r| r.fetched.get(&req))
+            .map_or(&[], Vec::as_slice)
+    }
+
     /// The evicted chunks to write to the remote tier (written on eviction):
     /// those taken from the manager, less the ones the remote tier gave.
     pub(crate) fn remote_evictions(&mut self, out: &mut Vec<(ChunkKey, ChunkId)>) {
@@ -327,6 +342,7 @@ impl Scheduler {
         if let Probe::Fetching { first, count } = p.probe {
             p.probe = if success {
                 r.stats.chunks_fetched += count as u64;
+                r.fetched.entry(req).or_default().push(first..first + count);
                 Probe::Known {
                     first_absent: first + count,
                 }
@@ -344,6 +360,7 @@ impl Scheduler {
         let Some(r) = self.remote.as_mut() else {
             return;
         };
+        r.fetched.remove(&req);
         if let Some(p) = r.probes.remove(&req)
             && let Probe::Asked { ticket, .. } = p.probe
         {
@@ -361,6 +378,7 @@ impl Scheduler {
             r.answered.clear();
             r.fetch_jobs.clear();
             r.from_remote.clear();
+            r.fetched.clear();
         }
     }
 }

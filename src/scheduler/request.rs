@@ -57,13 +57,20 @@ pub(crate) struct RequestState {
 }
 
 /// Per-request limits on what is loaded and stored (vLLM's `max_load_tokens`
-/// and `max_offload_tokens` transfer parameters). `None`: no limit.
+/// and `max_offload_tokens` transfer parameters, and its `kv_load_tiers`
+/// filter as it applies to the remote tier). `None`: no limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RequestCaps {
-    /// At most this many leading tokens are loaded from the host tier.
+    /// A lookup answers at most this many tokens past the request's computed
+    /// tokens, in whole chunks (vLLM 0.33.0: the bound is relative to the
+    /// GPU prefix hit, then rounded down to a chunk).
     pub max_load_tokens: Option<u64>,
     /// At most this many leading tokens are stored (0 disables storing).
     pub max_offload_tokens: Option<u64>,
+    /// Its lookups never ask the remote tier (a `kv_load_tiers` filter that
+    /// leaves the remote tier out); the host tier is always looked up, as
+    /// vLLM's filter never applies to its primary tier.
+    pub skip_remote_tier: bool,
 }
 
 impl RequestState {

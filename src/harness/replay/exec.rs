@@ -255,6 +255,7 @@ impl Engine {
                 let caps = RequestCaps {
                     max_load_tokens: f.opt_u64("max_load_tokens")?,
                     max_offload_tokens: f.opt_u64("max_offload_tokens")?,
+                    ..RequestCaps::default()
                 };
                 self.sched
                     .add_request(req, prompt, &hashes)
