@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 
 /// How long a server may take to answer after it is started.
 pub const START_LIMIT: Duration = Duration::from_secs(20);
+/// Bound on a cluster failover (node timeout 1 s; the election follows).
+pub const FAILOVER_LIMIT: Duration = Duration::from_secs(30);
 
 static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
 
@@ -332,9 +334,16 @@ impl RedisCluster {
     /// recommends: the other masters keep serving when one is down), joined
     /// by `redis-cli --cluster create`.
     pub fn start(masters: usize) -> Self {
+        Self::start_with_replicas(masters, 0)
+    }
+
+    /// [`Self::start`] with `replicas` replicas per master (`redis-cli
+    /// --cluster create --cluster-replicas`): `masters × (1 + replicas)`
+    /// nodes, the first `masters` of them masters.
+    pub fn start_with_replicas(masters: usize, replicas: usize) -> Self {
         let dir = temp_dir("cluster");
         let mut nodes = Vec::new();
-        for i in 0..masters {
+        for i in 0..masters * (1 + replicas) {
             let d = dir.join(format!("node{i}"));
             std::fs::create_dir_all(&d).expect("node folder");
             nodes.push(RedisServer::start_in(
@@ -359,7 +368,8 @@ impl RedisCluster {
             .collect();
         let mut args: Vec<&str> = vec!["--cluster", "create"];
         args.extend(addrs.iter().map(String::as_str));
-        args.extend(["--cluster-replicas", "0", "--cluster-yes"]);
+        let replicas = replicas.to_string();
+        args.extend(["--cluster-replicas", &replicas, "--cluster-yes"]);
         cli(nodes[0].port, None, &args).expect("redis-cli --cluster create");
         let c = Self { nodes, dir };
         c.wait_ok();
@@ -405,36 +415,133 @@ impl RedisCluster {
             .collect()
     }
 
+    /// The node that replicates `master` (its `CLUSTER NODES` line names the
+    /// master's id), if any.
+    pub fn replica_of(&self, master: usize) -> Option<usize> {
+        let id = self.id_of(master);
+        let nodes = self.nodes[master].cli(&["CLUSTER", "NODES"]);
+        let port = nodes.lines().find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() > 3 && f[2].contains("slave") && f[3] == id).then(|| {
+                let addr = f[1].split('@').next().unwrap_or("");
+                addr.rsplit(':').next().and_then(|p| p.parse::<u16>().ok())
+            })?
+        })?;
+        self.nodes.iter().position(|n| n.port == port)
+    }
+
+    /// Waits until `replica` has every write its master made so far (their
+    /// replication offsets agree).
+    pub fn wait_replicated(&self, master: usize, replica: usize) {
+        let offset = |node: usize, field: &str| -> Option<u64> {
+            let info = self.nodes[node].cli(&["INFO", "replication"]);
+            info.lines()
+                .find_map(|l| l.strip_prefix(field))
+                .and_then(|v| v.trim().parse().ok())
+        };
+        let t0 = Instant::now();
+        loop {
+            let want = offset(master, "master_repl_offset:");
+            if want.is_some() && offset(replica, "slave_repl_offset:") == want {
+                return;
+            }
+            assert!(t0.elapsed() < START_LIMIT, "replica did not catch up");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits until `node` reports itself a master (`ROLE`): a replica
+    /// promoted by a failover.
+    pub fn wait_master(&self, node: usize) {
+        let t0 = Instant::now();
+        while !self.nodes[node].cli(&["ROLE"]).starts_with("master") {
+            assert!(t0.elapsed() < FAILOVER_LIMIT, "no failover to node {node}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// A node's cluster id (`CLUSTER MYID`).
+    pub fn id_of(&self, node: usize) -> String {
+        self.nodes[node]
+            .cli(&["CLUSTER", "MYID"])
+            .trim()
+            .to_string()
+    }
+
     /// Which node holds `key` (by `CLUSTER KEYSLOT` and each node's slots).
     pub fn node_of(&self, key: &str) -> usize {
-        let slot: u64 = self.nodes[0]
-            .cli(&["CLUSTER", "KEYSLOT", key])
-            .trim()
-            .parse()
-            .expect("a slot");
-        let owner = self.nodes[0].cli(&["CLUSTER", "SLOTS"]);
-        // Plain-text CLUSTER SLOTS from redis-cli: start, end, ip, port, id per range.
+        let slot = key_slot(key);
+        self.owner_seen_by(0, slot)
+            .unwrap_or_else(|| panic!("no owner for slot {slot}"))
+    }
+
+    /// The owner of `slot` in `viewer`'s `CLUSTER SLOTS`.
+    fn owner_seen_by(&self, viewer: usize, slot: u16) -> Option<usize> {
+        let owner = self.nodes[viewer].cli(&["CLUSTER", "SLOTS"]);
+        // Plain-text CLUSTER SLOTS from redis-cli: start, end, then ip, port,
+        // id per node of the range (the master first).
         let fields: Vec<&str> = owner.lines().map(str::trim).collect();
         let mut i = 0;
         while i + 3 < fields.len() {
-            if let (Ok(start), Ok(end)) = (fields[i].parse::<u64>(), fields[i + 1].parse::<u64>())
+            if let (Ok(start), Ok(end)) = (fields[i].parse::<u16>(), fields[i + 1].parse::<u16>())
                 && fields[i + 2] == "127.0.0.1"
                 && let Ok(port) = fields[i + 3].parse::<u16>()
             {
                 if (start..=end).contains(&slot) {
-                    return self
-                        .nodes
-                        .iter()
-                        .position(|n| n.port == port)
-                        .expect("a node of this cluster");
+                    return self.nodes.iter().position(|n| n.port == port);
                 }
                 i += 4;
                 continue;
             }
             i += 1;
         }
-        panic!("no owner for slot {slot}");
+        None
     }
+
+    /// Waits until every running node names `node` as the owner of `key`'s
+    /// slot (after a failover, the cluster's view converges by gossip).
+    pub fn wait_owner(&self, key: &str, node: usize) {
+        let slot = key_slot(key);
+        let t0 = Instant::now();
+        let running: Vec<usize> = (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].child.is_some())
+            .collect();
+        while !running
+            .iter()
+            .all(|&v| self.owner_seen_by(v, slot) == Some(node))
+        {
+            assert!(
+                t0.elapsed() < FAILOVER_LIMIT,
+                "the cluster does not agree on slot {slot}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// The cluster slot of `key` (CRC16-XMODEM of the key, or of its `{tag}`,
+/// modulo 16384), as Redis computes it.
+pub fn key_slot(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let tagged = bytes.iter().position(|&c| c == b'{').and_then(|open| {
+        let rest = &bytes[open + 1..];
+        rest.iter()
+            .position(|&c| c == b'}')
+            .filter(|&close| close > 0)
+            .map(|close| &rest[..close])
+    });
+    let mut crc: u16 = 0;
+    for &b in tagged.unwrap_or(bytes) {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
 }
 
 impl Drop for RedisCluster {
