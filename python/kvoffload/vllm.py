@@ -7,6 +7,9 @@ Load it with::
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {"cpu_bytes_to_use": 8000000000}}'
 
+(``kv_connector_module_path`` may be left out: the installed package
+registers the name as a vLLM plugin, ``kvoffload.vllm_plugin``.)
+
 The scheduler role delegates every hook to kvoffload's Rust scheduler
 (``SchedulerCore``); the worker role maps vLLM's KV cache tensors onto
 kvoffload's layouts and runs its data plane (``WorkerCore``: the host backend
