@@ -42,7 +42,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
 )
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
 from vllm.logger import init_logger
-from vllm.v1.kv_cache_interface import AttentionSpec, group_kernel_blocks
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    group_kernel_blocks,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
@@ -247,6 +252,11 @@ def block_hash_converter() -> Callable[[bytes], Any]:
     return _hash_as_int if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else _hash_as_bytes
 
 
+#: KV cache specs whose block table stays dense while a request runs (every
+#: block kept until the request ends): the ones this connector can offload.
+_DENSE_ATTENTION_SPECS = (FullAttentionSpec, MLAAttentionSpec)
+
+
 def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
     """The engine configuration from vLLM's: one full-attention KV group."""
     groups = kv_cache_config.kv_cache_groups
@@ -256,6 +266,19 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
             f"(this model has {len(groups)} groups)"
         )
     spec = groups[0].kv_cache_spec
+    if type(spec) not in _DENSE_ATTENTION_SPECS:
+        # Sliding-window, chunked-local, R-SWA and sink layers: vLLM frees
+        # (or nulls) their blocks behind the window while the request runs,
+        # so the block ids this connector was given would be stored from,
+        # and loaded into, blocks that another request may hold by then.
+        # (A model that mixes them with full attention arrives here as full
+        # attention: vLLM turns its hybrid manager off for this connector and
+        # allocates every layer for all tokens.)
+        raise ValueError(
+            "KvOffloadConnector offloads full-attention KV only (FullAttentionSpec, "
+            f"MLAAttentionSpec); this model's KV cache group is {type(spec).__name__}, "
+            "whose blocks vLLM frees behind the window while a request runs"
+        )
     dcp = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1)
     if dcp > 1 and getattr(spec, "dcp_sharded", False):
         # vLLM's block then spans block_size x dcp tokens (its block hashes
@@ -372,6 +395,8 @@ class _SchedulerSide:
         events = vllm_config.kv_events_config
         # As vLLM's manager: no KV events unless vLLM publishes them.
         publish = bool(events is not None and events.enable_kv_cache_events)
+        #: Whether vLLM publishes KV events (else ``take_events`` is empty).
+        self.publish = publish
         #: Whether the events carry each chunk's payload (and every
         #: ``BlockStored`` the KV group's kind and window).
         self.self_describing = publish and cfg.self_describing_kv_events
@@ -541,55 +566,90 @@ class _SchedulerSide:
         )
         return False, None
 
-    def take_events(self) -> Iterable[KVCacheEvent]:
+    def take_events(self) -> list[KVCacheEvent]:
         """vLLM's KV events for the host tier: a ``BlockStored`` per stored
         chunk and a ``BlockRemoved`` per eviction. By default (vLLM's
         placeholder payload) each names a chunk by the hash of its last
         block; with ``self_describing_kv_events`` a stored chunk carries its
         block hashes, tokens, parent hash, LoRA and KV group kind, and its
-        removal names the same block hashes (vLLM's ``OffloadingEventsTracker``)."""
+        removal names the same block hashes (vLLM's ``OffloadingEventsTracker``).
+        Built as one list (the binding hands consecutive stores over as one
+        run): a steady decode step stores a chunk per request every block."""
+        if not self.publish:
+            return []
         spec = self.event_spec
         kind = spec.kv_cache_spec_kind if spec is not None else None
         window = spec.kv_cache_spec_sliding_window if spec is not None else None
         tpb = self.cfg.tokens_per_block
         convert = block_hash_converter()
+        identity = convert is _hash_as_bytes
+        out: list[KVCacheEvent] = []
         for removed, items in self.core.take_events():
             if removed:
-                yield BlockRemoved(
-                    block_hashes=[convert(h) for h in items],
-                    medium="CPU",
-                    group_idx=0,
-                )
-                continue
-            for item in items:
-                if isinstance(item, tuple):
-                    hashes, parent, tokens, lora_id, lora_name = item
-                    yield BlockStored(
-                        block_hashes=[convert(h) for h in hashes],
-                        parent_block_hash=convert(parent) if parent is not None else None,
-                        token_ids=tokens,
-                        block_size=tpb,
-                        lora_id=lora_id,
+                out.append(
+                    BlockRemoved(
+                        block_hashes=items if identity else [convert(h) for h in items],
                         medium="CPU",
-                        lora_name=lora_name,
-                        extra_keys=None,
                         group_idx=0,
-                        kv_cache_spec_kind=kind,
-                        kv_cache_spec_sliding_window=window,
                     )
-                    continue
+                )
+            elif not self.self_describing:
+                out.extend(
+                    [
+                        BlockStored(
+                            block_hashes=[h if identity else convert(h)],
+                            parent_block_hash=None,
+                            token_ids=[],
+                            lora_id=None,
+                            block_size=0,
+                            medium="CPU",
+                            lora_name=None,
+                            group_idx=0,
+                            kv_cache_spec_kind=kind,
+                            kv_cache_spec_sliding_window=window,
+                        )
+                        for h in items
+                    ]
+                )
+            else:
+                out.extend(self._stored_payloads(items, convert, kind, window, tpb))
+        return out
+
+    @staticmethod
+    def _stored_payloads(
+        items: list, convert: Callable[[bytes], Any], kind: Any, window: Any, tpb: int
+    ) -> Iterable[KVCacheEvent]:
+        """Self-describing ``BlockStored`` events: a chunk's payload tuple, or
+        a placeholder for a chunk without one."""
+        for item in items:
+            if isinstance(item, tuple):
+                hashes, parent, tokens, lora_id, lora_name = item
                 yield BlockStored(
-                    block_hashes=[convert(item)],
-                    parent_block_hash=None,
-                    token_ids=[],
-                    lora_id=None,
-                    block_size=0,
+                    block_hashes=[convert(h) for h in hashes],
+                    parent_block_hash=convert(parent) if parent is not None else None,
+                    token_ids=tokens,
+                    block_size=tpb,
+                    lora_id=lora_id,
                     medium="CPU",
-                    lora_name=None,
+                    lora_name=lora_name,
+                    extra_keys=None,
                     group_idx=0,
                     kv_cache_spec_kind=kind,
                     kv_cache_spec_sliding_window=window,
                 )
+                continue
+            yield BlockStored(
+                block_hashes=[convert(item)],
+                parent_block_hash=None,
+                token_ids=[],
+                lora_id=None,
+                block_size=0,
+                medium="CPU",
+                lora_name=None,
+                group_idx=0,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+            )
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """vLLM's stats payload for the step (its names and what each holds),
@@ -921,7 +981,7 @@ class KvOffloadConnector(KVConnectorBase_V1):
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         assert self._scheduler is not None
-        return list(self._scheduler.take_events())
+        return self._scheduler.take_events()
 
     def reset_cache(self) -> bool | None:
         assert self._scheduler is not None

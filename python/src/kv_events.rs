@@ -52,7 +52,9 @@ impl ChunkSource<'_> {
 
 /// One translated event: `(removed, items)`. A removal's items are block
 /// hashes (bytes); a store's are, per chunk, its hash (placeholder) or its
-/// payload tuple (self-describing).
+/// payload tuple (self-describing). Consecutive stores come as one run
+/// (each item is its own `BlockStored` either way): one Python tuple and
+/// list per run instead of per stored chunk.
 pub(crate) type Event = (bool, Vec<Py<PyAny>>);
 
 /// vLLM's KV events for the host tier: the hashes (and payloads) of the
@@ -237,7 +239,7 @@ impl EventTracker {
     /// and a store carries each chunk's payload or its hash.
     pub(crate) fn take(&mut self, py: Python<'_>, s: &mut Scheduler) -> PyResult<Vec<Event>> {
         let events = s.take_events();
-        let mut out = Vec::with_capacity(events.len());
+        let mut out: Vec<Event> = Vec::with_capacity(events.len());
         let mut removed: Vec<ChunkKey> = Vec::new();
         for e in events {
             let mut items = Vec::with_capacity(e.keys.len());
@@ -268,8 +270,10 @@ impl EventTracker {
                     None => self.hash_of(py, *k),
                 });
             }
-            if !(e.removed && items.is_empty()) {
-                out.push((e.removed, items));
+            match out.last_mut() {
+                Some((false, run)) if !e.removed => run.append(&mut items),
+                _ if e.removed && items.is_empty() => {}
+                _ => out.push((e.removed, items)),
             }
         }
         // A payload whose chunk left the tier goes; one removed and stored

@@ -529,6 +529,8 @@ impl SchedulerCore {
             None => MonotonicClock::shared(),
         };
         let mut s = Scheduler::new(&cfg, clock.clone()).map_err(value_error)?;
+        // No events published: the host tier logs none (nothing to drain).
+        s.manager_mut().set_events_logged(kv_events);
         let events = EventTracker::new(
             cfg.blocks_per_chunk,
             cfg.tokens_per_block,

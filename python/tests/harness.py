@@ -288,8 +288,11 @@ def build(
     max_num_seqs: int = 8,
     fake_worker: Any = None,
     kv_events: bool = True,
+    spec: Any = None,
 ) -> Engine:
-    """An engine with the connector `connector` (loaded from `module`)."""
+    """An engine with the connector `connector` (loaded from `module`);
+    `spec`: the KV cache group's spec (full attention of `tpb` tokens a
+    block, `HEADS` heads of `HEAD_SIZE` floats by default)."""
     model_config = ModelConfig(model=MODEL, dtype="float32", seed=42)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -319,9 +322,10 @@ def build(
     if kv_events:
         vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
-    spec = FullAttentionSpec(
-        block_size=tpb, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32
-    )
+    if spec is None:
+        spec = FullAttentionSpec(
+            block_size=tpb, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+        )
     layers = [f"layer{i}" for i in range(num_layers)]
     page = spec.page_size_bytes
     kv_cache_config = KVCacheConfig(

@@ -406,3 +406,88 @@ def test_a_request_that_skips_reading_the_cache_computes_its_prompt():
     run_checked(e)
     assert any(rid == c and hit for rid, hit, _ in answers), "a request that reads the cache hits"
     leak_free(e)
+
+
+def test_without_published_events_nothing_is_logged_or_held():
+    # vLLM publishes no KV events unless kv_events_config enables them (its
+    # default): the connector then logs none, holds no hash for them, and
+    # take_events is empty, while loads and stores work as ever.
+    e = harness.build(num_gpu_blocks=32, kv_events=False, extra={"num_cpu_chunks": 64, "offload_prompt_only": False})
+    seen = []
+    take = e.connector.take_events
+
+    def take_events():
+        got = list(take())
+        seen.extend(got)
+        return got
+
+    e.connector.take_events = take_events
+    e.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(e)
+    evict_gpu_prefix(e)
+    b = e.add(PREFIX + [7, 8, 9], max_tokens=3)
+    run_checked(e)
+    assert b in e.loaded
+    assert seen == []
+    core = e.connector._scheduler.core
+    st = e.connector.scheduler_state()
+    assert st["cached_chunks"] > 0 and core.held_hashes() == 0
+    leak_free_but_hashes(e)
+
+
+def leak_free_but_hashes(e: harness.Engine) -> None:
+    """``leak_free`` for a connector that holds no hash for events."""
+    st = e.connector.scheduler_state()
+    assert st["invariants"] is None, st
+    for k in ("jobs", "requests", "chunks_being_loaded", "fenced_blocks", "pinned_chunks", "pending_chunks"):
+        assert st[k] == 0, (k, st)
+    assert e.connector._scheduler.core.held_requests() == 0
+
+
+def _local_specs() -> dict:
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
+    common = dict(block_size=4, num_kv_heads=harness.HEADS, head_size=harness.HEAD_SIZE, dtype=torch.float32)
+    return {
+        "sliding": SlidingWindowSpec(sliding_window=8, **common),
+        "chunked": ChunkedLocalAttentionSpec(attention_chunk_size=8, **common),
+        "full": FullAttentionSpec(**common),
+    }
+
+
+@pytest.mark.parametrize("kind", ["sliding", "chunked"])
+def test_a_model_of_only_local_attention_stops_startup(kind):
+    # vLLM frees such layers' blocks behind the window while a request runs:
+    # storing from (or loading into) the block ids the connector was given
+    # would touch blocks other requests hold by then.
+    spec = _local_specs()[kind]
+    with pytest.raises(ValueError, match=type(spec).__name__):
+        harness.build(spec=spec)
+
+
+def test_a_model_mixing_full_and_sliding_window_layers_runs_as_full_attention():
+    # This connector does not declare SupportsHMA, so vLLM turns its hybrid
+    # KV cache manager off and, with both kinds present, allocates the
+    # sliding-window layers as full attention (unify_hybrid_kv_cache_specs):
+    # one dense group, which the connector offloads as any other.
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.core.kv_cache_planning import unify_hybrid_kv_cache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    ktc = KVTransferConfig(
+        kv_connector="KvOffloadConnector", kv_connector_module_path="kvoffload.vllm", kv_role="kv_both"
+    )
+    assert not KVConnectorFactory.supports_hma_config(ktc)
+    specs = {"layer0": _local_specs()["full"], "layer1": _local_specs()["sliding"]}
+    unify_hybrid_kv_cache_specs(specs)
+    promoted = specs["layer1"]
+    assert type(promoted) is FullAttentionSpec and promoted.sliding_window == 8
+    e = harness.build(spec=promoted, num_gpu_blocks=32, extra={"num_cpu_chunks": 64, "offload_prompt_only": False})
+    e.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(e)
+    evict_gpu_prefix(e)
+    b = e.add(PREFIX + [7, 8, 9], max_tokens=3)
+    assert run_checked(e) > 0
+    assert b in e.loaded
+    leak_free(e)

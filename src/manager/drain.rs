@@ -24,6 +24,13 @@ impl OffloadManager {
         events.drain(|k| index.get(k, key_of(slots)).is_some())
     }
 
+    /// Whether events are logged at all (on by default). A backend that
+    /// publishes no events turns them off: stores and evictions then log
+    /// nothing, and [`Self::take_events`] is always empty.
+    pub fn set_events_logged(&mut self, on: bool) {
+        self.events.set_logging(on);
+    }
+
     /// Drops the pending events without building them (a backend that
     /// publishes no events drains this way, allocation-free).
     pub fn discard_events(&mut self) {

@@ -31,10 +31,15 @@ pub(crate) struct EventLog {
     keys: Vec<ChunkKey>,
     /// Events dropped because nobody drained the log.
     dropped: u64,
+    /// Nothing is logged (a backend that publishes no events).
+    off: bool,
 }
 
 impl EventLog {
     fn push(&mut self, keys: &[ChunkKey], removed: bool, metadata_only: bool) {
+        if self.off {
+            return;
+        }
         if self.pending.len() >= MAX_PENDING_EVENTS {
             self.drop_oldest_half();
         }
@@ -86,6 +91,14 @@ impl EventLog {
         }
     }
 
+    /// Turns logging on or off; turning it off drops what is pending.
+    pub(crate) fn set_logging(&mut self, on: bool) {
+        self.off = !on;
+        if !on {
+            self.clear();
+        }
+    }
+
     /// Drops every pending event (keeps the buffers).
     pub(crate) fn clear(&mut self) {
         self.pending.clear();
@@ -128,6 +141,26 @@ impl EventLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_log_turned_off_keeps_nothing_until_turned_on() {
+        let mut log = EventLog::default();
+        log.stored(&[ChunkKey(1)]);
+        log.set_logging(false);
+        assert_eq!(log.len(), 0, "turning it off drops what is pending");
+        log.stored(&[ChunkKey(2)]);
+        log.evicted(&[ChunkKey(3)]);
+        log.store_failed(&[ChunkKey(4)]);
+        assert!(log.drain(|_| false).is_empty());
+        log.set_logging(true);
+        log.evicted(&[ChunkKey(5)]);
+        let got = log.drain(|_| false);
+        assert_eq!(got.len(), 1);
+        assert_eq!(
+            (got[0].keys.clone(), got[0].removed),
+            (vec![ChunkKey(5)], true)
+        );
+    }
 
     #[test]
     fn events_keep_their_own_keys_across_drops_and_drains() {
