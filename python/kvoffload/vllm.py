@@ -252,6 +252,12 @@ def block_hash_converter() -> Callable[[bytes], Any]:
     return _hash_as_int if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else _hash_as_bytes
 
 
+def _u64(limit: int | None) -> int | None:
+    """A token limit as the core takes it: Python ints are unbounded, and a
+    limit past 2**64 - 1 tokens limits nothing more than that one does."""
+    return None if limit is None else min(limit, (1 << 64) - 1)
+
+
 #: KV cache specs whose block table stays dense while a request runs (every
 #: block kept until the request ends): the ones this connector can offload.
 _DENSE_ATTENTION_SPECS = (FullAttentionSpec, MLAAttentionSpec)
@@ -467,8 +473,8 @@ class _SchedulerSide:
             if not p.is_default:
                 self.core.set_request_caps(
                     request.request_id,
-                    p.max_load_tokens,
-                    p.max_offload_tokens,
+                    _u64(p.max_load_tokens),
+                    _u64(p.max_offload_tokens),
                     p.skips_remote_tier,
                 )
 

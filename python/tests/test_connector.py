@@ -491,3 +491,21 @@ def test_a_model_mixing_full_and_sliding_window_layers_runs_as_full_attention():
     assert run_checked(e) > 0
     assert b in e.loaded
     leak_free(e)
+
+
+def test_the_largest_token_limits_limit_nothing_and_crash_nothing():
+    # vLLM's SamplingParams admits ints up to 2**64 - 1 in extra_args: the
+    # core's u64 limit must take them and answer as without a limit. (A
+    # larger one, set on the request by other code, is clamped to that.)
+    from kvoffload.vllm import _u64
+
+    assert _u64(1 << 70) == _u64((1 << 64) - 1) == (1 << 64) - 1 and _u64(None) is None
+    e = harness.build(num_gpu_blocks=32, extra={"num_cpu_chunks": 64, "offload_prompt_only": False})
+    e.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(e)
+    evict_gpu_prefix(e)
+    huge = {"max_load_tokens": (1 << 64) - 1, "max_offload_tokens": (1 << 64) - 1}
+    b = e.add(PREFIX + [7, 8, 9], max_tokens=3, kv_transfer_params=huge)
+    assert run_checked(e) > 0
+    assert b in e.loaded
+    leak_free(e)
