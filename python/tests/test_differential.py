@@ -3,8 +3,11 @@ vLLM 0.33.0's real core scheduler once with vLLM's own ``OffloadingConnector``
 and once with ``KvOffloadConnector``; both sets of workers are fakes that
 finish every job 0, 1 or 3 steps after the step it is planned, or when a flush
 names it (no stalls). Per step, the tokens
-scheduled per request, the external hit tokens each lookup answered, and the
-GPU blocks loaded (per request) and stored must be identical.
+scheduled per request, the external hit tokens each lookup answered, each
+hit's split by source, the GPU blocks loaded (per request) and stored, the KV
+events and the stats must be identical. Some configurations add requests that
+skip reading the cache, per-request ``kv_transfer_params`` limits, or client
+aborts at random steps.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import pytest
 
 import kvoffload._native as native
+from vllm.v1.request import RequestStatus
 from harness import build
 from kvoffload.vllm import STALL_METRICS, KvOffloadWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
@@ -174,6 +178,12 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
     # kv_transfer_params (some of them invalid, which both ignore).
     params_share = kw.pop("params_share", 0.0)
     params_rng = random.Random(seed * 104729 + 2)
+    # Per step, the chance that a client aborts one live request (drawn from
+    # the live requests in id order, so both runs abort the same one while
+    # their steps agree).
+    abort_share = kw.pop("abort_share", 0.0)
+    abort_rng = random.Random(seed * 1299709 + 3)
+    aborted: list[str] = []
     e = build(connector=connector, module=module, extra=extra, fake_worker=fake, tpb=TPB, **kw)
     lookups: list[tuple[str, Any]] = []
     inner = e.connector.get_num_new_matched_tokens
@@ -230,12 +240,19 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
             e.flush_async()
             steps.append({"idle": True})
             continue
+        if abort_share and abort_rng.random() < abort_share:
+            live = sorted(e.scheduler.requests)
+            if live:
+                victim = abort_rng.choice(live)
+                e.scheduler.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+                aborted.append(victim)
         so = e.step()
         loads, stores = transfers(so.kv_connector_metadata)
         steps.append(
             {
                 "scheduled": dict(so.num_scheduled_tokens),
                 "preempted": sorted(so.preempted_req_ids or ()),
+                "aborted": aborted[:],
                 "lookups": lookups[:],
                 "sources": sources[:],
                 "loads": loads,
@@ -246,6 +263,7 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
             }
         )
         lookups.clear()
+        aborted.clear()
         sources.clear()
         events.clear()
         stats.clear()
@@ -290,6 +308,12 @@ CASES = [
     (17, {}, {"params_share": 0.5}),
     (18, {"block_size": 2 * TPB, "offload_prompt_only": False}, {"params_share": 0.5, "async_scheduling": True}),
     (19, {"sync_load_budget_bytes": 2048, "eviction_policy": "arc"}, {"params_share": 0.5, "world_size": 2}),
+    # Clients abort requests (waiting, loading, prefilling or decoding) at
+    # random steps: their stores cover only computed tokens, their loads
+    # and stores in flight end as vLLM's do.
+    (20, {}, {"abort_share": 0.15}),
+    (21, {"block_size": 2 * TPB, "sync_load_budget_bytes": 4096}, {"abort_share": 0.15, "async_scheduling": True}),
+    (22, {"eviction_policy": "arc", "offload_prompt_only": False}, {"abort_share": 0.15, "world_size": 2}),
 ]
 # KVOFFLOAD_DIFF_SEEDS=N adds N more seeds, cycling through the cases' configurations.
 _CONFIGS = [c for c in CASES if c[0] != 88]
@@ -324,6 +348,8 @@ def test_same_steps_as_vllms_offloading_connector(seed: int, extra: dict, opts: 
         assert any(hit and not load_async for _, _, hit, load_async in lookups), "no sync load"
         if seed in (12, 13, 14):
             assert any(hit and load_async for _, _, hit, load_async in lookups), "no async load"
+    if opts.get("abort_share") and seed < 1000:
+        assert sum(len(st.get("aborted", ())) for st in want) >= 5, "too few aborts in the workload"
     if opts.get("params_share") and seed < 1000:
         hits = [lk for st in want for lk in st.get("lookups", ()) if lk[2]]
         assert any(st.get("sources") for st in want), "no hit source asked"
