@@ -101,10 +101,12 @@ class Engine:
         req_id: str | None = None,
         skip_cache: bool = False,
         kv_transfer_params: dict | None = None,
+        priority: int = 0,
     ) -> str:
         """Adds a request; `skip_cache`: it must not read cached KV (vLLM's
         ``skip_reading_prefix_cache``, as for prompt logprobs);
-        `kv_transfer_params`: the request's, as a client sends them."""
+        `kv_transfer_params`: the request's, as a client sends them;
+        `priority`: under the priority policy, lower runs first."""
         rid = req_id or f"r{self.next_id}"
         self.next_id += 1
         sp = SamplingParams(
@@ -121,6 +123,7 @@ class Engine:
             pooling_params=None,
             mm_features=None,
             block_hasher=self.hasher,
+            priority=priority,
         )
         self.scheduler.add_request(req)
         return rid
@@ -289,6 +292,7 @@ def build(
     fake_worker: Any = None,
     kv_events: bool = True,
     spec: Any = None,
+    policy: str = "fcfs",
 ) -> Engine:
     """An engine with the connector `connector` (loaded from `module`);
     `spec`: the KV cache group's spec (full attention of `tpb` tokens a
@@ -301,6 +305,7 @@ def build(
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
         async_scheduling=async_scheduling,
+        policy=policy,
     )
     cache_config = CacheConfig(block_size=tpb, enable_prefix_caching=True)
     extra = {"num_cpu_chunks": 64, "offload_prompt_only": False} if extra is None else extra

@@ -7,7 +7,8 @@ scheduled per request, the external hit tokens each lookup answered, each
 hit's split by source, the GPU blocks loaded (per request) and stored, the KV
 events and the stats must be identical. Some configurations add requests that
 skip reading the cache, per-request ``kv_transfer_params`` limits, client
-aborts at random steps, or prefix-cache resets that include the connector's.
+aborts at random steps, prefix-cache resets that include the connector's, or
+the priority policy.
 """
 
 from __future__ import annotations
@@ -189,6 +190,8 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
     # preempting every running request so that the GPU cache resets too.
     reset_share = kw.pop("reset_share", 0.0)
     reset_rng = random.Random(seed * 15485863 + 4)
+    # Under the priority policy, each request's priority (0 to 3).
+    priority_rng = random.Random(seed * 32452843 + 5)
     resets: list[tuple[bool, bool]] = []
     e = build(connector=connector, module=module, extra=extra, fake_worker=fake, tpb=TPB, **kw)
     lookups: list[tuple[str, Any]] = []
@@ -238,7 +241,11 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
             _, prompt, max_tokens = arrivals[i]
             skip = skip_rng.random() < skip_share
             params = transfer_params(params_rng) if params_rng.random() < params_share else None
-            e.add(prompt, max_tokens=max_tokens, req_id=f"q{i}", skip_cache=skip, kv_transfer_params=params)
+            priority = priority_rng.randrange(4) if kw.get("policy") == "priority" else 0
+            e.add(
+                prompt, max_tokens=max_tokens, req_id=f"q{i}", skip_cache=skip,
+                kv_transfer_params=params, priority=priority,
+            )
             i += 1
         if i == len(arrivals) and not e.scheduler.has_requests() and e.pending is None:
             break
@@ -339,6 +346,9 @@ CASES = [
     (23, {}, {"reset_share": 0.05}),
     (24, {"block_size": 2 * TPB, "eviction_policy": "arc"}, {"reset_share": 0.05, "abort_share": 0.1, "world_size": 2}),
     (25, {"offload_prompt_only": False}, {"reset_share": 0.08, "async_scheduling": True}),
+    # The priority policy: preemption by priority, not arrival.
+    (26, {}, {"policy": "priority"}),
+    (27, {"block_size": 2 * TPB, "sync_load_budget_bytes": 4096}, {"policy": "priority", "async_scheduling": True}),
 ]
 # KVOFFLOAD_DIFF_SEEDS=N adds N more seeds, cycling through the cases' configurations.
 _CONFIGS = [c for c in CASES if c[0] != 88]
