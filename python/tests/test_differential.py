@@ -349,6 +349,10 @@ CASES = [
     # The priority policy: preemption by priority, not arrival.
     (26, {}, {"policy": "priority"}),
     (27, {"block_size": 2 * TPB, "sync_load_budget_bytes": 4096}, {"policy": "priority", "async_scheduling": True}),
+    # Other step shapes: small token budgets (prompts prefilled over many
+    # steps, loads landing mid-prefill), more requests at once.
+    (28, {}, {"max_num_batched_tokens": 16}),
+    (29, {"block_size": 2 * TPB}, {"max_num_batched_tokens": 24, "max_num_seqs": 12, "num_gpu_blocks": 48}),
 ]
 # KVOFFLOAD_DIFF_SEEDS=N adds N more seeds, cycling through the cases' configurations.
 _CONFIGS = [c for c in CASES if c[0] != 88]
@@ -363,7 +367,7 @@ CASES += [
 def test_same_steps_as_vllms_offloading_connector(seed: int, extra: dict, opts: dict, delay: int) -> None:
     # Small GPU and host tiers so the GPU prefix cache evicts, the host tier
     # evicts, and decoding preempts.
-    common = dict(num_gpu_blocks=32, max_num_seqs=6, max_num_batched_tokens=64, **opts)
+    common = {"num_gpu_blocks": 32, "max_num_seqs": 6, "max_num_batched_tokens": 64, **opts}
     # 128 host chunks of one block (2 layers x K,V x 4 tokens x 2 heads x 4 floats).
     cpu = {"cpu_bytes_to_use": 128 * 2 * 2 * TPB * 2 * 4 * 4 * common.get("world_size", 1)}
     want = run(
