@@ -1,4 +1,5 @@
-//! Property test: a randomized serving backend (admission, prefill, decode,
+//! Property test: a randomized serving backend (admission with and without
+//! per-request load and store limits, prefill, decode,
 //! preemption, finish and abort, partial worker reports, stalls, resets,
 //! cancellations, block reuse) drives the scheduler; every invariant holds after
 //! every hook, no report is ever rejected, and everything drains at the end.
@@ -220,6 +221,8 @@ enum Op {
     Add {
         family: u8,
         prompt: u8,
+        /// `max_load_tokens`, `max_offload_tokens` (vLLM's per-request limits).
+        caps: (Option<u8>, Option<u8>),
     },
     Step {
         preempt: Option<u8>,
@@ -243,7 +246,17 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        2 => (0u8..3, 1u8..24).prop_map(|(family, prompt)| Op::Add { family, prompt }),
+        2 => (
+            0u8..3,
+            1u8..24,
+            proptest::option::weighted(0.25, 0u8..40),
+            proptest::option::weighted(0.25, 0u8..40),
+        )
+            .prop_map(|(family, prompt, load, offload)| Op::Add {
+                family,
+                prompt,
+                caps: (load, offload),
+            }),
         5 => (proptest::option::of(any::<u8>()), proptest::option::of(any::<u8>()), any::<bool>())
             .prop_map(|(preempt, finish, abort)| Op::Step { preempt, finish, abort }),
         4 => (any::<u8>(), 1u8..4, proptest::bool::weighted(0.1))
@@ -370,13 +383,25 @@ fn run_with_sync_budget(ops: Vec<Op>, world: u32, chunks: u64, sync_budget: u64)
     };
     for op in ops {
         match op {
-            Op::Add { family, prompt } => {
+            Op::Add {
+                family,
+                prompt,
+                caps: (load, offload),
+            } => {
                 let id = m.reqs.len() as u64;
                 let prompt = u64::from(prompt);
                 let r = Req::new(id, u64::from(family), prompt, m.tpb);
                 m.h.s
                     .add_request(RequestId(id), prompt, &r.prompt_hashes())
                     .unwrap();
+                if load.is_some() || offload.is_some() {
+                    let caps = kvoffload::scheduler::RequestCaps {
+                        max_load_tokens: load.map(u64::from),
+                        max_offload_tokens: offload.map(u64::from),
+                        ..Default::default()
+                    };
+                    m.h.s.set_request_caps(RequestId(id), caps).unwrap();
+                }
                 m.reqs.push(r);
                 m.h.check();
             }
@@ -490,28 +515,34 @@ fn regression_stalled_load_then_reset() {
             Add {
                 family: 0,
                 prompt: 4,
+                caps: (None, None),
             },
             Add {
                 family: 0,
                 prompt: 4,
+                caps: (None, None),
             },
             s(None),
             s(None),
             Add {
                 family: 0,
                 prompt: 1,
+                caps: (None, None),
             },
             Add {
                 family: 0,
                 prompt: 1,
+                caps: (None, None),
             },
             Add {
                 family: 0,
                 prompt: 1,
+                caps: (None, None),
             },
             Add {
                 family: 0,
                 prompt: 1,
+                caps: (None, None),
             },
             s(Some(0)),
             Report {
