@@ -76,6 +76,19 @@ def _enum_value(raw: Any, allowed: tuple[str, ...]) -> str | None:
     return value if isinstance(value, str) and value in allowed else None
 
 
+def _matcher_field(entry: dict, name: str, allowed: tuple[str, ...]) -> tuple[bool, str | None]:
+    """One matcher field: ``(valid, value)``, ``None`` matching anything; an
+    unknown value makes the entry invalid (skipped, with a warning)."""
+    raw = entry.get(name)
+    if raw is None:
+        return True, None
+    value = _enum_value(raw, allowed)
+    if value is None:
+        logger.warning("kv_load_tiers: unknown %s %r; skipping entry", name, raw)
+        return False, None
+    return True, value
+
+
 def parse_load_tiers(raw: Any) -> tuple[Matcher, ...] | None:
     """``kv_load_tiers`` as vLLM's ``_parse_tier_filter`` reads it; ``None``
     allows every tier."""
@@ -87,19 +100,9 @@ def parse_load_tiers(raw: Any) -> tuple[Matcher, ...] | None:
         if not isinstance(entry, dict):
             logger.warning("kv_load_tiers: entry is not a dict; skipping")
             continue
-        medium = entry.get("medium")
-        if medium is not None:
-            medium = _enum_value(medium, MEDIA)
-            if medium is None:
-                logger.warning("kv_load_tiers: unknown medium %r; skipping entry", entry.get("medium"))
-                continue
-        locality = entry.get("locality")
-        if locality is not None:
-            locality = _enum_value(locality, LOCALITIES)
-            if locality is None:
-                logger.warning("kv_load_tiers: unknown locality %r; skipping entry", entry.get("locality"))
-                continue
-        matchers.append((medium, locality))
+        fields = [_matcher_field(entry, name, allowed) for name, allowed in (("medium", MEDIA), ("locality", LOCALITIES))]
+        if all(ok for ok, _ in fields):
+            matchers.append((fields[0][1], fields[1][1]))
     if not matchers:
         # An empty list asks for no tier; a list of only invalid entries is ignored.
         return () if not raw else None

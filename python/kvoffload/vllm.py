@@ -252,6 +252,23 @@ def block_hash_converter() -> Callable[[bytes], Any]:
     return _hash_as_int if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else _hash_as_bytes
 
 
+def _placeholder_stored(block_hash: Any, kind: Any, window: Any) -> BlockStored:
+    """vLLM's placeholder ``BlockStored`` for a chunk: named by the hash of
+    its last block, no tokens, no LoRA, the KV group's kind and window."""
+    return BlockStored(
+        block_hashes=[block_hash],
+        parent_block_hash=None,
+        token_ids=[],
+        lora_id=None,
+        block_size=0,
+        medium="CPU",
+        lora_name=None,
+        group_idx=0,
+        kv_cache_spec_kind=kind,
+        kv_cache_spec_sliding_window=window,
+    )
+
+
 def _u64(limit: int | None) -> int | None:
     """A token limit as the core takes it: Python ints are unbounded, and a
     limit past 2**64 - 1 tokens limits nothing more than that one does."""
@@ -600,23 +617,7 @@ class _SchedulerSide:
                     )
                 )
             elif not self.self_describing:
-                out.extend(
-                    [
-                        BlockStored(
-                            block_hashes=[h if identity else convert(h)],
-                            parent_block_hash=None,
-                            token_ids=[],
-                            lora_id=None,
-                            block_size=0,
-                            medium="CPU",
-                            lora_name=None,
-                            group_idx=0,
-                            kv_cache_spec_kind=kind,
-                            kv_cache_spec_sliding_window=window,
-                        )
-                        for h in items
-                    ]
-                )
+                out.extend([_placeholder_stored(h if identity else convert(h), kind, window) for h in items])
             else:
                 out.extend(self._stored_payloads(items, convert, kind, window, tpb))
         return out
@@ -644,18 +645,7 @@ class _SchedulerSide:
                     kv_cache_spec_sliding_window=window,
                 )
                 continue
-            yield BlockStored(
-                block_hashes=[convert(item)],
-                parent_block_hash=None,
-                token_ids=[],
-                lora_id=None,
-                block_size=0,
-                medium="CPU",
-                lora_name=None,
-                group_idx=0,
-                kv_cache_spec_kind=kind,
-                kv_cache_spec_sliding_window=window,
-            )
+            yield _placeholder_stored(convert(item), kind, window)
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """vLLM's stats payload for the step (its names and what each holds),
