@@ -110,6 +110,27 @@ fn fetched(a: &Answer) -> Option<&[u8]> {
     }
 }
 
+/// Puts rank 0's share of each chunk in `keys` (`row(k, bytes)`), then
+/// waits until they are written.
+fn put_rows(t: &mut RemoteTier, keys: impl IntoIterator<Item = u64>, bytes: usize) {
+    for k in keys {
+        t.put(ChunkKey(k), 0, &row(k, bytes));
+    }
+    flush(t);
+}
+
+/// Fetches every chunk in `keys` in one batch and checks its bytes
+/// (`when`: for the failure message).
+fn assert_rows(t: &mut RemoteTier, keys: &[u64], bytes: usize, when: &str) {
+    let tickets: Vec<Ticket> = keys
+        .iter()
+        .map(|&k| t.fetch(ChunkKey(k), 0, Some(bytes)))
+        .collect();
+    for (k, a) in keys.iter().zip(wait_all(t, &tickets)) {
+        assert_eq!(fetched(&a), Some(&row(*k, bytes)[..]), "chunk {k} {when}");
+    }
+}
+
 #[test]
 #[cfg_attr(
     not(kvoffload_redis),
@@ -522,10 +543,7 @@ fn a_slot_migration_mid_run_is_followed_by_reads_and_writes() {
     let ns = namespace("m");
     let mut t = start(&config(&cluster.url(), true), ns.clone(), &clock);
     let n = 48u64;
-    for k in 0..n {
-        t.put(ChunkKey(k), 0, &row(k, 4096));
-    }
-    flush(&mut t);
+    put_rows(&mut t, 0..n, 4096);
     let a = cluster.node_of(&ns.key(0, 0));
     let b = (a + 1) % cluster.nodes.len();
     let moved = 0u64;
@@ -571,13 +589,7 @@ fn a_slot_migration_mid_run_is_followed_by_reads_and_writes() {
         .take(2)
         .collect();
     let check = |t: &mut RemoteTier, keys: &[u64], when: &str| {
-        let tickets: Vec<Ticket> = keys
-            .iter()
-            .map(|&k| t.fetch(ChunkKey(k), 0, Some(4096)))
-            .collect();
-        for (k, a) in keys.iter().zip(wait_all(t, &tickets)) {
-            assert_eq!(fetched(&a), Some(&row(*k, 4096)[..]), "chunk {k} {when}");
-        }
+        assert_rows(t, keys, 4096, when);
         let tk = t.lookup(&keys.iter().map(|&k| ChunkKey(k)).collect::<Vec<_>>());
         assert_eq!(
             wait(t, tk),
@@ -587,10 +599,7 @@ fn a_slot_migration_mid_run_is_followed_by_reads_and_writes() {
     };
     let all: Vec<u64> = (0..n).collect();
     check(&mut t, &all, "while its slot migrates");
-    for &k in &fresh {
-        t.put(ChunkKey(k), 0, &row(k, 4096));
-    }
-    flush(&mut t);
+    put_rows(&mut t, fresh.iter().copied(), 4096);
     check(&mut t, &fresh, "written while its slot migrates");
     // Written through ASK: the migrating slot's keys (the moved chunk and
     // the new ones) are all on B, none on A.
@@ -614,10 +623,7 @@ fn a_slot_migration_mid_run_is_followed_by_reads_and_writes() {
         .filter(|&k| slots.contains(&key_slot(&ns.key(k, 0))))
         .take(2)
         .collect();
-    for &k in &more {
-        t.put(ChunkKey(k), 0, &row(k, 4096));
-    }
-    flush(&mut t);
+    put_rows(&mut t, more.iter().copied(), 4096);
     check(&mut t, &more, "written after the slots moved");
     let st = t.stats();
     assert_eq!(
@@ -649,10 +655,7 @@ fn a_master_killed_in_a_cluster_with_replicas_fails_over_and_loses_nothing() {
     let ns = namespace("m");
     let mut t = start(&config(&cluster.url(), true), ns.clone(), &clock);
     let n = 60u64;
-    for k in 0..n {
-        t.put(ChunkKey(k), 0, &row(k, 4096));
-    }
-    flush(&mut t);
+    put_rows(&mut t, 0..n, 4096);
     let victim = cluster.node_of(&ns.key(0, 0));
     let replica = cluster.replica_of(victim).expect("a replica of the master");
     cluster.wait_replicated(victim, replica);
@@ -664,29 +667,11 @@ fn a_master_killed_in_a_cluster_with_replicas_fails_over_and_loses_nothing() {
     // batch that meets the dead master's connection is retried key by key on
     // a fresh connection (the new slot map), within the same answer.
     let keys: Vec<u64> = (0..n).collect();
-    let tickets: Vec<Ticket> = keys
-        .iter()
-        .map(|&k| t.fetch(ChunkKey(k), 0, Some(4096)))
-        .collect();
-    for (k, a) in keys.iter().zip(wait_all(&mut t, &tickets)) {
-        assert_eq!(
-            fetched(&a),
-            Some(&row(*k, 4096)[..]),
-            "chunk {k} after the failover"
-        );
-    }
+    assert_rows(&mut t, &keys, 4096, "after the failover");
     // Writes reach the promoted master.
-    for k in n..n + 20 {
-        t.put(ChunkKey(k), 0, &row(k, 4096));
-    }
-    flush(&mut t);
-    for k in n..n + 20 {
-        assert_eq!(
-            fetched(&fetch(&mut t, k, 4096)),
-            Some(&row(k, 4096)[..]),
-            "chunk {k}"
-        );
-    }
+    put_rows(&mut t, n..n + 20, 4096);
+    let more: Vec<u64> = (n..n + 20).collect();
+    assert_rows(&mut t, &more, 4096, "written after the failover");
     assert!(t.is_connected());
     assert_eq!(t.stats().rejected_values, 0);
 }
