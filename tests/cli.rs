@@ -130,6 +130,38 @@ fn sim_content_check_is_reported_and_can_be_turned_off() {
 }
 
 #[test]
+fn sim_with_a_sync_load_budget_counts_its_synchronous_loads() {
+    let report = tmp("sync.json");
+    let out = kvoffload(&[
+        "sim",
+        "--requests",
+        "120",
+        "--sync-load-budget",
+        "1000000000",
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("  synchronous loads "), "{stdout}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let w = &json["work"];
+    assert!(w["sync_loads"].as_u64().unwrap() > 0, "{w}");
+    assert_eq!(w["sync_loaded_tokens"], w["loaded_tokens"], "{w}");
+    assert_eq!(json["content"]["mismatches"], 0);
+    // Without the flag no line, and a budget without bytes per token in a
+    // config file takes the sim's.
+    let plain = kvoffload(&["sim", "--requests", "40"]);
+    assert!(!text(&plain.stdout).contains("synchronous loads"));
+    let cfg = tmp("sync.toml");
+    std::fs::write(&cfg, "sync_load_budget_bytes = 1000000000\n").unwrap();
+    let out = kvoffload(&["sim", "--requests", "40", "--config", cfg.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("  synchronous loads "));
+}
+
+#[test]
 fn sim_same_seed_same_report_counts() {
     let run = |seed: &str| {
         let out = kvoffload(&["sim", "--requests", "60", "--seed", seed]);

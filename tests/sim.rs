@@ -7,7 +7,10 @@ use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
 
 use kvoffload::harness::sim::limits::derived_progress_limit;
-use kvoffload::harness::sim::{FaultCounts, FaultRates, Sim, SimError, SimOptions, default_config};
+use kvoffload::harness::sim::{
+    FaultCounts, FaultRates, Sim, SimError, SimOptions, SimOutput, default_config,
+    set_sync_load_budget,
+};
 use kvoffload::metrics::{MetricsServer, SharedMetricsText};
 use serde_json::Value;
 
@@ -268,9 +271,9 @@ impl Write for Buf {
 fn decision_of(line: &Value) -> Option<Value> {
     let op = line["op"].as_str()?;
     let keep: &[&str] = match op {
-        "lookup" => &["hit_tokens", "defer"],
+        "lookup" => &["hit_tokens", "defer", "sync"],
         "alloc" => &["load_job"],
-        "step" => &["loads", "stores", "flush", "failed_loads"],
+        "step" => &["loads", "stores", "flush", "failed_loads", "sync_loads"],
         "worker_output" if line.get("error").is_some() => {
             return Some(serde_json::json!({"op": op, "rejected": true}));
         }
@@ -303,7 +306,87 @@ fn recorded_sim_replays_with_multi_block_chunks_arc_and_three_workers() {
     record_and_replay(cfg, 12);
 }
 
-fn record_and_replay(cfg: kvoffload::OffloadConfig, seed: u64) {
+#[test]
+fn recorded_sim_with_synchronous_loads_replays_to_the_same_decisions() {
+    let mut cfg = default_config();
+    set_sync_load_budget(&mut cfg, 256 << 10);
+    let w = record_and_replay(cfg, 13).summary.work;
+    assert!(
+        w.sync_loads > 0 && w.sync_loaded_tokens < w.loaded_tokens,
+        "{w:?}"
+    );
+}
+
+/// With a sync-load budget, hits that fit it are loaded within their step
+/// (their requests run at once), the others asynchronously; a synchronous
+/// load that fails makes its request recompute from the load's first block,
+/// and every loaded block still holds its bytes.
+#[test]
+fn synchronous_loads_run_their_requests_at_once_and_failed_ones_recompute() {
+    let run = |budget: u64| {
+        let mut cfg = default_config();
+        set_sync_load_budget(&mut cfg, budget);
+        let faults = FaultRates {
+            fail: 0.15,
+            ..heavy_faults()
+        };
+        let mut sim = Sim::new(cfg, opts(21, 400, faults)).unwrap();
+        sim.keep_decisions();
+        sim.run(&mut |_| {}).unwrap()
+    };
+    let none = run(0);
+    let some = run(256 << 10);
+    let all = run(u64::MAX / 2);
+    assert_eq!(none.summary.work.sync_loads, 0);
+    assert!(!none.decisions.iter().any(|d| d.get("sync").is_some()));
+    for (name, out) in [("none", &none), ("some", &some), ("all", &all)] {
+        let s = &out.summary;
+        assert_eq!(s.leaks.total, 0, "{name}: {:?}", s.leaks);
+        assert_eq!(s.work.finished, s.work.requests, "{name}");
+        assert_eq!(s.content.mismatches, 0, "{name}: {:?}", s.content);
+        assert!(s.content.loaded_checked > 0, "{name}: {:?}", s.content);
+        assert_every_stall_has_a_named_cause(&s.faults, name);
+    }
+    let (w, f) = (&some.summary.work, &some.summary.faults);
+    let async_loads = some
+        .decisions
+        .iter()
+        .filter(|d| d["op"] == "lookup" && d["hit_tokens"].as_u64() > Some(0))
+        .count() as u64
+        - w.sync_loads;
+    assert!(w.sync_loads > 0 && async_loads > 0, "{w:?}");
+    assert!(w.sync_loaded_tokens > 0 && w.sync_loaded_tokens < w.loaded_tokens);
+    // Some synchronous loads failed (0.15 of the jobs fail on a worker) and
+    // were recomputed, and the run still drained with every byte right.
+    assert!(
+        w.sync_loads_failed > 0 && f.failed_loads_recomputed > w.sync_loads_failed,
+        "{w:?} {f:?}"
+    );
+    // Without a limit every hit (each leaves a token to compute) is loaded
+    // synchronously: no load is asynchronous, so none is declared stalled.
+    let (a, af) = (&all.summary.work, &all.summary.faults);
+    assert!(a.sync_loads > w.sync_loads, "{a:?} vs {w:?}");
+    assert_eq!(a.sync_loaded_tokens, a.loaded_tokens, "{a:?}");
+    assert!(a.sync_loads_failed > 0, "{a:?}");
+    assert_eq!(af.stalled_loads, 0, "{af:?}");
+}
+
+/// A block corrupted on one worker comes back wrong through a synchronous
+/// load too: the load's blocks are checked once the step has waited for it.
+#[test]
+fn corrupted_bytes_are_caught_in_synchronous_loads() {
+    let mut cfg = default_config();
+    set_sync_load_budget(&mut cfg, u64::MAX / 2);
+    let mut sim = Sim::new(cfg, opts(6, 400, FaultRates::none())).unwrap();
+    sim.corrupt_computed_blocks(0, 1..u64::MAX);
+    let out = sim.run(&mut |_| {}).unwrap().summary;
+    let c = &out.content;
+    assert!(out.work.sync_loads > 0 && out.work.sync_loaded_tokens == out.work.loaded_tokens);
+    assert_eq!(c.mismatches * 2, c.blocks_checked, "{c:?}");
+    assert!(c.loaded_checked > 0, "{c:?}");
+}
+
+fn record_and_replay(cfg: kvoffload::OffloadConfig, seed: u64) -> SimOutput {
     let buf = Buf::default();
     let mut sim = Sim::new(cfg, opts(seed, 200, heavy_faults())).unwrap();
     sim.record_to(Box::new(buf.clone()));
@@ -342,6 +425,7 @@ fn record_and_replay(cfg: kvoffload::OffloadConfig, seed: u64) {
     ] {
         assert_eq!(last[k], 0, "{k}");
     }
+    out
 }
 
 fn http_get(addr: std::net::SocketAddr, path: &str) -> String {

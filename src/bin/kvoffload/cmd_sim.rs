@@ -8,7 +8,7 @@ use clap::Args;
 use kvoffload::OffloadConfig;
 use kvoffload::harness::sim::{
     PoolError, Progress, Sim, SimBackend, SimError, SimOptions, SimSummary, config_from_path,
-    default_config,
+    default_config, set_sync_load_budget,
 };
 use kvoffload::metrics::{MetricsServer, SharedMetricsText};
 use kvoffload::remote::{RemoteTierConfig, WritePolicy};
@@ -39,6 +39,11 @@ pub struct SimArgs {
     /// GPU blocks per worker in the simulated serving backend.
     #[arg(long)]
     gpu_blocks: Option<u32>,
+    /// Per-step budget of synchronous loads, in KV bytes per worker (the
+    /// engine's `sync_load_budget_bytes`; 0: every load asynchronous): a hit
+    /// that fits is loaded within its step and its request runs at once.
+    #[arg(long, value_name = "BYTES")]
+    sync_load_budget: Option<u64>,
     /// Transfer backend: host (default; host memory stands in for the GPU) or
     /// cuda (device buffers and a pinned pool; needs an NVIDIA driver).
     #[arg(long, default_value = "host")]
@@ -100,6 +105,9 @@ fn config(a: &SimArgs) -> Result<OffloadConfig, kvoffload::ConfigError> {
     if let Some(n) = a.num_cpu_chunks {
         cfg.num_cpu_chunks = Some(n);
         cfg.cpu_bytes_to_use = None;
+    }
+    if let Some(b) = a.sync_load_budget {
+        set_sync_load_budget(&mut cfg, b);
     }
     cfg.validate()?;
     Ok(cfg)

@@ -69,7 +69,36 @@ pub fn overlay(file: Map<String, Value>) -> Result<OffloadConfig, ConfigError> {
         base.insert("cpu_bytes_to_use".into(), Value::Null);
     }
     base.extend(file);
+    // A sync-load budget counts bytes per token: without the engine's own
+    // figure, the sim's (its blocks' bytes over their tokens).
+    let budget = base.get("sync_load_budget_bytes").and_then(Value::as_u64);
+    let unset = |k: &str| base.get(k).is_none_or(Value::is_null);
+    if budget.is_some_and(|b| b > 0)
+        && unset("sync_load_bytes_per_token")
+        && unset("kv_bytes_per_block")
+        && let Some(tpb) = base.get("tokens_per_block").and_then(Value::as_u64)
+        && tpb > 0
+    {
+        base.insert(
+            "sync_load_bytes_per_token".into(),
+            Value::from(SIM_BLOCK_BYTES / tpb),
+        );
+    }
     OffloadConfig::from_json_value(Value::Object(base))
+}
+
+/// Bytes of one simulated GPU block on one worker unless the engine's
+/// `kv_bytes_per_block` says otherwise.
+pub const SIM_BLOCK_BYTES: u64 = 16 * 1024;
+
+/// Sets a per-step sync-load budget of `bytes` (KV bytes per worker), with
+/// the sim's bytes per token unless the configuration has its own.
+pub fn set_sync_load_budget(cfg: &mut OffloadConfig, bytes: u64) {
+    cfg.sync_load_budget_bytes = bytes;
+    if bytes > 0 && cfg.sync_load_bytes_per_token().is_none() {
+        let tpb = u64::from(cfg.tokens_per_block.max(1));
+        cfg.sync_load_bytes_per_token = Some(SIM_BLOCK_BYTES / tpb);
+    }
 }
 
 #[cfg(test)]
@@ -90,5 +119,30 @@ mod tests {
         );
         let m: Map<String, Value> = serde_json::from_str(r#"{"bogus": 1}"#).unwrap();
         assert!(overlay(m).unwrap_err().to_string().contains("bogus"));
+    }
+
+    #[test]
+    fn a_sync_load_budget_gets_the_sims_bytes_per_token_unless_given() {
+        let m: Map<String, Value> =
+            serde_json::from_str(r#"{"sync_load_budget_bytes": 65536}"#).unwrap();
+        let c = overlay(m).unwrap();
+        assert_eq!(c.sync_load_bytes_per_token(), Some(SIM_BLOCK_BYTES / 16));
+        let m: Map<String, Value> = serde_json::from_str(
+            r#"{"sync_load_budget_bytes": 65536, "tokens_per_block": 32, "sync_load_bytes_per_token": 7}"#,
+        )
+        .unwrap();
+        assert_eq!(overlay(m).unwrap().sync_load_bytes_per_token(), Some(7));
+        let m: Map<String, Value> = serde_json::from_str(
+            r#"{"sync_load_budget_bytes": 65536, "tokens_per_block": 32, "kv_bytes_per_block": 4096}"#,
+        )
+        .unwrap();
+        assert_eq!(overlay(m).unwrap().sync_load_bytes_per_token(), Some(128));
+        let mut c = default_config();
+        set_sync_load_budget(&mut c, 1 << 20);
+        assert_eq!(
+            (c.sync_load_budget_bytes, c.sync_load_bytes_per_token()),
+            (1 << 20, Some(1024))
+        );
+        c.validate().unwrap();
     }
 }

@@ -22,7 +22,9 @@ mod summary;
 mod workers;
 mod workload;
 
-pub use config::{config_from_path, default_config, overlay};
+pub use config::{
+    SIM_BLOCK_BYTES, config_from_path, default_config, overlay, set_sync_load_budget,
+};
 pub use faults::{FaultPlan, FaultRates, MAX_STALL_FATE_STEPS, StallFate};
 pub use recorder::Recorder;
 pub use rng::SimRng;
@@ -118,7 +120,7 @@ impl Default for SimOptions {
             arrival_rate: 0.35,
             max_conversations: 64,
             reset_every: 1500,
-            block_bytes: 16 * 1024,
+            block_bytes: config::SIM_BLOCK_BYTES,
             faults: FaultRates::default(),
             shape: WorkloadShape::default(),
             progress_limit_steps: None,

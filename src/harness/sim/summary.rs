@@ -24,6 +24,14 @@ pub struct WorkCounts {
     pub loaded_tokens: u64,
     /// Tokens recomputed because their load failed or stalled.
     pub recomputed_tokens: u64,
+    /// Loads waited for within their step (a sync-load budget reserved
+    /// their hits), failed ones included.
+    pub sync_loads: u64,
+    /// Tokens those loads brought back (included in `loaded_tokens`).
+    pub sync_loaded_tokens: u64,
+    /// Synchronous loads that failed (their requests recomputed; included
+    /// in `FaultCounts::failed_loads_recomputed`).
+    pub sync_loads_failed: u64,
 }
 
 /// Transfer volumes.
@@ -426,6 +434,15 @@ impl SimSummary {
                 w.loaded_tokens
             ),
         );
+        if w.sync_loads > 0 {
+            row(
+                "synchronous loads",
+                format!(
+                    "{} ({} tokens loaded within their step; {} failed, recomputed)",
+                    w.sync_loads, w.sync_loaded_tokens, w.sync_loads_failed
+                ),
+            );
+        }
         row(
             "stored",
             format!(

@@ -207,6 +207,13 @@ pub struct Sim {
     content_checks: Vec<BlockCheck>,
     /// Test hook: the worker whose computed blocks are corrupted in these steps.
     corrupt: Option<(u32, std::ops::Range<u64>)>,
+    /// This step's synchronous loads (a sync-load budget reserved their
+    /// hits): each request runs in the step its load is waited in.
+    sync_jobs: Vec<(JobId, RequestId)>,
+    /// Requests whose synchronous load failed in this step: the step's
+    /// output for them is discarded and they recompute from their load's
+    /// first block (vLLM's recovery from a failed KV load).
+    sync_failed: std::collections::HashSet<RequestId>,
 }
 
 impl Sim {
@@ -345,6 +352,8 @@ impl Sim {
             summary,
             content_checks: Vec::new(),
             corrupt: None,
+            sync_jobs: Vec::new(),
+            sync_failed: Default::default(),
             opts,
         })
     }
@@ -555,13 +564,19 @@ impl Sim {
             });
         }
         self.rec.decision(|| {
-            json!({
+            let mut d = json!({
                 "op": "step",
                 "loads": jobs_value(&plan.loads),
                 "stores": jobs_value(&plan.stores),
                 "flush": plan.flush.iter().map(|j| j.0).collect::<Vec<_>>(),
                 "failed_loads": req_set(&plan.failed_loads),
-            })
+            });
+            // Only with a sync-load budget, as replay writes it.
+            if !plan.sync_loads.is_empty() {
+                d["sync_loads"] =
+                    Value::from(plan.sync_loads.iter().map(|j| j.0).collect::<Vec<_>>());
+            }
+            d
         });
         for &r in &plan.failed_loads {
             self.load_failed(r);
@@ -587,6 +602,12 @@ impl Sim {
                     continue;
                 }
                 if let Some((w, f)) = self.faults.for_job(j.job) {
+                    // A synchronous load is waited in its step: a stall would
+                    // hold the engine (as in vLLM, where it has no timeout),
+                    // and its report cannot come late. It can only fail.
+                    if f != Fault::Fail && plan.sync_loads.contains(&j.job) {
+                        continue;
+                    }
                     if let (Fault::DelayPolls(_), Some(info)) = (f, self.jobs.get_mut(&j.job)) {
                         info.late = true;
                     }
@@ -659,8 +680,10 @@ impl Sim {
             self.metrics.add_transfers(&r.stats);
         }
         let merged = merge_reports(&out.reports);
+        self.end_sync_loads(&merged.failed);
         self.deliver(merged, draining)?;
         self.advance_tokens(&input)?;
+        self.sync_failed.clear();
         // A serving backend publishes the host tier's KV events every step;
         // the sim drains them (they are outputs, not control-plane decisions,
         // so the trace does not record them).
@@ -755,6 +778,28 @@ impl Sim {
                     kind: m.check.kind.name().into(),
                     offset: m.offset,
                 });
+            }
+        }
+    }
+
+    /// The step's synchronous loads were waited for: a failed one makes its
+    /// request recompute (see `advance_tokens`); the others' blocks are
+    /// checked like a completed load's.
+    fn end_sync_loads(&mut self, failed: &[JobId]) {
+        for (job, req) in std::mem::take(&mut self.sync_jobs) {
+            let Some(ext) = self.reqs.get(&req).map(|q| q.external) else {
+                continue;
+            };
+            self.summary.work.sync_loads += 1;
+            if failed.contains(&job) {
+                self.sync_failed.insert(req);
+                self.summary.work.sync_loads_failed += 1;
+                self.summary.faults.failed_loads_recomputed += 1;
+                self.summary.work.recomputed_tokens += ext;
+            } else {
+                self.summary.work.loaded_tokens += ext;
+                self.summary.work.sync_loaded_tokens += ext;
+                self.check_loaded(req);
             }
         }
     }

@@ -194,16 +194,32 @@ impl Sim {
                     skipped.push_back(id);
                     continue;
                 }
+                // `sync`: the sync-load budget reserved the hit (as replay
+                // writes it).
+                LookupOutcome::Hit(n) if self.sched.sync_load_reserved(id) => {
+                    self.rec
+                        .decision(|| json!({"op": "lookup", "hit_tokens": n, "sync": true}));
+                    n
+                }
                 LookupOutcome::Hit(n) => {
                     self.rec
                         .decision(|| json!({"op": "lookup", "hit_tokens": n}));
                     n
                 }
             };
+            // A synchronous load is waited in this step, before the model
+            // runs: the request computes the rest of its prompt in the same
+            // step (vLLM's `load_kv_async = False`); an asynchronous one
+            // computes nothing until its load ends.
+            let sync = ext > 0 && self.sched.sync_load_reserved(id);
             let total = self.blocks_for(len);
             let local_blocks = (local / self.tpb) as usize;
             let new_needed = total - local_blocks;
-            let compute = if ext > 0 { 0 } else { len - local };
+            let compute = match (ext, sync) {
+                (0, _) => len - local,
+                (_, true) => len - local - ext,
+                (_, false) => 0,
+            };
             if self.gpu.num_free() < total || (compute > budget && !input.scheduled.is_empty()) {
                 self.waiting.push_front(id);
                 break;
@@ -224,21 +240,28 @@ impl Sim {
             q.blocks = blocks.clone();
             q.local = local;
             q.external = ext;
-            if job.is_some() {
-                q.phase = Phase::Loading;
-                self.loading.push(id);
-            } else {
-                q.phase = Phase::Running;
-                q.computed = local;
-                input.scheduled.push(ScheduledRequest {
-                    req: id,
-                    new_block_ids: blocks,
-                    computed_tokens: local,
-                    scheduled_tokens: len - local,
-                    full_table: true,
-                });
-                budget = budget.saturating_sub(len - local);
-                self.running.push(id);
+            match job {
+                Some(_) if !sync => {
+                    q.phase = Phase::Loading;
+                    self.loading.push(id);
+                }
+                _ => {
+                    if let Some(job) = job {
+                        self.sync_jobs.push((job, id));
+                    }
+                    let computed = local + if sync { ext } else { 0 };
+                    q.phase = Phase::Running;
+                    q.computed = computed;
+                    input.scheduled.push(ScheduledRequest {
+                        req: id,
+                        new_block_ids: blocks,
+                        computed_tokens: computed,
+                        scheduled_tokens: len - computed,
+                        full_table: true,
+                    });
+                    budget = budget.saturating_sub(len - computed);
+                    self.running.push(id);
+                }
             }
         }
         while let Some(id) = skipped.pop_back() {
@@ -271,6 +294,14 @@ impl Sim {
                 continue;
             };
             if q.phase != Phase::Running {
+                continue;
+            }
+            // Its synchronous load failed: what the step computed from the
+            // load's blocks on is discarded, and it computes again from
+            // there (vLLM truncates a request's computed tokens to its first
+            // block that failed to load, and drops the step's sampled token).
+            if self.sync_failed.contains(&s.req) {
+                q.computed = q.local;
                 continue;
             }
             q.computed = s.computed_tokens + s.scheduled_tokens;
