@@ -6,7 +6,7 @@ use std::collections::VecDeque;
 
 use serde_json::{Value, json};
 
-use crate::ids::RequestId;
+use crate::ids::{GpuBlockId, RequestId};
 use crate::scheduler::{LookupOutcome, ScheduledRequest, StepInput};
 
 use super::super::recorder::req_name;
@@ -151,17 +151,7 @@ impl Sim {
             if q.phase == Phase::LoadDone {
                 self.summary.work.loaded_tokens += q.external;
             }
-            q.phase = Phase::Running;
-            q.computed = computed;
-            input.scheduled.push(ScheduledRequest {
-                req: id,
-                new_block_ids: blocks,
-                computed_tokens: computed,
-                scheduled_tokens: len - computed,
-                full_table: true,
-            });
-            budget = budget.saturating_sub(len - computed);
-            self.running.push(id);
+            budget = budget.saturating_sub(self.start_running(id, blocks, computed, &mut input));
         }
         self.loading = keep;
         // 3. Waiting requests, in order; a deferred one is skipped.
@@ -250,17 +240,8 @@ impl Sim {
                         self.sync_jobs.push((job, id));
                     }
                     let computed = local + if sync { ext } else { 0 };
-                    q.phase = Phase::Running;
-                    q.computed = computed;
-                    input.scheduled.push(ScheduledRequest {
-                        req: id,
-                        new_block_ids: blocks,
-                        computed_tokens: computed,
-                        scheduled_tokens: len - computed,
-                        full_table: true,
-                    });
-                    budget = budget.saturating_sub(len - computed);
-                    self.running.push(id);
+                    budget =
+                        budget.saturating_sub(self.start_running(id, blocks, computed, &mut input));
                 }
             }
         }
@@ -268,6 +249,30 @@ impl Sim {
             self.waiting.push_front(id);
         }
         Ok(input)
+    }
+
+    /// `id` runs from `computed` tokens on with its whole table `blocks`,
+    /// scheduled for the rest of its tokens (returned).
+    fn start_running(
+        &mut self,
+        id: RequestId,
+        blocks: Vec<GpuBlockId>,
+        computed: u64,
+        input: &mut StepInput,
+    ) -> u64 {
+        let q = self.reqs.get_mut(&id).expect("admitted request is tracked");
+        let rest = q.conv.history.len() as u64 - computed;
+        q.phase = Phase::Running;
+        q.computed = computed;
+        input.scheduled.push(ScheduledRequest {
+            req: id,
+            new_block_ids: blocks,
+            computed_tokens: computed,
+            scheduled_tokens: rest,
+            full_table: true,
+        });
+        self.running.push(id);
+        rest
     }
 
     pub(super) fn preempt(&mut self, id: RequestId, input: &mut StepInput) {
