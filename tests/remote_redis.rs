@@ -531,6 +531,76 @@ fn a_cluster_master_killed_mid_run_then_restarted() {
     not(kvoffload_redis),
     ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
 )]
+fn a_hung_cluster_master_costs_a_batch_one_timeout_not_one_per_key() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter("kvoffload=debug")
+        .with_test_writer()
+        .try_init();
+    // A master frozen (SIGSTOP: the kernel still accepts, nothing answers)
+    // as a hung process or a partition. The crate's cluster pipeline reads
+    // its replies one by one, a response timeout each: 20 or so keys on it
+    // held the tier's I/O thread for over 10 s at a 500 ms timeout. Now the
+    // batch waits one timeout for it; then it is skipped (its keys miss at
+    // once) until its window on the tier's clock passes, and it is served
+    // again once it answers.
+    let cluster = RedisCluster::start(3);
+    let clock = ManualClock::new();
+    let ns = namespace("h");
+    let cfg = RemoteTierConfig {
+        response_timeout_ms: 500,
+        connect_timeout_ms: 500,
+        op_timeout_ms: 60_000,
+        ..config(&cluster.url(), true)
+    };
+    let mut t = start(&cfg, ns.clone(), &clock);
+    let n = 60u64;
+    put_rows(&mut t, 0..n, 1024);
+    let owner: Vec<usize> = (0..n).map(|k| cluster.node_of(&ns.key(k, 0))).collect();
+    let victim = 2;
+    let on_victim = owner.iter().filter(|&&o| o == victim).count();
+    assert!(on_victim > 5, "{owner:?}");
+    let keys: Vec<u64> = (0..n).collect();
+    let check = |t: &mut RemoteTier, victim_served: bool| {
+        let t0 = std::time::Instant::now();
+        let tickets: Vec<Ticket> = keys
+            .iter()
+            .map(|&k| t.fetch(ChunkKey(k), 0, Some(1024)))
+            .collect();
+        let answers = wait_all(t, &tickets);
+        for (k, a) in answers.iter().enumerate() {
+            if owner[k] == victim && !victim_served {
+                assert_eq!(*a, Answer::Miss(MissReason::Unavailable), "chunk {k}");
+            } else {
+                assert_eq!(fetched(a), Some(&row(k as u64, 1024)[..]), "chunk {k}");
+            }
+        }
+        t0.elapsed()
+    };
+    cluster.nodes[victim].pause();
+    let first = check(&mut t, false);
+    assert!(
+        first < Duration::from_millis(5_000),
+        "{on_victim} keys on the hung master took {first:?}"
+    );
+    // Skipped now: no wait at all for it.
+    let skipped = check(&mut t, false);
+    assert!(
+        skipped < Duration::from_millis(450),
+        "{skipped:?} {:?}",
+        t.stats()
+    );
+    // It answers again: served once its window has passed.
+    cluster.nodes[victim].resume();
+    clock.advance(Duration::from_millis(cfg.backoff_max_ms));
+    check(&mut t, true);
+    assert_eq!(t.stats().rejected_values, 0);
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
 fn a_slot_migration_mid_run_is_followed_by_reads_and_writes() {
     // What an operator's `redis-cli --cluster reshard` does, one step at a
     // time: two slots of master A are set migrating to master B; one

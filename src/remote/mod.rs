@@ -16,10 +16,13 @@
 //! `docs/remote-tier.md` has the design, the failure behaviour and how to
 //! run a cluster for it.
 
+mod cluster_nodes;
+pub mod cluster_slots;
 mod config;
 mod memory_store;
 mod metrics;
 mod namespace;
+mod redis_op;
 mod redis_store;
 mod store;
 mod tier;

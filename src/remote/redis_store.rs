@@ -2,22 +2,27 @@
 //! standalone or Redis Cluster, through the `redis` crate's blocking client.
 //!
 //! Batches are pipelined: one round trip for a standalone server; in a
-//! cluster, the crate's cluster pipeline sends each command to the master of
-//! its slot. When a cluster batch fails as a whole (a master is down), the
-//! batch is retried key by key, so that the keys of the healthy masters are
-//! still served and only the dead master's keys fail.
+//! cluster, one pipeline per master on a plain connection of its own
+//! ([`super::cluster_nodes`]), so that a master that is down or hung costs a
+//! batch one timeout and the other masters' keys are still served; the
+//! crate's cluster client takes the redirections (a slot migrating) and
+//! serves while no slot map is known.
 //!
-//! The client retries a command once at most (the cluster client reconnects
-//! to a node whose connection broke); anything longer is the tier's job
-//! (backoff), so a dead node never holds the I/O thread for more than about
-//! one connect timeout per command.
+//! The cluster client retries a command once at most; anything longer is
+//! the tier's job (backoff).
 
 use std::sync::Once;
+use std::time::Duration;
 
 use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConnection};
 use redis::{Client, Connection, ConnectionLike, ErrorKind, IntoConnectionInfo, RedisError, Value};
 
+use crate::clock::{MonotonicClock, SharedClock};
+
+use super::cluster_nodes::{ClusterNodes, NodeAnswer, NodeOpener};
+use super::cluster_slots::NodeAddr;
 use super::config::{RemoteTierConfig, Secret};
+use super::redis_op::{KEPT_PACKED_BYTES, Op};
 use super::store::{ItemResult, RemoteStore, StoreConnector, StoreError};
 
 /// Opens [`RedisStore`] connections for a [`RemoteTierConfig`].
@@ -25,6 +30,8 @@ pub struct RedisConnector {
     cfg: RemoteTierConfig,
     password: Option<Secret>,
     username: Option<String>,
+    /// The tier's clock (a monotonic clock until it is given).
+    clock: SharedClock,
 }
 
 impl std::fmt::Debug for RedisConnector {
@@ -46,6 +53,7 @@ impl RedisConnector {
             cfg: cfg.clone(),
             password: cfg.effective_password(),
             username: cfg.effective_username(),
+            clock: MonotonicClock::shared(),
         })
     }
 
@@ -53,14 +61,11 @@ impl RedisConnector {
         let info = url
             .into_connection_info()
             .map_err(|e| StoreError::Config(self.scrub(&e)))?;
-        let mut settings = info.redis_settings().clone();
-        if let Some(u) = &self.username {
-            settings = settings.set_username(u);
-        }
-        if let Some(p) = &self.password {
-            settings = settings.set_password(p.expose());
-        }
-        Ok(info.set_redis_settings(settings))
+        Ok(with_credentials(
+            info,
+            self.username.as_deref(),
+            self.password.as_ref(),
+        ))
     }
 
     fn tls_certs(&self) -> Result<Option<redis::TlsCertificates>, StoreError> {
@@ -122,11 +127,55 @@ impl RedisConnector {
         let conn = client
             .get_connection()
             .map_err(|e| classify(&e, self.scrub(&e)))?;
+        let mut seeds = Vec::new();
+        for u in self.cfg.seed_urls() {
+            if let redis::ConnectionAddr::Tcp(host, port)
+            | redis::ConnectionAddr::TcpTls { host, port, .. } = self.connection_info(u)?.addr()
+            {
+                seeds.push(NodeAddr {
+                    host: host.clone(),
+                    port: *port,
+                });
+            }
+        }
+        let backoff = (
+            Duration::from_millis(self.cfg.backoff_initial_ms),
+            Duration::from_millis(self.cfg.backoff_max_ms),
+        );
+        let mut nodes = ClusterNodes::new(self.node_opener()?, seeds, backoff, self.clock.clone());
+        nodes.refresh_slot_map();
         Ok(Conn::Cluster {
             client: Box::new(client),
             conn: Box::new(conn),
             dirty: false,
+            nodes: Box::new(nodes),
         })
+    }
+
+    /// Opens a plain connection to one cluster node with this connector's
+    /// credentials, TLS and timeouts.
+    fn node_opener(&self) -> Result<NodeOpener, StoreError> {
+        let certs = self.tls_certs()?;
+        let scheme = if self.cfg.tls() { "rediss" } else { "redis" };
+        let (username, password) = (self.username.clone(), self.password.clone());
+        let (connect, respond) = (self.cfg.connect_timeout(), self.cfg.response_timeout());
+        Ok(Box::new(move |n: &NodeAddr| {
+            let host = if n.host.contains(':') {
+                format!("[{}]", n.host)
+            } else {
+                n.host.clone()
+            };
+            let info = format!("{scheme}://{host}:{}", n.port).into_connection_info()?;
+            let info = with_credentials(info, username.as_deref(), password.as_ref());
+            let client = match &certs {
+                Some(c) => Client::build_with_tls(info, c.clone())?,
+                None => Client::open(info)?,
+            };
+            let conn = client.get_connection_with_timeout(connect)?;
+            conn.set_read_timeout(Some(respond))?;
+            conn.set_write_timeout(Some(respond))?;
+            Ok(conn)
+        }))
     }
 
     /// A plain `redis` connection with the same address, credentials and
@@ -175,6 +224,10 @@ impl StoreConnector for RedisConnector {
         Ok(Box::new(store))
     }
 
+    fn set_clock(&mut self, clock: SharedClock) {
+        self.clock = clock;
+    }
+
     fn describe(&self) -> String {
         let mode = if self.cfg.cluster {
             "cluster"
@@ -183,6 +236,22 @@ impl StoreConnector for RedisConnector {
         };
         format!("redis {mode} {}", self.cfg.redacted_url())
     }
+}
+
+/// `info` with the username and password, where given.
+fn with_credentials(
+    info: redis::ConnectionInfo,
+    username: Option<&str>,
+    password: Option<&Secret>,
+) -> redis::ConnectionInfo {
+    let mut settings = info.redis_settings().clone();
+    if let Some(u) = username {
+        settings = settings.set_username(u);
+    }
+    if let Some(p) = password {
+        settings = settings.set_password(p.expose());
+    }
+    info.set_redis_settings(settings)
 }
 
 /// Installs rustls' ring provider as the process default, once (rustls
@@ -204,6 +273,9 @@ enum Conn {
         /// of the failed commands (the cluster client does not drain them),
         /// so the next batch starts on a fresh connection.
         dirty: bool,
+        /// The masters on plain connections: batches go there, node by
+        /// node; the cluster client above takes the redirections.
+        nodes: Box<ClusterNodes>,
     },
 }
 
@@ -225,66 +297,6 @@ impl std::fmt::Debug for RedisStore {
         f.debug_struct("RedisStore")
             .field("url", &self.cfg.redacted_url())
             .finish_non_exhaustive()
-    }
-}
-
-/// One command of a batch.
-enum Op<'a> {
-    Set(&'a str, &'a [u8]),
-    Get(&'a str),
-    Exists(&'a str),
-}
-
-impl Op<'_> {
-    fn cmd(&self) -> redis::Cmd {
-        match *self {
-            Op::Set(k, v) => {
-                let mut c = redis::cmd("SET");
-                c.arg(k).arg(v);
-                c
-            }
-            Op::Get(k) => {
-                let mut c = redis::cmd("GET");
-                c.arg(k);
-                c
-            }
-            Op::Exists(k) => {
-                let mut c = redis::cmd("EXISTS");
-                c.arg(k);
-                c
-            }
-        }
-    }
-}
-
-/// The standalone pipeline buffer is given back beyond this size.
-const KEPT_PACKED_BYTES: usize = 64 << 20;
-
-impl Op<'_> {
-    /// Appends the command in RESP (an array of bulk strings).
-    fn pack(&self, out: &mut Vec<u8>) {
-        let (name, key, value): (&[u8], &str, Option<&[u8]>) = match *self {
-            Op::Set(k, v) => (b"SET", k, Some(v)),
-            Op::Get(k) => (b"GET", k, None),
-            Op::Exists(k) => (b"EXISTS", k, None),
-        };
-        let bulk = |out: &mut Vec<u8>, b: &[u8]| {
-            out.push(b'$');
-            out.extend_from_slice(b.len().to_string().as_bytes());
-            out.extend_from_slice(b"\r\n");
-            out.extend_from_slice(b);
-            out.extend_from_slice(b"\r\n");
-        };
-        out.extend_from_slice(if value.is_some() {
-            b"*3\r\n"
-        } else {
-            b"*2\r\n"
-        });
-        bulk(out, name);
-        bulk(out, key.as_bytes());
-        if let Some(v) = value {
-            bulk(out, v);
-        }
     }
 }
 
@@ -325,46 +337,23 @@ impl RedisStore {
                 client,
                 conn,
                 dirty,
+                nodes,
             } => {
-                if *dirty {
-                    match client.get_connection() {
-                        Ok(fresh) => {
-                            **conn = fresh;
-                            *dirty = false;
-                        }
-                        Err(e) => {
-                            let e = classify(
-                                &e,
-                                scrub_text(&e.to_string(), self.password.as_ref(), &self.cfg),
-                            );
-                            return ops.iter().map(|_| Err(e.clone())).collect();
-                        }
-                    }
+                if nodes.wants_slot_map() {
+                    nodes.refresh_slot_map();
                 }
-                let mut p = redis::cluster::cluster_pipe();
-                for op in ops {
-                    p.add_command(op.cmd());
-                }
-                match p.query::<Vec<Value>>(conn.as_mut()) {
-                    Ok(v) => Ok(v.into_iter().map(Ok).collect()),
-                    // Some node failed the batch: key by key on a fresh
-                    // connection, so that the other masters' keys are still
-                    // served.
-                    Err(e) => match client.get_connection() {
-                        Ok(fresh) => {
-                            **conn = fresh;
-                            let v: Vec<redis::RedisResult<Value>> = ops
-                                .iter()
-                                .map(|op| op.cmd().query::<Value>(conn.as_mut()))
-                                .collect();
-                            *dirty = v.iter().any(Result::is_err);
-                            Ok(v)
-                        }
-                        Err(_) => {
-                            *dirty = true;
-                            Err(e)
-                        }
-                    },
+                if nodes.owners().is_empty() {
+                    Ok(cluster_pipeline(client, conn, dirty, ops))
+                } else {
+                    let answers = nodes.run(ops);
+                    Ok(ops
+                        .iter()
+                        .zip(answers)
+                        .map(|(op, a)| match a {
+                            NodeAnswer::Done(r) => r,
+                            NodeAnswer::Redirect => through_client(client, conn, dirty, op),
+                        })
+                        .collect())
                 }
             }
         };
@@ -393,6 +382,65 @@ impl RedisStore {
                 ops.iter().map(|_| Err(e.clone())).collect()
             }
         }
+    }
+}
+
+/// One command through the cluster client (it follows `MOVED` and `ASK`),
+/// on a fresh connection if the last one failed.
+fn through_client(
+    client: &ClusterClient,
+    conn: &mut Box<ClusterConnection>,
+    dirty: &mut bool,
+    op: &Op<'_>,
+) -> redis::RedisResult<Value> {
+    if *dirty {
+        **conn = client.get_connection()?;
+        *dirty = false;
+    }
+    let r = op.cmd().query::<Value>(conn.as_mut());
+    *dirty = r.is_err();
+    r
+}
+
+/// The batch through the cluster client's pipeline (while no slot map is
+/// known): on failure, key by key on a fresh connection, so that the other
+/// masters' keys are still served.
+fn cluster_pipeline(
+    client: &ClusterClient,
+    conn: &mut Box<ClusterConnection>,
+    dirty: &mut bool,
+    ops: &[Op<'_>],
+) -> Vec<redis::RedisResult<Value>> {
+    if *dirty {
+        match client.get_connection() {
+            Ok(fresh) => {
+                **conn = fresh;
+                *dirty = false;
+            }
+            Err(e) => return ops.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+    let mut p = redis::cluster::cluster_pipe();
+    for op in ops {
+        p.add_command(op.cmd());
+    }
+    match p.query::<Vec<Value>>(conn.as_mut()) {
+        Ok(v) => v.into_iter().map(Ok).collect(),
+        Err(e) => match client.get_connection() {
+            Ok(fresh) => {
+                **conn = fresh;
+                let v: Vec<redis::RedisResult<Value>> = ops
+                    .iter()
+                    .map(|op| op.cmd().query::<Value>(conn.as_mut()))
+                    .collect();
+                *dirty = v.iter().any(Result::is_err);
+                v
+            }
+            Err(_) => {
+                *dirty = true;
+                ops.iter().map(|_| Err(e.clone())).collect()
+            }
+        },
     }
 }
 
@@ -448,18 +496,28 @@ impl RemoteStore for RedisStore {
                 ));
             }
             Conn::Single(c) => redis::cmd("PING").query::<Value>(c.as_mut()),
-            // The cluster answers if a fresh connection can be made: at
-            // least one seed answers and gives the slot map (one master
-            // down is a partial outage, not an unreachable store).
+            // The cluster answers if a master (or a seed) gives the slot
+            // map: one master down is a partial outage, not an unreachable
+            // store. Asked on the plain connections, which skip a master
+            // that did not answer; the cluster client's fresh connection
+            // (which may wait on a hung master) only where no slot map
+            // could be had that way.
             Conn::Cluster {
                 client,
                 conn,
                 dirty,
-            } => client.get_connection().map(|fresh| {
-                **conn = fresh;
-                *dirty = false;
-                Value::Okay
-            }),
+                nodes,
+            } => {
+                if nodes.refresh_slot_map() {
+                    Ok(Value::Okay)
+                } else {
+                    client.get_connection().map(|fresh| {
+                        **conn = fresh;
+                        *dirty = false;
+                        Value::Okay
+                    })
+                }
+            }
         };
         r.map(|_| ()).map_err(|e| err(&e))
     }

@@ -10,6 +10,7 @@
 //! others (a cluster with one master down still serves the other masters'
 //! slots).
 
+use crate::clock::SharedClock;
 use thiserror::Error;
 
 /// Why a store call failed.
@@ -69,4 +70,9 @@ pub trait StoreConnector: Send {
 
     /// Where it connects, with any password removed (for logs and errors).
     fn describe(&self) -> String;
+
+    /// The tier's clock, for the store's own waits (a Redis Cluster master
+    /// that could not be reached is skipped for a while); called before the
+    /// first [`Self::connect`]. Default: unused.
+    fn set_clock(&mut self, _clock: SharedClock) {}
 }

@@ -210,6 +210,7 @@ impl RemoteTier {
     ) -> Result<Self, RemoteError> {
         let target = connector.describe();
         let counters = Arc::new(Counters::default());
+        connector.set_clock(clock.clone());
         let store = match connector.connect() {
             Ok(s) => {
                 counters.connected.store(true, Ordering::Relaxed);

@@ -281,6 +281,27 @@ impl RedisServer {
         }
     }
 
+    /// Freezes the server (SIGSTOP): it keeps its port and its connections,
+    /// the kernel still accepts new ones, and nothing is answered, as a hung
+    /// or partitioned node.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a [`Self::pause`]d server run again (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("a running server").id();
+        let ok = Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill {sig} {pid}");
+    }
+
     /// Starts the killed server again on the same port, folder and arguments.
     pub fn restart(&mut self) {
         assert!(self.child.is_none(), "restart of a running server");
@@ -519,30 +540,7 @@ impl RedisCluster {
     }
 }
 
-/// The cluster slot of `key` (CRC16-XMODEM of the key, or of its `{tag}`,
-/// modulo 16384), as Redis computes it.
-pub fn key_slot(key: &str) -> u16 {
-    let bytes = key.as_bytes();
-    let tagged = bytes.iter().position(|&c| c == b'{').and_then(|open| {
-        let rest = &bytes[open + 1..];
-        rest.iter()
-            .position(|&c| c == b'}')
-            .filter(|&close| close > 0)
-            .map(|close| &rest[..close])
-    });
-    let mut crc: u16 = 0;
-    for &b in tagged.unwrap_or(bytes) {
-        crc ^= u16::from(b) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 {
-                (crc << 1) ^ 0x1021
-            } else {
-                crc << 1
-            };
-        }
-    }
-    crc % 16384
-}
+pub use kvoffload::remote::cluster_slots::key_slot;
 
 impl Drop for RedisCluster {
     fn drop(&mut self) {
