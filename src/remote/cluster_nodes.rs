@@ -65,6 +65,10 @@ pub(super) struct ClusterNodes {
     clock: SharedClock,
     /// The slot map must be asked again before the next batch.
     stale: bool,
+    /// A node answered `CLUSTER SLOTS` in a shape not understood (an
+    /// unknown endpoint, "?"): batches go through the cluster client, and
+    /// the slot map is not asked for again.
+    unmappable: bool,
     open: NodeOpener,
 }
 
@@ -97,6 +101,7 @@ impl ClusterNodes {
             backoff,
             clock,
             stale: true,
+            unmappable: false,
             open,
         }
     }
@@ -109,7 +114,7 @@ impl ClusterNodes {
     /// Whether the slot map should be asked for before the next batch (never
     /// learned, a `MOVED` seen, or a master being skipped).
     pub(super) fn wants_slot_map(&self) -> bool {
-        self.stale || !self.skipped.is_empty() || self.owners.is_empty()
+        !self.unmappable && (self.stale || !self.skipped.is_empty() || self.owners.is_empty())
     }
 
     /// A fresh slot map: masters no longer in it are forgotten.
@@ -144,8 +149,13 @@ impl ClusterNodes {
                         self.set_owners(o);
                         return true;
                     }
-                    None => tracing::debug!(host = %node.host, port = node.port,
-                        "CLUSTER SLOTS answered in a shape not understood"),
+                    None => {
+                        tracing::warn!(host = %node.host, port = node.port,
+                            "CLUSTER SLOTS answered in a shape not understood: \
+                             batches go through the cluster client's pipeline");
+                        self.unmappable = true;
+                        return false;
+                    }
                 },
                 Err(e)
                     if e.is_io_error()
