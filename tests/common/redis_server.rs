@@ -436,19 +436,33 @@ impl RedisCluster {
             .collect()
     }
 
-    /// The node that replicates `master` (its `CLUSTER NODES` line names the
-    /// master's id), if any.
+    /// The node that replicates `master`, if any: the running node whose own
+    /// `CLUSTER NODES` line (`myself,slave <master id>`) names the master's
+    /// id. A replica knows its role as soon as `redis-cli --cluster create`
+    /// set it, while the master learns it by gossip, so each node's own view
+    /// is asked; it is asked again until one answers or `START_LIMIT` passes.
     pub fn replica_of(&self, master: usize) -> Option<usize> {
         let id = self.id_of(master);
-        let nodes = self.nodes[master].cli(&["CLUSTER", "NODES"]);
-        let port = nodes.lines().find_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            (f.len() > 3 && f[2].contains("slave") && f[3] == id).then(|| {
-                let addr = f[1].split('@').next().unwrap_or("");
-                addr.rsplit(':').next().and_then(|p| p.parse::<u16>().ok())
-            })?
-        })?;
-        self.nodes.iter().position(|n| n.port == port)
+        let t0 = Instant::now();
+        loop {
+            let found = self.nodes.iter().position(|n| {
+                n.child.is_some()
+                    && cli(n.port, None, &["CLUSTER", "NODES"])
+                        .unwrap_or_default()
+                        .lines()
+                        .any(|l| {
+                            let f: Vec<&str> = l.split_whitespace().collect();
+                            f.len() > 3
+                                && f[2].contains("myself")
+                                && f[2].contains("slave")
+                                && f[3] == id
+                        })
+            });
+            if found.is_some() || t0.elapsed() >= START_LIMIT {
+                return found;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Waits until `replica` has every write its master made so far (their
