@@ -293,10 +293,16 @@ def build(
     kv_events: bool = True,
     spec: Any = None,
     policy: str = "fcfs",
+    groups: list[Any] | None = None,
 ) -> Engine:
     """An engine with the connector `connector` (loaded from `module`);
     `spec`: the KV cache group's spec (full attention of `tpb` tokens a
-    block, `HEADS` heads of `HEAD_SIZE` floats by default)."""
+    block, `HEADS` heads of `HEAD_SIZE` floats by default); `groups`: in
+    place of `spec`, the specs of several KV cache groups (vLLM's hybrid
+    manager: `num_layers` layers each, ``g{group}.layer{i}``, their tensors
+    overlaid as vLLM overlays them; the specs must have one page size).
+    A hybrid engine is scheduler-only (`fake_worker`): the fake model
+    writes one group's KV."""
     model_config = ModelConfig(model=MODEL, dtype="float32", seed=42)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -331,21 +337,31 @@ def build(
         spec = FullAttentionSpec(
             block_size=tpb, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32
         )
-    layers = [f"layer{i}" for i in range(num_layers)]
-    page = spec.page_size_bytes
+    if groups is None:
+        specs = [spec]
+        group_layers = [[f"layer{i}" for i in range(num_layers)]]
+    else:
+        assert fake_worker is not None, "a hybrid engine is scheduler-only (fake_worker)"
+        specs = list(groups)
+        assert len({s.page_size_bytes for s in specs}) == 1, "hybrid groups need one page size"
+        group_layers = [[f"g{g}.layer{i}" for i in range(num_layers)] for g in range(len(specs))]
+    layers = group_layers[0]
+    page = specs[0].page_size_bytes
     kv_cache_config = KVCacheConfig(
         num_blocks=num_gpu_blocks,
         # One backing allocation, layer-outermost (vLLM's convention: its
-        # size is the total).
+        # size is the total); the groups' tensors overlay it (a block id
+        # belongs to one group at a time).
         kv_cache_tensors=[
             KVCacheTensor(
                 size=page * num_gpu_blocks * num_layers,
-                layers=layers,
+                layers=names,
                 layer_stride=page * num_gpu_blocks,
                 block_stride=page,
             )
+            for names in group_layers
         ],
-        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+        kv_cache_groups=[KVCacheGroupSpec(names, s) for names, s in zip(group_layers, specs)],
     )
     cls = AsyncScheduler if async_scheduling else Scheduler
     with set_current_vllm_config(vllm_config):

@@ -14,6 +14,7 @@ mod allocated;
 mod completion;
 mod fences;
 mod hit_sources;
+pub mod hybrid;
 mod invariants;
 mod jobs;
 mod latch;

@@ -1,0 +1,333 @@
+"""vLLM 0.33.0's own ``OffloadingConnector`` on hybrid KV cache configurations
+(several KV groups: full attention with sliding-window groups, or sliding
+windows only), recorded step by step as ``test_differential.py`` records a
+run, and kept as a corpus (``corpus/hybrid/*.json.gz``).
+
+kvoffload does not offload hybrid groups yet (docs/hybrid-groups.md: its
+connector refuses a hybrid ``KVCacheConfig``, and vLLM runs such a model with
+its hybrid manager off). This corpus is what the plan's later steps are
+checked against: per step the tokens scheduled, each lookup's hit, each load's
+and store's GPU blocks per group (with the group's first block index), and the
+KV events. The tests here check that vLLM still answers as recorded (a
+harness or vLLM change shows as a diff), that the recorded runs exercise what
+the plan needs (sliding-window loads and hits, stores of every group), and the
+rules docs/hybrid-groups.md states, read off vLLM's answers rather than its
+source: a hit leaves the last token to compute, loads are chunk-aligned, a
+sliding-window group loads only its window.
+
+``KVOFFLOAD_RECORD_HYBRID=1`` rewrites the corpus from vLLM (then review the
+diff: it is vLLM's behaviour changing, or the harness).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from harness import HEAD_SIZE, HEADS, build
+from test_differential import event_fields, order_free, vllm_worker
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+TPB = 4
+#: GPU blocks per KV group: a small cache, so turns leave it and come back
+#: from the host tier (vLLM allocates every group's blocks for a prefill).
+GPU_BLOCKS = 24
+#: Host chunks (each one group's): room for most of a run, some eviction.
+HOST_CHUNKS = 512
+#: Requests per run.
+REQUESTS = 100
+#: Steps between a conversation's turns (a turn arrives once the previous
+#: one has finished and stored).
+TURN_GAP = 20
+CORPUS = Path(__file__).parent / "corpus" / "hybrid"
+
+
+def full() -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=TPB, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
+
+
+def window(tokens: int) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=TPB, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32, sliding_window=tokens
+    )
+
+
+# (seed, group specs by name, extra config, engine options, fake worker delay)
+SPECS = {
+    "full+swa8": lambda: [full(), window(8)],
+    "full+swa8+swa13": lambda: [full(), window(8), window(13)],
+    "swa6+full": lambda: [window(6), full()],
+    "swa8+swa16": lambda: [window(8), window(16)],
+}
+CASES = [
+    (1, "full+swa8", {"offload_prompt_only": False}, {}, 1),
+    (2, "full+swa8", {"eviction_policy": "arc", "offload_prompt_only": False}, {}, 0),
+    (3, "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {}, 1),
+    (4, "swa6+full", {}, {"async_scheduling": True}, 3),
+    (5, "full+swa8", {}, {"world_size": 2}, 1),
+    (6, "swa8+swa16", {"offload_prompt_only": False}, {}, 1),
+    (7, "full+swa8+swa13", {}, {"max_num_batched_tokens": 16}, 0),
+]
+
+
+def sampled(prompt: list[int], n: int) -> list[int]:
+    """The `n` tokens the harness's fake model samples after `prompt`
+    (``Engine.token_at``)."""
+    return [10 + (hash((prompt[0], len(prompt), p)) % 1000) for p in range(len(prompt), len(prompt) + n)]
+
+
+def workload(seed: int, n: int) -> list[tuple[int, list[int], int]]:
+    """`n` requests as ``(arrival step, prompt, max tokens)``: conversations,
+    each turn's prompt the previous turn's prompt, its answer and a new
+    message, over a few shared system prompts, and retries of earlier
+    prompts (a hit of a sliding-window group needs the window before the
+    hit's end stored: where an earlier request's stores ended); more
+    conversations than the GPU cache holds, so they come back from the host
+    tier."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(3, 50_000) for _ in range(rng.randrange(4, 24))] for _ in range(3)]
+    live: list[tuple[int, list[int]]] = []  # (step the last turn was sent, its prompt + answer)
+    out = []
+    step = 0
+    for _ in range(n):
+        step += rng.choice((0, 1, 1, 2, 3))
+        # A prompt sent before, again (a retry: its hit ends where its
+        # stores ended), a new conversation, or the next turn of one sent
+        # long enough ago.
+        ready = [i for i, (sent, _) in enumerate(live) if step - sent >= TURN_GAP]
+        sent = [r for r in out if step - r[0] >= TURN_GAP]
+        if sent and rng.random() < 0.3:
+            prompt = list(rng.choice(sent)[1])
+            out.append((step, prompt, rng.randrange(1, 8)))
+            continue
+        if ready and rng.random() < 0.7:
+            i = rng.choice(ready)
+            history = live.pop(i)[1]
+        else:
+            history = list(rng.choice(systems))
+        prompt = history + [rng.randrange(3, 50_000) for _ in range(rng.randrange(1, 20))]
+        max_tokens = rng.randrange(1, 8)
+        out.append((step, prompt, max_tokens))
+        if len(prompt) < 96:
+            live.append((step, prompt + sampled(prompt, max_tokens)))
+    return out
+
+
+def spec_blocks(spec: Any) -> list[list[int]]:
+    """A GPU load or store spec's blocks as ``[first block index, block
+    ids...]`` per group (vLLM lists the groups' blocks one after another)."""
+    ids = [int(b) for b in spec.block_ids]
+    out, at = [], 0
+    for size, first in zip(spec.group_sizes, spec.block_indices):
+        out.append([int(first), *ids[at : at + size]])
+        at += size
+    return out
+
+
+#: vLLM's ``LookupResult`` as one letter in the corpus.
+STATE_LETTER = {"HIT": "H", "HIT_PENDING": "P", "RETRY": "R", "MISS": "M"}
+
+
+def key_state(sched: Any, key: Any, req_context: Any) -> str:
+    """A key's lookup answer as a letter, lower case while a load of the
+    chunk is in flight (vLLM then defers the request)."""
+    letter = STATE_LETTER[sched.manager.lookup(key, req_context).name]
+    return letter.lower() if key in (sched._chunks_being_loaded or ()) else letter
+
+
+def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> list[dict]:
+    """vLLM's connector on the seed's workload (test_differential's), step by
+    step."""
+    common = {"num_gpu_blocks": GPU_BLOCKS * len(SPECS[specs]()), "max_num_seqs": 6, "max_num_batched_tokens": 64, **opts}
+    groups = SPECS[specs]()
+    # HOST_CHUNKS host chunks of one group's layers (2 layers, K and V).
+    chunk_bytes = groups[0].page_size_bytes * 2 * extra.get("block_size", TPB) // TPB
+    cfg = {"cpu_bytes_to_use": HOST_CHUNKS * chunk_bytes * common.get("world_size", 1), **extra}
+    e = build(
+        connector="OffloadingConnector", module=None, extra=cfg, fake_worker=vllm_worker(delay),
+        tpb=TPB, groups=groups, **common,
+    )
+    lookups: list[list] = []
+    inner = e.connector.get_num_new_matched_tokens
+    sched = e.connector.connector_scheduler
+
+    def lookup(request: Any, num_computed: int, *a: Any, **k: Any) -> Any:
+        assert not a and not k, "vLLM 0.33.0's scheduler passes no max_num_new_tokens"
+        st = sched._req_status.get(request.request_id)
+        busy = st is not None and bool(st.transfer_jobs)
+        got = inner(request, num_computed)
+        rec = [request.request_id, num_computed, request.num_tokens, got[0], got[1]]
+        if not busy:
+            # What the lookup saw (vLLM's manager lookups are side-effect
+            # free): per group, each offload key's state, "H" hit, "P" hit
+            # pending, "R" retry, "M" miss, lower case while a load of the
+            # chunk is in flight.
+            st = sched._req_status[request.request_id]
+            rec.append(["".join(key_state(sched, key, st.req_context) for key in gs.offload_keys)
+                        for gs in st.group_states])
+        lookups.append(rec)
+        return got
+
+    e.connector.get_num_new_matched_tokens = lookup
+    events: list[tuple] = []
+    take = e.connector.take_events
+
+    def take_events() -> list:
+        got = list(take())
+        events.extend(event_fields(ev) for ev in got)
+        return got
+
+    e.connector.take_events = take_events
+    arrivals = workload(seed, REQUESTS)
+    steps: list[dict] = []
+    i = 0
+    for step in range(600):
+        while i < len(arrivals) and arrivals[i][0] <= step:
+            _, prompt, max_tokens = arrivals[i]
+            e.add(prompt, max_tokens=max_tokens, req_id=f"q{i}")
+            i += 1
+        if i == len(arrivals) and not e.scheduler.has_requests() and e.pending is None:
+            break
+        if not e.scheduler.has_requests():
+            e.flush_async()
+            steps.append({"idle": True})
+            continue
+        so = e.step()
+        meta = so.kv_connector_metadata
+        steps.append(
+            {
+                "scheduled": dict(sorted(so.num_scheduled_tokens.items())),
+                "preempted": sorted(so.preempted_req_ids or ()),
+                "lookups": lookups[:],
+                "loads": sorted([j.req_id, spec_blocks(j.dst_spec)] for j in meta.load_jobs.values()),
+                "stores": sorted([j.req_id, spec_blocks(j.src_spec)] for j in meta.store_jobs.values()),
+                "events": [list(ev) for ev in order_free(events)],
+            }
+        )
+        lookups.clear()
+        events.clear()
+    else:
+        raise AssertionError(f"seed {seed}: requests still running after 600 steps")
+    e.flush_async()
+    # JSON's view of the record (tuples as lists), as the corpus holds it.
+    return json.loads(json.dumps(steps, default=repr))
+
+
+def corpus_path(seed: int, specs: str) -> Path:
+    return CORPUS / f"seed{seed}-{specs}.json.gz"
+
+
+def read_corpus(seed: int, specs: str) -> dict:
+    return json.loads(gzip.decompress(corpus_path(seed, specs).read_bytes()))
+
+
+@pytest.mark.parametrize("seed,specs,extra,opts,delay", CASES, ids=[f"seed{c[0]}-{c[1]}" for c in CASES])
+def test_vllm_answers_hybrid_configs_as_recorded(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> None:
+    got = record(seed, specs, extra, opts, delay)
+    path = corpus_path(seed, specs)
+    if os.environ.get("KVOFFLOAD_RECORD_HYBRID") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tpc = extra.get("block_size", TPB)
+        shapes = [
+            {"tokens_per_chunk": tpc, "sliding_window": getattr(s, "sliding_window", None)}
+            for s in SPECS[specs]()
+        ]
+        text = json.dumps({"seed": seed, "groups": specs, "shapes": shapes, "extra": extra,
+                           "opts": opts, "delay": delay, "steps": got}, separators=(",", ":")) + "\n"
+        # mtime 0: the same record gives the same bytes.
+        path.write_bytes(gzip.compress(text.encode(), mtime=0))
+    want = read_corpus(seed, specs)
+    assert (want["extra"], want["opts"], want["delay"]) == (extra, opts, delay), "the case changed: record again"
+    for n, (w, g) in enumerate(zip(want["steps"], got)):
+        assert g == w, f"step {n}: vLLM now {g} != recorded {w}"
+    assert len(got) == len(want["steps"]), f"{len(got)} steps != {len(want['steps'])} recorded"
+
+
+def window_chunks(tokens: int, tokens_per_chunk: int) -> int:
+    """vLLM's ``get_sliding_window_size_in_chunks`` (no extra retained tokens)."""
+    return -(-(tokens - 1) // tokens_per_chunk) if tokens > 1 else 1
+
+
+@pytest.mark.parametrize("seed,specs,extra,opts,delay", CASES, ids=[f"seed{c[0]}-{c[1]}" for c in CASES])
+def test_recorded_hybrid_runs_follow_the_documented_rules(
+    seed: int, specs: str, extra: dict, opts: dict, delay: int
+) -> None:
+    """docs/hybrid-groups.md's rules, checked on the corpus (vLLM's answers)."""
+    steps = read_corpus(seed, specs)["steps"]
+    groups = SPECS[specs]()
+    tpc = extra.get("block_size", TPB)
+    bpc = tpc // TPB
+    align = tpc
+    hits = [lk for st in steps for lk in st.get("lookups", ()) if lk[3]]
+    loads = [ld for st in steps for ld in st.get("loads", ())]
+    stores = [sd for st in steps for sd in st.get("stores", ())]
+    # The run exercises what the plan needs (the fixed cases).
+    assert hits and loads, "no hit or load in the workload"
+    for g in range(len(groups)):
+        assert any(len(sd[1][g]) > 1 for sd in stores), f"group {g} never stored"
+    for rid, computed, num_tokens, hit, *_ in hits:
+        # A sliding-window group makes the hit leave the last token to compute.
+        assert computed + hit <= num_tokens - 1, (rid, computed, num_tokens, hit)
+        # On a chunk boundary, or at that last token (not aligned).
+        end = computed + hit
+        assert end % align == 0 or end == num_tokens - 1, (rid, computed, num_tokens, hit)
+        assert hit >= tpc, "a hit is at least one chunk"
+    for st in steps:
+        # A load answers the step's last lookup of its request.
+        hit_of = {lk[0]: (lk[1], lk[3]) for lk in st.get("lookups", ()) if lk[3]}
+        for rid, per_group in st.get("loads", ()):
+            computed, hit = hit_of[rid]
+            end = -(-(computed + hit) // TPB)
+            for g, (first, *blocks) in enumerate(per_group):
+                spec = groups[g]
+                # Every group's load ends at the hit's end.
+                assert first + len(blocks) == end, (rid, g, computed, hit, per_group)
+                if isinstance(spec, SlidingWindowSpec):
+                    # A sliding-window group loads its window only (one chunk
+                    # more where the window's start is not chunk-aligned).
+                    limit = (window_chunks(spec.sliding_window, tpc) + 1) * bpc
+                    assert len(blocks) <= limit, (rid, g, per_group)
+                else:
+                    # A full-attention group loads everything past the GPU hit.
+                    assert first == computed // TPB, (rid, g, computed, per_group)
+
+
+def test_kvoffload_refuses_a_hybrid_kv_cache_config_by_name() -> None:
+    """Until the plan is built: a hybrid config is refused at once, naming
+    why, not offloaded wrongly (vLLM runs such a model with one group when
+    the connector does not declare SupportsHMA)."""
+    with pytest.raises(ValueError, match=r"one full-attention KV cache group \(this model has 2 groups\)"):
+        build(
+            connector="KvOffloadConnector", module="kvoffload.vllm",
+            extra={"cpu_bytes_to_use": 1 << 20}, fake_worker=vllm_worker(0), tpb=TPB,
+            groups=[full(), window(8)],
+        )
+
+
+def test_corpus_has_windowed_loads() -> None:
+    """Somewhere a sliding-window group loads its window and not the blocks
+    past the GPU's hit before it (what a full-attention group would load)."""
+    windowed = 0
+    for seed, specs, *_ in CASES:
+        groups = SPECS[specs]()
+        sw = [g for g, s in enumerate(groups) if isinstance(s, SlidingWindowSpec)]
+        for st in read_corpus(seed, specs)["steps"]:
+            computed = {lk[0]: lk[1] // TPB for lk in st.get("lookups", ()) if lk[3]}
+            windowed += sum(
+                1 for rid, per_group in st.get("loads", ()) for g in sw if per_group[g][0] > computed[rid]
+            )
+    assert windowed >= 10, windowed
+
+
+def test_corpus_holds_every_case_and_nothing_else() -> None:
+    want = {corpus_path(c[0], c[1]).name for c in CASES}
+    have = {p.name for p in CORPUS.glob("*")}
+    assert have == want, f"corpus files {sorted(have ^ want)} do not match the cases"
+
