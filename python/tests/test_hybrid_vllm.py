@@ -74,6 +74,9 @@ CASES = [
     (5, "full+swa8", {}, {"world_size": 2}, 1),
     (6, "swa8+swa16", {"offload_prompt_only": False}, {}, 1),
     (7, "full+swa8+swa13", {}, {"max_num_batched_tokens": 16}, 0),
+    # Sync loads: hits within 8 KiB a step (256 bytes a token on a worker,
+    # over both groups: 32 tokens) load in the step.
+    (8, "full+swa8", {"sync_load_budget_bytes": 8192}, {}, 1),
 ]
 
 
@@ -176,6 +179,27 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> list[d
         return got
 
     e.connector.get_num_new_matched_tokens = lookup
+    allocs: list[list] = []
+    alloc = e.connector.update_state_after_alloc
+
+    def update_state_after_alloc(request: Any, blocks: Any, n: int) -> Any:
+        if n:
+            # What a load is planned from: the GPU's hit, the tokens to
+            # load, whether the load is synchronous, and per group each of
+            # the request's blocks: "0" null (behind a window), "h" holding
+            # a hashed (cached) block, "n" a new one.
+            rid = request.request_id
+            allocs.append([
+                rid,
+                sched._req_status[rid].num_locally_computed_tokens,
+                n,
+                rid in sched._current_batch_sync_loads,
+                ["".join("0" if b.is_null else "h" if b.block_hash is not None else "n" for b in group)
+                 for group in blocks.blocks],
+            ])
+        return alloc(request, blocks, n)
+
+    e.connector.update_state_after_alloc = update_state_after_alloc
     events: list[tuple] = []
     take = e.connector.take_events
 
@@ -206,12 +230,14 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> list[d
                 "scheduled": dict(sorted(so.num_scheduled_tokens.items())),
                 "preempted": sorted(so.preempted_req_ids or ()),
                 "lookups": lookups[:],
+                "allocs": allocs[:],
                 "loads": sorted([j.req_id, spec_blocks(j.dst_spec)] for j in meta.load_jobs.values()),
                 "stores": sorted([j.req_id, spec_blocks(j.src_spec)] for j in meta.store_jobs.values()),
                 "events": [list(ev) for ev in order_free(events)],
             }
         )
         lookups.clear()
+        allocs.clear()
         events.clear()
     else:
         raise AssertionError(f"seed {seed}: requests still running after 600 steps")
@@ -239,7 +265,8 @@ def test_vllm_answers_hybrid_configs_as_recorded(seed: int, specs: str, extra: d
             {"tokens_per_chunk": tpc, "sliding_window": getattr(s, "sliding_window", None)}
             for s in SPECS[specs]()
         ]
-        text = json.dumps({"seed": seed, "groups": specs, "shapes": shapes, "extra": extra,
+        text = json.dumps({"seed": seed, "groups": specs, "shapes": shapes, "blocks_per_chunk": tpc // TPB,
+                           "extra": extra,
                            "opts": opts, "delay": delay, "steps": got}, separators=(",", ":")) + "\n"
         # mtime 0: the same record gives the same bytes.
         path.write_bytes(gzip.compress(text.encode(), mtime=0))

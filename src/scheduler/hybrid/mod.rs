@@ -2,15 +2,18 @@
 //! sliding-window groups side by side), built step by step after
 //! `docs/hybrid-groups.md`'s plan.
 //!
-//! What exists: the groups' shapes ([`GroupShape`]) and the lookup of a
+//! What exists: the groups' shapes ([`GroupShape`]), the lookup of a
 //! request's hit over every group ([`lookup_complete_chunks`], vLLM 0.33.0's
-//! `_lookup_complete_chunks`), checked against vLLM's own answers recorded in
-//! `python/tests/corpus/hybrid`. The [`Scheduler`](super::Scheduler) does not
+//! `_lookup_complete_chunks`) and the blocks a load fills in each group
+//! ([`plan_load`], its `update_state_after_alloc`), checked against vLLM's
+//! own answers recorded in `python/tests/corpus/hybrid`. The [`Scheduler`](super::Scheduler) does not
 //! use them yet: it offloads one full-attention group, and the vLLM connector
 //! refuses a hybrid configuration.
 
+mod load;
 mod lookup;
 mod shape;
 
+pub use load::{GpuBlock, GroupLoad, LoadPlanError, plan_load};
 pub use lookup::{GroupKeys, HybridLookup, KeyState, lookup_complete_chunks};
 pub use shape::{GroupShape, GroupShapeError};

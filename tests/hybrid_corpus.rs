@@ -1,0 +1,209 @@
+//! The hybrid lookup and load plan ([`kvoffload::scheduler::hybrid`])
+//! against vLLM 0.33.0's own answers: `python/tests/corpus/hybrid` holds
+//! runs of vLLM's `OffloadingConnector` on hybrid KV cache configurations
+//! (recorded by `python/tests/test_hybrid_vllm.py`), with, for every
+//! lookup, what each of the request's chunk keys answered in each group, and
+//! for every load, the request's blocks it was planned from. Every such
+//! lookup is asked again here and must get vLLM's answer (the tokens to
+//! load, or a wait), and every load must fill the blocks vLLM's did.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use kvoffload::scheduler::hybrid::{
+    GpuBlock, GroupKeys, GroupShape, HybridLookup, KeyState, lookup_complete_chunks, plan_load,
+};
+use serde_json::Value;
+
+fn corpus_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("python/tests/corpus/hybrid")
+}
+
+fn read_case(path: &Path) -> Value {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(&bytes[..])
+        .read_to_string(&mut text)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The corpus' key states: per group one letter a key (`H`, `P`, `R`, `M`),
+/// lower case while the chunk is being loaded.
+struct Recorded(Vec<Vec<u8>>);
+
+impl GroupKeys for Recorded {
+    fn num_keys(&self, group: usize) -> usize {
+        self.0[group].len()
+    }
+    fn state(&mut self, group: usize, chunk: usize) -> KeyState {
+        match self.0[group][chunk].to_ascii_uppercase() {
+            b'H' => KeyState::Hit,
+            b'P' => KeyState::HitPending,
+            b'R' => KeyState::Retry,
+            b'M' => KeyState::Miss,
+            other => panic!("unknown key state {:?}", other as char),
+        }
+    }
+    fn being_loaded(&self, group: usize, chunk: usize) -> bool {
+        self.0[group][chunk].is_ascii_lowercase()
+    }
+}
+
+fn shapes(case: &Value) -> Vec<GroupShape> {
+    case["shapes"]
+        .as_array()
+        .expect("shapes")
+        .iter()
+        .map(|s| {
+            let tpc = s["tokens_per_chunk"].as_u64().expect("tokens_per_chunk");
+            match s["sliding_window"].as_u64() {
+                Some(w) => GroupShape::sliding_window(tpc, w).expect("a window"),
+                None => GroupShape::full_attention(tpc).expect("a chunk"),
+            }
+        })
+        .collect()
+}
+
+fn corpus_files() -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(corpus_dir())
+        .expect("python/tests/corpus/hybrid")
+        .map(|e| e.expect("a corpus entry").path())
+        .collect();
+    files.sort();
+    assert!(files.len() >= 8, "corpus files: {files:?}");
+    files
+}
+
+fn name(path: &Path) -> String {
+    path.file_name()
+        .unwrap_or_default()
+        .to_string_lossy()
+        .into_owned()
+}
+
+#[test]
+fn every_recorded_lookup_gets_vllms_answer() {
+    let files = corpus_files();
+    let (mut asked, mut hits, mut waits, mut unaligned) = (0, 0, 0, 0);
+    for path in &files {
+        let case = read_case(path);
+        let groups = shapes(&case);
+        for (n, step) in case["steps"].as_array().expect("steps").iter().enumerate() {
+            let Some(lookups) = step.get("lookups").and_then(Value::as_array) else {
+                continue;
+            };
+            for lk in lookups {
+                let lk = lk.as_array().expect("a lookup");
+                // Lookups deferred by the request's own jobs in flight
+                // never reach the key lookup: no states recorded.
+                let Some(states) = lk.get(5) else { continue };
+                let mut keys = Recorded(
+                    states
+                        .as_array()
+                        .expect("states")
+                        .iter()
+                        .map(|g| g.as_str().expect("a group's keys").as_bytes().to_vec())
+                        .collect(),
+                );
+                let req = HybridLookup {
+                    computed: lk[1].as_u64().expect("computed"),
+                    num_tokens: lk[2].as_u64().expect("num_tokens"),
+                    max_load_tokens: None,
+                    max_new_tokens: None,
+                };
+                let want = lk[3].as_u64();
+                let got = lookup_complete_chunks(&groups, &mut keys, req);
+                assert_eq!(got, want, "{} step {n}: {lk:?}", name(path));
+                asked += 1;
+                match want {
+                    Some(h) if h > 0 => {
+                        hits += 1;
+                        let end = req.computed + h;
+                        unaligned += usize::from(!end.is_multiple_of(groups[0].tokens_per_chunk()));
+                    }
+                    None => waits += 1,
+                    Some(_) => {}
+                }
+            }
+        }
+    }
+    // The corpus exercises what is compared.
+    assert!(asked >= 1000, "{asked} lookups");
+    assert!(hits >= 100 && waits >= 100, "{hits} hits, {waits} waits");
+    assert!(unaligned >= 1, "no hit ending on the last token");
+}
+
+#[test]
+fn every_recorded_load_fills_vllms_blocks() {
+    let (mut planned, mut windowed, mut sync) = (0, 0, 0);
+    for path in corpus_files() {
+        let case = read_case(&path);
+        let groups = shapes(&case);
+        let bpc = case["blocks_per_chunk"].as_u64().expect("blocks_per_chunk") as usize;
+        for (n, step) in case["steps"].as_array().expect("steps").iter().enumerate() {
+            let Some(allocs) = step.get("allocs").and_then(Value::as_array) else {
+                continue;
+            };
+            let loads = step["loads"].as_array().expect("loads");
+            for a in allocs {
+                let a = a.as_array().expect("an alloc");
+                let rid = a[0].as_str().expect("a request");
+                let blocks: Vec<Vec<GpuBlock>> = a[4]
+                    .as_array()
+                    .expect("blocks")
+                    .iter()
+                    .map(|g| {
+                        g.as_str()
+                            .expect("a group's blocks")
+                            .bytes()
+                            .map(|b| match b {
+                                b'0' => GpuBlock::Null,
+                                b'h' => GpuBlock::Cached,
+                                b'n' => GpuBlock::Fresh,
+                                other => panic!("unknown block state {:?}", other as char),
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let views: Vec<&[GpuBlock]> = blocks.iter().map(Vec::as_slice).collect();
+                let is_sync = a[3].as_bool().expect("sync");
+                let got = plan_load(
+                    &groups,
+                    bpc,
+                    a[1].as_u64().expect("computed"),
+                    a[2].as_u64().expect("external"),
+                    is_sync,
+                    &views,
+                )
+                .unwrap_or_else(|e| panic!("{} step {n}: {a:?}: {e}", name(&path)));
+                // vLLM's load of the request in that step: per group, the
+                // first block's index, then the blocks.
+                let want = loads
+                    .iter()
+                    .find(|l| l[0].as_str() == Some(rid))
+                    .unwrap_or_else(|| panic!("{} step {n}: no load for {rid}", name(&path)));
+                let want = want[1].as_array().expect("per group");
+                for (g, (plan, w)) in got.iter().zip(want).enumerate() {
+                    let w = w.as_array().expect("a group's load");
+                    let first = w[0].as_u64().expect("first block") as usize;
+                    assert_eq!(
+                        (plan.first_block, plan.num_blocks),
+                        (first, w.len() - 1),
+                        "{} step {n}: {rid} group {g}: {a:?} -> {w:?}",
+                        name(&path)
+                    );
+                    if groups[g].window_chunks().is_some() && plan.first_block > 0 {
+                        windowed += 1;
+                    }
+                }
+                planned += 1;
+                sync += usize::from(is_sync);
+            }
+        }
+    }
+    assert!(
+        planned >= 200 && windowed >= 50 && sync >= 20,
+        "{planned} loads, {windowed} windowed, {sync} sync"
+    );
+}
