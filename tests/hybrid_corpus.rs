@@ -2,16 +2,19 @@
 //! against vLLM 0.33.0's own answers: `python/tests/corpus/hybrid` holds
 //! runs of vLLM's `OffloadingConnector` on hybrid KV cache configurations
 //! (recorded by `python/tests/test_hybrid_vllm.py`), with, for every
-//! lookup, what each of the request's chunk keys answered in each group, and
-//! for every load, the request's blocks it was planned from. Every such
-//! lookup is asked again here and must get vLLM's answer (the tokens to
-//! load, or a wait), and every load must fill the blocks vLLM's did.
+//! lookup, what each of the request's chunk keys answered in each group, for
+//! every load, the request's blocks it was planned from, and for every
+//! store, the request's state it was planned from. Every such lookup is
+//! asked again here and must get vLLM's answer (the tokens to load, or a
+//! wait), every load must fill the blocks vLLM's did, and every store must
+//! offer the chunks vLLM's offered.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use kvoffload::scheduler::hybrid::{
-    GpuBlock, GroupKeys, GroupShape, HybridLookup, KeyState, lookup_complete_chunks, plan_load,
+    GpuBlock, GroupKeys, GroupShape, HybridLookup, KeyState, Retention, StorePolicy, StoreRequest,
+    StoreView, alignment_tokens, lookup_complete_chunks, plan_load, store_candidates,
 };
 use serde_json::Value;
 
@@ -205,5 +208,91 @@ fn every_recorded_load_fills_vllms_blocks() {
     assert!(
         planned >= 200 && windowed >= 50 && sync >= 20,
         "{planned} loads, {windowed} windowed, {sync} sync"
+    );
+}
+
+#[test]
+fn every_recorded_store_offers_vllms_chunks() {
+    let (mut planned, mut offered, mut masked) = (0, 0, 0);
+    for path in corpus_files() {
+        let case = read_case(&path);
+        let groups = shapes(&case);
+        let policy = StorePolicy {
+            blocks_per_chunk: case["blocks_per_chunk"].as_u64().expect("blocks_per_chunk") as usize,
+            alignment_tokens: case["alignment_tokens"].as_u64(),
+            retention: Retention::from_vllm(case["retention_interval"].as_u64()),
+        };
+        // What vLLM derived, derived here.
+        assert_eq!(
+            policy.alignment_tokens,
+            alignment_tokens(&groups),
+            "{}",
+            name(&path)
+        );
+        for (n, step) in case["steps"].as_array().expect("steps").iter().enumerate() {
+            let Some(inputs) = step.get("store_inputs").and_then(Value::as_array) else {
+                continue;
+            };
+            let offers = step["store_candidates"]
+                .as_array()
+                .expect("store_candidates");
+            for input in inputs {
+                let input = input.as_array().expect("a store input");
+                let rid = input[0].as_str().expect("a request");
+                let req = StoreRequest {
+                    finished: input[1].as_bool().expect("finished"),
+                    num_prompt_tokens: input[2].as_u64().expect("num_prompt_tokens"),
+                    shared_prefix_boundary: input[3].as_u64().expect("shared_prefix_boundary"),
+                };
+                let got: Vec<Vec<usize>> = groups
+                    .iter()
+                    .zip(input[4].as_array().expect("per group"))
+                    .map(|(shape, g)| {
+                        let held: Vec<bool> = g[3]
+                            .as_str()
+                            .expect("blocks")
+                            .bytes()
+                            .map(|b| b != b'0')
+                            .collect();
+                        let view = StoreView {
+                            next_stored_chunk: g[0].as_u64().expect("next") as usize,
+                            storable_chunks: g[1].as_u64().expect("storable") as usize,
+                            prompt_chunks: g[2].as_u64().expect("prompt chunks") as usize,
+                            held: &held,
+                        };
+                        let all = view.storable_chunks.saturating_sub(view.next_stored_chunk);
+                        let chunks = store_candidates(shape, &policy, &req, &view);
+                        if shape.window_tokens().is_some() && chunks.len() < all {
+                            masked += 1;
+                        }
+                        chunks
+                    })
+                    .collect();
+                // vLLM asks the tier only when some group offers a chunk.
+                let want: Vec<Vec<usize>> = match offers.iter().find(|o| o[0].as_str() == Some(rid))
+                {
+                    Some(o) => o[1]
+                        .as_array()
+                        .expect("per group")
+                        .iter()
+                        .map(|g| {
+                            g.as_array()
+                                .expect("chunks")
+                                .iter()
+                                .map(|c| c.as_u64().expect("a chunk") as usize)
+                                .collect()
+                        })
+                        .collect(),
+                    None => vec![Vec::new(); groups.len()],
+                };
+                assert_eq!(got, want, "{} step {n}: {input:?}", name(&path));
+                planned += 1;
+                offered += usize::from(want.iter().any(|g| !g.is_empty()));
+            }
+        }
+    }
+    assert!(
+        planned >= 2000 && offered >= 500 && masked >= 200,
+        "{planned} stores planned, {offered} offered, {masked} masked"
     );
 }

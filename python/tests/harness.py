@@ -294,6 +294,7 @@ def build(
     spec: Any = None,
     policy: str = "fcfs",
     groups: list[Any] | None = None,
+    retention: int | None = 0,
 ) -> Engine:
     """An engine with the connector `connector` (loaded from `module`);
     `spec`: the KV cache group's spec (full attention of `tpb` tokens a
@@ -302,7 +303,9 @@ def build(
     manager: `num_layers` layers each, ``g{group}.layer{i}``, their tensors
     overlaid as vLLM overlays them; the specs must have one page size).
     A hybrid engine is scheduler-only (`fake_worker`): the fake model
-    writes one group's KV."""
+    writes one group's KV. `retention`: vLLM's
+    ``prefix_cache_retention_interval`` (which sliding-window blocks are kept
+    and stored; 0, its default, keeps only the replay boundary's)."""
     model_config = ModelConfig(model=MODEL, dtype="float32", seed=42)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -313,7 +316,9 @@ def build(
         async_scheduling=async_scheduling,
         policy=policy,
     )
-    cache_config = CacheConfig(block_size=tpb, enable_prefix_caching=True)
+    cache_config = CacheConfig(
+        block_size=tpb, enable_prefix_caching=True, prefix_cache_retention_interval=retention
+    )
     extra = {"num_cpu_chunks": 64, "offload_prompt_only": False} if extra is None else extra
     kv_transfer = KVTransferConfig(
         kv_connector=connector,

@@ -34,6 +34,7 @@ import torch
 from harness import HEAD_SIZE, HEADS, build
 from test_differential import event_fields, order_free, vllm_worker
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.request import RequestStatus
 
 TPB = 4
 #: GPU blocks per KV group: a small cache, so turns leave it and come back
@@ -77,6 +78,16 @@ CASES = [
     # Sync loads: hits within 8 KiB a step (256 bytes a token on a worker,
     # over both groups: 32 tokens) load in the step.
     (8, "full+swa8", {"sync_load_budget_bytes": 8192}, {}, 1),
+    # Chunks of four blocks: a window of two blocks reaches only the last
+    # two blocks of a chunk (vLLM's reachable-block mask).
+    (9, "full+swa8", {"block_size": 4 * TPB, "offload_prompt_only": False}, {}, 1),
+    # Sliding-window stores with dense retention (vLLM's
+    # prefix_cache_retention_interval=None: a tail at every chunk boundary,
+    # and a finished request's final tail reconsidered) and with a tail
+    # every 16 tokens (the default, 0, keeps only the replay boundary's and
+    # the shared prefix's tails).
+    (10, "full+swa8", {"block_size": 4 * TPB, "offload_prompt_only": False}, {"retention": None}, 1),
+    (11, "full+swa8+swa13", {"offload_prompt_only": False}, {"retention": 16}, 0),
 ]
 
 
@@ -145,10 +156,16 @@ def key_state(sched: Any, key: Any, req_context: Any) -> str:
     return letter.lower() if key in (sched._chunks_being_loaded or ()) else letter
 
 
-def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> list[dict]:
-    """vLLM's connector on the seed's workload (test_differential's), step by
-    step."""
-    common = {"num_gpu_blocks": GPU_BLOCKS * len(SPECS[specs]()), "max_num_seqs": 6, "max_num_batched_tokens": 64, **opts}
+def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[list[dict], dict]:
+    """vLLM's connector on the seed's workload, step by step, and what vLLM
+    derived from the configuration (the hit alignment, the retention
+    interval of sliding-window stores)."""
+    common = {
+        "num_gpu_blocks": GPU_BLOCKS * len(SPECS[specs]()),
+        "max_num_seqs": 6,
+        "max_num_batched_tokens": 64,
+        **opts,
+    }
     groups = SPECS[specs]()
     # HOST_CHUNKS host chunks of one group's layers (2 layers, K and V).
     chunk_bytes = groups[0].page_size_bytes * 2 * extra.get("block_size", TPB) // TPB
@@ -200,6 +217,60 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> list[d
         return alloc(request, blocks, n)
 
     e.connector.update_state_after_alloc = update_state_after_alloc
+    # Store planning: per request, what vLLM's _build_store_jobs starts from
+    # (finished or not, the prompt's tokens, the shared-prefix junction the
+    # GPU prefix cache found, and per group the next chunk to store, the
+    # storable chunks, the prompt's chunks, and each block of the request:
+    # "0" null, "b" held), and the chunks it offers the manager
+    # (prepare_store's keys, per group).
+    store_inputs: list[list] = []
+    candidates: list[list] = []
+    build_stores = sched._build_store_jobs
+
+    def build_store_jobs(so: Any) -> Any:
+        for rid in [*so.num_scheduled_tokens, *(so.finished_req_ids or ())]:
+            st = sched._req_status.get(rid)
+            if st is None:
+                continue
+            req = st.req
+            if req.status is RequestStatus.FINISHED_ABORTED:
+                after = req.num_computed_tokens
+            elif req.is_finished():
+                after = max(req.num_prompt_tokens, req.num_tokens - 1)
+            else:
+                after = req.num_computed_tokens + so.num_scheduled_tokens[rid]
+            offloadable = sched._calc_num_offloadable_tokens(st, after)
+            prompt = sched._calc_num_offloadable_tokens(st, req.num_prompt_tokens)
+            store_inputs.append([
+                rid,
+                req.is_finished(),
+                req.num_prompt_tokens,
+                req.shared_prefix_boundary,
+                [
+                    [
+                        gs.next_stored_chunk_idx,
+                        st.storable_chunks(gc, gs, offloadable),
+                        prompt // gc.tokens_per_chunk,
+                        "".join("0" if b == 0 else "b" for b in gs.block_ids),
+                    ]
+                    for gc, gs in zip(sched.config.kv_group_configs, st.group_states)
+                ],
+            ])
+        return build_stores(so)
+
+    sched._build_store_jobs = build_store_jobs
+    prepare_store = sched.manager.prepare_store
+
+    def offered(keys: Any, req_context: Any) -> Any:
+        keys = list(keys)
+        st = sched._req_status[req_context.req_id]
+        candidates.append([
+            req_context.req_id,
+            [[i for i, k in enumerate(gs.offload_keys) if k in keys] for gs in st.group_states],
+        ])
+        return prepare_store(keys, req_context)
+
+    sched.manager.prepare_store = offered
     events: list[tuple] = []
     take = e.connector.take_events
 
@@ -231,6 +302,8 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> list[d
                 "preempted": sorted(so.preempted_req_ids or ()),
                 "lookups": lookups[:],
                 "allocs": allocs[:],
+                "store_inputs": store_inputs[:],
+                "store_candidates": candidates[:],
                 "loads": sorted([j.req_id, spec_blocks(j.dst_spec)] for j in meta.load_jobs.values()),
                 "stores": sorted([j.req_id, spec_blocks(j.src_spec)] for j in meta.store_jobs.values()),
                 "events": [list(ev) for ev in order_free(events)],
@@ -238,12 +311,18 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> list[d
         )
         lookups.clear()
         allocs.clear()
+        store_inputs.clear()
+        candidates.clear()
         events.clear()
     else:
         raise AssertionError(f"seed {seed}: requests still running after 600 steps")
     e.flush_async()
     # JSON's view of the record (tuples as lists), as the corpus holds it.
-    return json.loads(json.dumps(steps, default=repr))
+    derived = {
+        "alignment_tokens": sched.config.alignment_tokens,
+        "retention_interval": sched.config.retention_interval,
+    }
+    return json.loads(json.dumps(steps, default=repr)), derived
 
 
 def corpus_path(seed: int, specs: str) -> Path:
@@ -256,7 +335,7 @@ def read_corpus(seed: int, specs: str) -> dict:
 
 @pytest.mark.parametrize("seed,specs,extra,opts,delay", CASES, ids=[f"seed{c[0]}-{c[1]}" for c in CASES])
 def test_vllm_answers_hybrid_configs_as_recorded(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> None:
-    got = record(seed, specs, extra, opts, delay)
+    got, derived = record(seed, specs, extra, opts, delay)
     path = corpus_path(seed, specs)
     if os.environ.get("KVOFFLOAD_RECORD_HYBRID") == "1":
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -266,12 +345,13 @@ def test_vllm_answers_hybrid_configs_as_recorded(seed: int, specs: str, extra: d
             for s in SPECS[specs]()
         ]
         text = json.dumps({"seed": seed, "groups": specs, "shapes": shapes, "blocks_per_chunk": tpc // TPB,
-                           "extra": extra,
-                           "opts": opts, "delay": delay, "steps": got}, separators=(",", ":")) + "\n"
+                           **derived, "extra": extra, "opts": opts, "delay": delay, "steps": got},
+                          separators=(",", ":")) + "\n"
         # mtime 0: the same record gives the same bytes.
         path.write_bytes(gzip.compress(text.encode(), mtime=0))
     want = read_corpus(seed, specs)
     assert (want["extra"], want["opts"], want["delay"]) == (extra, opts, delay), "the case changed: record again"
+    assert {k: want[k] for k in derived} == derived, "vLLM derives another configuration"
     for n, (w, g) in enumerate(zip(want["steps"], got)):
         assert g == w, f"step {n}: vLLM now {g} != recorded {w}"
     assert len(got) == len(want["steps"]), f"{len(got)} steps != {len(want['steps'])} recorded"

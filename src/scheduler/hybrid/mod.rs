@@ -4,16 +4,22 @@
 //!
 //! What exists: the groups' shapes ([`GroupShape`]), the lookup of a
 //! request's hit over every group ([`lookup_complete_chunks`], vLLM 0.33.0's
-//! `_lookup_complete_chunks`) and the blocks a load fills in each group
-//! ([`plan_load`], its `update_state_after_alloc`), checked against vLLM's
-//! own answers recorded in `python/tests/corpus/hybrid`. The [`Scheduler`](super::Scheduler) does not
+//! `_lookup_complete_chunks`), the blocks a load fills in each group
+//! ([`plan_load`], its `update_state_after_alloc`) and the chunks a store
+//! offers in each group ([`store_candidates`], its `_build_store_jobs` with
+//! the sliding-window reachable-block mask), checked against vLLM's own
+//! answers recorded in `python/tests/corpus/hybrid`. The [`Scheduler`](super::Scheduler) does not
 //! use them yet: it offloads one full-attention group, and the vLLM connector
 //! refuses a hybrid configuration.
 
 mod load;
 mod lookup;
 mod shape;
+mod store;
 
 pub use load::{GpuBlock, GroupLoad, LoadPlanError, plan_load};
 pub use lookup::{GroupKeys, HybridLookup, KeyState, lookup_complete_chunks};
 pub use shape::{GroupShape, GroupShapeError};
+pub use store::{
+    Retention, StorePolicy, StoreRequest, StoreView, alignment_tokens, store_candidates,
+};
