@@ -13,7 +13,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use kvoffload::scheduler::hybrid::{
-    GpuBlock, GroupKeys, GroupShape, HybridLookup, KeyState, Retention, StorePolicy, StoreRequest,
+    GpuBlock, GroupShape, HybridLookup, RecordedKeys, Retention, StorePolicy, StoreRequest,
     StoreView, alignment_tokens, lookup_complete_chunks, plan_load, store_candidates,
 };
 use serde_json::Value;
@@ -29,28 +29,6 @@ fn read_case(path: &Path) -> Value {
         .read_to_string(&mut text)
         .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-/// The corpus' key states: per group one letter a key (`H`, `P`, `R`, `M`),
-/// lower case while the chunk is being loaded.
-struct Recorded(Vec<Vec<u8>>);
-
-impl GroupKeys for Recorded {
-    fn num_keys(&self, group: usize) -> usize {
-        self.0[group].len()
-    }
-    fn state(&mut self, group: usize, chunk: usize) -> KeyState {
-        match self.0[group][chunk].to_ascii_uppercase() {
-            b'H' => KeyState::Hit,
-            b'P' => KeyState::HitPending,
-            b'R' => KeyState::Retry,
-            b'M' => KeyState::Miss,
-            other => panic!("unknown key state {:?}", other as char),
-        }
-    }
-    fn being_loaded(&self, group: usize, chunk: usize) -> bool {
-        self.0[group][chunk].is_ascii_lowercase()
-    }
 }
 
 fn shapes(case: &Value) -> Vec<GroupShape> {
@@ -101,14 +79,14 @@ fn every_recorded_lookup_gets_vllms_answer() {
                 // Lookups deferred by the request's own jobs in flight
                 // never reach the key lookup: no states recorded.
                 let Some(states) = lk.get(5) else { continue };
-                let mut keys = Recorded(
-                    states
-                        .as_array()
-                        .expect("states")
-                        .iter()
-                        .map(|g| g.as_str().expect("a group's keys").as_bytes().to_vec())
-                        .collect(),
-                );
+                let letters: Vec<&str> = states
+                    .as_array()
+                    .expect("states")
+                    .iter()
+                    .map(|g| g.as_str().expect("a group's keys"))
+                    .collect();
+                let mut keys = RecordedKeys::parse(&letters)
+                    .unwrap_or_else(|e| panic!("{} step {n}: {e}", name(path)));
                 let req = HybridLookup {
                     computed: lk[1].as_u64().expect("computed"),
                     num_tokens: lk[2].as_u64().expect("num_tokens"),

@@ -124,6 +124,21 @@ def event_fields(ev: Any) -> tuple:
     return (type(ev).__name__, tuple(fields))
 
 
+def capture_events(connector: Any) -> list[tuple]:
+    """Makes `connector` record the KV events vLLM takes from it (as
+    `event_fields`) into the returned list, which the caller clears."""
+    events: list[tuple] = []
+    take = connector.take_events
+
+    def take_events() -> list:
+        got = list(take())
+        events.extend(event_fields(ev) for ev in got)
+        return got
+
+    connector.take_events = take_events
+    return events
+
+
 def order_free(events: list[tuple]) -> list[tuple]:
     """The events with each run of one kind sorted: vLLM iterates a job's
     keys in set order ("key order is free", its events tracker says), so only
@@ -215,15 +230,7 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
         return got
 
     e.connector.update_state_after_alloc = update_state_after_alloc
-    events: list[tuple] = []
-    take = e.connector.take_events
-
-    def take_events() -> list:
-        got = list(take())
-        events.extend(event_fields(ev) for ev in got)
-        return got
-
-    e.connector.take_events = take_events
+    events = capture_events(e.connector)
     stats: list[Any] = []
     get_stats = e.connector.get_kv_connector_stats
 

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from harness import HEAD_SIZE, HEADS, build
-from test_differential import event_fields, order_free, vllm_worker
+from test_differential import capture_events, order_free, vllm_worker
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
@@ -271,15 +271,7 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
         return prepare_store(keys, req_context)
 
     sched.manager.prepare_store = offered
-    events: list[tuple] = []
-    take = e.connector.take_events
-
-    def take_events() -> list:
-        got = list(take())
-        events.extend(event_fields(ev) for ev in got)
-        return got
-
-    e.connector.take_events = take_events
+    events = capture_events(e.connector)
     arrivals = workload(seed, REQUESTS)
     steps: list[dict] = []
     i = 0

@@ -222,30 +222,10 @@ fn suffix(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduler::hybrid::RecordedKeys;
 
-    /// Keys as letters per group: `H` hit, `P` pending, `R` retry, `M` miss;
-    /// lower case while being loaded.
-    struct Letters(Vec<Vec<u8>>);
-
-    impl GroupKeys for Letters {
-        fn num_keys(&self, group: usize) -> usize {
-            self.0[group].len()
-        }
-        fn state(&mut self, group: usize, chunk: usize) -> KeyState {
-            match self.0[group][chunk].to_ascii_uppercase() {
-                b'H' => KeyState::Hit,
-                b'P' => KeyState::HitPending,
-                b'R' => KeyState::Retry,
-                _ => KeyState::Miss,
-            }
-        }
-        fn being_loaded(&self, group: usize, chunk: usize) -> bool {
-            self.0[group][chunk].is_ascii_lowercase()
-        }
-    }
-
-    fn keys(groups: &[&str]) -> Letters {
-        Letters(groups.iter().map(|g| g.as_bytes().to_vec()).collect())
+    fn keys(groups: &[&str]) -> RecordedKeys {
+        RecordedKeys::parse(groups).unwrap()
     }
 
     fn ask(groups: &[GroupShape], k: &[&str], computed: u64, num_tokens: u64) -> Option<u64> {
@@ -383,7 +363,13 @@ mod tests {
                     None => GroupShape::full_attention(tpc).unwrap(),
                 })
                 .collect();
-            let mut keys = Letters(letters[..groups.len()].to_vec());
+            let mut keys = RecordedKeys::parse(
+                &letters[..groups.len()]
+                    .iter()
+                    .map(|g| String::from_utf8(g.clone()).unwrap())
+                    .collect::<Vec<_>>(),
+            )
+            .unwrap();
             let req = HybridLookup {
                 computed: computed_chunks * tpc,
                 num_tokens,
@@ -407,7 +393,7 @@ mod tests {
                 if w.is_none() {
                     let stop = end.div_ceil(tpc) as usize;
                     for c in (req.computed / tpc) as usize..stop {
-                        proptest::prop_assert_eq!(keys.0[g][c], b'H', "group {} chunk {}", g, c);
+                        proptest::prop_assert_eq!(&letters[g][c..=c], b"H", "group {} chunk {}", g, c);
                     }
                 }
             }

@@ -14,11 +14,13 @@
 
 mod load;
 mod lookup;
+mod recorded_keys;
 mod shape;
 mod store;
 
 pub use load::{GpuBlock, GroupLoad, LoadPlanError, plan_load};
 pub use lookup::{GroupKeys, HybridLookup, KeyState, lookup_complete_chunks};
+pub use recorded_keys::{RecordedKeys, UnknownKeyLetter};
 pub use shape::{GroupShape, GroupShapeError};
 pub use store::{
     Retention, StorePolicy, StoreRequest, StoreView, alignment_tokens, store_candidates,
