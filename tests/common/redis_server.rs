@@ -317,6 +317,16 @@ impl RedisServer {
         panic!("redis-server did not restart on port {}: {last}", self.port);
     }
 
+    /// `redis-cli` against this server, its failure as an error.
+    pub fn try_cli(&self, args: &[&str]) -> Result<String, String> {
+        cli_with(
+            self.port,
+            self.password().as_deref(),
+            self.tls_ca.as_deref(),
+            args,
+        )
+    }
+
     /// `redis-cli` against this server.
     pub fn cli(&self, args: &[&str]) -> String {
         cli_with(
@@ -362,25 +372,52 @@ impl RedisCluster {
     /// --cluster create --cluster-replicas`): `masters × (1 + replicas)`
     /// nodes, the first `masters` of them masters.
     pub fn start_with_replicas(masters: usize, replicas: usize) -> Self {
-        let dir = temp_dir("cluster");
+        Self::start_nodes(temp_dir("cluster"), masters, replicas, None)
+    }
+
+    /// [`Self::start`] speaking TLS only, clients and cluster bus alike
+    /// (`--tls-cluster yes`: the slot map names the TLS ports), with
+    /// certificates made by [`make_certs`]; `None` where openssl cannot.
+    pub fn start_tls(masters: usize) -> Option<(Self, TestCerts)> {
+        let dir = temp_dir("cluster-tls");
+        let certs = make_certs(&dir)?;
+        let c = Self::start_nodes(dir, masters, 0, Some(&certs));
+        Some((c, certs))
+    }
+
+    fn start_nodes(dir: PathBuf, masters: usize, replicas: usize, tls: Option<&TestCerts>) -> Self {
+        let mut extra: Vec<String> = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "1000",
+            "--cluster-require-full-coverage",
+            "no",
+        ]
+        .map(String::from)
+        .to_vec();
+        if let Some(c) = tls {
+            for (flag, path) in [
+                ("--tls-cert-file", &c.cert),
+                ("--tls-key-file", &c.key),
+                ("--tls-ca-cert-file", &c.ca),
+            ] {
+                extra.extend([flag.to_string(), path.display().to_string()]);
+            }
+            extra.extend(["--tls-auth-clients", "no", "--tls-cluster", "yes"].map(String::from));
+        }
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
         let mut nodes = Vec::new();
         for i in 0..masters * (1 + replicas) {
             let d = dir.join(format!("node{i}"));
             std::fs::create_dir_all(&d).expect("node folder");
             nodes.push(RedisServer::start_in(
                 d,
-                &[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "1000",
-                    "--cluster-require-full-coverage",
-                    "no",
-                ],
+                &extra,
                 false,
-                None,
+                tls.map(|c| c.ca.clone()),
             ));
         }
         let addrs: Vec<String> = nodes
@@ -391,7 +428,7 @@ impl RedisCluster {
         args.extend(addrs.iter().map(String::as_str));
         let replicas = replicas.to_string();
         args.extend(["--cluster-replicas", &replicas, "--cluster-yes"]);
-        cli(nodes[0].port, None, &args).expect("redis-cli --cluster create");
+        nodes[0].try_cli(&args).expect("redis-cli --cluster create");
         let c = Self { nodes, dir };
         c.wait_ok();
         c
@@ -404,7 +441,7 @@ impl RedisCluster {
         let want = self.nodes.len();
         loop {
             let ok = self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
-                let info = cli(n.port, None, &["CLUSTER", "INFO"]).unwrap_or_default();
+                let info = n.try_cli(&["CLUSTER", "INFO"]).unwrap_or_default();
                 let known = info
                     .lines()
                     .find_map(|l| l.strip_prefix("cluster_known_nodes:"))
@@ -447,7 +484,7 @@ impl RedisCluster {
         loop {
             let found = self.nodes.iter().position(|n| {
                 n.child.is_some()
-                    && cli(n.port, None, &["CLUSTER", "NODES"])
+                    && n.try_cli(&["CLUSTER", "NODES"])
                         .unwrap_or_default()
                         .lines()
                         .any(|l| {
