@@ -385,6 +385,18 @@ impl RedisStore {
     }
 }
 
+/// Replaces the cluster client's connection with a fresh one (after a
+/// failure left it in an unknown state).
+fn reconnect(
+    client: &ClusterClient,
+    conn: &mut Box<ClusterConnection>,
+    dirty: &mut bool,
+) -> redis::RedisResult<()> {
+    **conn = client.get_connection()?;
+    *dirty = false;
+    Ok(())
+}
+
 /// One command through the cluster client (it follows `MOVED` and `ASK`),
 /// on a fresh connection if the last one failed.
 fn through_client(
@@ -394,8 +406,7 @@ fn through_client(
     op: &Op<'_>,
 ) -> redis::RedisResult<Value> {
     if *dirty {
-        **conn = client.get_connection()?;
-        *dirty = false;
+        reconnect(client, conn, dirty)?;
     }
     let r = op.cmd().query::<Value>(conn.as_mut());
     *dirty = r.is_err();
@@ -411,14 +422,8 @@ fn cluster_pipeline(
     dirty: &mut bool,
     ops: &[Op<'_>],
 ) -> Vec<redis::RedisResult<Value>> {
-    if *dirty {
-        match client.get_connection() {
-            Ok(fresh) => {
-                **conn = fresh;
-                *dirty = false;
-            }
-            Err(e) => return ops.iter().map(|_| Err(e.clone())).collect(),
-        }
+    if *dirty && let Err(e) = reconnect(client, conn, dirty) {
+        return ops.iter().map(|_| Err(e.clone())).collect();
     }
     let mut p = redis::cluster::cluster_pipe();
     for op in ops {
@@ -426,9 +431,8 @@ fn cluster_pipeline(
     }
     match p.query::<Vec<Value>>(conn.as_mut()) {
         Ok(v) => v.into_iter().map(Ok).collect(),
-        Err(e) => match client.get_connection() {
-            Ok(fresh) => {
-                **conn = fresh;
+        Err(e) => match reconnect(client, conn, dirty) {
+            Ok(()) => {
                 let v: Vec<redis::RedisResult<Value>> = ops
                     .iter()
                     .map(|op| op.cmd().query::<Value>(conn.as_mut()))
@@ -511,11 +515,7 @@ impl RemoteStore for RedisStore {
                 if nodes.refresh_slot_map() {
                     Ok(Value::Okay)
                 } else {
-                    client.get_connection().map(|fresh| {
-                        **conn = fresh;
-                        *dirty = false;
-                        Value::Okay
-                    })
+                    reconnect(client, conn, dirty).map(|()| Value::Okay)
                 }
             }
         };
