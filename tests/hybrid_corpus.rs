@@ -18,8 +18,19 @@ use kvoffload::scheduler::hybrid::{
 };
 use serde_json::Value;
 
+/// The committed corpus, or `KVOFFLOAD_HYBRID_CORPUS` (a folder that
+/// `scripts/widen-hybrid.py` filled with more seeds).
 fn corpus_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("python/tests/corpus/hybrid")
+    match std::env::var_os("KVOFFLOAD_HYBRID_CORPUS") {
+        Some(dir) => PathBuf::from(dir),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("python/tests/corpus/hybrid"),
+    }
+}
+
+/// The committed corpus must exercise what is compared (a widened one
+/// may hold a few seeds only).
+fn committed() -> bool {
+    std::env::var_os("KVOFFLOAD_HYBRID_CORPUS").is_none()
 }
 
 fn read_case(path: &Path) -> Value {
@@ -52,7 +63,7 @@ fn corpus_files() -> Vec<PathBuf> {
         .map(|e| e.expect("a corpus entry").path())
         .collect();
     files.sort();
-    assert!(files.len() >= 8, "corpus files: {files:?}");
+    assert!(!committed() || files.len() >= 11, "corpus files: {files:?}");
     files
 }
 
@@ -110,9 +121,12 @@ fn every_recorded_lookup_gets_vllms_answer() {
         }
     }
     // The corpus exercises what is compared.
-    assert!(asked >= 1000, "{asked} lookups");
-    assert!(hits >= 100 && waits >= 100, "{hits} hits, {waits} waits");
-    assert!(unaligned >= 1, "no hit ending on the last token");
+    eprintln!("{asked} lookups, {hits} hits, {waits} waits, {unaligned} ending on the last token");
+    if committed() {
+        assert!(asked >= 1000, "{asked} lookups");
+        assert!(hits >= 100 && waits >= 100, "{hits} hits, {waits} waits");
+        assert!(unaligned >= 1, "no hit ending on the last token");
+    }
 }
 
 #[test]
@@ -183,8 +197,9 @@ fn every_recorded_load_fills_vllms_blocks() {
             }
         }
     }
+    eprintln!("{planned} loads, {windowed} windowed, {sync} sync");
     assert!(
-        planned >= 200 && windowed >= 50 && sync >= 20,
+        !committed() || (planned >= 200 && windowed >= 50 && sync >= 20),
         "{planned} loads, {windowed} windowed, {sync} sync"
     );
 }
@@ -269,8 +284,9 @@ fn every_recorded_store_offers_vllms_chunks() {
             }
         }
     }
+    eprintln!("{planned} stores planned, {offered} offered, {masked} masked");
     assert!(
-        planned >= 2000 && offered >= 500 && masked >= 200,
+        !committed() || (planned >= 2000 && offered >= 500 && masked >= 200),
         "{planned} stores planned, {offered} offered, {masked} masked"
     );
 }

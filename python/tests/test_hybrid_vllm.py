@@ -321,6 +321,23 @@ def corpus_path(seed: int, specs: str) -> Path:
     return CORPUS / f"seed{seed}-{specs}.json.gz"
 
 
+def write_case(
+    path: Path, seed: int, specs: str, extra: dict, opts: dict, delay: int, steps: list, derived: dict
+) -> None:
+    """Writes a recorded run as the corpus holds it (gzip, mtime 0: the
+    same record gives the same bytes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tpc = extra.get("block_size", TPB)
+    shapes = [
+        {"tokens_per_chunk": tpc, "sliding_window": getattr(s, "sliding_window", None)}
+        for s in SPECS[specs]()
+    ]
+    text = json.dumps({"seed": seed, "groups": specs, "shapes": shapes, "blocks_per_chunk": tpc // TPB,
+                       **derived, "extra": extra, "opts": opts, "delay": delay, "steps": steps},
+                      separators=(",", ":")) + "\n"
+    path.write_bytes(gzip.compress(text.encode(), mtime=0))
+
+
 def read_corpus(seed: int, specs: str) -> dict:
     return json.loads(gzip.decompress(corpus_path(seed, specs).read_bytes()))
 
@@ -328,19 +345,8 @@ def read_corpus(seed: int, specs: str) -> dict:
 @pytest.mark.parametrize("seed,specs,extra,opts,delay", CASES, ids=[f"seed{c[0]}-{c[1]}" for c in CASES])
 def test_vllm_answers_hybrid_configs_as_recorded(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> None:
     got, derived = record(seed, specs, extra, opts, delay)
-    path = corpus_path(seed, specs)
     if os.environ.get("KVOFFLOAD_RECORD_HYBRID") == "1":
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tpc = extra.get("block_size", TPB)
-        shapes = [
-            {"tokens_per_chunk": tpc, "sliding_window": getattr(s, "sliding_window", None)}
-            for s in SPECS[specs]()
-        ]
-        text = json.dumps({"seed": seed, "groups": specs, "shapes": shapes, "blocks_per_chunk": tpc // TPB,
-                           **derived, "extra": extra, "opts": opts, "delay": delay, "steps": got},
-                          separators=(",", ":")) + "\n"
-        # mtime 0: the same record gives the same bytes.
-        path.write_bytes(gzip.compress(text.encode(), mtime=0))
+        write_case(corpus_path(seed, specs), seed, specs, extra, opts, delay, got, derived)
     want = read_corpus(seed, specs)
     assert (want["extra"], want["opts"], want["delay"]) == (extra, opts, delay), "the case changed: record again"
     assert {k: want[k] for k in derived} == derived, "vLLM derives another configuration"

@@ -1,0 +1,45 @@
+#!/usr/bin/env python3
+"""Widens the hybrid corpus' check: records vLLM 0.33.0's connector on N more
+seeds (cycling through test_hybrid_vllm.py's configurations) into a folder
+that is not committed, for `tests/hybrid_corpus.rs` to check the core's
+hybrid lookup, load plan and store selection against.
+
+Run with the cached vLLM venv's python (scripts/setup-vllm.sh prints it):
+    PY=$(scripts/setup-vllm.sh)
+    $PY scripts/widen-hybrid.py 40 /tmp/hybrid-wide
+    KVOFFLOAD_HYBRID_CORPUS=/tmp/hybrid-wide cargo test --release --test hybrid_corpus
+"""
+
+import os
+import sys
+
+tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests")
+sys.path.insert(0, tests)
+import conftest  # noqa: E402,F401  (vLLM's environment: CPU, offline)
+import test_hybrid_vllm as hy  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+def main() -> int:
+    if len(sys.argv) != 3 or not sys.argv[1].isdigit():
+        print(__doc__, file=sys.stderr)
+        return 2
+    n, out = int(sys.argv[1]), Path(sys.argv[2])
+    for k in range(n):
+        _, specs, extra, opts, delay = hy.CASES[k % len(hy.CASES)]
+        seed = 10_000 + k
+        try:
+            steps, derived = hy.record(seed, specs, extra, opts, delay)
+        except AssertionError as e:
+            # vLLM's own run did not end (seen: requests holding blocks
+            # while waiting for KV behind a head request that cannot be
+            # allocated, in these small GPU pools): nothing to compare.
+            print(f"seed {seed} {specs}: not recorded: {e}", flush=True)
+            continue
+        hy.write_case(out / f"seed{seed}-{specs}.json.gz", seed, specs, extra, opts, delay, steps, derived)
+        print(f"seed {seed} {specs}: {len(steps)} steps", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
