@@ -268,4 +268,42 @@ mod tests {
             Err(LoadPlanError::PastTheWindow { limit: 2, .. })
         ));
     }
+
+    proptest::proptest! {
+        /// Any view: a plan or a typed error, never a panic; a plan ends
+        /// every group's load at the hit's end, inside what is held.
+        #[test]
+        fn plans_end_at_the_hit_or_name_the_problem(
+            windows in proptest::collection::vec(proptest::option::of(1u64..24), 1..4),
+            tpb in 1u64..9,
+            bpc in 1usize..4,
+            computed_blocks in 0u64..6,
+            external in 0u64..64,
+            sync in proptest::bool::ANY,
+            blocks in proptest::collection::vec(
+                proptest::collection::vec(proptest::sample::select(vec![O, H, N]), 0..24),
+                4,
+            ),
+        ) {
+            let tpc = tpb * bpc as u64;
+            let groups: Vec<GroupShape> = windows
+                .iter()
+                .map(|w| match w {
+                    Some(w) => GroupShape::sliding_window(tpc, *w).unwrap(),
+                    None => GroupShape::full_attention(tpc).unwrap(),
+                })
+                .collect();
+            let views: Vec<&[GpuBlock]> = blocks[..groups.len()].iter().map(Vec::as_slice).collect();
+            let computed = computed_blocks * tpb;
+            if let Ok(plan) = plan_load(&groups, bpc, computed, external, sync, &views) {
+                let need = (computed + external).div_ceil(tpb) as usize;
+                for (g, p) in plan.iter().enumerate() {
+                    proptest::prop_assert_eq!(p.first_block + p.num_blocks, need);
+                    proptest::prop_assert!(p.first_block >= computed_blocks as usize);
+                    proptest::prop_assert!(need <= views[g].len());
+                    proptest::prop_assert!(p.chunks.start <= p.chunks.end);
+                }
+            }
+        }
+    }
 }

@@ -364,4 +364,48 @@ mod tests {
         // Running, nothing is reconsidered.
         assert!(store_candidates(&w8, &p, &running(21), &view(6, 6, 5, &held)).is_empty());
     }
+
+    proptest::proptest! {
+        /// Any view: no panic, and only chunks in the range offered, in
+        /// order, each with every block held where the window reaches it
+        /// (its last block always).
+        #[test]
+        fn offers_are_held_chunks_in_range(
+            window in proptest::option::of(1u64..40),
+            tpb in 1u64..9,
+            bpc in 1usize..5,
+            alignment_chunks in proptest::option::of(1u64..4),
+            retention in proptest::option::of(0u64..4),
+            finished in proptest::bool::ANY,
+            prompt in 0u64..200,
+            shared in 0u64..200,
+            next in 0usize..12,
+            storable in 0usize..12,
+            prompt_chunks in 0usize..12,
+            held in proptest::collection::vec(proptest::bool::weighted(0.8), 0..48),
+        ) {
+            let tpc = tpb * bpc as u64;
+            let shape = match window {
+                Some(w) => GroupShape::sliding_window(tpc, w).unwrap(),
+                None => GroupShape::full_attention(tpc).unwrap(),
+            };
+            let policy = StorePolicy {
+                blocks_per_chunk: bpc,
+                alignment_tokens: alignment_chunks.map(|c| c * tpc),
+                retention: Retention::from_vllm(retention.map(|r| r * tpc)),
+            };
+            let req = StoreRequest { finished, num_prompt_tokens: prompt, shared_prefix_boundary: shared };
+            let v = view(next, storable, prompt_chunks, &held);
+            let got = store_candidates(&shape, &policy, &req, &v);
+            proptest::prop_assert!(got.windows(2).all(|w| w[0] < w[1]));
+            for &c in &got {
+                proptest::prop_assert!(c < storable);
+                proptest::prop_assert!(held[c * bpc + bpc - 1]);
+                if window.is_none() {
+                    proptest::prop_assert!(c >= next);
+                    proptest::prop_assert!((0..bpc).all(|b| held[c * bpc + b]));
+                }
+            }
+        }
+    }
 }
