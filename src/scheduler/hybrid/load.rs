@@ -179,14 +179,7 @@ pub fn plan_load(
 mod tests {
     use super::GpuBlock::{Cached as H, Fresh as N, Null as O};
     use super::*;
-
-    fn full() -> GroupShape {
-        GroupShape::full_attention(4).unwrap()
-    }
-
-    fn window(tokens: u64) -> GroupShape {
-        GroupShape::sliding_window(4, tokens).unwrap()
-    }
+    use crate::scheduler::hybrid::shape::fixtures::{full, window};
 
     #[test]
     fn a_window_loads_its_blocks_and_full_attention_everything_past_the_hit() {

@@ -223,6 +223,7 @@ fn suffix(
 mod tests {
     use super::*;
     use crate::scheduler::hybrid::RecordedKeys;
+    use crate::scheduler::hybrid::shape::fixtures::{full, window};
 
     fn keys(groups: &[&str]) -> RecordedKeys {
         RecordedKeys::parse(groups).unwrap()
@@ -236,14 +237,6 @@ mod tests {
             max_new_tokens: None,
         };
         lookup_complete_chunks(groups, &mut keys(k), req)
-    }
-
-    fn full() -> GroupShape {
-        GroupShape::full_attention(4).unwrap()
-    }
-
-    fn window(tokens: u64) -> GroupShape {
-        GroupShape::sliding_window(4, tokens).unwrap()
     }
 
     #[test]

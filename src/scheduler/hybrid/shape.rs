@@ -81,6 +81,22 @@ impl GroupShape {
     }
 }
 
+/// Shapes the hybrid modules' tests share: 4-token chunks.
+#[cfg(test)]
+pub(super) mod fixtures {
+    use super::GroupShape;
+
+    /// Full attention, 4-token chunks.
+    pub(in crate::scheduler::hybrid) fn full() -> GroupShape {
+        GroupShape::full_attention(4).unwrap()
+    }
+
+    /// A window of `tokens`, 4-token chunks.
+    pub(in crate::scheduler::hybrid) fn window(tokens: u64) -> GroupShape {
+        GroupShape::sliding_window(4, tokens).unwrap()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
