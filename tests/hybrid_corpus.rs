@@ -49,10 +49,7 @@ fn shapes(case: &Value) -> Vec<GroupShape> {
         .iter()
         .map(|s| {
             let tpc = s["tokens_per_chunk"].as_u64().expect("tokens_per_chunk");
-            match s["sliding_window"].as_u64() {
-                Some(w) => GroupShape::sliding_window(tpc, w).expect("a window"),
-                None => GroupShape::full_attention(tpc).expect("a chunk"),
-            }
+            GroupShape::new(tpc, s["sliding_window"].as_u64()).expect("a group shape")
         })
         .collect()
 }

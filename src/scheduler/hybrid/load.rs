@@ -279,13 +279,7 @@ mod tests {
             ),
         ) {
             let tpc = tpb * bpc as u64;
-            let groups: Vec<GroupShape> = windows
-                .iter()
-                .map(|w| match w {
-                    Some(w) => GroupShape::sliding_window(tpc, *w).unwrap(),
-                    None => GroupShape::full_attention(tpc).unwrap(),
-                })
-                .collect();
+            let groups: Vec<GroupShape> = windows.iter().map(|w| GroupShape::new(tpc, *w).unwrap()).collect();
             let views: Vec<&[GpuBlock]> = blocks[..groups.len()].iter().map(Vec::as_slice).collect();
             let computed = computed_blocks * tpb;
             if let Ok(plan) = plan_load(&groups, bpc, computed, external, sync, &views) {

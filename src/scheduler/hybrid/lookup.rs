@@ -349,13 +349,7 @@ mod tests {
             max_load in proptest::option::of(0u64..64),
             max_new in proptest::option::of(0u64..64),
         ) {
-            let groups: Vec<GroupShape> = windows
-                .iter()
-                .map(|w| match w {
-                    Some(w) => GroupShape::sliding_window(tpc, *w).unwrap(),
-                    None => GroupShape::full_attention(tpc).unwrap(),
-                })
-                .collect();
+            let groups: Vec<GroupShape> = windows.iter().map(|w| GroupShape::new(tpc, *w).unwrap()).collect();
             let mut keys = RecordedKeys::parse(
                 &letters[..groups.len()]
                     .iter()

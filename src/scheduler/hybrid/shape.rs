@@ -49,6 +49,14 @@ impl GroupShape {
         })
     }
 
+    /// Full attention (`window_tokens: None`) or a sliding window.
+    pub fn new(tokens_per_chunk: u64, window_tokens: Option<u64>) -> Result<Self, GroupShapeError> {
+        match window_tokens {
+            Some(w) => Self::sliding_window(tokens_per_chunk, w),
+            None => Self::full_attention(tokens_per_chunk),
+        }
+    }
+
     /// Tokens of one host chunk of this group.
     pub fn tokens_per_chunk(&self) -> u64 {
         self.tokens_per_chunk

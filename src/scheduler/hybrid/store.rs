@@ -385,10 +385,7 @@ mod tests {
             held in proptest::collection::vec(proptest::bool::weighted(0.8), 0..48),
         ) {
             let tpc = tpb * bpc as u64;
-            let shape = match window {
-                Some(w) => GroupShape::sliding_window(tpc, w).unwrap(),
-                None => GroupShape::full_attention(tpc).unwrap(),
-            };
+            let shape = GroupShape::new(tpc, window).unwrap();
             let policy = StorePolicy {
                 blocks_per_chunk: bpc,
                 alignment_tokens: alignment_chunks.map(|c| c * tpc),
