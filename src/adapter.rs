@@ -129,6 +129,7 @@ mod tests {
             block_ids: smallvec::smallvec![GpuBlockId(7)],
             chunk_ids: smallvec::smallvec![ChunkId(2)],
             keys: smallvec::smallvec![ChunkKey(9)],
+            groups: Vec::new(),
         };
         let plan = scheduler::StepPlan {
             loads: vec![j],
@@ -164,6 +165,7 @@ mod tests {
             block_ids: blocks.iter().map(|&b| GpuBlockId(b)).collect(),
             chunk_ids: chunks.iter().map(|&c| ChunkId(c)).collect(),
             keys: chunks.iter().map(|&c| ChunkKey(u64::from(c) + 7)).collect(),
+            groups: Vec::new(),
         };
         let plans = [
             scheduler::StepPlan::default(),

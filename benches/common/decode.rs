@@ -55,6 +55,7 @@ impl Decode {
                 computed_tokens: t,
                 scheduled_tokens: 1,
                 full_table: false,
+                group_block_ids: Vec::new(),
             });
         }
         Self {

@@ -342,6 +342,7 @@ impl SchedulerCore {
             computed_tokens,
             scheduled_tokens,
             full_table,
+            group_block_ids: Vec::new(),
         });
         Ok(())
     }
@@ -373,6 +374,7 @@ impl SchedulerCore {
             computed_tokens,
             scheduled_tokens,
             full_table,
+            group_block_ids: Vec::new(),
         });
         Ok(())
     }

@@ -37,22 +37,40 @@ impl OffloadManager {
         first_position: u64,
         access: &mut RequestAccess,
     ) -> Result<Vec<ChunkId>, ManagerError> {
-        self.load(keys, Some(first_position), Record::Kept(access))
+        self.load(
+            keys,
+            Some(&|i| first_position + i as u64),
+            Record::Kept(access),
+        )
+    }
+
+    /// [`Self::prepare_load_recorded`] with each key's own position
+    /// (`positions`, co-indexed with `keys`): a load over several KV groups,
+    /// whose keys restart their positions group by group.
+    pub(crate) fn prepare_load_at(
+        &mut self,
+        keys: &[ChunkKey],
+        positions: &[u64],
+        access: &mut RequestAccess,
+    ) -> Result<Vec<ChunkId>, ManagerError> {
+        debug_assert_eq!(keys.len(), positions.len());
+        let at = |i: usize| positions.get(i).copied().unwrap_or(0);
+        self.load(keys, Some(&at), Record::Kept(access))
     }
 
     /// The one load path: pins `keys` (nothing changes on error), then
-    /// records them in the request's record, if any, with positions from
-    /// `first` on if known.
+    /// records them in the request's record, if any, with key `i` at
+    /// position `position(i)` if known.
     fn load(
         &mut self,
         keys: &[ChunkKey],
-        first: Option<u64>,
+        position: Option<&dyn Fn(usize) -> u64>,
         record: Record<'_>,
     ) -> Result<Vec<ChunkId>, ManagerError> {
         let out = self.pin_for_load(keys)?;
         self.with_record(record, |m, acc| {
             if let Some(acc) = acc {
-                m.record_load(keys, first, acc);
+                m.record_load(keys, position, acc);
             }
         });
         Ok(out)
@@ -79,12 +97,17 @@ impl OffloadManager {
     }
 
     /// Records a load's keys as the request's observations and reuses.
-    fn record_load(&mut self, keys: &[ChunkKey], first: Option<u64>, acc: &mut RequestAccess) {
+    fn record_load(
+        &mut self,
+        keys: &[ChunkKey],
+        position: Option<&dyn Fn(usize) -> u64>,
+        acc: &mut RequestAccess,
+    ) {
         acc.refresh(self.generation);
         let mut observed = std::mem::take(&mut self.scratch_observed);
         observed.clear();
         for (i, &k) in keys.iter().enumerate() {
-            let pos = first.map(|p| p + i as u64);
+            let pos = position.map(|p| p(i));
             let (i, new) = acc.observe(k, pos);
             if new && let Some(p) = pos {
                 observed.push((k, p));

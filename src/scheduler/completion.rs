@@ -201,6 +201,11 @@ impl Scheduler {
                 if e.fenced {
                     self.fences.remove(job, e.blocks());
                 }
+                if let Some(window) = self.window_fences.remove(&job)
+                    && !e.fenced
+                {
+                    self.fences.remove(job, &window);
+                }
             }
             (Direction::Store, Ending::Stalled) => {
                 let held = match self.manager.complete_store(
@@ -219,6 +224,7 @@ impl Scheduler {
                 if !e.fenced {
                     self.fences.add(job, e.blocks());
                 }
+                self.window_fences.remove(&job);
                 self.counters.stalled_stores += 1;
                 let blocks = JobBlocks::from_slice(e.blocks());
                 self.stalled.insert(

@@ -14,7 +14,8 @@ impl Scheduler {
     ///
     /// - the manager's own invariants;
     /// - every live job: id after the last reset, 1..=world_size reports due,
-    ///   tracked by its request; a finished request's stores fence their blocks;
+    ///   tracked by its request; a finished request's stores fence their blocks
+    ///   (a running request's stores their sliding-window blocks);
     /// - every request: one load xor only stores; a finished-and-signaled
     ///   request still has jobs (else it should be gone);
     /// - the being-loaded set is exactly the keys of live loads;
@@ -147,13 +148,23 @@ impl Scheduler {
                 "being-loaded set {bl:?} but live loads hold {loading:?}"
             ));
         }
+        for (j, window) in &self.window_fences {
+            match self.jobs.get(*j) {
+                Some(e) if e.kind == Direction::Store && !e.fenced => {}
+                _ => return Err(format!("window fence of {j}, not a live unfenced store")),
+            }
+            if let Some(b) = window.iter().find(|b| !self.fences.jobs(**b).contains(j)) {
+                return Err(format!("store {j}: window block {} not fenced", b.0));
+            }
+        }
         for (b, fjobs) in self.fences.iter() {
             if fjobs.is_empty() {
                 return Err(format!("block {} has an empty fence", b.0));
             }
             for j in fjobs {
+                let window = self.window_fences.get(j).is_some_and(|w| w.contains(&b));
                 let ok = if let Some(e) = self.jobs.get(*j) {
-                    e.kind == Direction::Store && e.fenced && e.blocks().contains(&b)
+                    e.kind == Direction::Store && (e.fenced || window) && e.blocks().contains(&b)
                 } else if let Some(s) = self.stalled.get(j) {
                     s.fenced && s.blocks.contains(&b)
                 } else {

@@ -198,6 +198,9 @@ impl Scheduler {
         if skip_reading {
             return Ok((LookupOutcome::Hit(0), true));
         }
+        if self.groups.is_some() {
+            return Ok((self.lookup_groups(req, computed_tokens)?, true));
+        }
         // As vLLM: no hit past the request's last full chunk, and the
         // less-than-a-chunk answer (zero) comes before any key is looked up,
         // so a pending chunk past that bound never defers the request.
@@ -277,6 +280,11 @@ impl Scheduler {
         external_tokens: u64,
     ) -> Result<Option<JobId>, SchedulerError> {
         self.apply_stalls();
+        if self.groups.is_some() {
+            return Err(SchedulerError::Groups(
+                "a scheduler with several KV groups takes on_alloc_groups".into(),
+            ));
+        }
         let g = self.geo;
         let rs = self
             .requests
@@ -370,6 +378,7 @@ impl Scheduler {
             block_ids: JobBlocks::from_slice(&block_ids[sb..eb]),
             chunk_ids: JobSlots::from_vec(chunk_ids),
             keys: JobKeys::from_vec(keys),
+            groups: Vec::new(),
         });
         if let Some(rs) = self.requests.get_mut(&req) {
             rs.jobs.push(job);

@@ -1,6 +1,6 @@
 //! The control plane: vLLM's `OffloadingConnectorScheduler` for one
-//! full-attention KV group and the host tier, with asynchronous loads, plus
-//! stall detection with quarantine.
+//! full-attention KV group (or several groups, [`hybrid`]) and the host
+//! tier, with asynchronous loads, plus stall detection with quarantine.
 //!
 //! One [`Scheduler`] owns the host-tier [`OffloadManager`]. The serving backend
 //! calls its hooks in vLLM's order each step: [`Scheduler::add_request`],
@@ -61,8 +61,9 @@ pub use watchdog::WatchdogHandle;
 pub use metrics::{LOOKUP_DELAY_BUCKETS, LookupDelays, SchedulerMetrics};
 pub use remote::RemoteLookupStats;
 pub use types::{
-    CompletionReport, JobBlocks, JobKeys, JobSlots, LookupOutcome, ScanOutcome, ScheduledRequest,
-    SchedulerError, SchedulerState, StepInput, StepPlan, TransferJob, WorkerOutcome,
+    CompletionReport, GroupSpan, JobBlocks, JobKeys, JobSlots, LookupOutcome, ScanOutcome,
+    ScheduledRequest, SchedulerError, SchedulerState, StepInput, StepPlan, TransferJob,
+    WorkerOutcome,
 };
 
 /// Geometry and timing the scheduler needs from the configuration.
@@ -114,7 +115,8 @@ pub(crate) struct Batch {
     sync_loads: Vec<JobId>,
 }
 
-/// The offload scheduler (control plane) for one KV group.
+/// The offload scheduler (control plane) for one KV group, or several
+/// ([`Self::with_groups`]).
 ///
 /// The serving backend calls its hooks in this order: per request
 /// [`add_request`](Self::add_request), [`lookup`](Self::lookup) and
@@ -161,6 +163,7 @@ pub(crate) struct Batch {
 ///         computed_tokens: 0,
 ///         scheduled_tokens: 8,
 ///         full_table: false,
+///         group_block_ids: Vec::new(),
 ///     }],
 ///     ..StepInput::default()
 /// })?;
@@ -215,6 +218,14 @@ pub struct Scheduler {
     /// the bytes per token it counts.
     sync_budget: u64,
     sync_bytes_per_token: u64,
+    /// Several KV groups ([`Self::with_groups`]); `None`: one full-attention
+    /// group, the single-group paths.
+    groups: Option<Box<hybrid::SchedulerGroups>>,
+    /// Stores of a scheduler with sliding-window groups -> the window blocks
+    /// they fence from their creation (vLLM fences those while the request
+    /// runs: the window moves on and frees them); the rest of a store's
+    /// blocks are fenced when its request finishes.
+    window_fences: HashMap<JobId, JobBlocks, KeyBuildHasher>,
 }
 
 impl Scheduler {
@@ -267,7 +278,39 @@ impl Scheduler {
             last_lookup_hits: None,
             sync_budget: cfg.sync_load_budget_bytes,
             sync_bytes_per_token: cfg.sync_load_bytes_per_token().unwrap_or(0),
+            groups: None,
+            window_fences: HashMap::default(),
         }
+    }
+
+    /// A scheduler for a model with several KV groups (vLLM's hybrid KV
+    /// cache manager: full-attention and sliding-window groups), each group
+    /// with `cfg`'s block size and `blocks_per_chunk`. Lookups, loads and
+    /// stores follow vLLM 0.33.0's `OffloadingConnector` over every group:
+    /// [`Self::on_alloc_groups`] in place of [`Self::on_alloc`], and
+    /// [`ScheduledRequest::group_block_ids`] in each step. One full-attention
+    /// group is the single-group scheduler ([`Self::new`]).
+    ///
+    /// Lookups of a scheduler with several groups do not ask a remote tier.
+    pub fn with_groups(
+        cfg: &OffloadConfig,
+        groups: hybrid::KvGroups,
+        clock: SharedClock,
+    ) -> Result<Self, SchedulerError> {
+        let mut s = Self::new(cfg, clock)?;
+        let single = groups.shapes.len() == 1 && groups.shapes[0].window_tokens().is_none();
+        let groups =
+            hybrid::SchedulerGroups::new(groups, s.geo.tokens_per_chunk, s.geo.blocks_per_chunk)
+                .map_err(|e| SchedulerError::Groups(e.to_string()))?;
+        if !single {
+            s.groups = Some(Box::new(groups));
+        }
+        Ok(s)
+    }
+
+    /// KV groups this scheduler offloads (1 unless built by [`Self::with_groups`]).
+    pub fn num_groups(&self) -> usize {
+        self.groups.as_ref().map_or(1, |g| g.len())
     }
 
     /// Starts the stall watchdog thread (scans every `stall_scan_interval`; it
@@ -314,8 +357,28 @@ impl Scheduler {
         if self.requests.contains_key(&req) {
             return Err(SchedulerError::DuplicateRequest(req));
         }
-        self.requests
-            .insert(req, RequestState::new(prompt_tokens, block_hashes));
+        let mut rs = RequestState::new(prompt_tokens, block_hashes);
+        if let Some(g) = &self.groups {
+            rs.other_groups = vec![Default::default(); g.len() - 1];
+        }
+        self.requests.insert(req, rs);
+        Ok(())
+    }
+
+    /// Where the GPU prefix cache's shared prefix of `req` ends (vLLM's
+    /// `Request.shared_prefix_boundary`): with sliding-window groups and a
+    /// retention other than [`hybrid::Retention::Dense`], the window ending
+    /// there is stored too.
+    pub fn set_shared_prefix_boundary(
+        &mut self,
+        req: RequestId,
+        tokens: u64,
+    ) -> Result<(), SchedulerError> {
+        let rs = self
+            .requests
+            .get_mut(&req)
+            .ok_or(SchedulerError::UnknownRequest(req))?;
+        rs.shared_prefix_boundary = tokens;
         Ok(())
     }
 
@@ -397,6 +460,8 @@ impl Scheduler {
             {
                 e.fenced = true;
                 self.fences.add(job, e.blocks());
+                // Its window blocks are among them.
+                self.window_fences.remove(&job);
             }
         }
         for (&job, s) in self.stalled.iter_mut() {
@@ -491,9 +556,14 @@ impl Scheduler {
     /// [`StepInput`] (`tests/store_horizon.rs`). Steps only raise it; a
     /// lookup of `req` (which restarts its stores), a reset, and new limits
     /// ([`Self::set_request_caps`]) may lower it, so a caller caching it asks
-    /// again after any of them.
+    /// again after any of them. With several KV groups it is 0: every
+    /// running request is listed in every step.
     pub fn store_horizon(&self, req: RequestId) -> Option<u64> {
         let rs = self.requests.get(&req)?;
+        if self.groups.is_some() {
+            // Sliding windows drop blocks of requests a step does not list.
+            return Some(0);
+        }
         let chunk_end = (rs.next_stored_chunk as u64 + 1).saturating_mul(self.geo.tokens_per_chunk);
         let limit = rs.offload_limit(self.geo.offload_prompt_only);
         Some(if chunk_end > limit {

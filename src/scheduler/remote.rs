@@ -289,6 +289,7 @@ impl Scheduler {
             block_ids: JobBlocks::new(),
             chunk_ids: JobSlots::from_slice(&out.chunk_ids),
             keys: JobKeys::from_slice(&out.keys_to_store),
+            groups: Vec::new(),
         });
         if let Some(r) = self.remote.as_mut() {
             r.fetch_jobs.insert(job, req);

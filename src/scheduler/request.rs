@@ -1,4 +1,4 @@
-//! Per-request offload state (vLLM's `RequestOffloadState`, one KV group).
+//! Per-request offload state (vLLM's `RequestOffloadState`).
 
 use crate::ids::{GpuBlockId, JobId};
 use crate::key::{BlockHash, ChunkKey};
@@ -54,6 +54,23 @@ pub(crate) struct RequestState {
     /// manager's map (no hash probe per store); handed to the manager when it
     /// finishes, dropped at a reset.
     pub access: crate::manager::RequestAccess,
+    /// A scheduler with several KV groups: the block tables and store
+    /// cursors of groups 1, 2, ... (group 0's are `block_ids` and
+    /// `next_stored_chunk`). Empty with one group.
+    pub other_groups: Vec<GroupCursor>,
+    /// Where the GPU prefix cache's shared prefix ends (vLLM's
+    /// `Request.shared_prefix_boundary`; 0: none): a sliding-window group
+    /// stores the window ending there.
+    pub shared_prefix_boundary: u64,
+}
+
+/// One KV group's part of a request (groups past the first).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct GroupCursor {
+    /// The request's blocks in this group.
+    pub block_ids: Vec<GpuBlockId>,
+    /// First chunk of this group not yet offered for storing.
+    pub next_stored_chunk: usize,
 }
 
 /// Per-request limits on what is loaded and stored (vLLM's `max_load_tokens`
@@ -114,9 +131,52 @@ impl RequestState {
         }
     }
 
-    /// Restart: forget the block list and re-offer every chunk for storing.
+    /// Restart: forget the block lists and re-offer every chunk for storing.
     pub fn restart(&mut self) {
         self.block_ids.clear();
         self.next_stored_chunk = 0;
+        for g in &mut self.other_groups {
+            g.block_ids.clear();
+            g.next_stored_chunk = 0;
+        }
+    }
+
+    /// The block table of group `group` (0: `block_ids`).
+    pub fn group_blocks(&self, group: usize) -> &[GpuBlockId] {
+        match group {
+            0 => &self.block_ids,
+            g => self
+                .other_groups
+                .get(g - 1)
+                .map_or(&[], |c| c.block_ids.as_slice()),
+        }
+    }
+
+    /// The block table and store cursor of group `group`, mutable.
+    pub fn group_mut(&mut self, group: usize) -> Option<(&mut Vec<GpuBlockId>, &mut usize)> {
+        match group {
+            0 => Some((&mut self.block_ids, &mut self.next_stored_chunk)),
+            g => self
+                .other_groups
+                .get_mut(g - 1)
+                .map(|c| (&mut c.block_ids, &mut c.next_stored_chunk)),
+        }
+    }
+
+    /// The first chunk of group `group` not yet offered for storing.
+    pub fn group_next_stored(&self, group: usize) -> usize {
+        match group {
+            0 => self.next_stored_chunk,
+            g => self
+                .other_groups
+                .get(g - 1)
+                .map_or(0, |c| c.next_stored_chunk),
+        }
+    }
+
+    /// The key of chunk `i` in group `group`. `i < num_keys`.
+    #[inline]
+    pub fn group_key(&self, group: usize, i: usize, blocks_per_chunk: usize) -> ChunkKey {
+        ChunkKey::for_group(self.hashes[(i + 1) * blocks_per_chunk - 1], group as u32)
     }
 }

@@ -113,6 +113,9 @@ impl Scheduler {
         self.remote_reset();
         for rs in self.requests.values_mut() {
             rs.next_stored_chunk = 0;
+            for g in &mut rs.other_groups {
+                g.next_stored_chunk = 0;
+            }
             rs.jobs.clear();
             // The tier forgot every access (as its own map is cleared).
             rs.access = Default::default();
@@ -121,6 +124,7 @@ impl Scheduler {
         self.reset_fence.extend(live);
         self.jobs.clear();
         self.fences.clear();
+        self.window_fences.clear();
         self.being_loaded.clear();
         // A stalled job is kept while it holds host slots, or (a load) GPU blocks.
         self.stalled

@@ -29,7 +29,10 @@ impl Scheduler {
             }
         };
         let one_pass = !any_finished;
-        if let Err(e) = self.check_preemption_flush(&input.preempted) {
+        if let Err(e) = self
+            .check_preemption_flush(&input.preempted)
+            .and_then(|()| self.check_group_blocks(input))
+        {
             self.batch.slots = slots;
             return Err(e);
         }
@@ -41,7 +44,18 @@ impl Scheduler {
         // allocation or regrowth in steady state.
         let mut stores = std::mem::take(&mut self.batch.spare_stores);
         stores.reserve(self.batch.last_stores);
-        if one_pass {
+        if self.groups.is_some() {
+            // 2 to 4 over several KV groups.
+            self.update_group_blocks(input, &slots);
+            self.fence_flush();
+            for (s, &slot) in input.scheduled.iter().zip(&slots) {
+                let reach = StoreReach::Running {
+                    computed: s.computed_tokens,
+                    scheduled: s.scheduled_tokens,
+                };
+                self.plan_store_groups(slot, s.req, reach, &mut stores);
+            }
+        } else if one_pass {
             // 2 and 4. Request updates and their store planning, in list order.
             for (s, &slot) in input.scheduled.iter().zip(&slots) {
                 let reach = StoreReach::Running {

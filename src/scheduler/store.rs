@@ -1,10 +1,12 @@
-//! Store planning (vLLM `_build_store_jobs`, one full-attention group).
+//! Store planning (vLLM `_build_store_jobs`, one full-attention group;
+//! several groups: `hybrid/on_step.rs`).
 
 use crate::ids::{GpuBlockId, RequestId};
 
 use super::Scheduler;
 use super::allocated::AllocatedBlocks;
 use super::jobs::JobEntry;
+use super::request::RequestState;
 use super::types::{JobBlocks, JobKeys, JobSlots, TransferJob, copy_small};
 
 /// How far a request's stores may reach in this step.
@@ -14,6 +16,25 @@ pub(crate) enum StoreReach {
     Running { computed: u64, scheduled: u64 },
     /// Listed as finished in this step.
     Finished,
+}
+
+impl StoreReach {
+    /// The tokens `rs` has computed once this step ran: computed plus
+    /// scheduled while it runs; once finished, its computed tokens if
+    /// aborted, else its tokens but the last one, never below its prompt.
+    #[inline(always)]
+    pub(crate) fn tokens_after(self, rs: &RequestState) -> u64 {
+        match self {
+            StoreReach::Running {
+                computed,
+                scheduled,
+            } => computed.saturating_add(scheduled),
+            StoreReach::Finished => match rs.finish {
+                Some(f) if f.aborted => f.computed_tokens,
+                _ => rs.prompt_tokens.max(rs.num_tokens.saturating_sub(1)),
+            },
+        }
+    }
 }
 
 impl Scheduler {
@@ -27,7 +48,12 @@ impl Scheduler {
         update: Option<(&[GpuBlockId], bool)>,
         out: &mut Vec<TransferJob>,
     ) {
-        if let Some(slot) = self.requests.slot_of(&req) {
+        let Some(slot) = self.requests.slot_of(&req) else {
+            return;
+        };
+        if self.groups.is_some() {
+            self.plan_store_groups(slot, req, reach, out);
+        } else {
             self.plan_store_at(slot, req, reach, update, out);
         }
     }
@@ -56,17 +82,7 @@ impl Scheduler {
                 append_blocks(&mut rs.block_ids, &mut self.batch.allocated, new_blocks);
             }
         }
-        let tokens_after = match reach {
-            StoreReach::Running {
-                computed,
-                scheduled,
-            } => computed.saturating_add(scheduled),
-            StoreReach::Finished => match rs.finish {
-                Some(f) if f.aborted => f.computed_tokens,
-                _ => rs.prompt_tokens.max(rs.num_tokens.saturating_sub(1)),
-            },
-        };
-        let mut offloadable = tokens_after.min(rs.num_tokens);
+        let mut offloadable = reach.tokens_after(rs).min(rs.num_tokens);
         let bpc = g.blocks_per_chunk;
         let start = rs.next_stored_chunk;
         // Fast exit without divisions (most requests complete no chunk in a
@@ -193,6 +209,7 @@ impl Scheduler {
             block_ids: blocks,
             chunk_ids,
             keys,
+            groups: Vec::new(),
         });
         // Published after the insert (at the end of the step): the watchdog
         // drops deadline entries of absent jobs.

@@ -31,6 +31,10 @@ pub struct ScheduledRequest {
     pub scheduled_tokens: u64,
     /// `new_block_ids` is the whole block table: replace the list instead of appending.
     pub full_table: bool,
+    /// A scheduler with several KV groups ([`super::Scheduler::with_groups`]):
+    /// the new blocks of groups 1, 2, ... in order (`new_block_ids` holds
+    /// group 0's). Empty with one group.
+    pub group_block_ids: Vec<Vec<GpuBlockId>>,
 }
 
 /// What the serving backend's scheduler decided in one step.
@@ -66,6 +70,23 @@ pub struct TransferJob {
     pub chunk_ids: JobSlots,
     /// Chunk keys transferred.
     pub keys: JobKeys,
+    /// A job of a scheduler with several KV groups: one span per group, in
+    /// group order, cutting `keys` (with `chunk_ids`) and `block_ids` into
+    /// each group's part (vLLM's `group_sizes` and `block_indices`). Empty
+    /// with one group.
+    pub groups: Vec<GroupSpan>,
+}
+
+/// One KV group's part of a [`TransferJob`] (several groups).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupSpan {
+    /// Keys (and host slots) of this group, following the previous groups'.
+    pub num_keys: u32,
+    /// GPU blocks of this group, following the previous groups'.
+    pub num_blocks: u32,
+    /// Index in the request's blocks of this group of the first block moved
+    /// (0 when it moves none).
+    pub first_block_index: u32,
 }
 
 /// The step's instructions to the workers (vLLM's connector metadata), plus failed loads.
@@ -202,6 +223,10 @@ pub enum SchedulerError {
     /// `confirm_cancelled` for a job that is not stalled.
     #[error("{0} is not a stalled job")]
     NotStalled(JobId),
+    /// The KV groups given are not ones this scheduler can offload, or a
+    /// call does not match the scheduler's groups.
+    #[error("KV groups: {0}")]
+    Groups(String),
     /// The host tier refused the operation.
     #[error("host tier: {0}")]
     Manager(#[from] ManagerError),

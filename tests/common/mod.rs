@@ -142,6 +142,7 @@ impl H {
                     computed_tokens: *c,
                     scheduled_tokens: *n,
                     full_table: false,
+                    group_block_ids: Vec::new(),
                 })
                 .collect(),
             preempted: preempted.iter().map(|&i| r(i)).collect(),

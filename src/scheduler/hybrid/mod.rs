@@ -2,24 +2,36 @@
 //! sliding-window groups side by side), built step by step after
 //! `docs/hybrid-groups.md`'s plan.
 //!
-//! What exists: the groups' shapes ([`GroupShape`]), the lookup of a
+//! The pure functions: the groups' shapes ([`GroupShape`]), the lookup of a
 //! request's hit over every group ([`lookup_complete_chunks`], vLLM 0.33.0's
 //! `_lookup_complete_chunks`), the blocks a load fills in each group
 //! ([`plan_load`], its `update_state_after_alloc`) and the chunks a store
 //! offers in each group ([`store_candidates`], its `_build_store_jobs` with
-//! the sliding-window reachable-block mask), checked against vLLM's own
-//! answers recorded in `python/tests/corpus/hybrid`. The [`Scheduler`](super::Scheduler) does not
-//! use them yet: it offloads one full-attention group, and the vLLM connector
-//! refuses a hybrid configuration.
+//! the sliding-window reachable-block mask), each checked against vLLM's own
+//! answers recorded in `python/tests/corpus/hybrid`. The
+//! [`Scheduler`](super::Scheduler) built by
+//! [`with_groups`](super::Scheduler::with_groups) uses them
+//! (`on_lookup.rs`, `on_alloc.rs`, `on_step.rs`): per-group block tables and
+//! store cursors, one load or store job carrying every group's part
+//! ([`GroupSpan`](super::GroupSpan)), sliding-window fences from a store's
+//! creation, stale window blocks dropped. The workers and the vLLM connector
+//! do not take several groups yet.
 
+mod groups;
 mod load;
 mod lookup;
+mod on_alloc;
+mod on_lookup;
+mod on_step;
 mod recorded_keys;
 mod shape;
 mod store;
 
+pub(crate) use groups::SchedulerGroups;
+pub use groups::{KvGroups, KvGroupsError};
 pub use load::{GpuBlock, GroupLoad, LoadPlanError, plan_load};
 pub use lookup::{GroupKeys, HybridLookup, KeyState, lookup_complete_chunks};
+pub use on_alloc::GroupAlloc;
 pub use recorded_keys::{RecordedKeys, UnknownKeyLetter};
 pub use shape::{GroupShape, GroupShapeError};
 pub use store::{

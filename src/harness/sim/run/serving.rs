@@ -122,6 +122,7 @@ impl Sim {
                 computed_tokens: computed,
                 scheduled_tokens: want,
                 full_table: false,
+                group_block_ids: Vec::new(),
             });
             budget = budget.saturating_sub(want);
             idx += 1;
@@ -270,6 +271,7 @@ impl Sim {
             computed_tokens: computed,
             scheduled_tokens: rest,
             full_table: true,
+            group_block_ids: Vec::new(),
         });
         self.running.push(id);
         rest

@@ -1,0 +1,195 @@
+//! [`Scheduler::on_alloc_groups`]: the blocks vLLM allocated in every KV
+//! group, and the load they receive (its `update_state_after_alloc` over
+//! several groups).
+
+use crate::ids::{GpuBlockId, JobId, RequestId};
+use crate::scheduler::jobs::JobEntry;
+use crate::scheduler::latch::JobLatch;
+use crate::scheduler::types::{GroupSpan, JobBlocks, JobKeys, JobSlots, TransferJob};
+use crate::scheduler::{Scheduler, SchedulerError};
+
+use super::load::{GpuBlock, plan_load};
+
+/// A request's blocks in one KV group, as the serving backend allocated
+/// them for a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupAlloc<'a> {
+    /// The request's whole block table in this group (the null block, 0,
+    /// where a sliding window holds nothing).
+    pub block_ids: &'a [GpuBlockId],
+    /// Per block, whether it holds cached KV (vLLM: the block has a block
+    /// hash); co-indexed with `block_ids`.
+    pub cached: &'a [bool],
+}
+
+impl Scheduler {
+    /// [`Self::on_alloc`] for a scheduler with several KV groups: `groups`
+    /// holds the request's blocks in each group, in group order. With
+    /// external tokens, one load job carries every group's part
+    /// ([`TransferJob::groups`]): a full-attention group loads every block
+    /// past the GPU's hit, a sliding-window group only its window's.
+    ///
+    /// On a single-group scheduler, one group is [`Self::on_alloc`] with its
+    /// blocks.
+    pub fn on_alloc_groups(
+        &mut self,
+        req: RequestId,
+        groups: &[GroupAlloc<'_>],
+        external_tokens: u64,
+    ) -> Result<Option<JobId>, SchedulerError> {
+        let Some(shapes) = self.groups.as_deref().map(|g| g.shapes.clone()) else {
+            return match groups {
+                [one] => self.on_alloc(req, one.block_ids, external_tokens),
+                _ => Err(SchedulerError::Groups(format!(
+                    "{} block lists for a single-group scheduler",
+                    groups.len()
+                ))),
+            };
+        };
+        self.apply_stalls();
+        if groups.len() != shapes.len() {
+            return Err(SchedulerError::Groups(format!(
+                "{} block lists for {} KV groups",
+                groups.len(),
+                shapes.len()
+            )));
+        }
+        if let Some((g, a)) = groups
+            .iter()
+            .enumerate()
+            .find(|(_, a)| a.cached.len() != a.block_ids.len())
+        {
+            return Err(SchedulerError::Groups(format!(
+                "group {g}: {} cached flags for {} blocks",
+                a.cached.len(),
+                a.block_ids.len()
+            )));
+        }
+        let bpc = self.geo.blocks_per_chunk;
+        let rs = self
+            .requests
+            .get(&req)
+            .ok_or(SchedulerError::UnknownRequest(req))?;
+        // Validate everything before changing anything.
+        let plan =
+            if external_tokens == 0 {
+                None
+            } else {
+                let computed = rs.lookup_computed.ok_or(SchedulerError::NoLookup(req))?;
+                if !rs.jobs.is_empty() {
+                    return Err(SchedulerError::JobsInFlight(req));
+                }
+                let states: Vec<Vec<GpuBlock>> = groups
+                    .iter()
+                    .map(|a| {
+                        a.block_ids
+                            .iter()
+                            .zip(a.cached)
+                            .map(|(b, &cached)| match (b.0, cached) {
+                                (0, _) => GpuBlock::Null,
+                                (_, true) => GpuBlock::Cached,
+                                (_, false) => GpuBlock::Fresh,
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let views: Vec<&[GpuBlock]> = states.iter().map(Vec::as_slice).collect();
+                let sync = self.batch.sync_reserved.contains(&req);
+                let loads = plan_load(&shapes, bpc, computed, external_tokens, sync, &views)
+                    .map_err(|e| SchedulerError::LoadOutOfRange {
+                        req,
+                        what: e.to_string(),
+                    })?;
+                let num_keys = rs.num_keys(bpc);
+                let mut keys = Vec::new();
+                let mut positions = Vec::new();
+                let mut blocks = JobBlocks::new();
+                let mut spans = Vec::with_capacity(loads.len());
+                for (g, (load, alloc)) in loads.iter().zip(groups).enumerate() {
+                    if load.chunks.end > num_keys {
+                        return Err(SchedulerError::LoadOutOfRange {
+                            req,
+                            what: format!(
+                                "group {g} needs {} chunk keys, the request has {num_keys}",
+                                load.chunks.end
+                            ),
+                        });
+                    }
+                    let first = load.first_block;
+                    blocks.extend_from_slice(&alloc.block_ids[first..first + load.num_blocks]);
+                    for i in load.chunks.clone() {
+                        keys.push(rs.group_key(g, i, bpc));
+                        positions.push(i as u64 + 1);
+                    }
+                    spans.push(GroupSpan {
+                        num_keys: load.chunks.len() as u32,
+                        num_blocks: load.num_blocks as u32,
+                        first_block_index: first as u32,
+                    });
+                }
+                // vLLM marks every group's chunks up to the hit's end as offered.
+                let end_chunk = computed
+                    .saturating_add(external_tokens)
+                    .div_ceil(self.geo.tokens_per_chunk) as usize;
+                Some((keys, positions, blocks, spans, end_chunk, sync))
+            };
+        let plan = match plan {
+            None => None,
+            Some((keys, positions, blocks, spans, end_chunk, sync)) => {
+                let chunk_ids = match self.requests.get_mut(&req) {
+                    Some(rs) => self
+                        .manager
+                        .prepare_load_at(&keys, &positions, &mut rs.access)?,
+                    None => self.manager.prepare_load(&keys, Some(req))?,
+                };
+                Some((keys, chunk_ids, blocks, spans, end_chunk, sync))
+            }
+        };
+        for a in groups {
+            self.batch.allocated.extend_non_null(a.block_ids);
+        }
+        let Some((keys, chunk_ids, blocks, spans, end_chunk, sync)) = plan else {
+            return Ok(None);
+        };
+        let job = self.new_job_id();
+        let now = self.now_ns();
+        if sync {
+            self.batch.sync_loads.push(job);
+        } else {
+            for &k in &keys {
+                *self.being_loaded.entry(k).or_insert(0) += 1;
+            }
+        }
+        let deadline = self.jobs.deadline_for(now);
+        let latch = JobLatch::new(self.geo.world_size);
+        let entry = JobEntry::load(
+            req,
+            now,
+            latch,
+            JobKeys::from_slice(&keys),
+            &chunk_ids,
+            &blocks,
+            sync,
+        );
+        self.jobs.insert(job, entry);
+        // After the insert: the watchdog drops deadline entries of absent jobs.
+        self.watch.track(job, deadline);
+        self.batch.loads.push(TransferJob {
+            job,
+            req,
+            block_ids: blocks,
+            chunk_ids: JobSlots::from_vec(chunk_ids),
+            keys: JobKeys::from_vec(keys),
+            groups: spans,
+        });
+        if let Some(rs) = self.requests.get_mut(&req) {
+            rs.jobs.push(job);
+            for g in 0..shapes.len() {
+                if let Some((_, next)) = rs.group_mut(g) {
+                    *next = end_chunk;
+                }
+            }
+        }
+        Ok(Some(job))
+    }
+}

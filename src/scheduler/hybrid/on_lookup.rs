@@ -1,0 +1,83 @@
+//! [`Scheduler::lookup`] with several KV groups: every group's keys asked of
+//! the host tier through [`lookup_complete_chunks`].
+
+use std::collections::HashMap;
+
+use crate::ids::RequestId;
+use crate::key::{ChunkKey, KeyBuildHasher};
+use crate::manager::{LookupResult, OffloadManager};
+use crate::scheduler::request::RequestState;
+use crate::scheduler::{LookupOutcome, Scheduler, SchedulerError};
+
+use super::lookup::{GroupKeys, HybridLookup, KeyState, lookup_complete_chunks};
+
+/// A request's keys in every group, answered by the host tier.
+struct TierKeys<'a> {
+    manager: &'a OffloadManager,
+    being_loaded: &'a HashMap<ChunkKey, u32, KeyBuildHasher>,
+    request: &'a RequestState,
+    blocks_per_chunk: usize,
+}
+
+impl GroupKeys for TierKeys<'_> {
+    fn num_keys(&self, _group: usize) -> usize {
+        self.request.num_keys(self.blocks_per_chunk)
+    }
+
+    fn state(&mut self, group: usize, chunk: usize) -> KeyState {
+        let key = self.request.group_key(group, chunk, self.blocks_per_chunk);
+        match self.manager.lookup(key) {
+            LookupResult::Hit => KeyState::Hit,
+            LookupResult::HitPending => KeyState::HitPending,
+            LookupResult::Miss => KeyState::Miss,
+        }
+    }
+
+    fn being_loaded(&self, group: usize, chunk: usize) -> bool {
+        !self.being_loaded.is_empty()
+            && self.being_loaded.contains_key(&self.request.group_key(
+                group,
+                chunk,
+                self.blocks_per_chunk,
+            ))
+    }
+}
+
+impl Scheduler {
+    /// The hit of restarted request `req` over every group (vLLM's
+    /// `_lookup_complete_chunks`): full-attention prefixes, sliding-window
+    /// suffixes, deferred while a counted chunk is written or loaded.
+    pub(crate) fn lookup_groups(
+        &self,
+        req: RequestId,
+        computed_tokens: u64,
+    ) -> Result<LookupOutcome, SchedulerError> {
+        let Some(groups) = self.groups.as_deref() else {
+            return Err(SchedulerError::Groups(
+                "a lookup over groups on a single-group scheduler".into(),
+            ));
+        };
+        let request = self
+            .requests
+            .get(&req)
+            .ok_or(SchedulerError::UnknownRequest(req))?;
+        let mut keys = TierKeys {
+            manager: &self.manager,
+            being_loaded: &self.being_loaded,
+            request,
+            blocks_per_chunk: self.geo.blocks_per_chunk,
+        };
+        let lookup = HybridLookup {
+            computed: computed_tokens,
+            num_tokens: request.num_tokens,
+            max_load_tokens: request.caps.max_load_tokens,
+            max_new_tokens: None,
+        };
+        Ok(
+            match lookup_complete_chunks(&groups.shapes, &mut keys, lookup) {
+                Some(hit) => LookupOutcome::Hit(hit),
+                None => LookupOutcome::Defer,
+            },
+        )
+    }
+}

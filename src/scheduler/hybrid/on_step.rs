@@ -1,0 +1,238 @@
+//! A step of a scheduler with several KV groups (vLLM's
+//! `_update_req_states` and `_build_store_jobs` over every group): block
+//! updates with the sliding windows' stale blocks dropped, then one store
+//! job per request carrying each group's chunks.
+
+use crate::ids::{GpuBlockId, RequestId};
+use crate::scheduler::jobs::JobEntry;
+use crate::scheduler::latch::JobLatch;
+use crate::scheduler::store::StoreReach;
+use crate::scheduler::types::{GroupSpan, JobBlocks, JobKeys, JobSlots, TransferJob, copy_small};
+use crate::scheduler::{Scheduler, SchedulerError, StepInput};
+
+use super::store::{StoreRequest, StoreView, store_candidates};
+
+impl Scheduler {
+    /// Every scheduled request gives one block list per group (or none at
+    /// all); a single-group scheduler takes no group lists.
+    pub(crate) fn check_group_blocks(&self, input: &StepInput) -> Result<(), SchedulerError> {
+        let others = self.num_groups() - 1;
+        for s in &input.scheduled {
+            let n = s.group_block_ids.len();
+            let none = n == 0 && s.new_block_ids.is_empty();
+            if n != others && !none {
+                return Err(SchedulerError::Groups(format!(
+                    "{}: new blocks of {n} groups past the first, the scheduler has {others}",
+                    s.req
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The step's block updates over every group: the new blocks count as
+    /// allocated in this step; a full table replaces the request's lists;
+    /// then, in every request's sliding-window groups, a block not stored yet
+    /// that was allocated again in this step is dropped (the window freed it
+    /// and another request now holds it), before the new blocks are appended.
+    pub(crate) fn update_group_blocks(&mut self, input: &StepInput, slots: &[u32]) {
+        let Some(groups) = self.groups.as_deref() else {
+            return;
+        };
+        let bpc = self.geo.blocks_per_chunk;
+        for s in &input.scheduled {
+            self.batch.allocated.extend_non_null(&s.new_block_ids);
+            for blocks in &s.group_block_ids {
+                self.batch.allocated.extend_non_null(blocks);
+            }
+        }
+        for (s, &slot) in input.scheduled.iter().zip(slots) {
+            if let (true, Some(rs)) = (s.full_table, self.requests.at_mut(slot)) {
+                for g in 0..groups.len() {
+                    if let Some((blocks, _)) = rs.group_mut(g) {
+                        blocks.clear();
+                    }
+                }
+            }
+        }
+        if groups.windowed.contains(&true) && !self.batch.allocated.is_empty() {
+            for rs in self.requests.values_mut() {
+                for g in (0..groups.len()).filter(|&g| groups.windowed[g]) {
+                    let Some((blocks, next)) = rs.group_mut(g) else {
+                        continue;
+                    };
+                    let start = (*next * bpc).min(blocks.len());
+                    for b in &mut blocks[start..] {
+                        if self.batch.allocated.contains(*b) {
+                            *b = GpuBlockId(0);
+                        }
+                    }
+                }
+            }
+        }
+        for (s, &slot) in input.scheduled.iter().zip(slots) {
+            let Some(rs) = self.requests.at_mut(slot) else {
+                continue;
+            };
+            let lists = std::iter::once(&s.new_block_ids).chain(&s.group_block_ids);
+            for (g, new) in lists.enumerate() {
+                if let Some((blocks, _)) = rs.group_mut(g) {
+                    blocks.extend_from_slice(new);
+                }
+            }
+        }
+    }
+
+    /// Plans at most one store job for the request in `slot` over every
+    /// group (vLLM's `_build_store_jobs`); pushes it to `out`.
+    pub(crate) fn plan_store_groups(
+        &mut self,
+        slot: u32,
+        req: RequestId,
+        reach: StoreReach,
+        out: &mut Vec<TransferJob>,
+    ) {
+        let g = self.geo;
+        let (bpc, tpc) = (g.blocks_per_chunk, g.tokens_per_chunk);
+        let Some(groups) = self.groups.as_deref() else {
+            return;
+        };
+        let Some(rs) = self.requests.at_mut(slot) else {
+            return;
+        };
+        let limit = rs.offload_limit(g.offload_prompt_only);
+        let offloadable = reach.tokens_after(rs).min(rs.num_tokens).min(limit);
+        let prompt_offloadable = rs.prompt_tokens.min(rs.num_tokens).min(limit);
+        let finished = rs.finish.is_some();
+        let request = StoreRequest {
+            finished,
+            num_prompt_tokens: rs.prompt_tokens,
+            shared_prefix_boundary: rs.shared_prefix_boundary,
+        };
+        let num_keys = rs.num_keys(bpc);
+        let n = groups.len();
+        // Per group: chunks computed, allocated and keyed; the chunks offered.
+        let mut storable = Vec::with_capacity(n);
+        let mut offered: Vec<Vec<usize>> = Vec::with_capacity(n);
+        let mut keys = Vec::new();
+        let mut positions = Vec::new();
+        for (group, shape) in groups.shapes.iter().enumerate() {
+            let blocks = rs.group_blocks(group);
+            let chunks = ((offloadable / tpc) as usize)
+                .min(blocks.len() / bpc)
+                .min(num_keys);
+            let held: Vec<bool> = blocks.iter().map(|b| b.0 != 0).collect();
+            let view = StoreView {
+                next_stored_chunk: rs.group_next_stored(group),
+                storable_chunks: chunks,
+                prompt_chunks: (prompt_offloadable / tpc) as usize,
+                held: &held,
+            };
+            let chosen = store_candidates(shape, &groups.policy, &request, &view);
+            for &c in &chosen {
+                keys.push(rs.group_key(group, c, bpc));
+                positions.push(c as u64 + 1);
+            }
+            storable.push(chunks);
+            offered.push(chosen);
+        }
+        let advance = |rs: &mut crate::scheduler::request::RequestState| {
+            for (group, &chunks) in storable.iter().enumerate() {
+                if let Some((_, next)) = rs.group_mut(group) {
+                    *next = (*next).max(chunks);
+                }
+            }
+        };
+        if keys.is_empty() {
+            advance(rs);
+            return;
+        }
+        let prepared = self
+            .manager
+            .prepare_store_for_job(&keys, &positions, &mut rs.access)
+            .map(|(k, c)| -> (JobKeys, JobSlots) { (copy_small(k), copy_small(c)) });
+        let Some((stored, chunk_ids)) = prepared else {
+            self.counters.allocation_failures += 1;
+            tracing::warn!(%req, chunks = keys.len(), "host tier cannot allocate; store retried next step");
+            return;
+        };
+        if stored.is_empty() {
+            advance(rs);
+            return;
+        }
+        // The keys to store are an ordered subset of those offered: walk both,
+        // group by group.
+        let mut blocks = JobBlocks::new();
+        let mut window_blocks = JobBlocks::new();
+        let mut deferred = Vec::new();
+        let mut spans = Vec::with_capacity(n);
+        let (mut next_stored, mut next_offered) = (0, 0);
+        for (group, chosen) in offered.iter().enumerate() {
+            let table = rs.group_blocks(group);
+            let mut span = GroupSpan {
+                num_keys: 0,
+                num_blocks: 0,
+                first_block_index: 0,
+            };
+            let mut first = None;
+            for &chunk in chosen {
+                let key = keys[next_offered];
+                next_offered += 1;
+                if stored.get(next_stored) != Some(&key) {
+                    continue;
+                }
+                next_stored += 1;
+                span.num_keys += 1;
+                let start = chunk * bpc;
+                for (i, &b) in table.iter().enumerate().skip(start).take(bpc) {
+                    if b.0 == 0 {
+                        continue;
+                    }
+                    first.get_or_insert(i);
+                    blocks.push(b);
+                    span.num_blocks += 1;
+                    if groups.windowed[group] {
+                        window_blocks.push(b);
+                    } else {
+                        deferred.push(b);
+                    }
+                }
+            }
+            span.first_block_index = first.unwrap_or(0) as u32;
+            spans.push(span);
+        }
+        advance(rs);
+        let job = self.new_job_id();
+        if let Some(rs) = self.requests.at_mut(slot) {
+            rs.jobs.push(job);
+        }
+        let now = self.step_now_ns();
+        // vLLM: a sliding-window group's blocks are fenced from the store's
+        // creation; the others when its request has finished, flushing the
+        // store at once if one of those was allocated again in this step.
+        if finished {
+            self.fences.add(job, &blocks);
+            if deferred.iter().any(|&b| self.batch.allocated.contains(b)) {
+                self.batch.flush.push(job);
+            }
+        } else if !window_blocks.is_empty() {
+            self.fences.add(job, &window_blocks);
+            self.window_fences.insert(job, window_blocks);
+        }
+        let deadline = self.jobs.deadline_for(now);
+        let latch = JobLatch::new(g.world_size);
+        let entry = JobEntry::store(req, now, latch, copy_small(&stored), &blocks, finished);
+        self.jobs.insert(job, entry);
+        out.push(TransferJob {
+            job,
+            req,
+            block_ids: blocks,
+            chunk_ids,
+            keys: stored,
+            groups: spans,
+        });
+        // Published after the insert (at the end of the step): the watchdog
+        // drops deadline entries of absent jobs.
+        self.batch.deadlines.push((job, deadline));
+    }
+}

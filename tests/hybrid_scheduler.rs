@@ -1,0 +1,623 @@
+//! The [`Scheduler`] with several KV groups (a full-attention group and a
+//! sliding-window group, vLLM's hybrid manager): lookups over both groups,
+//! one load carrying each group's blocks, one store per request carrying
+//! each group's chunks, the sliding-window fences and stale blocks, and the
+//! errors of calls that do not match the groups. Which chunks each group
+//! offers and loads is vLLM's (checked against its recorded answers in
+//! `hybrid_corpus.rs`); these tests check how the scheduler wires them.
+
+use kvoffload::scheduler::hybrid::{GroupAlloc, GroupShape, KvGroups, Retention};
+use kvoffload::scheduler::{
+    CompletionReport, GroupSpan, LookupOutcome, ScheduledRequest, Scheduler, SchedulerError,
+    StepInput, StepPlan, TransferJob,
+};
+use kvoffload::{BlockHash, ChunkKey, GpuBlockId, JobId, ManualClock, OffloadConfig, RequestId};
+use proptest::prelude::*;
+
+/// 4-token blocks, one block a chunk, 64 host chunks.
+fn config() -> OffloadConfig {
+    config_with_chunks(64)
+}
+
+/// 4-token blocks, one block a chunk, `chunks` host chunks.
+fn config_with_chunks(chunks: u64) -> OffloadConfig {
+    OffloadConfig {
+        tokens_per_block: 4,
+        blocks_per_chunk: 1,
+        offload_prompt_only: false,
+        ..OffloadConfig::with_chunks(chunks)
+    }
+}
+
+/// Group 0: full attention; group 1: a window of 8 tokens (two chunks).
+fn full_and_window(retention: Retention) -> KvGroups {
+    KvGroups {
+        shapes: vec![
+            GroupShape::full_attention(4).unwrap(),
+            GroupShape::sliding_window(4, 8).unwrap(),
+        ],
+        retention,
+    }
+}
+
+fn scheduler(retention: Retention) -> (Scheduler, ManualClock) {
+    scheduler_with_chunks(retention, 64)
+}
+
+fn scheduler_with_chunks(retention: Retention, chunks: u64) -> (Scheduler, ManualClock) {
+    let clock = ManualClock::new();
+    let cfg = config_with_chunks(chunks);
+    let s = Scheduler::with_groups(&cfg, full_and_window(retention), clock.shared()).unwrap();
+    (s, clock)
+}
+
+fn ids(v: &[u32]) -> Vec<GpuBlockId> {
+    v.iter().map(|&b| GpuBlockId(b)).collect()
+}
+
+fn hashes(family: u64, n: u64) -> Vec<BlockHash> {
+    (0..n).map(|i| BlockHash(family * 1000 + i)).collect()
+}
+
+fn key(family: u64, chunk: u64, group: u32) -> ChunkKey {
+    ChunkKey::for_group(BlockHash(family * 1000 + chunk), group)
+}
+
+/// A running request's entry in a step, with its new blocks per group.
+fn entry(req: u64, computed: u64, scheduled: u64, g0: &[u32], g1: &[u32]) -> ScheduledRequest {
+    ScheduledRequest {
+        req: RequestId(req),
+        new_block_ids: ids(g0),
+        computed_tokens: computed,
+        scheduled_tokens: scheduled,
+        full_table: false,
+        group_block_ids: vec![ids(g1)],
+    }
+}
+
+/// Every job of `plan` reported done by the one worker.
+fn all_done(plan: &StepPlan) -> CompletionReport {
+    CompletionReport {
+        completed: plan
+            .loads
+            .iter()
+            .chain(&plan.stores)
+            .map(|j| (j.job, 1))
+            .collect(),
+        failed: vec![],
+    }
+}
+
+/// The spans cut the job's keys, slots and blocks exactly.
+fn assert_spans_cover(job: &TransferJob) {
+    let keys: u32 = job.groups.iter().map(|s| s.num_keys).sum();
+    let blocks: u32 = job.groups.iter().map(|s| s.num_blocks).sum();
+    assert_eq!(keys as usize, job.keys.len(), "{job:?}");
+    assert_eq!(keys as usize, job.chunk_ids.len(), "{job:?}");
+    assert_eq!(blocks as usize, job.block_ids.len(), "{job:?}");
+}
+
+/// Request `req` of `family` with a 16-token prompt (four chunks) computed
+/// in one step into blocks `g0` and `g1`; returns that step's plan.
+fn prefill(s: &mut Scheduler, req: u64, family: u64, g0: &[u32], g1: &[u32]) -> StepPlan {
+    let r = RequestId(req);
+    s.add_request(r, 16, &hashes(family, 4)).unwrap();
+    assert_eq!(s.lookup(r, 0).unwrap(), LookupOutcome::Hit(0));
+    let (b0, b1) = (ids(g0), ids(g1));
+    let fresh = [false; 4];
+    let alloc = [
+        GroupAlloc {
+            block_ids: &b0,
+            cached: &fresh,
+        },
+        GroupAlloc {
+            block_ids: &b1,
+            cached: &fresh,
+        },
+    ];
+    assert_eq!(s.on_alloc_groups(r, &alloc, 0).unwrap(), None);
+    s.build_step(&StepInput {
+        scheduled: vec![entry(req, 0, 16, g0, g1)],
+        ..StepInput::default()
+    })
+    .unwrap()
+}
+
+#[test]
+fn one_full_attention_group_is_the_single_group_scheduler_and_bad_groups_are_refused() {
+    let clock = ManualClock::new();
+    let one = KvGroups {
+        shapes: vec![GroupShape::full_attention(4).unwrap()],
+        retention: Retention::Dense,
+    };
+    let s = Scheduler::with_groups(&config(), one, clock.shared()).unwrap();
+    assert_eq!(s.num_groups(), 1);
+    let (hybrid, _) = scheduler(Retention::Dense);
+    assert_eq!(hybrid.num_groups(), 2);
+    let wrong_chunk = KvGroups {
+        shapes: vec![
+            GroupShape::full_attention(4).unwrap(),
+            GroupShape::sliding_window(8, 8).unwrap(),
+        ],
+        retention: Retention::Dense,
+    };
+    let err = Scheduler::with_groups(&config(), wrong_chunk, clock.shared()).unwrap_err();
+    assert!(
+        matches!(&err, SchedulerError::Groups(m) if m.contains("group 1")),
+        "{err}"
+    );
+    let none = KvGroups {
+        shapes: vec![],
+        retention: Retention::Dense,
+    };
+    assert!(matches!(
+        Scheduler::with_groups(&config(), none, clock.shared()),
+        Err(SchedulerError::Groups(_))
+    ));
+}
+
+#[test]
+fn a_prompt_stored_in_both_groups_loads_the_full_prefix_and_the_window() {
+    let (mut s, _clock) = scheduler(Retention::Dense);
+    let plan = prefill(&mut s, 1, 7, &[1, 2, 3, 4], &[5, 6, 7, 8]);
+    assert_eq!(plan.stores.len(), 1, "one store carries both groups");
+    let store = &plan.stores[0];
+    assert_spans_cover(store);
+    // Dense retention: every boundary is a hit end, so every window block is
+    // reachable and the window group stores all four chunks too.
+    let want: Vec<ChunkKey> = (0..4)
+        .map(|c| key(7, c, 0))
+        .chain((0..4).map(|c| key(7, c, 1)))
+        .collect();
+    assert_eq!(store.keys.to_vec(), want);
+    assert_eq!(store.block_ids.to_vec(), ids(&[1, 2, 3, 4, 5, 6, 7, 8]));
+    assert_eq!(
+        store.groups,
+        vec![
+            GroupSpan {
+                num_keys: 4,
+                num_blocks: 4,
+                first_block_index: 0
+            };
+            2
+        ]
+    );
+    // The running request's window blocks are fenced from the store's
+    // creation; its full-attention blocks only once it finishes.
+    assert_eq!(s.fenced_jobs(GpuBlockId(5)), vec![store.job]);
+    assert!(s.fenced_jobs(GpuBlockId(1)).is_empty());
+    s.check_invariants().unwrap();
+    s.on_worker_output(&all_done(&plan));
+    assert!(s.fenced_jobs(GpuBlockId(5)).is_empty());
+    s.request_finished(RequestId(1), &ids(&[1, 2, 3, 4]), false, 16)
+        .unwrap();
+    s.build_step(&StepInput {
+        finished: vec![RequestId(1)],
+        ..StepInput::default()
+    })
+    .unwrap();
+
+    // Request 2: the same 16 tokens and one more. The hit leaves the last
+    // token to compute: 16 tokens, both groups ending at chunk 4.
+    let r2 = RequestId(2);
+    let mut h = hashes(7, 4);
+    h.push(BlockHash(99));
+    s.add_request(r2, 17, &h[..4]).unwrap();
+    assert_eq!(s.lookup(r2, 0).unwrap(), LookupOutcome::Hit(16));
+    // vLLM allocates the window group's blocks behind the window as null.
+    let (b0, b1) = (ids(&[11, 12, 13, 14, 15]), ids(&[0, 0, 17, 18, 19]));
+    let fresh = [false; 5];
+    let alloc = [
+        GroupAlloc {
+            block_ids: &b0,
+            cached: &fresh,
+        },
+        GroupAlloc {
+            block_ids: &b1,
+            cached: &fresh,
+        },
+    ];
+    let job = s.on_alloc_groups(r2, &alloc, 16).unwrap().unwrap();
+    // A third request with the same prefix waits for the window's chunks.
+    s.add_request(RequestId(3), 17, &h[..4]).unwrap();
+    assert_eq!(s.lookup(RequestId(3), 0).unwrap(), LookupOutcome::Defer);
+    let plan = s.build_step(&StepInput::default()).unwrap();
+    let load = &plan.loads[0];
+    assert_eq!(load.job, job);
+    assert_spans_cover(load);
+    assert_eq!(
+        load.keys.to_vec(),
+        vec![
+            key(7, 0, 0),
+            key(7, 1, 0),
+            key(7, 2, 0),
+            key(7, 3, 0),
+            key(7, 2, 1),
+            key(7, 3, 1)
+        ]
+    );
+    assert_eq!(load.block_ids.to_vec(), ids(&[11, 12, 13, 14, 17, 18]));
+    assert_eq!(
+        load.groups,
+        vec![
+            GroupSpan {
+                num_keys: 4,
+                num_blocks: 4,
+                first_block_index: 0
+            },
+            GroupSpan {
+                num_keys: 2,
+                num_blocks: 2,
+                first_block_index: 2
+            }
+        ]
+    );
+    assert!(s.is_being_loaded(key(7, 3, 1)));
+    assert!(
+        !s.is_being_loaded(key(7, 1, 1)),
+        "chunks behind the window are not loaded"
+    );
+    s.check_invariants().unwrap();
+    let outcome = s.on_worker_output(&all_done(&plan));
+    assert_eq!(outcome.finished_loads, vec![r2]);
+    assert_eq!(
+        s.lookup(RequestId(3), 0).unwrap(),
+        LookupOutcome::Hit(16),
+        "the wait ends with the load"
+    );
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_window_block_allocated_again_flushes_its_store_or_drops_out_of_the_table() {
+    let (mut s, _clock) = scheduler(Retention::Dense);
+    // Request 1 computes 6 of its 16 tokens: chunk 0 is stored (window block
+    // 5 fenced); chunk 1's window block 6 is not complete yet.
+    let r1 = RequestId(1);
+    s.add_request(r1, 16, &hashes(3, 4)).unwrap();
+    assert_eq!(s.lookup(r1, 0).unwrap(), LookupOutcome::Hit(0));
+    let plan = s
+        .build_step(&StepInput {
+            scheduled: vec![entry(1, 0, 6, &[1, 2], &[5, 6])],
+            ..StepInput::default()
+        })
+        .unwrap();
+    let store = plan.stores[0].job;
+    assert_eq!(
+        plan.stores[0].keys.to_vec(),
+        vec![key(3, 0, 0), key(3, 0, 1)]
+    );
+    assert_eq!(s.fenced_jobs(GpuBlockId(5)), vec![store]);
+    // Blocks 5 and 6 go to request 2 in the next step (vLLM frees window
+    // blocks behind the computed tokens, which may not be stored yet when a
+    // store could not be allocated). The pending store reading 5 is flushed;
+    // block 6, not stored yet, leaves request 1's table.
+    s.add_request(RequestId(2), 8, &hashes(4, 2)).unwrap();
+    assert_eq!(s.lookup(RequestId(2), 0).unwrap(), LookupOutcome::Hit(0));
+    let plan = s
+        .build_step(&StepInput {
+            scheduled: vec![
+                entry(1, 6, 10, &[3, 4], &[7, 8]),
+                entry(2, 0, 8, &[9, 10], &[5, 6]),
+            ],
+            ..StepInput::default()
+        })
+        .unwrap();
+    assert_eq!(plan.flush, vec![store]);
+    let r1_store = plan
+        .stores
+        .iter()
+        .find(|j| j.req == r1)
+        .expect("request 1 stores chunks 1 to 3");
+    assert_spans_cover(r1_store);
+    assert_eq!(
+        r1_store.keys.to_vec(),
+        vec![
+            key(3, 1, 0),
+            key(3, 2, 0),
+            key(3, 3, 0),
+            key(3, 2, 1),
+            key(3, 3, 1)
+        ],
+        "window chunk 1 lost its block: it is not stored"
+    );
+    assert_eq!(r1_store.block_ids.to_vec(), ids(&[2, 3, 4, 7, 8]));
+    assert_eq!(r1_store.groups[1].first_block_index, 2);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_finished_request_fences_every_block_of_its_stores() {
+    let (mut s, _clock) = scheduler(Retention::Dense);
+    let plan = prefill(&mut s, 1, 5, &[1, 2, 3, 4], &[5, 6, 7, 8]);
+    let store = plan.stores[0].job;
+    assert!(s.fenced_jobs(GpuBlockId(2)).is_empty());
+    s.request_finished(RequestId(1), &ids(&[1, 2, 3, 4]), false, 16)
+        .unwrap();
+    for b in 1..=8 {
+        assert_eq!(s.fenced_jobs(GpuBlockId(b)), vec![store], "block {b}");
+    }
+    s.check_invariants().unwrap();
+    // Block 2 goes to another request before the store came back: flushed.
+    s.add_request(RequestId(2), 4, &hashes(6, 1)).unwrap();
+    s.lookup(RequestId(2), 0).unwrap();
+    let plan2 = s
+        .build_step(&StepInput {
+            scheduled: vec![entry(2, 0, 4, &[2], &[9])],
+            finished: vec![RequestId(1)],
+            ..StepInput::default()
+        })
+        .unwrap();
+    assert!(plan2.flush.contains(&store));
+    s.on_worker_output(&all_done(&plan));
+    for b in 1..=8 {
+        assert!(s.fenced_jobs(GpuBlockId(b)).is_empty(), "block {b}");
+    }
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn calls_that_do_not_match_the_groups_are_refused_and_change_nothing() {
+    let (mut s, _clock) = scheduler(Retention::Dense);
+    let r = RequestId(1);
+    s.add_request(r, 16, &hashes(1, 4)).unwrap();
+    s.lookup(r, 0).unwrap();
+    assert!(matches!(
+        s.on_alloc(r, &ids(&[1, 2, 3, 4]), 0),
+        Err(SchedulerError::Groups(_))
+    ));
+    let b = ids(&[1, 2]);
+    let one = [GroupAlloc {
+        block_ids: &b,
+        cached: &[false, false],
+    }];
+    assert!(matches!(
+        s.on_alloc_groups(r, &one, 0),
+        Err(SchedulerError::Groups(_))
+    ));
+    let short = [
+        GroupAlloc {
+            block_ids: &b,
+            cached: &[false],
+        },
+        GroupAlloc {
+            block_ids: &b,
+            cached: &[false, false],
+        },
+    ];
+    assert!(matches!(
+        s.on_alloc_groups(r, &short, 0),
+        Err(SchedulerError::Groups(_))
+    ));
+    let mut bad = entry(1, 0, 16, &[1, 2, 3, 4], &[]);
+    bad.group_block_ids.clear();
+    let before = s.next_job_id();
+    assert!(matches!(
+        s.build_step(&StepInput {
+            scheduled: vec![bad],
+            ..StepInput::default()
+        }),
+        Err(SchedulerError::Groups(_))
+    ));
+    assert_eq!(s.next_job_id(), before);
+    s.check_invariants().unwrap();
+
+    // A single-group scheduler takes no group lists.
+    let clock = ManualClock::new();
+    let mut single = Scheduler::new(&config(), clock.shared()).unwrap();
+    single.add_request(r, 4, &hashes(1, 1)).unwrap();
+    assert!(matches!(
+        single.build_step(&StepInput {
+            scheduled: vec![entry(1, 0, 4, &[1], &[2])],
+            ..StepInput::default()
+        }),
+        Err(SchedulerError::Groups(_))
+    ));
+}
+
+/// One operation of the random backend below.
+#[derive(Debug, Clone)]
+enum Op {
+    /// Admit a request of family `family` (shared prefixes) with a prompt of
+    /// `blocks` blocks plus `extra` tokens.
+    Admit { family: u8, blocks: u8, extra: u8 },
+    /// Run the step: every running request computes up to `tokens` more.
+    Step { tokens: u8 },
+    /// The worker reports the oldest `n` jobs.
+    Report { n: u8 },
+    /// Request `pick` (modulo the running ones) finishes.
+    Finish { pick: u8 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0u8..3, 1u8..6, 0u8..4).prop_map(|(family, blocks, extra)| Op::Admit {
+            family,
+            blocks,
+            extra
+        }),
+        (1u8..12).prop_map(|tokens| Op::Step { tokens }),
+        (1u8..4).prop_map(|n| Op::Report { n }),
+        any::<u8>().prop_map(|pick| Op::Finish { pick }),
+    ]
+}
+
+/// A request as the random backend runs it.
+struct Running {
+    id: RequestId,
+    tokens: u64,
+    computed: u64,
+    /// Blocks per group, as the backend holds them (freed window blocks null).
+    blocks: [Vec<GpuBlockId>; 2],
+    /// Its tables went to the scheduler (its first step).
+    sent: bool,
+    /// Its load, until the worker reports it.
+    load: Option<JobId>,
+}
+
+/// Blocks of an 8-token window wholly behind the token at `end`: vLLM's
+/// window holds the 7 tokens before it.
+fn behind_window(block: usize, end: u64) -> bool {
+    (block as u64 + 1) * 4 <= end.saturating_sub(7)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    /// A backend that admits requests of a few shared prefixes (loading what
+    /// the host tier has, with null window blocks behind the window), runs
+    /// them, frees each window's blocks as it moves on and hands them to new
+    /// requests, finishes requests and reports jobs in order: no hook fails,
+    /// every job's spans cut it exactly, every invariant holds after every
+    /// operation, a new store reads no block another request holds, and a
+    /// pending store whose block is handed to a new request is in that
+    /// step's flush.
+    #[test]
+    fn random_hybrid_serving_keeps_every_invariant(
+        ops in proptest::collection::vec(op(), 1..100),
+        retention in prop_oneof![
+            Just(Retention::Dense),
+            Just(Retention::BoundariesOnly),
+            Just(Retention::Every(8)),
+        ],
+        host_chunks in prop_oneof![Just(3u64), Just(8), Just(64)],
+    ) {
+        // A small host tier refuses stores while others are in flight: their
+        // chunks are offered again while the windows move on.
+        let (mut s, _clock) = scheduler_with_chunks(retention, host_chunks);
+        let mut next_block = 0u32;
+        let mut free: Vec<GpuBlockId> = Vec::new();
+        let mut alloc = |free: &mut Vec<GpuBlockId>| {
+            free.pop().unwrap_or_else(|| {
+                next_block += 1;
+                GpuBlockId(next_block)
+            })
+        };
+        let mut running: Vec<Running> = Vec::new();
+        let mut pending: Vec<(JobId, Vec<GpuBlockId>)> = Vec::new();
+        let mut next_req = 0u64;
+        let mut mid_step = false;
+        for op in ops {
+            match op {
+                Op::Admit { family, blocks, extra } => {
+                    next_req += 1;
+                    let id = RequestId(next_req);
+                    let tokens = u64::from(blocks) * 4 + u64::from(extra);
+                    let h = hashes(u64::from(family), tokens / 4);
+                    s.add_request(id, tokens, &h).unwrap();
+                    let hit = match s.lookup(id, 0).unwrap() {
+                        LookupOutcome::Hit(n) => n,
+                        LookupOutcome::Defer => continue,
+                    };
+                    let n = tokens.div_ceil(4) as usize;
+                    let b0: Vec<GpuBlockId> = (0..n).map(|_| alloc(&mut free)).collect();
+                    let b1: Vec<GpuBlockId> = (0..n)
+                        .map(|i| if behind_window(i, hit) { GpuBlockId(0) } else { alloc(&mut free) })
+                        .collect();
+                    let fresh = vec![false; n];
+                    let groups = [
+                        GroupAlloc { block_ids: &b0, cached: &fresh },
+                        GroupAlloc { block_ids: &b1, cached: &fresh },
+                    ];
+                    let load = s.on_alloc_groups(id, &groups, hit).unwrap();
+                    mid_step = true;
+                    running.push(Running { id, tokens, computed: hit, blocks: [b0, b1], sent: false, load });
+                }
+                Op::Step { tokens } => {
+                    let mut input = StepInput::default();
+                    let mut handed: Vec<GpuBlockId> = Vec::new();
+                    for r in running.iter_mut().filter(|r| r.load.is_none()) {
+                        let n = u64::from(tokens).min(r.tokens.saturating_sub(r.computed));
+                        let mut e = ScheduledRequest {
+                            req: r.id,
+                            new_block_ids: Vec::new(),
+                            computed_tokens: r.computed,
+                            scheduled_tokens: n,
+                            full_table: false,
+                            group_block_ids: Vec::new(),
+                        };
+                        if !r.sent {
+                            // Its first step hands it its blocks.
+                            r.sent = true;
+                            e.new_block_ids = r.blocks[0].clone();
+                            e.group_block_ids = vec![r.blocks[1].clone()];
+                            handed.extend(r.blocks.iter().flatten().filter(|b| b.0 != 0));
+                        }
+                        input.scheduled.push(e);
+                        r.computed += n;
+                    }
+                    let plan = s.build_step(&input).unwrap();
+                    for job in plan.loads.iter().chain(&plan.stores) {
+                        assert_spans_cover(job);
+                    }
+                    for job in &plan.stores {
+                        let theirs = running
+                            .iter()
+                            .filter(|r| r.id != job.req && r.sent)
+                            .flat_map(|r| r.blocks.iter().flatten())
+                            .find(|b| job.block_ids.contains(b));
+                        prop_assert!(theirs.is_none(), "{} reads {theirs:?}, another request's", job.job);
+                    }
+                    for (job, blocks) in &pending {
+                        if s.is_job_live(*job) && blocks.iter().any(|b| handed.contains(b)) {
+                            prop_assert!(plan.flush.contains(job), "{job} reads a block handed on");
+                        }
+                    }
+                    pending.retain(|(j, _)| s.is_job_live(*j));
+                    pending.extend(plan.stores.iter().map(|j| (j.job, j.block_ids.to_vec())));
+                    mid_step = false;
+                    // Each window moves on: its blocks wholly behind it are
+                    // freed (the scheduler is not told) and may go to a new
+                    // request.
+                    for r in running.iter_mut().filter(|r| r.sent) {
+                        for (i, b) in r.blocks[1].iter_mut().enumerate() {
+                            if b.0 != 0 && behind_window(i, r.computed) {
+                                free.push(*b);
+                                *b = GpuBlockId(0);
+                            }
+                        }
+                    }
+                }
+                Op::Report { n } => {
+                    let loads: Vec<JobId> = running.iter().filter_map(|r| r.load).collect();
+                    let done: Vec<(JobId, u32)> = pending
+                        .iter()
+                        .map(|(j, _)| *j)
+                        .chain(loads)
+                        .take(usize::from(n))
+                        .map(|j| (j, 1))
+                        .collect();
+                    let out = s.on_worker_output(&CompletionReport { completed: done, failed: vec![] });
+                    prop_assert!(out.rejected.is_empty(), "{:?}", out.rejected);
+                    for r in &mut running {
+                        if r.load.is_some_and(|j| !s.is_job_live(j)) {
+                            r.load = None;
+                        }
+                    }
+                    pending.retain(|(j, _)| s.is_job_live(*j));
+                }
+                Op::Finish { pick } => {
+                    if running.is_empty() {
+                        continue;
+                    }
+                    let r = running.remove(usize::from(pick) % running.len());
+                    s.request_finished(r.id, &r.blocks[0], false, r.computed).unwrap();
+                    let plan = s
+                        .build_step(&StepInput { finished: vec![r.id], ..StepInput::default() })
+                        .unwrap();
+                    for job in plan.loads.iter().chain(&plan.stores) {
+                        assert_spans_cover(job);
+                    }
+                    pending.extend(plan.stores.iter().map(|j| (j.job, j.block_ids.to_vec())));
+                    mid_step = false;
+                    free.extend(r.blocks.iter().flatten().filter(|b| b.0 != 0));
+                }
+            }
+            // The invariants hold between steps (not between an admission's
+            // allocation and its step).
+            if !mid_step {
+                s.check_invariants().map_err(TestCaseError::fail)?;
+            }
+        }
+    }
+}
