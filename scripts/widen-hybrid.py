@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
 """Widens the hybrid corpus' check: records vLLM 0.33.0's connector on N more
 seeds (cycling through test_hybrid_vllm.py's configurations) into a folder
-that is not committed, for `tests/hybrid_corpus.rs` to check the core's
-hybrid lookup, load plan and store selection against.
+that is not committed, runs kvoffload's connector (its scheduler side) on
+each and compares it with vLLM's run step by step (as
+`test_kvoffload_answers_as_vllm_on_hybrid_configs` does on the committed
+corpus), and leaves the folder for `tests/hybrid_corpus.rs` to check the
+core's hybrid lookup, load plan and store selection against.
 
-Run with the cached vLLM venv's python (scripts/setup-vllm.sh prints it):
+Run with the cached vLLM venv's python (scripts/setup-vllm.sh prints it), the
+kvoffload package installed in it (scripts/test-python.sh does):
     PY=$(scripts/setup-vllm.sh)
-    $PY scripts/widen-hybrid.py 40 /tmp/hybrid-wide
+    PYTHONHASHSEED=1 $PY scripts/widen-hybrid.py 40 /tmp/hybrid-wide
     KVOFFLOAD_HYBRID_CORPUS=/tmp/hybrid-wide cargo test --release --test hybrid_corpus
+Exits 1 if kvoffload answered a step differently.
 """
 
 import os
@@ -25,6 +30,7 @@ def main() -> int:
         print(__doc__, file=sys.stderr)
         return 2
     n, out = int(sys.argv[1]), Path(sys.argv[2])
+    same = differ = 0
     for k in range(n):
         _, specs, extra, opts, delay = hy.CASES[k % len(hy.CASES)]
         seed = 10_000 + k
@@ -37,8 +43,19 @@ def main() -> int:
             print(f"seed {seed} {specs}: not recorded: {e}", flush=True)
             continue
         hy.write_case(out / f"seed{seed}-{specs}.json.gz", seed, specs, extra, opts, delay, steps, derived)
-        print(f"seed {seed} {specs}: {len(steps)} steps", flush=True)
-    return 0
+        want = [hy.comparable(st) for st in steps]
+        got = hy.kvoffload_run(seed, specs, extra, opts, delay)
+        diff = next((i for i, (w, g) in enumerate(zip(want, got)) if w != g), None)
+        if diff is None and len(want) != len(got):
+            diff = min(len(want), len(got))
+        if diff is None:
+            same += 1
+            print(f"seed {seed} {specs}: {len(steps)} steps, kvoffload the same", flush=True)
+        else:
+            differ += 1
+            print(f"seed {seed} {specs}: kvoffload differs at step {diff}", flush=True)
+    print(f"{same} seeds the same as vLLM, {differ} different", flush=True)
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ fn spec_parts(job: &TransferJob, blocks_per_chunk: u32) -> SpecParts<'_> {
         gpu_blocks: &job.block_ids,
         first_block_index: skip as u32,
         chunks: &job.chunk_ids,
+        groups: &job.groups,
     }
 }
 
@@ -25,6 +26,7 @@ fn spec(job: &TransferJob, blocks_per_chunk: u32) -> TransferSpec {
         gpu_blocks: p.gpu_blocks.to_vec(),
         first_block_index: p.first_block_index,
         chunks: p.chunks.to_vec(),
+        groups: p.groups.to_vec(),
     }
 }
 

@@ -616,6 +616,21 @@ fn bad_input_gives_typed_errors() {
         err(b.submit_store(JobId(1), &TransferSpec::default())),
         SpecError::Empty
     );
+    // A transfer over several KV groups (a hybrid model's job) is refused,
+    // not moved as one group's.
+    let span = kvoffload::scheduler::GroupSpan {
+        num_keys: 1,
+        num_blocks: 1,
+        first_block_index: 0,
+    };
+    let grouped = TransferSpec {
+        groups: vec![span; 2],
+        ..TransferSpec::new(&[1, 2], 0, &[0, 1])
+    };
+    assert_eq!(
+        err(b.submit_store(JobId(1), &grouped)),
+        SpecError::SeveralGroups { groups: 2 }
+    );
     assert_eq!(b.in_flight(), 0);
     // Duplicate ids in flight (one held by a stall, in the fault injector).
     let mut f = f.faulty();

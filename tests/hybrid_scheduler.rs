@@ -63,15 +63,28 @@ fn key(family: u64, chunk: u64, group: u32) -> ChunkKey {
     ChunkKey::for_group(BlockHash(family * 1000 + chunk), group)
 }
 
-/// A running request's entry in a step, with its new blocks per group.
-fn entry(req: u64, computed: u64, scheduled: u64, g0: &[u32], g1: &[u32]) -> ScheduledRequest {
-    ScheduledRequest {
+/// A running request's entry in a step, with its new blocks in group 0
+/// (`g0`) and group 1 (`g1`).
+type Entry = (ScheduledRequest, Vec<GpuBlockId>);
+
+fn entry(req: u64, computed: u64, scheduled: u64, g0: &[u32], g1: &[u32]) -> Entry {
+    let e = ScheduledRequest {
         req: RequestId(req),
         new_block_ids: ids(g0),
         computed_tokens: computed,
         scheduled_tokens: scheduled,
         full_table: false,
-        group_block_ids: vec![ids(g1)],
+    };
+    (e, ids(g1))
+}
+
+/// A step of `entries` (group 1's blocks in `group_block_ids`).
+fn step_of(entries: Vec<Entry>) -> StepInput {
+    let (scheduled, g1): (Vec<_>, Vec<_>) = entries.into_iter().unzip();
+    StepInput {
+        scheduled,
+        group_block_ids: g1.into_iter().map(|b| vec![b]).collect(),
+        ..StepInput::default()
     }
 }
 
@@ -116,11 +129,8 @@ fn prefill(s: &mut Scheduler, req: u64, family: u64, g0: &[u32], g1: &[u32]) -> 
         },
     ];
     assert_eq!(s.on_alloc_groups(r, &alloc, 0).unwrap(), None);
-    s.build_step(&StepInput {
-        scheduled: vec![entry(req, 0, 16, g0, g1)],
-        ..StepInput::default()
-    })
-    .unwrap()
+    s.build_step(&step_of(vec![entry(req, 0, 16, g0, g1)]))
+        .unwrap()
 }
 
 #[test]
@@ -252,6 +262,9 @@ fn a_prompt_stored_in_both_groups_loads_the_full_prefix_and_the_window() {
             }
         ]
     );
+    // Full attention covers the whole hit: every token from the host tier.
+    let sources = s.hit_sources(r2, 16).unwrap();
+    assert_eq!((sources.host_tokens, sources.uncovered_tokens), (16, 0));
     assert!(s.is_being_loaded(key(7, 3, 1)));
     assert!(
         !s.is_being_loaded(key(7, 1, 1)),
@@ -269,6 +282,72 @@ fn a_prompt_stored_in_both_groups_loads_the_full_prefix_and_the_window() {
 }
 
 #[test]
+fn with_windows_only_the_history_before_the_windows_is_not_from_the_host_tier() {
+    let clock = ManualClock::new();
+    let windows = KvGroups {
+        shapes: vec![
+            GroupShape::sliding_window(4, 8).unwrap(),
+            GroupShape::sliding_window(4, 4).unwrap(),
+        ],
+        retention: Retention::Dense,
+    };
+    let mut s = Scheduler::with_groups(&config(), windows, clock.shared()).unwrap();
+    let plan = prefill(&mut s, 1, 2, &[1, 2, 3, 4], &[5, 6, 7, 8]);
+    s.on_worker_output(&all_done(&plan));
+    s.request_finished(RequestId(1), &[], false, 16).unwrap();
+    s.build_step(&StepInput {
+        finished: vec![RequestId(1)],
+        ..StepInput::default()
+    })
+    .unwrap();
+    let r2 = RequestId(2);
+    s.add_request(r2, 17, &hashes(2, 4)).unwrap();
+    assert_eq!(s.lookup(r2, 0).unwrap(), LookupOutcome::Hit(16));
+    // The 8-token window loads blocks 2 and 3, the 4-token one block 3.
+    let (b0, b1) = (ids(&[0, 0, 11, 12, 13]), ids(&[0, 0, 0, 14, 15]));
+    let fresh = [false; 5];
+    let alloc = [
+        GroupAlloc {
+            block_ids: &b0,
+            cached: &fresh,
+        },
+        GroupAlloc {
+            block_ids: &b1,
+            cached: &fresh,
+        },
+    ];
+    s.on_alloc_groups(r2, &alloc, 16).unwrap().unwrap();
+    let plan = s.build_step(&StepInput::default()).unwrap();
+    assert_eq!(
+        plan.loads[0].groups,
+        vec![
+            GroupSpan {
+                num_keys: 2,
+                num_blocks: 2,
+                first_block_index: 2
+            },
+            GroupSpan {
+                num_keys: 1,
+                num_blocks: 1,
+                first_block_index: 3
+            }
+        ]
+    );
+    // Tokens 8..16 come from host chunks; 0..8 from none (vLLM:
+    // external_unspecified).
+    let sources = s.hit_sources(r2, 16).unwrap();
+    assert_eq!(
+        (
+            sources.host_tokens,
+            sources.remote_tokens,
+            sources.uncovered_tokens
+        ),
+        (8, 0, 8)
+    );
+    s.check_invariants().unwrap();
+}
+
+#[test]
 fn a_window_block_allocated_again_flushes_its_store_or_drops_out_of_the_table() {
     let (mut s, _clock) = scheduler(Retention::Dense);
     // Request 1 computes 6 of its 16 tokens: chunk 0 is stored (window block
@@ -277,10 +356,7 @@ fn a_window_block_allocated_again_flushes_its_store_or_drops_out_of_the_table() 
     s.add_request(r1, 16, &hashes(3, 4)).unwrap();
     assert_eq!(s.lookup(r1, 0).unwrap(), LookupOutcome::Hit(0));
     let plan = s
-        .build_step(&StepInput {
-            scheduled: vec![entry(1, 0, 6, &[1, 2], &[5, 6])],
-            ..StepInput::default()
-        })
+        .build_step(&step_of(vec![entry(1, 0, 6, &[1, 2], &[5, 6])]))
         .unwrap();
     let store = plan.stores[0].job;
     assert_eq!(
@@ -295,13 +371,10 @@ fn a_window_block_allocated_again_flushes_its_store_or_drops_out_of_the_table() 
     s.add_request(RequestId(2), 8, &hashes(4, 2)).unwrap();
     assert_eq!(s.lookup(RequestId(2), 0).unwrap(), LookupOutcome::Hit(0));
     let plan = s
-        .build_step(&StepInput {
-            scheduled: vec![
-                entry(1, 6, 10, &[3, 4], &[7, 8]),
-                entry(2, 0, 8, &[9, 10], &[5, 6]),
-            ],
-            ..StepInput::default()
-        })
+        .build_step(&step_of(vec![
+            entry(1, 6, 10, &[3, 4], &[7, 8]),
+            entry(2, 0, 8, &[9, 10], &[5, 6]),
+        ]))
         .unwrap();
     assert_eq!(plan.flush, vec![store]);
     let r1_store = plan
@@ -343,9 +416,8 @@ fn a_finished_request_fences_every_block_of_its_stores() {
     s.lookup(RequestId(2), 0).unwrap();
     let plan2 = s
         .build_step(&StepInput {
-            scheduled: vec![entry(2, 0, 4, &[2], &[9])],
             finished: vec![RequestId(1)],
-            ..StepInput::default()
+            ..step_of(vec![entry(2, 0, 4, &[2], &[9])])
         })
         .unwrap();
     assert!(plan2.flush.contains(&store));
@@ -389,16 +461,19 @@ fn calls_that_do_not_match_the_groups_are_refused_and_change_nothing() {
         s.on_alloc_groups(r, &short, 0),
         Err(SchedulerError::Groups(_))
     ));
-    let mut bad = entry(1, 0, 16, &[1, 2, 3, 4], &[]);
-    bad.group_block_ids.clear();
+    // New blocks in group 0 and no list for group 1; lists for one request
+    // of two.
+    let mut no_group_1 = step_of(vec![entry(1, 0, 16, &[1, 2, 3, 4], &[])]);
+    no_group_1.group_block_ids[0].clear();
+    let mut short = step_of(vec![
+        entry(1, 0, 16, &[1, 2, 3, 4], &[5, 6, 7, 8]),
+        entry(1, 0, 16, &[], &[]),
+    ]);
+    short.group_block_ids.pop();
     let before = s.next_job_id();
-    assert!(matches!(
-        s.build_step(&StepInput {
-            scheduled: vec![bad],
-            ..StepInput::default()
-        }),
-        Err(SchedulerError::Groups(_))
-    ));
+    for bad in [no_group_1, short] {
+        assert!(matches!(s.build_step(&bad), Err(SchedulerError::Groups(_))));
+    }
     assert_eq!(s.next_job_id(), before);
     s.check_invariants().unwrap();
 
@@ -407,10 +482,7 @@ fn calls_that_do_not_match_the_groups_are_refused_and_change_nothing() {
     let mut single = Scheduler::new(&config(), clock.shared()).unwrap();
     single.add_request(r, 4, &hashes(1, 1)).unwrap();
     assert!(matches!(
-        single.build_step(&StepInput {
-            scheduled: vec![entry(1, 0, 4, &[1], &[2])],
-            ..StepInput::default()
-        }),
+        single.build_step(&step_of(vec![entry(1, 0, 4, &[1], &[2])])),
         Err(SchedulerError::Groups(_))
     ));
 }
@@ -534,16 +606,17 @@ proptest! {
                             computed_tokens: r.computed,
                             scheduled_tokens: n,
                             full_table: false,
-                            group_block_ids: Vec::new(),
                         };
+                        let mut others = Vec::new();
                         if !r.sent {
                             // Its first step hands it its blocks.
                             r.sent = true;
                             e.new_block_ids = r.blocks[0].clone();
-                            e.group_block_ids = vec![r.blocks[1].clone()];
+                            others = vec![r.blocks[1].clone()];
                             handed.extend(r.blocks.iter().flatten().filter(|b| b.0 != 0));
                         }
                         input.scheduled.push(e);
+                        input.group_block_ids.push(others);
                         r.computed += n;
                     }
                     let plan = s.build_step(&input).unwrap();

@@ -44,7 +44,6 @@ fn an_in_flight_job_costs_at_most_256_heap_bytes() {
             computed_tokens: 0,
             scheduled_tokens: 1,
             full_table: false,
-            group_block_ids: Vec::new(),
         });
     }
     // The requests' own block and hash lists grow in the window too (12 bytes

@@ -338,7 +338,6 @@ fn store_request(t: &mut Rig, q: u64, blocks: [u32; 2]) -> StepPlan {
                 computed_tokens: 0,
                 scheduled_tokens: 8,
                 full_table: true,
-                group_block_ids: Vec::new(),
             }],
             ..StepInput::default()
         })

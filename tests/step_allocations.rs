@@ -47,7 +47,6 @@ fn a_steady_step_allocates_nothing() {
             computed_tokens: t,
             scheduled_tokens: 1,
             full_table: false,
-            group_block_ids: Vec::new(),
         });
     }
     let mut next_block = 1u32;

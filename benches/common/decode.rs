@@ -55,7 +55,6 @@ impl Decode {
                 computed_tokens: t,
                 scheduled_tokens: 1,
                 full_table: false,
-                group_block_ids: Vec::new(),
             });
         }
         Self {

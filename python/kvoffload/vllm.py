@@ -46,6 +46,7 @@ from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     FullAttentionSpec,
     MLAAttentionSpec,
+    SlidingWindowSpec,
     group_kernel_blocks,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -252,9 +253,16 @@ def block_hash_converter() -> Callable[[bytes], Any]:
     return _hash_as_int if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else _hash_as_bytes
 
 
-def _placeholder_stored(block_hash: Any, kind: Any, window: Any) -> BlockStored:
+def _window_chunks(window: int, chunk_tokens: int) -> int:
+    """vLLM's ``get_sliding_window_size_in_chunks``: the chunks a window of
+    ``window`` tokens spans."""
+    return max(-(-window // chunk_tokens), -(-(window - 1) // chunk_tokens))
+
+
+def _placeholder_stored(block_hash: Any, kind: Any, window: Any, group: int = 0) -> BlockStored:
     """vLLM's placeholder ``BlockStored`` for a chunk: named by the hash of
-    its last block, no tokens, no LoRA, the KV group's kind and window."""
+    its last block, no tokens, no LoRA, its KV group, the group's kind and
+    window."""
     return BlockStored(
         block_hashes=[block_hash],
         parent_block_hash=None,
@@ -263,7 +271,7 @@ def _placeholder_stored(block_hash: Any, kind: Any, window: Any) -> BlockStored:
         block_size=0,
         medium="CPU",
         lora_name=None,
-        group_idx=0,
+        group_idx=group,
         kv_cache_spec_kind=kind,
         kv_cache_spec_sliding_window=window,
     )
@@ -280,9 +288,40 @@ def _u64(limit: int | None) -> int | None:
 _DENSE_ATTENTION_SPECS = (FullAttentionSpec, MLAAttentionSpec)
 
 
-def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
-    """The engine configuration from vLLM's: one full-attention KV group."""
+def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[int | None] | None:
+    """The KV groups of a hybrid ``KVCacheConfig`` (several groups, vLLM's
+    hybrid manager) as the scheduler core takes them: per group its sliding
+    window in tokens, ``None`` for full attention. ``None`` for one group.
+    Raises ``ValueError`` for groups kvoffload cannot offload (other kinds of
+    layers, different block sizes)."""
     groups = kv_cache_config.kv_cache_groups
+    if len(groups) < 2:
+        return None
+    windows: list[int | None] = []
+    for g in groups:
+        spec = g.kv_cache_spec
+        if type(spec) is FullAttentionSpec:
+            windows.append(None)
+        elif type(spec) is SlidingWindowSpec and not getattr(spec, "extra_retained_tokens", 0):
+            windows.append(int(spec.sliding_window))
+        else:
+            raise ValueError(
+                "KvOffloadConnector offloads hybrid models of full-attention and sliding-window "
+                f"KV groups; this model has a {type(spec).__name__} group"
+            )
+    sizes = {g.kv_cache_spec.block_size for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"KvOffloadConnector needs one block size for every KV group, got {sorted(sizes)}")
+    return windows
+
+
+def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
+    """The engine configuration from vLLM's: one full-attention KV group, or
+    (scheduler side only, `kv_group_windows`) full-attention and
+    sliding-window groups."""
+    groups = kv_cache_config.kv_cache_groups
+    if kv_group_windows(kv_cache_config) is not None:
+        return _hybrid_engine_config(vllm_config, kv_cache_config)
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
         raise ValueError(
             "KvOffloadConnector supports models with one full-attention KV cache group "
@@ -327,6 +366,34 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
         worker_bytes_per_block=per_block,
         # As vLLM counts a hit against sync_load_budget_bytes.
         kv_bytes_per_token=spec.page_size_bytes * len(groups[0].layer_names) // spec.block_size,
+    )
+
+
+def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
+    """The engine configuration of a hybrid ``KVCacheConfig`` (vLLM's
+    ``SchedulerOffloadConfig`` for several groups): a host chunk holds one
+    group's blocks, sized as vLLM's (the backing allocation's bytes per
+    block); the sync-load budget counts every group's bytes per token."""
+    groups = kv_cache_config.kv_cache_groups
+    spec = groups[0].kv_cache_spec
+    dcp = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1)
+    if dcp > 1:
+        raise ValueError(
+            f"KvOffloadConnector does not support decode context parallelism (decode_context_parallel_size={dcp})"
+        )
+    num_blocks = kv_cache_config.num_blocks
+    page_bytes = [g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups]
+    if kv_cache_config.kv_cache_tensors and num_blocks > 0:
+        per_block = kv_cache_config.kv_cache_tensors[0].size // num_blocks
+    else:
+        per_block = sum(page_bytes)
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    return EngineConfig.from_extra(
+        extra,
+        tokens_per_block=spec.block_size,
+        world_size=vllm_config.parallel_config.world_size,
+        worker_bytes_per_block=per_block,
+        kv_bytes_per_token=sum(b // spec.block_size for b in page_bytes),
     )
 
 
@@ -423,7 +490,25 @@ class _SchedulerSide:
         #: Whether the events carry each chunk's payload (and every
         #: ``BlockStored`` the KV group's kind and window).
         self.self_describing = publish and cfg.self_describing_kv_events
-        self.core = SchedulerCore(cfg.to_json(), kv_events=publish, self_describing=self.self_describing)
+        #: Per KV group its sliding window (``None``: full attention), or
+        #: ``None`` for one group.
+        self.windows = kv_group_windows(kv_cache_config)
+        retention = vllm_config.cache_config.prefix_cache_retention_interval if self.windows else None
+        if self.windows and retention is not None:
+            chunk = cfg.tokens_per_block * cfg.blocks_per_chunk
+            if any(w is not None for w in self.windows) and retention % chunk:
+                # vLLM's own check.
+                raise ValueError(
+                    f"prefix_cache_retention_interval ({retention}) must be a multiple of "
+                    f"tokens_per_chunk ({chunk})."
+                )
+        self.core = SchedulerCore(
+            cfg.to_json(),
+            kv_events=publish,
+            self_describing=self.self_describing,
+            groups=self.windows,
+            retention_interval=retention,
+        )
         self.event_spec = (
             get_offloading_event_group_spec(kv_cache_config.kv_cache_groups[0])
             if self.self_describing
@@ -446,13 +531,21 @@ class _SchedulerSide:
         self.info_sent = False
         max_len = vllm_config.model_config.max_model_len if vllm_config.model_config else 0
         chunk_tokens = self.block_size
-        # vLLM's CPU tier facts (``CPUOffloadingInfo``, one full-attention group).
+        # vLLM's CPU tier facts (``CPUOffloadingInfo``): a request of
+        # max_model_len tokens takes its chunks in every group (a sliding
+        # window's at most its window's).
+        per_request = 0
+        for w in self.windows or [None]:
+            group_chunks = -(-max_len // chunk_tokens)
+            if w is not None:
+                group_chunks = min(group_chunks, _window_chunks(w, chunk_tokens))
+            per_request += group_chunks
         self.info = {
             "cpu_num_chunks": cfg.num_cpu_chunks,
             "cpu_blocks_per_chunk": cfg.blocks_per_chunk,
             "cpu_kv_cache_size_bytes": cfg.num_cpu_chunks * cfg.host_chunk_bytes,
             "cpu_kv_cache_size_tokens": (
-                cfg.num_cpu_chunks * max_len // -(-max_len // chunk_tokens) if max_len > 0 else None
+                cfg.num_cpu_chunks * max_len // per_request if max_len > 0 else None
             ),
         }
 
@@ -516,6 +609,10 @@ class _SchedulerSide:
             self.on_new_request(request)
         # Prompt-logprob requests (and any that asks) must compute their
         # prompt: no hit, as vLLM's connector and its GPU prefix cache.
+        if self.windows:
+            # Sliding-window groups also store the window ending where the
+            # GPU prefix cache's shared prefix ends (set before this lookup).
+            self.core.set_shared_prefix_boundary(request.request_id, int(request.shared_prefix_boundary))
         hit = self.core.lookup(
             request.request_id, num_computed_tokens, bool(request.skip_reading_prefix_cache)
         )
@@ -530,6 +627,14 @@ class _SchedulerSide:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        if self.windows:
+            # Per group each block and whether it holds cached KV (a hash).
+            groups = [
+                ([int(b.block_id) for b in group], [b.block_hash is not None for b in group])
+                for group in blocks.blocks
+            ]
+            self.core.on_alloc_groups(request.request_id, groups, num_external_tokens)
+            return
         block_ids = [int(b) for b in blocks.get_block_ids()[0]]
         self.core.on_alloc(request.request_id, block_ids, num_external_tokens)
 
@@ -546,6 +651,12 @@ class _SchedulerSide:
         cached = so.scheduled_cached_reqs
         preempted = sorted(r for r in (so.preempted_req_ids or ()) if r in self.requests)
         finished = [r for r in (so.finished_req_ids or ()) if r in self.requests]
+        # Several KV groups: the new requests' blocks of groups 1, 2, ...
+        new_groups = (
+            [[[int(b) for b in g] for g in r.block_ids[1:]] if r.block_ids else [] for r in so.scheduled_new_reqs]
+            if self.windows
+            else []
+        )
         plan, load_requests, failed = self.core.build_step(
             so.num_scheduled_tokens,
             new,
@@ -555,6 +666,7 @@ class _SchedulerSide:
             cached.resumed_req_ids,
             preempted,
             finished,
+            new_groups,
         )
         self.requests.difference_update(finished)
         return KvOffloadMetadata(plan=plan, load_requests=load_requests, failed_loads=failed)
@@ -589,6 +701,13 @@ class _SchedulerSide:
         )
         return False, None
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
+        """``request_finished`` with several KV groups (vLLM's
+        ``SupportsHMA``): the blocks freed are not what is stored."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     def take_events(self) -> list[KVCacheEvent]:
         """vLLM's KV events for the host tier: a ``BlockStored`` per stored
         chunk and a ``BlockRemoved`` per eviction. By default (vLLM's
@@ -607,17 +726,19 @@ class _SchedulerSide:
         convert = block_hash_converter()
         identity = convert is _hash_as_bytes
         out: list[KVCacheEvent] = []
-        for removed, items in self.core.take_events():
+        for removed, group, items in self.core.take_events():
             if removed:
                 out.append(
                     BlockRemoved(
                         block_hashes=items if identity else [convert(h) for h in items],
                         medium="CPU",
-                        group_idx=0,
+                        group_idx=group,
                     )
                 )
             elif not self.self_describing:
-                out.extend([_placeholder_stored(h if identity else convert(h), kind, window) for h in items])
+                out.extend(
+                    [_placeholder_stored(h if identity else convert(h), kind, window, group) for h in items]
+                )
             else:
                 out.extend(self._stored_payloads(items, convert, kind, window, tpb))
         return out
@@ -685,6 +806,13 @@ class _WorkerSide:
     """The worker role: vLLM's KV tensors mapped onto kvoffload's layouts."""
 
     def __init__(self, cfg: EngineConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
+        if kv_group_windows(kv_cache_config) is not None:
+            # The scheduler side plans several groups; no backend moves them yet.
+            raise ValueError(
+                "KvOffloadConnector's worker moves one KV cache group; this model has "
+                f"{len(kv_cache_config.kv_cache_groups)} groups (hybrid models are offloaded "
+                "as one full-attention group, with vLLM's hybrid manager off)"
+            )
         self.cfg = cfg
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
@@ -974,6 +1102,15 @@ class KvOffloadConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's ``SupportsHMA`` hook (several KV groups). This class does
+        not declare ``SupportsHMA`` yet: its worker moves one group, so vLLM
+        keeps its hybrid manager off for it."""
+        assert self._scheduler is not None
+        return self._scheduler.request_finished_all_groups(request, block_ids)
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         assert self._scheduler is not None

@@ -46,16 +46,22 @@ impl ChunkSource<'_> {
     }
 
     fn key(&self, c: usize, bpc: usize) -> ChunkKey {
-        ChunkKey::for_group(self.hashes[(c + 1) * bpc - 1], 0)
+        self.group_key(c, bpc, 0)
+    }
+
+    fn group_key(&self, c: usize, bpc: usize, group: u32) -> ChunkKey {
+        ChunkKey::for_group(self.hashes[(c + 1) * bpc - 1], group)
     }
 }
 
-/// One translated event: `(removed, items)`. A removal's items are block
-/// hashes (bytes); a store's are, per chunk, its hash (placeholder) or its
-/// payload tuple (self-describing). Consecutive stores come as one run
-/// (each item is its own `BlockStored` either way): one Python tuple and
-/// list per run instead of per stored chunk.
-pub(crate) type Event = (bool, Vec<Py<PyAny>>);
+/// One translated event: `(removed, group, items)`, the items of one KV
+/// group. A removal's items are block hashes (bytes); a store's are, per
+/// chunk, its hash (placeholder) or its payload tuple (self-describing).
+/// Consecutive stores of a group come as one run (each item is its own
+/// `BlockStored` either way): one Python tuple and list per run instead of
+/// per stored chunk. A removal of chunks of several groups comes as one
+/// event per group, in the order the groups first appear (vLLM's).
+pub(crate) type Event = (bool, u32, Vec<Py<PyAny>>);
 
 /// vLLM's KV events for the host tier: the hashes (and payloads) of the
 /// chunks the tier holds or is being written, and the translation.
@@ -63,6 +69,8 @@ pub(crate) struct EventTracker {
     /// vLLM's block hash (bytes) of every chunk key stored or being stored,
     /// for the placeholder payload; dropped when the key leaves the tier.
     key_bytes: FxHashMap<u64, Py<PyAny>>,
+    /// The KV group of every such key outside group 0 (several groups).
+    key_group: FxHashMap<u64, u32>,
     /// Self-describing payloads by chunk key (`None`: placeholders only).
     payloads: Option<FxHashMap<u64, Payload>>,
     blocks_per_chunk: usize,
@@ -76,6 +84,7 @@ impl EventTracker {
         let bpc = blocks_per_chunk.max(1) as usize;
         Self {
             key_bytes: FxHashMap::default(),
+            key_group: FxHashMap::default(),
             payloads: self_describing.then(FxHashMap::default),
             blocks_per_chunk: bpc,
             tokens_per_chunk: bpc * tokens_per_block.max(1) as usize,
@@ -100,33 +109,36 @@ impl EventTracker {
     /// A reset: the tier is empty, and as vLLM no removal event follows.
     pub(crate) fn reset(&mut self) {
         self.key_bytes.clear();
+        self.key_group.clear();
         if let Some(p) = &mut self.payloads {
             p.clear();
         }
     }
 
-    /// Records the keys a store (or fetch) job writes (vLLM's
-    /// `record_store`): the job's keys are chunks of the request in
+    /// Records the keys a store (or fetch) job writes in KV group `group`
+    /// (vLLM's `record_store`): the keys are chunks of the request in
     /// increasing order (chunks the tier already holds are left out), the
-    /// first found from the request's end.
+    /// first found from the request's end. Payloads are group 0's only.
     pub(crate) fn record_store(
         &mut self,
         src: &ChunkSource<'_>,
         keys: &[ChunkKey],
+        group: u32,
     ) -> PyResult<()> {
         let bpc = self.blocks_per_chunk;
         let chunks = src.chunks(bpc);
         let Some(first) = keys.first() else {
             return Ok(());
         };
-        let Some(mut c) = (0..chunks).rev().find(|&c| src.key(c, bpc) == *first) else {
+        let key = |c: usize| src.group_key(c, bpc, group);
+        let Some(mut c) = (0..chunks).rev().find(|&c| key(c) == *first) else {
             return Ok(());
         };
         let py = src.request.py();
         let list = src.request.getattr(intern!(py, "block_hashes"))?;
         let list = list.cast::<PyList>()?;
         for k in keys {
-            while c < chunks && src.key(c, bpc) != *k {
+            while c < chunks && key(c) != *k {
                 c += 1;
             }
             if c == chunks {
@@ -135,7 +147,10 @@ impl EventTracker {
             if let std::collections::hash_map::Entry::Vacant(e) = self.key_bytes.entry(k.0) {
                 e.insert(list.get_item((c + 1) * bpc - 1)?.unbind());
             }
-            if self.payloads.is_some() {
+            if group != 0 {
+                self.key_group.insert(k.0, group);
+            }
+            if self.payloads.is_some() && group == 0 {
                 let payload = self.payload(src.request, list, c)?;
                 if let Some(p) = &mut self.payloads {
                     p.insert(k.0, payload);
@@ -242,8 +257,17 @@ impl EventTracker {
         let mut out: Vec<Event> = Vec::with_capacity(events.len());
         let mut removed: Vec<ChunkKey> = Vec::new();
         for e in events {
-            let mut items = Vec::with_capacity(e.keys.len());
+            // Per group (in first-appearance order), its items.
+            let mut by_group: Vec<(u32, Vec<Py<PyAny>>)> = Vec::with_capacity(1);
             for k in e.keys.iter() {
+                let group = self.key_group.get(&k.0).copied().unwrap_or(0);
+                let items = match by_group.iter().position(|(g, _)| *g == group) {
+                    Some(i) => &mut by_group[i].1,
+                    None => {
+                        by_group.push((group, Vec::with_capacity(e.keys.len())));
+                        &mut by_group.last_mut().expect("just pushed").1
+                    }
+                };
                 let payload = self.payloads.as_mut().and_then(|p| p.get_mut(&k.0));
                 if e.removed {
                     removed.push(*k);
@@ -270,10 +294,12 @@ impl EventTracker {
                     None => self.hash_of(py, *k),
                 });
             }
-            match out.last_mut() {
-                Some((false, run)) if !e.removed => run.append(&mut items),
-                _ if e.removed && items.is_empty() => {}
-                _ => out.push((e.removed, items)),
+            for (group, mut items) in by_group {
+                match out.last_mut() {
+                    Some((false, g, run)) if !e.removed && *g == group => run.append(&mut items),
+                    _ if e.removed && items.is_empty() => {}
+                    _ => out.push((e.removed, group, items)),
+                }
             }
         }
         // A payload whose chunk left the tier goes; one removed and stored
@@ -289,6 +315,7 @@ impl EventTracker {
         for k in removed {
             if s.manager().lookup(k) == LookupResult::Miss {
                 self.key_bytes.remove(&k.0);
+                self.key_group.remove(&k.0);
             }
         }
         Ok(out)
@@ -374,12 +401,12 @@ mod tests {
             let (req, hashes) = request(py, "a");
             let k = keys(&hashes);
             let src = source(&req, &hashes);
-            t.record_store(&src, &k).unwrap();
+            t.record_store(&src, &k, 0).unwrap();
             store(&mut s, &k, StoreOutcome::Success);
             let ev = t.take(py, &mut s).unwrap();
             assert_eq!(ev.len(), 1);
             assert!(!ev[0].0, "a store");
-            let items: Vec<String> = ev[0].1.iter().map(|i| text(py, i)).collect();
+            let items: Vec<String> = ev[0].2.iter().map(|i| text(py, i)).collect();
             assert_eq!(
                 items,
                 [
@@ -392,13 +419,13 @@ mod tests {
             // removal names both of its blocks, and its payload goes.
             let (other, other_hashes) = request(py, "b");
             let k2 = keys(&other_hashes);
-            t.record_store(&source(&other, &other_hashes), &k2[..1])
+            t.record_store(&source(&other, &other_hashes), &k2[..1], 0)
                 .unwrap();
             store(&mut s, &k2[..1], StoreOutcome::Success);
             let ev = t.take(py, &mut s).unwrap();
             assert_eq!(ev.len(), 2, "a removal, then a store");
             assert!(ev[0].0);
-            let removed: Vec<String> = ev[0].1.iter().map(|i| text(py, i)).collect();
+            let removed: Vec<String> = ev[0].2.iter().map(|i| text(py, i)).collect();
             assert_eq!(removed, ["b'a0'", "b'a1'"]);
             assert_eq!(t.held_payloads(), 2, "chunk a1 and b0 remain");
             assert_eq!(t.held_hashes(), 2);
@@ -413,7 +440,7 @@ mod tests {
             let (req, hashes) = request(py, "c");
             let k = keys(&hashes);
             let src = source(&req, &hashes);
-            t.record_store(&src, &k).unwrap();
+            t.record_store(&src, &k, 0).unwrap();
             store(&mut s, &k, StoreOutcome::Failure);
             assert!(t.take(py, &mut s).unwrap().is_empty(), "nothing announced");
             assert_eq!((t.held_payloads(), t.held_hashes()), (0, 0));
@@ -434,7 +461,7 @@ mod tests {
             t.record_lookup(&src, 1..5).unwrap();
             assert_eq!(t.held_payloads(), 1, "chunk 1 only (the range is clipped)");
             let ev = t.take(py, &mut s).unwrap();
-            let items: Vec<String> = ev[0].1.iter().map(|i| text(py, i)).collect();
+            let items: Vec<String> = ev[0].2.iter().map(|i| text(py, i)).collect();
             // Chunk 0: neither recorded nor its hash known: its 8-byte key.
             let key0 = PyBytes::new(py, &k[0].0.to_le_bytes())
                 .repr()
@@ -456,11 +483,11 @@ mod tests {
             let (req, hashes) = request(py, "e");
             let k = keys(&hashes);
             let src = source(&req, &hashes);
-            t.record_store(&src, &k).unwrap();
+            t.record_store(&src, &k, 0).unwrap();
             t.record_lookup(&src, 0..2).unwrap();
             store(&mut s, &k, StoreOutcome::Success);
             let ev = t.take(py, &mut s).unwrap();
-            let items: Vec<String> = ev[0].1.iter().map(|i| text(py, i)).collect();
+            let items: Vec<String> = ev[0].2.iter().map(|i| text(py, i)).collect();
             assert_eq!(items, ["b'e1'", "b'e3'"]);
             assert_eq!(t.held_payloads(), 0);
         });
@@ -475,11 +502,11 @@ mod tests {
             let (req, hashes) = request_with_lora(py, "f", lora);
             let k = keys(&hashes);
             let src = source(&req, &hashes);
-            t.record_store(&src, &k[..1]).unwrap();
+            t.record_store(&src, &k[..1], 0).unwrap();
             store(&mut s, &k[..1], StoreOutcome::Success);
             let ev = t.take(py, &mut s).unwrap();
             assert_eq!(
-                text(py, &ev[0].1[0]),
+                text(py, &ev[0].2[0]),
                 "([b'f0', b'f1'], None, [100, 101, 102, 103], 7, 'sql-adapter')"
             );
         });

@@ -47,6 +47,48 @@ pub(crate) fn plan_transfers(
     ))
 }
 
+/// A job's GPU blocks per KV group, as vLLM lists a transfer's: per group
+/// `[first block index, block ids...]` (one group: the spec's own).
+fn group_blocks(s: &TransferSpec) -> Vec<Vec<u32>> {
+    if s.groups.is_empty() {
+        let mut one = vec![s.first_block_index];
+        one.extend(s.gpu_blocks.iter().map(|b| b.0));
+        return vec![one];
+    }
+    let mut at = 0;
+    s.groups
+        .iter()
+        .map(|g| {
+            let n = g.num_blocks as usize;
+            let mut out = vec![g.first_block_index];
+            out.extend(s.gpu_blocks.iter().skip(at).take(n).map(|b| b.0));
+            at += n;
+            out
+        })
+        .collect()
+}
+
+/// A step plan's loads and stores with their GPU blocks per KV group, for
+/// tests and tools: `(loads, stores)`, each as `(job, [[first block index,
+/// block ids...] per group])`.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+pub(crate) fn plan_group_transfers(
+    plan: &[u8],
+) -> PyResult<(Vec<(u64, Vec<Vec<u32>>)>, Vec<(u64, Vec<Vec<u32>>)>)> {
+    let p = decode_plan(plan).map_err(value_error)?;
+    Ok((
+        p.loads
+            .iter()
+            .map(|l| (l.job.0, group_blocks(&l.spec)))
+            .collect(),
+        p.stores
+            .iter()
+            .map(|s| (s.job.0, group_blocks(&s.spec)))
+            .collect(),
+    ))
+}
+
 /// The key kvoffload gives a block hash (for tests and events).
 #[pyfunction]
 pub(crate) fn chunk_key(block_hash: Vec<u8>) -> u64 {
@@ -87,11 +129,42 @@ mod tests {
             plan_transfers(&bytes).ok(),
             Some((vec![(4, vec![7, 8])], vec![(5, vec![9])], vec![2]))
         );
+        assert_eq!(
+            plan_group_transfers(&bytes).ok(),
+            Some((vec![(4, vec![vec![0, 7, 8]])], vec![(5, vec![vec![0, 9]])]))
+        );
         assert!(
             plan_jobs(&bytes[..bytes.len() - 1]).is_err(),
             "a truncated plan is refused"
         );
         assert!(plan_jobs(b"nope").is_err(), "foreign bytes are refused");
+    }
+
+    #[test]
+    fn a_job_over_several_groups_lists_each_group_s_blocks() {
+        use kvoffload::scheduler::GroupSpan;
+        let span = |num_keys, num_blocks, first_block_index| GroupSpan {
+            num_keys,
+            num_blocks,
+            first_block_index,
+        };
+        let plan = WorkerPlan {
+            stores: vec![StoreJob {
+                job: JobId(5),
+                spec: TransferSpec {
+                    groups: vec![span(2, 2, 0), span(1, 1, 3), span(0, 0, 0)],
+                    ..TransferSpec::new(&[7, 8, 9], 0, &[1, 2, 3])
+                },
+                keys: vec![ChunkKey(1), ChunkKey(2), ChunkKey(3)],
+            }],
+            ..WorkerPlan::default()
+        };
+        let mut bytes = Vec::new();
+        encode_plan(&plan, &mut bytes);
+        assert_eq!(
+            plan_group_transfers(&bytes).ok(),
+            Some((vec![], vec![(5, vec![vec![0, 7, 8], vec![3, 9], vec![0]])]))
+        );
     }
 
     #[test]

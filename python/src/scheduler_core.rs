@@ -4,8 +4,9 @@
 use std::collections::HashMap;
 
 use kvoffload::adapter::encode_worker_plan;
+use kvoffload::scheduler::hybrid::{GroupAlloc, GroupShape, KvGroups, Retention};
 use kvoffload::scheduler::{
-    CompletionReport, LookupOutcome, ScheduledRequest, Scheduler, StepInput,
+    CompletionReport, GroupSpan, LookupOutcome, ScheduledRequest, Scheduler, StepInput,
 };
 use kvoffload::{
     BlockHash, ChunkKey, GpuBlockId, JobId, ManualClock, MonotonicClock, OffloadConfig, RequestId,
@@ -33,8 +34,17 @@ struct Tracked {
 
 /// A scheduled request read from the scheduler output: the key object's
 /// address (0 for a new request), the id, the hashes the scheduler has, the
-/// new blocks, whether they are the whole table, the computed tokens.
-type Part = (usize, RequestId, usize, Vec<GpuBlockId>, bool, u64);
+/// new blocks (group 0's), whether they are the whole table, the computed
+/// tokens, and with several KV groups the new blocks of groups 1, 2, ...
+type Part = (
+    usize,
+    RequestId,
+    usize,
+    Vec<GpuBlockId>,
+    bool,
+    u64,
+    Vec<Vec<GpuBlockId>>,
+);
 
 /// A cached request's entry in [`SchedulerCore::positions`].
 #[derive(Debug, Clone, Copy)]
@@ -67,6 +77,8 @@ struct CachedLists<'a, 'py> {
     computed: &'a Bound<'py, PyList>,
     resumed: &'a Bound<'py, PyAny>,
     has_resumed: bool,
+    /// KV groups (the blocks of groups past the first are read too).
+    groups: usize,
 }
 
 impl CachedLists<'_, '_> {
@@ -87,6 +99,21 @@ impl CachedLists<'_, '_> {
             block_list(&groups.get_item(0)?)?
         };
         Ok((full, computed, new_blocks))
+    }
+
+    /// Cached request `i`'s new blocks in groups 1, 2, ... (empty with one
+    /// group, or when it has no new blocks).
+    fn read_other_groups(&self, i: usize) -> PyResult<Vec<Vec<GpuBlockId>>> {
+        if self.groups < 2 {
+            return Ok(Vec::new());
+        }
+        let groups = list_item(self.blocks, i)?.to_owned();
+        if groups.is_none() {
+            return Ok(Vec::new());
+        }
+        (1..self.groups)
+            .map(|g| block_list(&groups.get_item(g)?))
+            .collect()
     }
 }
 
@@ -252,11 +279,13 @@ impl SchedulerCore {
     }
 
     /// Records the chunks a store (or fetch) job writes for the KV events.
+    /// `groups`: the job's group spans (empty: every key is group 0's).
     fn remember_store_keys(
         &mut self,
         py: Python<'_>,
         req: RequestId,
         keys: &[ChunkKey],
+        groups: &[GroupSpan],
     ) -> PyResult<()> {
         let Some(t) = self.tracked.get(&req) else {
             return Ok(());
@@ -266,7 +295,17 @@ impl SchedulerCore {
             request,
             hashes: &t.hashes,
         };
-        self.events.record_store(&src, keys)
+        if groups.is_empty() {
+            return self.events.record_store(&src, keys, 0);
+        }
+        let mut at = 0;
+        for (g, span) in groups.iter().enumerate() {
+            let n = span.num_keys as usize;
+            let part = keys.get(at..at + n).unwrap_or_default();
+            self.events.record_store(&src, part, g as u32)?;
+            at += n;
+        }
+        Ok(())
     }
 
     /// The part of cached request `i` (`None`: not tracked).
@@ -280,7 +319,10 @@ impl SchedulerCore {
         };
         let address = key.as_ptr() as usize;
         let (full, computed, new_blocks) = lists.read(i, key)?;
-        Ok(Some((address, id, sent, new_blocks, full, computed)))
+        let others = lists.read_other_groups(i)?;
+        Ok(Some((
+            address, id, sent, new_blocks, full, computed, others,
+        )))
     }
 
     /// Adds cached request `i`, whose key is `key` (it is the next one
@@ -310,6 +352,7 @@ impl SchedulerCore {
             },
         };
         let (full_table, computed_tokens, new_block_ids) = lists.read(i, key)?;
+        let group_block_ids = lists.read_other_groups(i)?;
         if !full_table
             && new_block_ids.is_empty()
             && computed_tokens.saturating_add(scheduled_tokens) < horizon
@@ -342,8 +385,10 @@ impl SchedulerCore {
             computed_tokens,
             scheduled_tokens,
             full_table,
-            group_block_ids: Vec::new(),
         });
+        if lists.groups > 1 {
+            input.group_block_ids.push(group_block_ids);
+        }
         Ok(())
     }
 
@@ -356,7 +401,8 @@ impl SchedulerCore {
         part: Option<Part>,
         n: Borrowed<'_, '_, PyAny>,
     ) -> PyResult<()> {
-        let Some((_, id, sent, new_block_ids, full_table, computed_tokens)) = part else {
+        let Some((_, id, sent, new_block_ids, full_table, computed_tokens, group_block_ids)) = part
+        else {
             return Ok(());
         };
         let scheduled_tokens = int_u64(n)?;
@@ -374,8 +420,10 @@ impl SchedulerCore {
             computed_tokens,
             scheduled_tokens,
             full_table,
-            group_block_ids: Vec::new(),
         });
+        if self.s.num_groups() > 1 {
+            input.group_block_ids.push(group_block_ids);
+        }
         Ok(())
     }
 
@@ -389,6 +437,7 @@ impl SchedulerCore {
         input: &mut StepInput,
         num_scheduled: Bound<'py, PyDict>,
         new_requests: Vec<(String, Vec<u32>, u64)>,
+        new_group_blocks: Vec<Vec<Vec<u32>>>,
         cached: (
             Bound<'py, PyList>,
             Bound<'py, PyList>,
@@ -405,6 +454,7 @@ impl SchedulerCore {
             computed: &cached_computed,
             resumed: &resumed,
             has_resumed: resumed.len()? > 0,
+            groups: self.s.num_groups(),
         };
         // The scheduled requests usually come in the cached requests' order
         // (running requests first): those are matched in lockstep, each key
@@ -433,9 +483,21 @@ impl SchedulerCore {
                         parts.push(Some(p));
                     }
                 }
-                for (name, ids, computed) in &new_requests {
+                for (n, (name, ids, computed)) in new_requests.iter().enumerate() {
                     if let Some(&id) = self.names.ids.get(name.as_str()) {
-                        parts.push(Some((0, id, usize::MAX, blocks(ids), true, *computed)));
+                        let others = new_group_blocks
+                            .get(n)
+                            .map(|g| g.iter().map(|ids| blocks(ids)).collect())
+                            .unwrap_or_default();
+                        parts.push(Some((
+                            0,
+                            id,
+                            usize::MAX,
+                            blocks(ids),
+                            true,
+                            *computed,
+                            others,
+                        )));
                     }
                 }
             }
@@ -459,7 +521,7 @@ impl SchedulerCore {
                 });
                 match index.get(&id) {
                     Some(&i) => parts[i].take(),
-                    None => Some((address, id, usize::MAX, Vec::new(), false, 0)),
+                    None => Some((address, id, usize::MAX, Vec::new(), false, 0, Vec::new())),
                 }
             };
             self.schedule(py, input, part, n)
@@ -484,7 +546,7 @@ impl SchedulerCore {
             // A fetch job brings chunks into the tier as a store does: its
             // completion announces them (`BlockStored`) by these hashes.
             for st in plan.stores.iter().chain(&plan.fetches) {
-                self.remember_store_keys(py, st.req, &st.keys)?;
+                self.remember_store_keys(py, st.req, &st.keys, &st.groups)?;
             }
         }
         encode_worker_plan(&plan, self.cfg.blocks_per_chunk, &mut self.wire);
@@ -516,13 +578,15 @@ impl SchedulerCore {
     /// parent hash and LoRA (vLLM's `self_describing_kv_events`; only with
     /// `kv_events`).
     #[new]
-    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false))]
+    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false, groups = None, retention_interval = None))]
     fn new(
         config_json: &str,
         watchdog: bool,
         manual_clock: bool,
         kv_events: bool,
         self_describing: bool,
+        groups: Option<Vec<Option<u64>>>,
+        retention_interval: Option<u64>,
     ) -> PyResult<Self> {
         let cfg = OffloadConfig::from_json_str(config_json).map_err(value_error)?;
         let manual = manual_clock.then(ManualClock::new);
@@ -530,7 +594,28 @@ impl SchedulerCore {
             Some(c) => c.shared(),
             None => MonotonicClock::shared(),
         };
-        let mut s = Scheduler::new(&cfg, clock.clone()).map_err(value_error)?;
+        let mut s = match groups {
+            None => Scheduler::new(&cfg, clock.clone()),
+            Some(windows) => {
+                let tokens_per_chunk = cfg.tokens_per_chunk();
+                let shapes = windows
+                    .into_iter()
+                    .map(|w| GroupShape::new(tokens_per_chunk, w))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(value_error)?;
+                let groups = KvGroups {
+                    shapes,
+                    retention: Retention::from_vllm(retention_interval),
+                };
+                Scheduler::with_groups(&cfg, groups, clock.clone())
+            }
+        }
+        .map_err(value_error)?;
+        if s.num_groups() > 1 && kv_events && self_describing {
+            return Err(value_error(
+                "self-describing KV events with several KV groups are not supported yet",
+            ));
+        }
         // No events published: the host tier logs none (nothing to drain).
         s.manager_mut().set_events_logged(kv_events);
         let events = EventTracker::new(
@@ -718,13 +803,17 @@ impl SchedulerCore {
     /// `(host, remote)`, the tokens from chunks the host tier held and from
     /// chunks the request's own fetches brought from the remote tier (vLLM's
     /// `get_external_cache_hit_sources`).
+    ///
+    /// With several KV groups, tokens no loaded chunk covers (a sliding
+    /// window's history left unloaded) count with the remote ones: vLLM
+    /// labels both `external_unspecified`.
     fn hit_sources(&self, req: &str, external_tokens: u64) -> PyResult<(u64, u64)> {
         let id = self.names.get(req)?;
         let src = self
             .s
             .hit_sources(id, external_tokens)
             .map_err(value_error)?;
-        Ok((src.host_tokens, src.remote_tokens))
+        Ok((src.host_tokens, src.remote_tokens + src.uncovered_tokens))
     }
 
     /// Whether the request's last lookup in this step reserved the step's
@@ -753,10 +842,49 @@ impl SchedulerCore {
             .map(|j| j.0))
     }
 
+    /// [`Self::on_alloc`] with several KV groups: per group, the request's
+    /// block ids and which of them hold cached KV (vLLM: a block hash).
+    fn on_alloc_groups(
+        &mut self,
+        py: Python<'_>,
+        req: &str,
+        groups: Vec<(Vec<u32>, Vec<bool>)>,
+        external_tokens: u64,
+    ) -> PyResult<Option<u64>> {
+        let id = self.names.get(req)?;
+        self.sync(py, id, false)?;
+        let ids: Vec<Vec<GpuBlockId>> = groups.iter().map(|(b, _)| blocks(b)).collect();
+        let allocs: Vec<GroupAlloc<'_>> = ids
+            .iter()
+            .zip(&groups)
+            .map(|(block_ids, (_, cached))| GroupAlloc { block_ids, cached })
+            .collect();
+        Ok(self
+            .s
+            .on_alloc_groups(id, &allocs, external_tokens)
+            .map_err(value_error)?
+            .map(|j| j.0))
+    }
+
+    /// Where the GPU prefix cache's shared prefix of the request ends
+    /// (vLLM's `Request.shared_prefix_boundary`, read before its lookup).
+    fn set_shared_prefix_boundary(&mut self, req: &str, tokens: u64) -> PyResult<()> {
+        let id = self.names.get(req)?;
+        self.s
+            .set_shared_prefix_boundary(id, tokens)
+            .map_err(value_error)
+    }
+
+    /// KV groups the scheduler offloads.
+    fn num_groups(&self) -> usize {
+        self.s.num_groups()
+    }
+
     /// One step (vLLM's `build_connector_meta`), from the scheduler output's
     /// parts: `num_scheduled` (`{request: tokens}`, in scheduling order),
     /// `new_requests` (`[(request, block ids, computed tokens)]`, whole
-    /// tables), the cached requests' `cached_ids`, `cached_blocks` (each
+    /// tables; with several KV groups `new_group_blocks` holds per new
+    /// request the block ids of groups 1, 2, ...), the cached requests' `cached_ids`, `cached_blocks` (each
     /// `None` or a tuple of per-group block lists: this step's additions),
     /// `cached_computed` and `resumed` (ids whose list is the whole table),
     /// then the preempted and finished requests. Requests the connector does
@@ -765,6 +893,7 @@ impl SchedulerCore {
     /// it (`{job: request}`), and the requests whose load failed or stalled
     /// (they must recompute).
     #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    #[pyo3(signature = (num_scheduled, new_requests, cached_ids, cached_blocks, cached_computed, resumed, preempted, finished, new_group_blocks = Vec::new()))]
     fn build_step<'py>(
         &mut self,
         py: Python<'py>,
@@ -776,6 +905,7 @@ impl SchedulerCore {
         resumed: Bound<'py, PyAny>,
         preempted: Vec<String>,
         finished: Vec<String>,
+        new_group_blocks: Vec<Vec<Vec<u32>>>,
     ) -> PyResult<(Bound<'py, PyBytes>, HashMap<u64, String>, Vec<String>)> {
         // Each scheduled request's part: the cached requests in their order
         // (the running ones come in the order `num_scheduled` lists them),
@@ -786,6 +916,7 @@ impl SchedulerCore {
         input.scheduled.clear();
         input.preempted.clear();
         input.finished.clear();
+        input.group_block_ids.clear();
         self.listed.clear();
         let result = self.build_step_with(
             py,
@@ -793,6 +924,7 @@ impl SchedulerCore {
             &mut input,
             num_scheduled,
             new_requests,
+            new_group_blocks,
             (cached_ids, cached_blocks, cached_computed, resumed),
             preempted,
             finished,
@@ -873,13 +1005,13 @@ impl SchedulerCore {
     }
 
     /// The host tier's events since the last call, as vLLM publishes them:
-    /// `(removed, items)`. A removal's items are vLLM's block hashes (bytes:
+    /// `(removed, group, items)`, the items of one KV group (0 with one). A removal's items are vLLM's block hashes (bytes:
     /// each chunk's last block's, or all of its blocks' where its
     /// self-describing payload is known); a store's are, per chunk, that hash
     /// or, self-describing, the tuple `(block_hashes, parent_block_hash,
     /// token_ids, lora_id, lora_name)`. A failed store's cleanup announces
     /// nothing. A key whose hash is not known is its 8-byte key.
-    fn take_events(&mut self, py: Python<'_>) -> PyResult<Vec<(bool, Vec<Py<PyAny>>)>> {
+    fn take_events(&mut self, py: Python<'_>) -> PyResult<Vec<crate::kv_events::Event>> {
         if !self.kv_events {
             self.s.discard_events();
             return Ok(Vec::new());

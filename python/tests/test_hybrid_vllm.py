@@ -1,16 +1,20 @@
 """vLLM 0.33.0's own ``OffloadingConnector`` on hybrid KV cache configurations
 (several KV groups: full attention with sliding-window groups, or sliding
 windows only), recorded step by step as ``test_differential.py`` records a
-run, and kept as a corpus (``corpus/hybrid/*.json.gz``).
+run, and kept as a corpus (``corpus/hybrid/*.json.gz``); and kvoffload's
+connector (its scheduler side) compared with it step by step.
 
-kvoffload does not offload hybrid groups yet (docs/hybrid-groups.md: its
-connector refuses a hybrid ``KVCacheConfig``, and vLLM runs such a model with
-its hybrid manager off). This corpus is what the plan's later steps are
-checked against: per step the tokens scheduled, each lookup's hit, each load's
-and store's GPU blocks per group (with the group's first block index), and the
-KV events. The tests here check that vLLM still answers as recorded (a
-harness or vLLM change shows as a diff), that the recorded runs exercise what
-the plan needs (sliding-window loads and hits, stores of every group), and the
+kvoffload's scheduler plans several groups (``Scheduler::with_groups``); its
+worker moves one group, so the package's connector does not declare
+``SupportsHMA`` yet and vLLM runs a hybrid model with its hybrid manager off
+(docs/hybrid-groups.md). ``hybrid_connector.py`` declares it for these
+scheduler-only runs. Per step the corpus holds the tokens scheduled, each
+lookup's hit, each load's and store's GPU blocks per group (with the group's
+first block index), the KV events, and what vLLM's connector saw inside (key
+states, load and store inputs). The tests check that vLLM still answers as
+recorded (a harness or vLLM change shows as a diff), that kvoffload answers
+every recorded step as vLLM did, that the recorded runs exercise what the
+plan needs (sliding-window loads and hits, stores of every group), and the
 rules docs/hybrid-groups.md states, read off vLLM's answers rather than its
 source: a hit leaves the last token to compute, loads are chunk-aligned, a
 sliding-window group loads only its window.
@@ -32,7 +36,8 @@ import pytest
 import torch
 
 from harness import HEAD_SIZE, HEADS, build
-from test_differential import capture_events, order_free, vllm_worker
+import kvoffload._native as native
+from test_differential import capture_events, kvoffload_worker, order_free, vllm_worker
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
@@ -160,19 +165,10 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
     """vLLM's connector on the seed's workload, step by step, and what vLLM
     derived from the configuration (the hit alignment, the retention
     interval of sliding-window stores)."""
-    common = {
-        "num_gpu_blocks": GPU_BLOCKS * len(SPECS[specs]()),
-        "max_num_seqs": 6,
-        "max_num_batched_tokens": 64,
-        **opts,
-    }
-    groups = SPECS[specs]()
-    # HOST_CHUNKS host chunks of one group's layers (2 layers, K and V).
-    chunk_bytes = groups[0].page_size_bytes * 2 * extra.get("block_size", TPB) // TPB
-    cfg = {"cpu_bytes_to_use": HOST_CHUNKS * chunk_bytes * common.get("world_size", 1), **extra}
+    common, cfg = engine_options(specs, extra, opts)
     e = build(
         connector="OffloadingConnector", module=None, extra=cfg, fake_worker=vllm_worker(delay),
-        tpb=TPB, groups=groups, **common,
+        tpb=TPB, groups=SPECS[specs](), **common,
     )
     lookups: list[list] = []
     inner = e.connector.get_num_new_matched_tokens
@@ -272,6 +268,37 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
 
     sched.manager.prepare_store = offered
     events = capture_events(e.connector)
+
+    def snapshot(so: Any) -> dict:
+        meta = so.kv_connector_metadata
+        got = {
+            "scheduled": dict(sorted(so.num_scheduled_tokens.items())),
+            "preempted": sorted(so.preempted_req_ids or ()),
+            "lookups": lookups[:],
+            "allocs": allocs[:],
+            "store_inputs": store_inputs[:],
+            "store_candidates": candidates[:],
+            "loads": sorted([j.req_id, spec_blocks(j.dst_spec)] for j in meta.load_jobs.values()),
+            "stores": sorted([j.req_id, spec_blocks(j.src_spec)] for j in meta.store_jobs.values()),
+            "events": [list(ev) for ev in order_free(events)],
+        }
+        for log in (lookups, allocs, store_inputs, candidates, events):
+            log.clear()
+        return got
+
+    steps = drive(e, seed, snapshot)
+    # JSON's view of the record (tuples as lists), as the corpus holds it.
+    derived = {
+        "alignment_tokens": sched.config.alignment_tokens,
+        "retention_interval": sched.config.retention_interval,
+    }
+    return json.loads(json.dumps(steps, default=repr)), derived
+
+
+def drive(e: Any, seed: int, snapshot: Any) -> list[dict]:
+    """Runs the seed's workload on engine `e` to its end: per step
+    `snapshot(scheduler_output)` (``{"idle": True}`` for a step with
+    nothing to schedule)."""
     arrivals = workload(seed, REQUESTS)
     steps: list[dict] = []
     i = 0
@@ -286,35 +313,27 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
             e.flush_async()
             steps.append({"idle": True})
             continue
-        so = e.step()
-        meta = so.kv_connector_metadata
-        steps.append(
-            {
-                "scheduled": dict(sorted(so.num_scheduled_tokens.items())),
-                "preempted": sorted(so.preempted_req_ids or ()),
-                "lookups": lookups[:],
-                "allocs": allocs[:],
-                "store_inputs": store_inputs[:],
-                "store_candidates": candidates[:],
-                "loads": sorted([j.req_id, spec_blocks(j.dst_spec)] for j in meta.load_jobs.values()),
-                "stores": sorted([j.req_id, spec_blocks(j.src_spec)] for j in meta.store_jobs.values()),
-                "events": [list(ev) for ev in order_free(events)],
-            }
-        )
-        lookups.clear()
-        allocs.clear()
-        store_inputs.clear()
-        candidates.clear()
-        events.clear()
+        steps.append(snapshot(e.step()))
     else:
         raise AssertionError(f"seed {seed}: requests still running after 600 steps")
     e.flush_async()
-    # JSON's view of the record (tuples as lists), as the corpus holds it.
-    derived = {
-        "alignment_tokens": sched.config.alignment_tokens,
-        "retention_interval": sched.config.retention_interval,
+    return steps
+
+
+def engine_options(specs: str, extra: dict, opts: dict) -> tuple[dict, dict]:
+    """The engine options and connector configuration of a case: a GPU cache
+    of `GPU_BLOCKS` per group, `HOST_CHUNKS` host chunks of one group's
+    layers (2 layers, K and V)."""
+    common = {
+        "num_gpu_blocks": GPU_BLOCKS * len(SPECS[specs]()),
+        "max_num_seqs": 6,
+        "max_num_batched_tokens": 64,
+        **opts,
     }
-    return json.loads(json.dumps(steps, default=repr)), derived
+    groups = SPECS[specs]()
+    chunk_bytes = groups[0].page_size_bytes * 2 * extra.get("block_size", TPB) // TPB
+    cfg = {"cpu_bytes_to_use": HOST_CHUNKS * chunk_bytes * common.get("world_size", 1), **extra}
+    return common, cfg
 
 
 def corpus_path(seed: int, specs: str) -> Path:
@@ -353,6 +372,76 @@ def test_vllm_answers_hybrid_configs_as_recorded(seed: int, specs: str, extra: d
     for n, (w, g) in enumerate(zip(want["steps"], got)):
         assert g == w, f"step {n}: vLLM now {g} != recorded {w}"
     assert len(got) == len(want["steps"]), f"{len(got)} steps != {len(want['steps'])} recorded"
+
+
+def kvoffload_run(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> list[dict]:
+    """kvoffload's connector (its scheduler side, with vLLM's hybrid manager
+    on: ``hybrid_connector.py``) on the case's workload, per step what the
+    corpus records of vLLM's and kvoffload can show: the tokens scheduled,
+    the preemptions, each lookup's answer, each load's and store's GPU
+    blocks per group, the KV events."""
+    common, cfg = engine_options(specs, extra, opts)
+    e = build(
+        connector="KvOffloadHybridConnector", module="hybrid_connector", extra=cfg,
+        fake_worker=kvoffload_worker(delay), tpb=TPB, groups=SPECS[specs](), **common,
+    )
+    lookups: list[list] = []
+    inner = e.connector.get_num_new_matched_tokens
+
+    def lookup(request: Any, num_computed: int, *a: Any, **k: Any) -> Any:
+        got = inner(request, num_computed, *a, **k)
+        lookups.append([request.request_id, num_computed, request.num_tokens, got[0], got[1]])
+        return got
+
+    e.connector.get_num_new_matched_tokens = lookup
+    events = capture_events(e.connector)
+
+    def snapshot(so: Any) -> dict:
+        meta = so.kv_connector_metadata
+        loads, stores = native.plan_group_transfers(meta.plan)
+        got = {
+            "scheduled": dict(sorted(so.num_scheduled_tokens.items())),
+            "preempted": sorted(so.preempted_req_ids or ()),
+            "lookups": lookups[:],
+            "loads": sorted([meta.load_requests[j], groups] for j, groups in loads),
+            "stores": sorted(groups for _, groups in stores),
+            "events": [list(ev) for ev in order_free(events)],
+        }
+        lookups.clear()
+        events.clear()
+        return got
+
+    steps = drive(e, seed, snapshot)
+    assert e.connector.scheduler_state()["invariants"] is None
+    return json.loads(json.dumps(steps, default=repr))
+
+
+def comparable(step: dict) -> dict:
+    """A recorded step of vLLM's as `kvoffload_run` records kvoffload's
+    (lookups without the key states vLLM showed, stores without their
+    request: kvoffload's plan names a store's blocks, not its request)."""
+    if step.get("idle"):
+        return step
+    return {
+        "scheduled": step["scheduled"],
+        "preempted": step["preempted"],
+        "lookups": [lk[:5] for lk in step["lookups"]],
+        "loads": step["loads"],
+        "stores": sorted(groups for _, groups in step["stores"]),
+        "events": step["events"],
+    }
+
+
+@pytest.mark.parametrize("seed,specs,extra,opts,delay", CASES, ids=[f"seed{c[0]}-{c[1]}" for c in CASES])
+def test_kvoffload_answers_as_vllm_on_hybrid_configs(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> None:
+    """Step for step, kvoffload's scheduler side does what vLLM's connector
+    did on the recorded case: the same lookups answered, the same loads and
+    stores of the same blocks in every group, the same KV events."""
+    want = [comparable(st) for st in read_corpus(seed, specs)["steps"]]
+    got = kvoffload_run(seed, specs, extra, opts, delay)
+    for n, (w, g) in enumerate(zip(want, got)):
+        assert g == w, f"step {n}: kvoffload {g} != vLLM {w}"
+    assert len(got) == len(want), f"{len(got)} steps != vLLM's {len(want)}"
 
 
 def window_chunks(tokens: int, tokens_per_chunk: int) -> int:
@@ -404,16 +493,25 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
                     assert first == computed // TPB, (rid, g, computed, per_group)
 
 
-def test_kvoffload_refuses_a_hybrid_kv_cache_config_by_name() -> None:
-    """Until the plan is built: a hybrid config is refused at once, naming
-    why, not offloaded wrongly (vLLM runs such a model with one group when
-    the connector does not declare SupportsHMA)."""
-    with pytest.raises(ValueError, match=r"one full-attention KV cache group \(this model has 2 groups\)"):
-        build(
-            connector="KvOffloadConnector", module="kvoffload.vllm",
-            extra={"cpu_bytes_to_use": 1 << 20}, fake_worker=vllm_worker(0), tpb=TPB,
-            groups=[full(), window(8)],
-        )
+def test_kvoffload_worker_refuses_a_hybrid_kv_cache_config_by_name() -> None:
+    """The scheduler side plans several groups (above); the worker side
+    moves one group: given a hybrid config it refuses at once, naming why,
+    rather than move one group's blocks as another's. The package's
+    connector does not declare ``SupportsHMA``, so vLLM keeps its hybrid
+    manager off for it (every layer one full-attention group)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
+
+    from kvoffload.vllm import KvOffloadConnector
+
+    e = build(
+        connector="KvOffloadHybridConnector", module="hybrid_connector",
+        extra={"cpu_bytes_to_use": 1 << 20}, fake_worker=kvoffload_worker(0), tpb=TPB,
+        groups=[full(), window(8)],
+    )
+    vllm_config, kv_cache_config = e.scheduler.vllm_config, e.scheduler.kv_cache_config
+    with pytest.raises(ValueError, match=r"worker moves one KV cache group; this model has 2 groups"):
+        KvOffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    assert not issubclass(KvOffloadConnector, SupportsHMA)
 
 
 def test_corpus_has_windowed_loads() -> None:

@@ -123,6 +123,8 @@ pub struct OffloadManager {
     ignored_complete_keys: u64,
     alloc_sizes: [u64; ALLOC_SIZE_BUCKETS],
     generation: u64,
+    /// KV groups sharing each chunk position ([`Self::set_position_groups`]).
+    position_groups: u32,
     /// Reused buffers (no allocation on the hot path).
     scratch_slots: Vec<u32>,
     scratch_pos: Vec<u64>,
@@ -170,6 +172,7 @@ impl OffloadManager {
             ignored_complete_keys: 0,
             alloc_sizes: [0; ALLOC_SIZE_BUCKETS],
             generation: 0,
+            position_groups: 1,
             scratch_slots: Vec::new(),
             scratch_pos: Vec::new(),
             scratch_offer: Vec::new(),
@@ -185,6 +188,17 @@ impl OffloadManager {
             scratch_evicted: Vec::new(),
             evicted_slots: None,
         })
+    }
+
+    /// Several KV groups share each chunk position of a request (vLLM's
+    /// keys carry the group): callers then give chunk `c` (ending at
+    /// position `c + 1`) of group `g` the position `(c + 1) * groups +
+    /// (groups - 1 - g)`. The LRU order within an active request is then
+    /// vLLM's (tail first; at one position the lower group first, as vLLM's
+    /// heap compares keys), and a finished request is replayed by chunk then
+    /// group, as vLLM's `order_request_keys`. 1 (the default): one group.
+    pub(crate) fn set_position_groups(&mut self, groups: u32) {
+        self.position_groups = groups.max(1);
     }
 
     /// A manager sized and configured by `cfg` (capacity, policy, reuse filter).

@@ -121,7 +121,7 @@ impl OffloadManager {
             return;
         }
         let accesses: Vec<FinishedAccess> = acc
-            .head_to_tail()
+            .head_to_tail(self.position_groups)
             .into_iter()
             .rev()
             .filter_map(|s| {

@@ -166,11 +166,15 @@ impl RequestAccess {
     }
 
     /// The observed keys head to tail: by position when every key has one,
-    /// else in first-seen order.
-    pub(crate) fn head_to_tail(&self) -> Vec<SeenKey> {
+    /// else in first-seen order. With `groups` KV groups a position is
+    /// `chunk * groups + (groups - 1 - group)` (see
+    /// [`super::OffloadManager::set_position_groups`]): head to tail is by
+    /// chunk, then group (vLLM's order across groups).
+    pub(crate) fn head_to_tail(&self, groups: u32) -> Vec<SeenKey> {
         let mut keys = self.seen.clone();
         if keys.iter().all(|s| s.position != 0) {
-            keys.sort_by_key(|s| s.position);
+            let g = groups.max(1);
+            keys.sort_by_key(|s| (s.position / g, g - 1 - s.position % g));
         }
         keys
     }
@@ -200,7 +204,7 @@ mod tests {
         assert!(new);
         a.mark_reused_at(i2);
         assert!(a.get(k2, Some(1)).unwrap().reused());
-        let order: Vec<_> = a.head_to_tail().iter().map(|s| s.key).collect();
+        let order: Vec<_> = a.head_to_tail(1).iter().map(|s| s.key).collect();
         assert_eq!(order, vec![k2, k1], "sorted by position");
         assert!(
             a.get(ChunkKey(9), Some(1)).is_none(),
@@ -213,7 +217,7 @@ mod tests {
         let mut a = RequestAccess::default();
         let (i5, _) = a.observe(ChunkKey(5), None);
         a.observe(ChunkKey(3), None);
-        let order: Vec<_> = a.head_to_tail().iter().map(|s| s.key).collect();
+        let order: Vec<_> = a.head_to_tail(1).iter().map(|s| s.key).collect();
         assert_eq!(order, vec![ChunkKey(5), ChunkKey(3)]);
         assert!(a.note_store_miss_at(i5));
         assert!(!a.note_store_miss_at(i5), "once per key");

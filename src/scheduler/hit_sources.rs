@@ -18,18 +18,32 @@ pub struct HitSources {
     pub host_tokens: u64,
     /// Tokens from chunks the request's fetches brought from the remote tier.
     pub remote_tokens: u64,
+    /// With several KV groups: tokens of the hit no loaded chunk covers (a
+    /// sliding-window group loads only its window; with no full-attention
+    /// group, the history before it is covered by none).
+    pub uncovered_tokens: u64,
 }
 
 /// Tokens of `[start, end)` inside the chunk ranges `fetched` (chunks of
 /// `tokens_per_chunk` tokens; overlapping ranges count once).
 fn tokens_in_ranges(start: u64, end: u64, fetched: &[Range<usize>], tokens_per_chunk: u64) -> u64 {
-    let mut spans: Vec<(u64, u64)> = fetched
+    let spans: Vec<(u64, u64)> = fetched
         .iter()
         .map(|r| {
-            let lo = (r.start as u64).saturating_mul(tokens_per_chunk).max(start);
-            let hi = (r.end as u64).saturating_mul(tokens_per_chunk).min(end);
+            let lo = (r.start as u64).saturating_mul(tokens_per_chunk);
+            let hi = (r.end as u64).saturating_mul(tokens_per_chunk);
             (lo, hi)
         })
+        .collect();
+    tokens_in_spans(start, end, spans)
+}
+
+/// Tokens of `[start, end)` inside the token spans `spans` (`(lo, hi)`;
+/// overlapping spans count once).
+fn tokens_in_spans(start: u64, end: u64, spans: Vec<(u64, u64)>) -> u64 {
+    let mut spans: Vec<(u64, u64)> = spans
+        .into_iter()
+        .map(|(lo, hi)| (lo.max(start), hi.min(end)))
         .filter(|(lo, hi)| lo < hi)
         .collect();
     spans.sort_unstable();
@@ -61,6 +75,16 @@ impl Scheduler {
             .ok_or(SchedulerError::UnknownRequest(req))?;
         let start = rs.lookup_computed.unwrap_or(0);
         let end = start.saturating_add(external_tokens);
+        if self.groups.is_some() {
+            // vLLM's sweep over the load's key ranges: a token any loaded
+            // chunk covers comes from the host tier (no remote tier here).
+            let host = tokens_in_spans(start, end, rs.load_cover.clone());
+            return Ok(HitSources {
+                host_tokens: host,
+                remote_tokens: 0,
+                uncovered_tokens: external_tokens - host,
+            });
+        }
         let remote = tokens_in_ranges(
             start,
             end,
@@ -70,6 +94,7 @@ impl Scheduler {
         Ok(HitSources {
             host_tokens: external_tokens - remote,
             remote_tokens: remote,
+            uncovered_tokens: 0,
         })
     }
 }

@@ -64,7 +64,6 @@ fn loom_real_table_store_reports_race_the_scan() {
                     computed_tokens: 0,
                     scheduled_tokens: 4,
                     full_table: false,
-                    group_block_ids: Vec::new(),
                 }],
                 ..StepInput::default()
             })

@@ -163,7 +163,6 @@ pub(crate) struct Batch {
 ///         computed_tokens: 0,
 ///         scheduled_tokens: 8,
 ///         full_table: false,
-///         group_block_ids: Vec::new(),
 ///     }],
 ///     ..StepInput::default()
 /// })?;
@@ -288,7 +287,7 @@ impl Scheduler {
     /// with `cfg`'s block size and `blocks_per_chunk`. Lookups, loads and
     /// stores follow vLLM 0.33.0's `OffloadingConnector` over every group:
     /// [`Self::on_alloc_groups`] in place of [`Self::on_alloc`], and
-    /// [`ScheduledRequest::group_block_ids`] in each step. One full-attention
+    /// [`StepInput::group_block_ids`] in each step. One full-attention
     /// group is the single-group scheduler ([`Self::new`]).
     ///
     /// Lookups of a scheduler with several groups do not ask a remote tier.
@@ -303,6 +302,7 @@ impl Scheduler {
             hybrid::SchedulerGroups::new(groups, s.geo.tokens_per_chunk, s.geo.blocks_per_chunk)
                 .map_err(|e| SchedulerError::Groups(e.to_string()))?;
         if !single {
+            s.manager.set_position_groups(groups.len() as u32);
             s.groups = Some(Box::new(groups));
         }
         Ok(s)

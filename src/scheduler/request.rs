@@ -62,6 +62,9 @@ pub(crate) struct RequestState {
     /// `Request.shared_prefix_boundary`; 0: none): a sliding-window group
     /// stores the window ending there.
     pub shared_prefix_boundary: u64,
+    /// With several KV groups: the token spans its last load covers, one
+    /// per group that loads (vLLM's `load_key_ranges`, merged per group).
+    pub load_cover: Vec<(u64, u64)>,
 }
 
 /// One KV group's part of a request (groups past the first).

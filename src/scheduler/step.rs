@@ -29,10 +29,12 @@ impl Scheduler {
             }
         };
         let one_pass = !any_finished;
-        if let Err(e) = self
-            .check_preemption_flush(&input.preempted)
-            .and_then(|()| self.check_group_blocks(input))
-        {
+        let groups = if input.group_block_ids.is_empty() {
+            Ok(())
+        } else {
+            self.check_group_blocks(input)
+        };
+        if let Err(e) = groups.and_then(|()| self.check_preemption_flush(&input.preempted)) {
             self.batch.slots = slots;
             return Err(e);
         }

@@ -31,10 +31,6 @@ pub struct ScheduledRequest {
     pub scheduled_tokens: u64,
     /// `new_block_ids` is the whole block table: replace the list instead of appending.
     pub full_table: bool,
-    /// A scheduler with several KV groups ([`super::Scheduler::with_groups`]):
-    /// the new blocks of groups 1, 2, ... in order (`new_block_ids` holds
-    /// group 0's). Empty with one group.
-    pub group_block_ids: Vec<Vec<GpuBlockId>>,
 }
 
 /// What the serving backend's scheduler decided in one step.
@@ -46,6 +42,13 @@ pub struct StepInput {
     pub preempted: Vec<RequestId>,
     /// Requests finished since the last step, in order.
     pub finished: Vec<RequestId>,
+    /// A scheduler with several KV groups ([`super::Scheduler::with_groups`]):
+    /// co-indexed with `scheduled`, each request's new blocks of groups 1,
+    /// 2, ... (its `new_block_ids` are group 0's; an entry may be empty when
+    /// the request has no new block). Empty when no request has new blocks
+    /// past group 0, and always with one group. Kept out of
+    /// [`ScheduledRequest`] so that a single-group step's list stays small.
+    pub group_block_ids: Vec<Vec<Vec<GpuBlockId>>>,
 }
 
 /// A job's chunk keys: inline up to two (a store of one or two chunks needs
@@ -78,14 +81,15 @@ pub struct TransferJob {
 }
 
 /// One KV group's part of a [`TransferJob`] (several groups).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct GroupSpan {
     /// Keys (and host slots) of this group, following the previous groups'.
     pub num_keys: u32,
     /// GPU blocks of this group, following the previous groups'.
     pub num_blocks: u32,
     /// Index in the request's blocks of this group of the first block moved
-    /// (0 when it moves none).
+    /// (vLLM's `block_indices`: for a store that moves none, 0; for a load,
+    /// where its blocks would start).
     pub first_block_index: u32,
 }
 

@@ -93,6 +93,13 @@ pub enum SpecError {
     /// A transfer must move at least one block.
     #[error("a transfer must name at least one GPU block")]
     Empty,
+    /// A transfer over several KV groups (a hybrid model): the layouts hold
+    /// one group's tensors.
+    #[error("a transfer over {groups} KV groups: this worker moves one KV group only")]
+    SeveralGroups {
+        /// Groups in the spec.
+        groups: usize,
+    },
     /// GPU block 0 is the null block, never stored or loaded.
     #[error("GPU block at position {position} is the null block 0")]
     NullBlock {

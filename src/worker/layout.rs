@@ -268,6 +268,12 @@ pub struct TransferSpec {
     pub first_block_index: u32,
     /// Host chunk rows, in logical order.
     pub chunks: Vec<ChunkId>,
+    /// A transfer over several KV groups: each group's part of the blocks
+    /// and chunks ([`crate::scheduler::GroupSpan`]); empty for one group.
+    /// No backend moves several groups yet: [`WorkerLayout::validate`]
+    /// refuses such a spec.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<crate::scheduler::GroupSpan>,
 }
 
 impl TransferSpec {
@@ -277,6 +283,7 @@ impl TransferSpec {
             gpu_blocks: gpu_blocks.iter().map(|&b| GpuBlockId(b)).collect(),
             first_block_index,
             chunks: chunks.iter().map(|&c| ChunkId(c)).collect(),
+            groups: Vec::new(),
         }
     }
 
@@ -405,6 +412,11 @@ impl WorkerLayout {
 
     /// Checks a spec against this layout without building descriptors.
     pub fn validate(&self, spec: &TransferSpec) -> Result<(), SpecError> {
+        if !spec.groups.is_empty() {
+            return Err(SpecError::SeveralGroups {
+                groups: spec.groups.len(),
+            });
+        }
         if spec.gpu_blocks.is_empty() {
             return Err(SpecError::Empty);
         }

@@ -4,14 +4,17 @@
 //! little-endian integers, no field names, a magic and a version in front.
 //!
 //! ```text
-//! "KVOP" u16 version=2
+//! "KVOP" u16 version=3
 //! u32 loads   { u64 job, u8 has_request, u64 request, spec }*
 //! u32 stores  { u64 job, spec, u32 k, u64 key*k }*
 //! u32 flushes { u64 job }*
 //! u32 fetches { u64 job, u32 k, u64 key*k, u32 m, u32 chunk*m }*
 //! u32 evictions { u64 key, u32 chunk }*
-//! spec = u32 first_block_index, u32 n, u32 gpu_block*n, u32 m, u32 chunk*m
+//! spec = u32 first_block_index, u32 n, u32 gpu_block*n, u32 m, u32 chunk*m,
+//!        u32 g, { u32 num_keys, u32 num_blocks, u32 first_block_index }*g
 //! ```
+//!
+//! (`g` is 0 for a transfer of one KV group; version 3 added it.)
 //!
 //! Decoding checks every length against the bytes left and rejects trailing
 //! bytes, so a truncated or foreign buffer is a typed error, never a panic.
@@ -20,13 +23,14 @@ use thiserror::Error;
 
 use crate::ids::{ChunkId, GpuBlockId, JobId, RequestId};
 use crate::key::ChunkKey;
+use crate::scheduler::GroupSpan;
 
 use super::layout::TransferSpec;
 use super::plan::{FetchJob, LoadJob, StoreJob, WorkerPlan};
 
 const MAGIC: &[u8; 4] = b"KVOP";
 /// The encoding's version.
-pub const PLAN_WIRE_VERSION: u16 = 2;
+pub const PLAN_WIRE_VERSION: u16 = 3;
 
 /// Bytes that are not an encoded plan.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -70,6 +74,8 @@ pub struct SpecParts<'a> {
     pub first_block_index: u32,
     /// [`TransferSpec::chunks`].
     pub chunks: &'a [ChunkId],
+    /// [`TransferSpec::groups`].
+    pub groups: &'a [GroupSpan],
 }
 
 impl<'a> From<&'a TransferSpec> for SpecParts<'a> {
@@ -78,6 +84,7 @@ impl<'a> From<&'a TransferSpec> for SpecParts<'a> {
             gpu_blocks: &s.gpu_blocks,
             first_block_index: s.first_block_index,
             chunks: &s.chunks,
+            groups: &s.groups,
         }
     }
 }
@@ -91,6 +98,12 @@ fn put_spec(out: &mut Vec<u8>, s: SpecParts<'_>) {
     put_len(out, s.chunks.len());
     for c in s.chunks {
         put_u32(out, c.0);
+    }
+    put_len(out, s.groups.len());
+    for g in s.groups {
+        put_u32(out, g.num_keys);
+        put_u32(out, g.num_blocks);
+        put_u32(out, g.first_block_index);
     }
 }
 
@@ -228,10 +241,20 @@ impl Reader<'_> {
         for _ in 0..m {
             chunks.push(ChunkId(self.u32()?));
         }
+        let g = self.len(12)?;
+        let mut groups = Vec::with_capacity(g);
+        for _ in 0..g {
+            groups.push(GroupSpan {
+                num_keys: self.u32()?,
+                num_blocks: self.u32()?,
+                first_block_index: self.u32()?,
+            });
+        }
         Ok(TransferSpec {
             gpu_blocks,
             first_block_index,
             chunks,
+            groups,
         })
     }
 }
@@ -246,8 +269,8 @@ pub fn decode_plan(buf: &[u8]) -> Result<WorkerPlan, PlanWireError> {
     if version != PLAN_WIRE_VERSION {
         return Err(PlanWireError::Version(version));
     }
-    // The smallest load is 8 + 1 + 8 + 12 bytes, a store 8 + 12 + 4, a flush 8.
-    let n = r.len(29)?;
+    // The smallest load is 8 + 1 + 8 + 16 bytes, a store 8 + 16 + 4, a flush 8.
+    let n = r.len(33)?;
     let mut loads = Vec::with_capacity(n);
     for _ in 0..n {
         let job = JobId(r.u64()?);
@@ -259,7 +282,7 @@ pub fn decode_plan(buf: &[u8]) -> Result<WorkerPlan, PlanWireError> {
             spec: r.spec()?,
         });
     }
-    let n = r.len(24)?;
+    let n = r.len(28)?;
     let mut stores = Vec::with_capacity(n);
     for _ in 0..n {
         let job = JobId(r.u64()?);
@@ -330,11 +353,32 @@ mod tests {
                     spec: TransferSpec::new(&[], 0, &[]),
                 },
             ],
-            stores: vec![StoreJob {
-                job: JobId(u64::MAX),
-                spec: TransferSpec::new(&[u32::MAX], 0, &[0]),
-                keys: vec![ChunkKey(u64::MAX)],
-            }],
+            stores: vec![
+                StoreJob {
+                    job: JobId(u64::MAX),
+                    spec: TransferSpec::new(&[u32::MAX], 0, &[0]),
+                    keys: vec![ChunkKey(u64::MAX)],
+                },
+                StoreJob {
+                    job: JobId(10),
+                    spec: TransferSpec {
+                        groups: vec![
+                            GroupSpan {
+                                num_keys: 2,
+                                num_blocks: 2,
+                                first_block_index: 0,
+                            },
+                            GroupSpan {
+                                num_keys: 1,
+                                num_blocks: 1,
+                                first_block_index: u32::MAX,
+                            },
+                        ],
+                        ..TransferSpec::new(&[4, 5, 6], 0, &[1, 2, 3])
+                    },
+                    keys: vec![ChunkKey(1), ChunkKey(2), ChunkKey(3)],
+                },
+            ],
             flush: vec![JobId(1), JobId(2)],
             fetches: vec![FetchJob {
                 job: JobId(9),

@@ -264,7 +264,6 @@ pub fn schedule(
         computed_tokens: computed,
         scheduled_tokens: r.tokens - computed,
         full_table: full,
-        group_block_ids: Vec::new(),
     };
     r.computed = r.tokens;
     r.full = false;

@@ -142,11 +142,11 @@ impl H {
                     computed_tokens: *c,
                     scheduled_tokens: *n,
                     full_table: false,
-                    group_block_ids: Vec::new(),
                 })
                 .collect(),
             preempted: preempted.iter().map(|&i| r(i)).collect(),
             finished: finished.iter().map(|&i| r(i)).collect(),
+            group_block_ids: Vec::new(),
         })
     }
 

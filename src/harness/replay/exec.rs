@@ -424,7 +424,6 @@ impl Engine {
                 computed_tokens: e.u64("computed_tokens")?,
                 scheduled_tokens: e.u64("scheduled_tokens")?,
                 full_table: e.bool_or("full_table", false)? || f.bool_or("full_table", false)?,
-                group_block_ids: Vec::new(),
             });
         }
         input.preempted = f

@@ -92,6 +92,14 @@ impl SchedulerGroups {
     pub fn len(&self) -> usize {
         self.shapes.len()
     }
+
+    /// The host tier's position of chunk `chunk` of group `group`: chunks in
+    /// order, and at one chunk the groups as vLLM's LRU orders them
+    /// ([`crate::manager::OffloadManager`]'s position groups).
+    pub fn position(&self, group: usize, chunk: usize) -> u64 {
+        let n = self.len() as u64;
+        (chunk as u64 + 1) * n + (n - 1 - group as u64)
+    }
 }
 
 #[cfg(test)]

@@ -37,7 +37,7 @@ impl Scheduler {
         groups: &[GroupAlloc<'_>],
         external_tokens: u64,
     ) -> Result<Option<JobId>, SchedulerError> {
-        let Some(shapes) = self.groups.as_deref().map(|g| g.shapes.clone()) else {
+        let Some(hybrid) = self.groups.as_deref().cloned() else {
             return match groups {
                 [one] => self.on_alloc(req, one.block_ids, external_tokens),
                 _ => Err(SchedulerError::Groups(format!(
@@ -46,6 +46,7 @@ impl Scheduler {
                 ))),
             };
         };
+        let shapes = &hybrid.shapes;
         self.apply_stalls();
         if groups.len() != shapes.len() {
             return Err(SchedulerError::Groups(format!(
@@ -95,12 +96,15 @@ impl Scheduler {
                     .collect();
                 let views: Vec<&[GpuBlock]> = states.iter().map(Vec::as_slice).collect();
                 let sync = self.batch.sync_reserved.contains(&req);
-                let loads = plan_load(&shapes, bpc, computed, external_tokens, sync, &views)
+                let loads = plan_load(shapes, bpc, computed, external_tokens, sync, &views)
                     .map_err(|e| SchedulerError::LoadOutOfRange {
                         req,
                         what: e.to_string(),
                     })?;
                 let num_keys = rs.num_keys(bpc);
+                let (tpb, tpc) = (self.geo.tokens_per_block, self.geo.tokens_per_chunk);
+                let cached_end = computed.saturating_add(external_tokens);
+                let mut cover = Vec::with_capacity(loads.len());
                 let mut keys = Vec::new();
                 let mut positions = Vec::new();
                 let mut blocks = JobBlocks::new();
@@ -119,7 +123,14 @@ impl Scheduler {
                     blocks.extend_from_slice(&alloc.block_ids[first..first + load.num_blocks]);
                     for i in load.chunks.clone() {
                         keys.push(rs.group_key(g, i, bpc));
-                        positions.push(i as u64 + 1);
+                        positions.push(hybrid.position(g, i));
+                    }
+                    if !load.chunks.is_empty() {
+                        // vLLM's key ranges of this group, merged: from its
+                        // first loaded block (or chunk) to the hit's end.
+                        let lo = (first as u64 * tpb).max(load.chunks.start as u64 * tpc);
+                        let hi = cached_end.min(load.chunks.end as u64 * tpc);
+                        cover.push((lo, hi));
                     }
                     spans.push(GroupSpan {
                         num_keys: load.chunks.len() as u32,
@@ -131,24 +142,24 @@ impl Scheduler {
                 let end_chunk = computed
                     .saturating_add(external_tokens)
                     .div_ceil(self.geo.tokens_per_chunk) as usize;
-                Some((keys, positions, blocks, spans, end_chunk, sync))
+                Some((keys, positions, blocks, spans, end_chunk, sync, cover))
             };
         let plan = match plan {
             None => None,
-            Some((keys, positions, blocks, spans, end_chunk, sync)) => {
+            Some((keys, positions, blocks, spans, end_chunk, sync, cover)) => {
                 let chunk_ids = match self.requests.get_mut(&req) {
                     Some(rs) => self
                         .manager
                         .prepare_load_at(&keys, &positions, &mut rs.access)?,
                     None => self.manager.prepare_load(&keys, Some(req))?,
                 };
-                Some((keys, chunk_ids, blocks, spans, end_chunk, sync))
+                Some((keys, chunk_ids, blocks, spans, end_chunk, sync, cover))
             }
         };
         for a in groups {
             self.batch.allocated.extend_non_null(a.block_ids);
         }
-        let Some((keys, chunk_ids, blocks, spans, end_chunk, sync)) = plan else {
+        let Some((keys, chunk_ids, blocks, spans, end_chunk, sync, cover)) = plan else {
             return Ok(None);
         };
         let job = self.new_job_id();
@@ -184,6 +195,7 @@ impl Scheduler {
         });
         if let Some(rs) = self.requests.get_mut(&req) {
             rs.jobs.push(job);
+            rs.load_cover = cover;
             for g in 0..shapes.len() {
                 if let Some((_, next)) = rs.group_mut(g) {
                     *next = end_chunk;

@@ -13,14 +13,22 @@ use crate::scheduler::{Scheduler, SchedulerError, StepInput};
 use super::store::{StoreRequest, StoreView, store_candidates};
 
 impl Scheduler {
-    /// Every scheduled request gives one block list per group (or none at
-    /// all); a single-group scheduler takes no group lists.
+    /// A step's group lists (not empty): one entry per scheduled request,
+    /// each with one block list per group past the first (or none when the
+    /// request has no new block); a single-group scheduler takes none.
     pub(crate) fn check_group_blocks(&self, input: &StepInput) -> Result<(), SchedulerError> {
         let others = self.num_groups() - 1;
-        for s in &input.scheduled {
-            let n = s.group_block_ids.len();
-            let none = n == 0 && s.new_block_ids.is_empty();
-            if n != others && !none {
+        if others == 0 || input.group_block_ids.len() != input.scheduled.len() {
+            return Err(SchedulerError::Groups(format!(
+                "{} group block entries for {} scheduled requests and {} KV groups",
+                input.group_block_ids.len(),
+                input.scheduled.len(),
+                others + 1
+            )));
+        }
+        for (s, lists) in input.scheduled.iter().zip(&input.group_block_ids) {
+            let n = lists.len();
+            if n != others && !(n == 0 && s.new_block_ids.is_empty()) {
                 return Err(SchedulerError::Groups(format!(
                     "{}: new blocks of {n} groups past the first, the scheduler has {others}",
                     s.req
@@ -42,9 +50,9 @@ impl Scheduler {
         let bpc = self.geo.blocks_per_chunk;
         for s in &input.scheduled {
             self.batch.allocated.extend_non_null(&s.new_block_ids);
-            for blocks in &s.group_block_ids {
-                self.batch.allocated.extend_non_null(blocks);
-            }
+        }
+        for blocks in input.group_block_ids.iter().flatten() {
+            self.batch.allocated.extend_non_null(blocks);
         }
         for (s, &slot) in input.scheduled.iter().zip(slots) {
             if let (true, Some(rs)) = (s.full_table, self.requests.at_mut(slot)) {
@@ -70,11 +78,12 @@ impl Scheduler {
                 }
             }
         }
-        for (s, &slot) in input.scheduled.iter().zip(slots) {
+        for (n, (s, &slot)) in input.scheduled.iter().zip(slots).enumerate() {
             let Some(rs) = self.requests.at_mut(slot) else {
                 continue;
             };
-            let lists = std::iter::once(&s.new_block_ids).chain(&s.group_block_ids);
+            let others = input.group_block_ids.get(n).map_or(&[][..], Vec::as_slice);
+            let lists = std::iter::once(&s.new_block_ids).chain(others);
             for (g, new) in lists.enumerate() {
                 if let Some((blocks, _)) = rs.group_mut(g) {
                     blocks.extend_from_slice(new);
@@ -131,7 +140,7 @@ impl Scheduler {
             let chosen = store_candidates(shape, &groups.policy, &request, &view);
             for &c in &chosen {
                 keys.push(rs.group_key(group, c, bpc));
-                positions.push(c as u64 + 1);
+                positions.push(groups.position(group, c));
             }
             storable.push(chunks);
             offered.push(chosen);

@@ -122,7 +122,6 @@ impl Sim {
                 computed_tokens: computed,
                 scheduled_tokens: want,
                 full_table: false,
-                group_block_ids: Vec::new(),
             });
             budget = budget.saturating_sub(want);
             idx += 1;
@@ -271,7 +270,6 @@ impl Sim {
             computed_tokens: computed,
             scheduled_tokens: rest,
             full_table: true,
-            group_block_ids: Vec::new(),
         });
         self.running.push(id);
         rest
