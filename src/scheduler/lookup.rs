@@ -346,11 +346,34 @@ impl Scheduler {
         let Some((keys, chunk_ids, sb, eb, end_chunk)) = plan else {
             return Ok(None);
         };
+        let sync = self.batch.sync_reserved.contains(&req);
+        let blocks = JobBlocks::from_slice(&block_ids[sb..eb]);
+        let job = self.create_load(req, keys, chunk_ids, blocks, Vec::new(), sync);
+        if let Some(rs) = self.requests.get_mut(&req) {
+            rs.jobs.push(job);
+            rs.next_stored_chunk = rs.next_stored_chunk.max(end_chunk);
+        }
+        Ok(Some(job))
+    }
+}
+
+impl Scheduler {
+    /// Creates a load job (one path for one group and several): marks its
+    /// keys as being loaded unless it is `sync` (a synchronous load ends
+    /// before the step's compute: other requests' lookups need not wait for
+    /// its chunks; vLLM marks only async ones), enters it in the job table
+    /// and the watchdog's schedule, and adds it to the step's loads.
+    pub(crate) fn create_load(
+        &mut self,
+        req: RequestId,
+        keys: Vec<ChunkKey>,
+        chunk_ids: Vec<crate::ids::ChunkId>,
+        blocks: JobBlocks,
+        groups: Vec<super::types::GroupSpan>,
+        sync: bool,
+    ) -> JobId {
         let job = self.new_job_id();
         let now = self.now_ns();
-        // A synchronous load ends before the step's compute: other requests'
-        // lookups need not wait for its chunks (vLLM marks only async ones).
-        let sync = self.batch.sync_reserved.contains(&req);
         if sync {
             self.batch.sync_loads.push(job);
         } else {
@@ -359,14 +382,14 @@ impl Scheduler {
             }
         }
         let deadline = self.jobs.deadline_for(now);
-        let latch = super::latch::JobLatch::new(g.world_size);
+        let latch = super::latch::JobLatch::new(self.geo.world_size);
         let entry = JobEntry::load(
             req,
             now,
             latch,
             JobKeys::from_slice(&keys),
             &chunk_ids,
-            &block_ids[sb..eb],
+            &blocks,
             sync,
         );
         self.jobs.insert(job, entry);
@@ -375,16 +398,12 @@ impl Scheduler {
         self.batch.loads.push(TransferJob {
             job,
             req,
-            block_ids: JobBlocks::from_slice(&block_ids[sb..eb]),
+            block_ids: blocks,
             chunk_ids: JobSlots::from_vec(chunk_ids),
             keys: JobKeys::from_vec(keys),
-            groups: Vec::new(),
+            groups,
         });
-        if let Some(rs) = self.requests.get_mut(&req) {
-            rs.jobs.push(job);
-            rs.next_stored_chunk = rs.next_stored_chunk.max(end_chunk);
-        }
-        Ok(Some(job))
+        job
     }
 }
 

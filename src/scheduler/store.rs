@@ -199,18 +199,35 @@ impl Scheduler {
         if let Some(rs) = self.requests.at_mut(slot) {
             rs.jobs.push(job);
         }
-        let deadline = self.jobs.deadline_for(now);
-        let latch = super::latch::JobLatch::new(g.world_size);
-        let entry = JobEntry::store(req, now, latch, copy_small(&keys), &blocks, finished);
-        self.jobs.insert(job, entry);
-        out.push(TransferJob {
+        let transfer = TransferJob {
             job,
             req,
             block_ids: blocks,
             chunk_ids,
             keys,
             groups: Vec::new(),
-        });
+        };
+        self.enter_store(transfer, now, finished, out);
+    }
+
+    /// Enters a planned store (one group or several) in the job table
+    /// (`fenced`: its blocks are fenced already), adds it to `out`, and
+    /// queues its deadline for the watchdog.
+    #[inline(always)]
+    pub(crate) fn enter_store(
+        &mut self,
+        transfer: TransferJob,
+        now: u64,
+        fenced: bool,
+        out: &mut Vec<TransferJob>,
+    ) {
+        let job = transfer.job;
+        let deadline = self.jobs.deadline_for(now);
+        let latch = super::latch::JobLatch::new(self.geo.world_size);
+        let keys = copy_small(&transfer.keys);
+        let entry = JobEntry::store(transfer.req, now, latch, keys, &transfer.block_ids, fenced);
+        self.jobs.insert(job, entry);
+        out.push(transfer);
         // Published after the insert (at the end of the step): the watchdog
         // drops deadline entries of absent jobs.
         self.batch.deadlines.push((job, deadline));

@@ -3,9 +3,7 @@
 //! several groups).
 
 use crate::ids::{GpuBlockId, JobId, RequestId};
-use crate::scheduler::jobs::JobEntry;
-use crate::scheduler::latch::JobLatch;
-use crate::scheduler::types::{GroupSpan, JobBlocks, JobKeys, JobSlots, TransferJob};
+use crate::scheduler::types::{GroupSpan, JobBlocks};
 use crate::scheduler::{Scheduler, SchedulerError};
 
 use super::load::{GpuBlock, plan_load};
@@ -162,37 +160,7 @@ impl Scheduler {
         let Some((keys, chunk_ids, blocks, spans, end_chunk, sync, cover)) = plan else {
             return Ok(None);
         };
-        let job = self.new_job_id();
-        let now = self.now_ns();
-        if sync {
-            self.batch.sync_loads.push(job);
-        } else {
-            for &k in &keys {
-                *self.being_loaded.entry(k).or_insert(0) += 1;
-            }
-        }
-        let deadline = self.jobs.deadline_for(now);
-        let latch = JobLatch::new(self.geo.world_size);
-        let entry = JobEntry::load(
-            req,
-            now,
-            latch,
-            JobKeys::from_slice(&keys),
-            &chunk_ids,
-            &blocks,
-            sync,
-        );
-        self.jobs.insert(job, entry);
-        // After the insert: the watchdog drops deadline entries of absent jobs.
-        self.watch.track(job, deadline);
-        self.batch.loads.push(TransferJob {
-            job,
-            req,
-            block_ids: blocks,
-            chunk_ids: JobSlots::from_vec(chunk_ids),
-            keys: JobKeys::from_vec(keys),
-            groups: spans,
-        });
+        let job = self.create_load(req, keys, chunk_ids, blocks, spans, sync);
         if let Some(rs) = self.requests.get_mut(&req) {
             rs.jobs.push(job);
             rs.load_cover = cover;

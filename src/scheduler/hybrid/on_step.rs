@@ -4,8 +4,6 @@
 //! job per request carrying each group's chunks.
 
 use crate::ids::{GpuBlockId, RequestId};
-use crate::scheduler::jobs::JobEntry;
-use crate::scheduler::latch::JobLatch;
 use crate::scheduler::store::StoreReach;
 use crate::scheduler::types::{GroupSpan, JobBlocks, JobKeys, JobSlots, TransferJob, copy_small};
 use crate::scheduler::{Scheduler, SchedulerError, StepInput};
@@ -228,20 +226,14 @@ impl Scheduler {
             self.fences.add(job, &window_blocks);
             self.window_fences.insert(job, window_blocks);
         }
-        let deadline = self.jobs.deadline_for(now);
-        let latch = JobLatch::new(g.world_size);
-        let entry = JobEntry::store(req, now, latch, copy_small(&stored), &blocks, finished);
-        self.jobs.insert(job, entry);
-        out.push(TransferJob {
+        let transfer = TransferJob {
             job,
             req,
             block_ids: blocks,
             chunk_ids,
             keys: stored,
             groups: spans,
-        });
-        // Published after the insert (at the end of the step): the watchdog
-        // drops deadline entries of absent jobs.
-        self.batch.deadlines.push((job, deadline));
+        };
+        self.enter_store(transfer, now, finished, out);
     }
 }
