@@ -24,7 +24,7 @@ impl Scheduler {
     /// [`Self::on_alloc`] for a scheduler with several KV groups: `groups`
     /// holds the request's blocks in each group, in group order. With
     /// external tokens, one load job carries every group's part
-    /// ([`TransferJob::groups`]): a full-attention group loads every block
+    /// ([`crate::scheduler::TransferJob::groups`]): a full-attention group loads every block
     /// past the GPU's hit, a sliding-window group only its window's.
     ///
     /// On a single-group scheduler, one group is [`Self::on_alloc`] with its
