@@ -9,8 +9,8 @@ worker moves one group, so the package's connector does not declare
 ``SupportsHMA`` yet and vLLM runs a hybrid model with its hybrid manager off
 (docs/hybrid-groups.md). ``hybrid_connector.py`` declares it for these
 scheduler-only runs. Per step the corpus holds the tokens scheduled, each
-lookup's hit, each load's and store's GPU blocks per group (with the group's
-first block index), the KV events, and what vLLM's connector saw inside (key
+lookup's hit, each hit's split by source, each load's and store's GPU blocks
+per group (with the group's first block index), the KV events, and what vLLM's connector saw inside (key
 states, load and store inputs). The tests check that vLLM still answers as
 recorded (a harness or vLLM change shows as a diff), that kvoffload answers
 every recorded step as vLLM did, that the recorded runs exercise what the
@@ -210,9 +210,12 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
                 ["".join("0" if b.is_null else "h" if b.block_hash is not None else "n" for b in group)
                  for group in blocks.blocks],
             ])
-        return alloc(request, blocks, n)
+        got = alloc(request, blocks, n)
+        record_sources(e.connector, sources, request, n)
+        return got
 
     e.connector.update_state_after_alloc = update_state_after_alloc
+    sources: list[list] = []
     # Store planning: per request, what vLLM's _build_store_jobs starts from
     # (finished or not, the prompt's tokens, the shared-prefix junction the
     # GPU prefix cache found, and per group the next chunk to store, the
@@ -276,13 +279,14 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
             "preempted": sorted(so.preempted_req_ids or ()),
             "lookups": lookups[:],
             "allocs": allocs[:],
+            "sources": sources[:],
             "store_inputs": store_inputs[:],
             "store_candidates": candidates[:],
             "loads": sorted([j.req_id, spec_blocks(j.dst_spec)] for j in meta.load_jobs.values()),
             "stores": sorted([j.req_id, spec_blocks(j.src_spec)] for j in meta.store_jobs.values()),
             "events": [list(ev) for ev in order_free(events)],
         }
-        for log in (lookups, allocs, store_inputs, candidates, events):
+        for log in (lookups, allocs, sources, store_inputs, candidates, events):
             log.clear()
         return got
 
@@ -293,6 +297,15 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
         "retention_interval": sched.config.retention_interval,
     }
     return json.loads(json.dumps(steps, default=repr)), derived
+
+
+def record_sources(connector: Any, sources: list[list], request: Any, n: int) -> None:
+    """Appends the hit's split by source (asked right after the
+    allocation, as vLLM's scheduler asks it for its prefix-cache stats):
+    ``[request, tokens, {source: tokens}]``."""
+    if n:
+        split = connector.get_external_cache_hit_sources(request, n)
+        sources.append([request.request_id, n, {str(k.value): v for k, v in sorted(split.items(), key=str)}])
 
 
 def drive(e: Any, seed: int, snapshot: Any) -> list[dict]:
@@ -394,6 +407,15 @@ def kvoffload_run(seed: int, specs: str, extra: dict, opts: dict, delay: int) ->
         return got
 
     e.connector.get_num_new_matched_tokens = lookup
+    sources: list[list] = []
+    alloc = e.connector.update_state_after_alloc
+
+    def update_state_after_alloc(request: Any, blocks: Any, n: int) -> Any:
+        got = alloc(request, blocks, n)
+        record_sources(e.connector, sources, request, n)
+        return got
+
+    e.connector.update_state_after_alloc = update_state_after_alloc
     events = capture_events(e.connector)
 
     def snapshot(so: Any) -> dict:
@@ -403,11 +425,13 @@ def kvoffload_run(seed: int, specs: str, extra: dict, opts: dict, delay: int) ->
             "scheduled": dict(sorted(so.num_scheduled_tokens.items())),
             "preempted": sorted(so.preempted_req_ids or ()),
             "lookups": lookups[:],
+            "sources": sources[:],
             "loads": sorted([meta.load_requests[j], groups] for j, groups in loads),
             "stores": sorted(groups for _, groups in stores),
             "events": [list(ev) for ev in order_free(events)],
         }
         lookups.clear()
+        sources.clear()
         events.clear()
         return got
 
@@ -426,6 +450,7 @@ def comparable(step: dict) -> dict:
         "scheduled": step["scheduled"],
         "preempted": step["preempted"],
         "lookups": [lk[:5] for lk in step["lookups"]],
+        "sources": step["sources"],
         "loads": step["loads"],
         "stores": sorted(groups for _, groups in step["stores"]),
         "events": step["events"],
@@ -512,6 +537,20 @@ def test_kvoffload_worker_refuses_a_hybrid_kv_cache_config_by_name() -> None:
     with pytest.raises(ValueError, match=r"worker moves one KV cache group; this model has 2 groups"):
         KvOffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
     assert not issubclass(KvOffloadConnector, SupportsHMA)
+
+
+def test_corpus_has_hits_partly_not_from_the_host_tier() -> None:
+    """Somewhere (windows only) a hit's history before the windows is
+    loaded from no chunk: vLLM counts it ``external_unspecified``, and the
+    comparison above checks kvoffload's split against it."""
+    splits = [
+        src[2]
+        for seed, specs, *_ in CASES
+        for st in read_corpus(seed, specs)["steps"]
+        for src in st.get("sources", ())
+    ]
+    assert splits, "no hit source recorded"
+    assert any("external_unspecified" in sp for sp in splits), "every hit entirely from host chunks"
 
 
 def test_corpus_has_windowed_loads() -> None:
