@@ -4,7 +4,9 @@ seeds (cycling through test_hybrid_vllm.py's configurations) into a folder
 that is not committed, runs kvoffload's connector (its scheduler side) on
 each and compares it with vLLM's run step by step (as
 `test_kvoffload_answers_as_vllm_on_hybrid_configs` does on the committed
-corpus), and leaves the folder for `tests/hybrid_corpus.rs` to check the
+corpus), runs the seed end to end with kvoffload's workers and checks every
+running request's KV in every group after every step (as
+`test_hybrid_worker.py` does), and leaves the folder for `tests/hybrid_corpus.rs` to check the
 core's hybrid lookup, load plan and store selection against.
 
 Run with the cached vLLM venv's python (scripts/setup-vllm.sh prints it), the
@@ -12,7 +14,7 @@ kvoffload package installed in it (scripts/test-python.sh does):
     PY=$(scripts/setup-vllm.sh)
     PYTHONHASHSEED=1 $PY scripts/widen-hybrid.py 40 /tmp/hybrid-wide
     KVOFFLOAD_HYBRID_CORPUS=/tmp/hybrid-wide cargo test --release --test hybrid_corpus
-Exits 1 if kvoffload answered a step differently.
+Exits 1 if kvoffload answered a step differently or moved a wrong byte.
 """
 
 import os
@@ -22,6 +24,7 @@ tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python",
 sys.path.insert(0, tests)
 import conftest  # noqa: E402,F401  (vLLM's environment: CPU, offline)
 import test_hybrid_vllm as hy  # noqa: E402
+import test_hybrid_worker as hw  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 
@@ -30,7 +33,8 @@ def main() -> int:
         print(__doc__, file=sys.stderr)
         return 2
     n, out = int(sys.argv[1]), Path(sys.argv[2])
-    same = differ = 0
+    same = differ = wrong = stalled = 0
+    moved = {"checked": 0, "loads": 0, "window_loads": 0, "stores": 0}
     for k in range(n):
         _, specs, extra, opts, delay = hy.CASES[k % len(hy.CASES)]
         seed = 10_000 + k
@@ -54,8 +58,26 @@ def main() -> int:
         else:
             differ += 1
             print(f"seed {seed} {specs}: kvoffload differs at step {diff}", flush=True)
+        try:
+            seen = hw.worker_run(seed, specs, extra, opts)
+        except hw.VllmStalled as e:
+            stalled += 1
+            print(f"seed {seed} {specs}: with workers: {e}", flush=True)
+            continue
+        except AssertionError as e:
+            wrong += 1
+            print(f"seed {seed} {specs}: with workers: {str(e)[:300]}", flush=True)
+            continue
+        for k2 in moved:
+            moved[k2] += seen[k2]
     print(f"{same} seeds the same as vLLM, {differ} different", flush=True)
-    return 1 if differ else 0
+    print(
+        f"with workers: {wrong} seeds with a wrong byte or a leak, {stalled} stalled in vLLM's scheduler "
+        f"with kvoffload idle; {moved['checked']} tokens checked, "
+        f"{moved['loads']} loads ({moved['window_loads']} into sliding-window groups), {moved['stores']} stores",
+        flush=True,
+    )
+    return 1 if differ or wrong else 0
 
 
 if __name__ == "__main__":

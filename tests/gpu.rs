@@ -49,6 +49,8 @@ struct Shape {
     bpc: u32,
     blocks: u32,
     chunks: u32,
+    /// The tensors of each KV group (empty: one group of every tensor).
+    groups: &'static [&'static [usize]],
 }
 
 fn layout(s: Shape, gpu_base: u64, pool_base: u64) -> WorkerLayout {
@@ -61,7 +63,12 @@ fn layout(s: Shape, gpu_base: u64, pool_base: u64) -> WorkerLayout {
     };
     let tensors = if s.cross { 1 } else { s.layers };
     let row = HostRowLayout::uniform(s.bpc, 2, &vec![s.page; tensors]).unwrap();
-    WorkerLayout::new(gpu, row, 1, pool_base, s.chunks).unwrap()
+    let l = WorkerLayout::new(gpu, row, 1, pool_base, s.chunks).unwrap();
+    if s.groups.is_empty() {
+        return l;
+    }
+    l.with_groups(s.groups.iter().map(|g| g.to_vec()).collect())
+        .unwrap()
 }
 
 fn gpu_bytes(s: Shape) -> usize {
@@ -251,6 +258,7 @@ fn shapes() -> Vec<Shape> {
             bpc: 1,
             blocks: 256,
             chunks: 128,
+            groups: &[],
         },
         // Per-layer, padded stride and odd page bytes (byte path), 4 blocks per chunk.
         Shape {
@@ -261,6 +269,7 @@ fn shapes() -> Vec<Shape> {
             bpc: 4,
             blocks: 128,
             chunks: 64,
+            groups: &[],
         },
         // Cross-layer, 256 KiB blocks.
         Shape {
@@ -271,6 +280,7 @@ fn shapes() -> Vec<Shape> {
             bpc: 2,
             blocks: 64,
             chunks: 48,
+            groups: &[],
         },
     ]
 }
@@ -454,6 +464,83 @@ fn without_a_driver_everything_is_a_typed_error() {
 }
 
 /// Jobs of `n` scattered blocks each, on distinct blocks and chunks.
+/// A spec over `sizes.len()` KV groups: group `g` moves `sizes[g].0` blocks
+/// from logical index `sizes[g].1`; blocks and chunks distinct across groups.
+fn group_spec(rng: &mut Rng, s: Shape, sizes: &[(usize, u32)]) -> TransferSpec {
+    let total: usize = sizes.iter().map(|x| x.0).sum();
+    let blocks = rng.distinct(total, 1, s.blocks);
+    let keys: Vec<usize> = sizes
+        .iter()
+        .map(|&(n, first)| {
+            if n == 0 {
+                0
+            } else {
+                ((first % s.bpc) as usize + n).div_ceil(s.bpc as usize)
+            }
+        })
+        .collect();
+    let chunks = rng.distinct(keys.iter().sum(), 0, s.chunks);
+    let mut out = TransferSpec::new(&blocks, 0, &chunks);
+    out.groups = sizes
+        .iter()
+        .zip(&keys)
+        .map(|(&(n, first), &k)| kvoffload::scheduler::GroupSpan {
+            num_keys: k as u32,
+            num_blocks: n as u32,
+            first_block_index: first,
+        })
+        .collect();
+    out
+}
+
+#[test]
+#[cfg_attr(miri, ignore)]
+#[cfg_attr(
+    not(kvoffload_gpu),
+    ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
+)]
+fn gpu_jobs_over_several_kv_groups_match_the_host_backend() {
+    let Some(ctx) = gpu_or_skip("gpu_jobs_over_several_kv_groups_match_the_host_backend") else {
+        return;
+    };
+    let mut rng = Rng::new(0x6A0B5);
+    // vLLM's hybrid layout (every group over the same tensors) and a group
+    // over fewer tensors, with chunks of two blocks.
+    let s = Shape {
+        layers: 3,
+        page: 8 << 10,
+        stride: 8 << 10,
+        cross: false,
+        bpc: 2,
+        blocks: 128,
+        chunks: 96,
+        groups: &[&[0, 1, 2], &[0, 1, 2], &[2, 0]],
+    };
+    let mut p = Pair::new(&ctx, s, PinnedKind::HostAlloc).expect("setup");
+    let mut job = 0u64;
+    for strategy in Strategy::ALL {
+        p.cuda.force_strategy(Some(strategy));
+        for dir in Direction::ALL {
+            for sizes in [
+                [(4, 0), (3, 5), (0, 0)],
+                [(16, 2), (1, 7), (9, 1)],
+                [(0, 0), (24, 0), (2, 3)],
+            ] {
+                p.randomise(&mut rng).expect("randomise");
+                job += 1;
+                let sp = group_spec(&mut rng, s, &sizes);
+                p.check(
+                    dir,
+                    JobId(job),
+                    &sp,
+                    &format!("{strategy:?} {dir} {sizes:?}"),
+                )
+                .expect("check");
+            }
+        }
+    }
+}
+
 fn disjoint_jobs(rng: &mut Rng, s: Shape, jobs: usize, n: usize) -> Vec<(JobId, TransferSpec)> {
     let blocks = rng.distinct(jobs * n, 1, s.blocks);
     let per_job_chunks = n.div_ceil(s.bpc as usize);
@@ -700,6 +787,7 @@ fn sticky_child() {
         bpc: 1,
         blocks: 16,
         chunks: 16,
+        groups: &[],
     };
     let row = HostRowLayout::uniform(s.bpc, 2, &[s.page])
         .unwrap()

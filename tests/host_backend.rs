@@ -4,6 +4,8 @@
 //! (the host row layout of `docs/dataplane.md`, "Layouts"), not with the
 //! library's helpers.
 
+#[path = "common/pages.rs"]
+mod pages;
 #[path = "common/rng.rs"]
 mod rng;
 
@@ -194,23 +196,10 @@ impl<B> Fixture<B> {
             Direction::Load => (&self.pool, &self.gpu),
         };
         // SAFETY: no job in flight.
-        let (s, mut d) = unsafe { (src.read(0, src.len()), dst.read(0, dst.len())) };
-        for (g, h, n) in self.pages(spec) {
-            let (so, doff) = match dir {
-                Direction::Store => (g, h),
-                Direction::Load => (h, g),
-            };
-            assert_eq!(
-                &d[doff..doff + n],
-                &s[so..so + n],
-                "{dir} page src {so} dst {doff}"
-            );
-            d[doff..doff + n].fill(POISON);
+        let (s, d) = unsafe { (src.read(0, src.len()), dst.read(0, dst.len())) };
+        if let Err(e) = pages::moved_exactly(&s, d, &self.pages(spec), dir, POISON) {
+            panic!("{e}");
         }
-        assert!(
-            d.iter().all(|&x| x == POISON),
-            "{dir}: bytes outside the spec were written"
-        );
     }
 
     fn random_spec(
@@ -616,8 +605,8 @@ fn bad_input_gives_typed_errors() {
         err(b.submit_store(JobId(1), &TransferSpec::default())),
         SpecError::Empty
     );
-    // A transfer over several KV groups (a hybrid model's job) is refused,
-    // not moved as one group's.
+    // A transfer over several KV groups on a layout of one group is
+    // refused, not moved as one group's.
     let span = kvoffload::scheduler::GroupSpan {
         num_keys: 1,
         num_blocks: 1,
@@ -629,7 +618,7 @@ fn bad_input_gives_typed_errors() {
     };
     assert_eq!(
         err(b.submit_store(JobId(1), &grouped)),
-        SpecError::SeveralGroups { groups: 2 }
+        SpecError::GroupCountMismatch { layout: 1, spec: 2 }
     );
     assert_eq!(b.in_flight(), 0);
     // Duplicate ids in flight (one held by a stall, in the fault injector).

@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
     get_offloading_event_group_spec,
@@ -290,12 +291,13 @@ _DENSE_ATTENTION_SPECS = (FullAttentionSpec, MLAAttentionSpec)
 
 def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[int | None] | None:
     """The KV groups of a hybrid ``KVCacheConfig`` (several groups, vLLM's
-    hybrid manager) as the scheduler core takes them: per group its sliding
-    window in tokens, ``None`` for full attention. ``None`` for one group.
-    Raises ``ValueError`` for groups kvoffload cannot offload (other kinds of
-    layers, different block sizes)."""
+    hybrid manager, or one sliding-window group) as the scheduler core takes
+    them: per group its sliding window in tokens, ``None`` for full
+    attention. ``None`` for one group of another kind (the single-group
+    path). Raises ``ValueError`` for groups kvoffload cannot offload (other
+    kinds of layers, different block sizes)."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) < 2:
+    if len(groups) < 2 and not (groups and type(groups[0].kv_cache_spec) is SlidingWindowSpec):
         return None
     windows: list[int | None] = []
     for g in groups:
@@ -329,13 +331,12 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
         )
     spec = groups[0].kv_cache_spec
     if type(spec) not in _DENSE_ATTENTION_SPECS:
-        # Sliding-window, chunked-local, R-SWA and sink layers: vLLM frees
-        # (or nulls) their blocks behind the window while the request runs,
-        # so the block ids this connector was given would be stored from,
-        # and loaded into, blocks that another request may hold by then.
-        # (A model that mixes them with full attention arrives here as full
-        # attention: vLLM turns its hybrid manager off for this connector and
-        # allocates every layer for all tokens.)
+        # Chunked-local, R-SWA and sink layers: vLLM frees (or nulls) their
+        # blocks behind the window while the request runs, and the
+        # single-group path stores from, and loads into, every block id it
+        # was given (another request may hold some by then). Sliding-window
+        # groups take the hybrid path (`kv_group_windows`), which follows
+        # vLLM's windows.
         raise ValueError(
             "KvOffloadConnector offloads full-attention KV only (FullAttentionSpec, "
             f"MLAAttentionSpec); this model's KV cache group is {type(spec).__name__}, "
@@ -388,13 +389,28 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
     else:
         per_block = sum(page_bytes)
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    return EngineConfig.from_extra(
+    cfg = EngineConfig.from_extra(
         extra,
         tokens_per_block=spec.block_size,
         world_size=vllm_config.parallel_config.world_size,
         worker_bytes_per_block=per_block,
         kv_bytes_per_token=sum(b // spec.block_size for b in page_bytes),
     )
+    unserved = []
+    if cfg.remote_tier_json is not None:
+        unserved.append("the remote tier (remote_tier)")
+    events = vllm_config.kv_events_config
+    if cfg.self_describing_kv_events and events is not None and events.enable_kv_cache_events:
+        unserved.append("self-describing KV events (self_describing_kv_events)")
+    if unserved:
+        raise ValueError(
+            f"KvOffloadConnector does not offer {' or '.join(unserved)} for a model with "
+            f"sliding-window or several KV cache groups yet (this one has {len(groups)}: vLLM's "
+            "hybrid KV cache manager). Start vLLM with --disable-hybrid-kv-cache-manager to "
+            "offload a model that also has full-attention layers as one full-attention group, "
+            "or leave the option out"
+        )
+    return cfg
 
 
 def _warn_if_replicated(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
@@ -806,13 +822,6 @@ class _WorkerSide:
     """The worker role: vLLM's KV tensors mapped onto kvoffload's layouts."""
 
     def __init__(self, cfg: EngineConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig):
-        if kv_group_windows(kv_cache_config) is not None:
-            # The scheduler side plans several groups; no backend moves them yet.
-            raise ValueError(
-                "KvOffloadConnector's worker moves one KV cache group; this model has "
-                f"{len(kv_cache_config.kv_cache_groups)} groups (hybrid models are offloaded "
-                "as one full-attention group, with vLLM's hybrid manager off)"
-            )
         self.cfg = cfg
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
@@ -837,29 +846,54 @@ class _WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
-        group = self.kv_cache_config.kv_cache_groups[0]
-        page = group.kv_cache_spec.page_size_bytes
-        regions = []
+        groups = self.kv_cache_config.kv_cache_groups
+        regions: list[tuple[int, int, int]] = []
+        # Layers whose views start at one address with one block stride share
+        # a region: vLLM overlays the KV groups' layers on the same tensors
+        # (a block belongs to one group at a time), as its own worker does.
+        region_of: dict[tuple[int, int], int] = {}
+        #: Per KV group, the regions of its layers (a job moves each group's
+        #: blocks over its own regions).
+        group_regions: list[list[int]] = []
         devices = set()
-        for name in group.layer_names:
-            t = group_kernel_blocks(kv_caches[name], num_blocks)
-            devices.add(t.device)
-            stride = t.stride(0) * t.element_size()
-            base = t.data_ptr()
-            regions.append((base, stride, page))
-            self.tensors.append(t)
+        for group in groups:
+            page = group.kv_cache_spec.page_size_bytes
+            mine: list[int] = []
+            for name in group.layer_names:
+                t = group_kernel_blocks(kv_caches[name], num_blocks)
+                devices.add(t.device)
+                stride = t.stride(0) * t.element_size()
+                base = t.data_ptr()
+                r = region_of.get((base, stride))
+                if r is None:
+                    r = region_of[(base, stride)] = len(regions)
+                    regions.append((base, stride, page))
+                    self.tensors.append(t)
+                elif regions[r][2] != page:
+                    raise ValueError(
+                        f"kvoffload.vllm: layer {name} overlays another KV group's layer with a "
+                        f"different page size ({page} and {regions[r][2]} bytes)"
+                    )
+                if r not in mine:
+                    mine.append(r)
+            group_regions.append(mine)
         if len(devices) != 1:
             raise ValueError(f"kvoffload.vllm: the KV cache tensors are on several devices: {devices}")
         device = devices.pop()
         args = (regions, num_blocks, self.cfg.blocks_per_chunk, self.cfg.num_cpu_chunks, False)
+        grouping = group_regions if len(groups) > 1 else None
         if device.type == "cpu":
-            self.core = WorkerCore.host(*args)
+            self.core = WorkerCore.host(*args, groups=grouping)
         elif device.type == "cuda":
             # Stores read blocks the model wrote on this stream: they are
             # ordered after its work (the CUDA backend records an event on it).
             self.stream = torch.cuda.current_stream(device)
             self.core = WorkerCore.cuda(
-                *args, device.index or 0, self.stream.cuda_stream, self.cfg.strategy_table
+                *args,
+                device.index or 0,
+                self.stream.cuda_stream,
+                self.cfg.strategy_table,
+                groups=grouping,
             )
         else:
             raise NotImplementedError(
@@ -874,8 +908,10 @@ class _WorkerSide:
                 self.cfg.world_size,
             )
         logger.info(
-            "kvoffload: %d KV tensors on %s, %d blocks, host pool of %d chunks (%d bytes, %s backend)",
+            "kvoffload: %d KV tensors (%d KV groups) on %s, %d blocks, host pool of %d chunks "
+            "(%d bytes, %s backend)",
             len(regions),
+            len(groups),
             device,
             num_blocks,
             self.cfg.num_cpu_chunks,
@@ -984,8 +1020,13 @@ class KvOffloadPromMetrics(OffloadPromMetrics):
             self._offloading_metric_defs[name] = self._create_metric(name, metadata)
 
 
-class KvOffloadConnector(KVConnectorBase_V1):
-    """vLLM's KV connector interface, served by kvoffload."""
+class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's KV connector interface, served by kvoffload.
+
+    It declares ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on
+    for it, and a model of full-attention and sliding-window layers
+    (``kv_group_windows``) is offloaded group by group, as vLLM's own
+    ``OffloadingConnector`` does."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -1106,9 +1147,8 @@ class KvOffloadConnector(KVConnectorBase_V1):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM's ``SupportsHMA`` hook (several KV groups). This class does
-        not declare ``SupportsHMA`` yet: its worker moves one group, so vLLM
-        keeps its hybrid manager off for it."""
+        """vLLM's ``SupportsHMA`` hook: a request finished, with its blocks
+        in every KV group."""
         assert self._scheduler is not None
         return self._scheduler.request_finished_all_groups(request, block_ids)
 

@@ -82,6 +82,14 @@ fn layouts(
     Ok((gpu, row, pool_bytes))
 }
 
+/// `layout` with the tensors of each KV group (`None`: one group of every tensor).
+fn with_groups(layout: WorkerLayout, groups: Option<Vec<Vec<usize>>>) -> PyResult<WorkerLayout> {
+    match groups {
+        None => Ok(layout),
+        Some(g) => layout.with_groups(g).map_err(value_error),
+    }
+}
+
 impl WorkerCore {
     fn faults(&mut self) -> &mut dyn FaultControl {
         match &mut self.worker {
@@ -96,19 +104,25 @@ impl WorkerCore {
     /// A worker on the host backend, copying between CPU `tensors`
     /// (`(address, block stride, page bytes)` each, `num_blocks` blocks) and
     /// a host pool of `num_chunks` chunks of `blocks_per_chunk` blocks.
-    /// `cross_layer`: one tensor holds every layer of a block.
+    /// `cross_layer`: one tensor holds every layer of a block. `groups`:
+    /// with several KV groups (vLLM's hybrid manager), the indices in
+    /// `tensors` of each group's layers (a tensor may serve several groups;
+    /// a job then moves each group's blocks over its tensors); `None`: one
+    /// group of every tensor.
     ///
     /// The caller (the connector) keeps the tensors alive and unmoved for the
     /// lifetime of this object, and touches no block while a job it was given
     /// for that block is in flight; the addresses are checked for overflow,
     /// not for ownership.
     #[staticmethod]
+    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, groups=None))]
     fn host(
         tensors: Vec<(u64, u64, u64)>,
         num_blocks: u32,
         blocks_per_chunk: u32,
         num_chunks: u32,
         cross_layer: bool,
+        groups: Option<Vec<Vec<usize>>>,
     ) -> PyResult<Self> {
         let (gpu, row, pool_bytes) = layouts(
             &tensors,
@@ -119,8 +133,10 @@ impl WorkerCore {
         )?;
         let len = usize::try_from(pool_bytes).map_err(value_error)?;
         let pool = Arc::new(HostBuffer::new(len).map_err(value_error)?);
-        let layout =
-            WorkerLayout::new(gpu, row, 0, pool.addr(), num_chunks).map_err(value_error)?;
+        let layout = with_groups(
+            WorkerLayout::new(gpu, row, 0, pool.addr(), num_chunks).map_err(value_error)?,
+            groups,
+        )?;
         // SAFETY: the pool is owned by this object (dropped after the worker,
         // whose threads end in its drop); the tensors' memory is kept alive
         // and untouched during their jobs by the caller (documented above).
@@ -140,8 +156,8 @@ impl WorkerCore {
     /// `tensors` (as for `host`) and a pinned, mapped host pool allocated
     /// here; transfers are ordered after the work on `stream` (a `CUstream`
     /// handle, PyTorch's `torch.cuda.current_stream().cuda_stream`; 0 is the
-    /// legacy default stream). Raises `RuntimeError` without a CUDA driver or
-    /// device.
+    /// legacy default stream). `groups`: as for `host`. Raises `RuntimeError`
+    /// without a CUDA driver or device.
     ///
     /// `strategy_table`: the path of a table written by `kvoffload bench
     /// --calibrate` (its rules choose each job's copy strategy, its tuning
@@ -153,7 +169,7 @@ impl WorkerCore {
     /// this object, as for `host`.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, device, stream, strategy_table=None))]
+    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, device, stream, strategy_table=None, groups=None))]
     fn cuda(
         tensors: Vec<(u64, u64, u64)>,
         num_blocks: u32,
@@ -163,6 +179,7 @@ impl WorkerCore {
         device: usize,
         stream: u64,
         strategy_table: Option<String>,
+        groups: Option<Vec<Vec<usize>>>,
     ) -> PyResult<Self> {
         let options = crate::strategy_table::cuda_options(strategy_table.as_deref())?;
         let (gpu, row, pool_bytes) = layouts(
@@ -175,8 +192,10 @@ impl WorkerCore {
         let len = usize::try_from(pool_bytes).map_err(value_error)?;
         let ctx = open_context(device).map_err(runtime_error)?;
         let pool = PinnedBuffer::host_alloc(&ctx, len).map_err(runtime_error)?;
-        let layout =
-            WorkerLayout::new(gpu, row, 0, pool.addr(), num_chunks).map_err(value_error)?;
+        let layout = with_groups(
+            WorkerLayout::new(gpu, row, 0, pool.addr(), num_chunks).map_err(value_error)?,
+            groups,
+        )?;
         // SAFETY: the caller keeps `stream` (a stream of this device's primary
         // context, which PyTorch uses) alive while this object lives.
         let compute = unsafe { borrowed_stream(&ctx, stream) };

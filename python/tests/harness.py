@@ -66,7 +66,9 @@ class Engine:
     scheduler: Any
     workers: list[Any]
     caches: list[dict[str, torch.Tensor]]
-    layers: list[str]
+    #: Per KV group, its layers (one group but for a hybrid engine; the
+    #: groups' layers overlay the same tensors, as vLLM overlays them).
+    group_layers: list[list[str]]
     tpb: int
     async_scheduling: bool
     aggregator: KVOutputAggregator
@@ -143,38 +145,54 @@ class Engine:
         # Sampled after computing up to num_computed_tokens: the next position's.
         return self.token_at(req, req.num_computed_tokens)
 
+    def _layer_ordinal(self, group: int, index: int) -> int:
+        """The layer's number across every group (the fake model writes
+        each group's layers apart, so a block moved as another group's
+        shows)."""
+        return group * len(self.group_layers[0]) + index
+
     def _compute(self, so: Any) -> None:
-        """The fake model: writes the KV of every scheduled token."""
+        """The fake model: writes the KV of every scheduled token, in every
+        KV group."""
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
-            table = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
             # schedule() has already counted this step's tokens as computed.
             start = req.num_computed_tokens - n
-            for p in range(start, start + n):
-                block, slot = table[p // self.tpb], p % self.tpb
-                t = self.token_at(req, p)
-                for w in range(len(self.workers)):
-                    for li, name in enumerate(self.layers):
-                        v = kv_value(t, p, li) + w
-                        self.caches[w][name][block, :, slot] = v
+            for g, layers in enumerate(self.group_layers):
+                table = tables[g]
+                for p in range(start, start + n):
+                    block, slot = table[p // self.tpb], p % self.tpb
+                    assert block != 0, f"{rid}: token {p} of group {g} computed into the null block"
+                    t = self.token_at(req, p)
+                    for w in range(len(self.workers)):
+                        for li, name in enumerate(layers):
+                            v = kv_value(t, p, self._layer_ordinal(g, li)) + w
+                            self.caches[w][name][block, :, slot] = v
 
     def check_kv(self, rid: str) -> int:
         """Compares the KV of every computed token of a request with what the
-        model computes for it; returns the tokens checked."""
+        model computes for it, in every KV group (a sliding-window group's
+        blocks behind its window are the null block: not checked); returns
+        the tokens checked (in group 0)."""
         req = self.scheduler.requests[rid]
-        table = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+        tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
         n = req.num_computed_tokens
-        for p in range(n):
-            block, slot = table[p // self.tpb], p % self.tpb
-            t = self.token_at(req, p)
-            for w in range(len(self.workers)):
-                for li, name in enumerate(self.layers):
-                    got = self.caches[w][name][block, :, slot]
-                    want = kv_value(t, p, li) + w
-                    assert torch.all(got == want), (
-                        f"{rid}: token {p} (block {block}) of layer {name} on worker {w}: "
-                        f"{got.flatten()[:4].tolist()} != {want}"
-                    )
+        for g, layers in enumerate(self.group_layers):
+            table = tables[g]
+            for p in range(n):
+                block, slot = table[p // self.tpb], p % self.tpb
+                if block == 0:
+                    continue
+                t = self.token_at(req, p)
+                for w in range(len(self.workers)):
+                    for li, name in enumerate(layers):
+                        got = self.caches[w][name][block, :, slot]
+                        want = kv_value(t, p, self._layer_ordinal(g, li)) + w
+                        assert torch.all(got == want), (
+                            f"{rid}: token {p} (block {block}) of layer {name} on worker {w}: "
+                            f"{got.flatten()[:4].tolist()} != {want}"
+                        )
         return n
 
     def step(self) -> Any:
@@ -302,8 +320,8 @@ def build(
     place of `spec`, the specs of several KV cache groups (vLLM's hybrid
     manager: `num_layers` layers each, ``g{group}.layer{i}``, their tensors
     overlaid as vLLM overlays them; the specs must have one page size).
-    A hybrid engine is scheduler-only (`fake_worker`): the fake model
-    writes one group's KV. `retention`: vLLM's
+    The fake model writes every group's KV (each group's layers apart).
+    `retention`: vLLM's
     ``prefix_cache_retention_interval`` (which sliding-window blocks are kept
     and stored; 0, its default, keeps only the replay boundary's)."""
     model_config = ModelConfig(model=MODEL, dtype="float32", seed=42)
@@ -346,11 +364,9 @@ def build(
         specs = [spec]
         group_layers = [[f"layer{i}" for i in range(num_layers)]]
     else:
-        assert fake_worker is not None, "a hybrid engine is scheduler-only (fake_worker)"
         specs = list(groups)
         assert len({s.page_size_bytes for s in specs}) == 1, "hybrid groups need one page size"
         group_layers = [[f"g{g}.layer{i}" for i in range(num_layers)] for g in range(len(specs))]
-    layers = group_layers[0]
     page = specs[0].page_size_bytes
     kv_cache_config = KVCacheConfig(
         num_blocks=num_gpu_blocks,
@@ -384,10 +400,13 @@ def build(
         # answers for them.
         for rank in range(0 if fake_worker is not None else world_size):
             wc = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-            cache = {
-                name: torch.zeros(num_gpu_blocks, 2, tpb, HEADS, HEAD_SIZE, dtype=torch.float32)
-                for name in layers
-            }
+            # Layer i of every group is one tensor: vLLM overlays the
+            # groups' layers from byte 0 of one allocation.
+            tensors = [
+                torch.zeros(num_gpu_blocks, 2, tpb, HEADS, HEAD_SIZE, dtype=torch.float32)
+                for _ in range(num_layers)
+            ]
+            cache = {name: tensors[i] for names in group_layers for i, name in enumerate(names)}
             # vLLM's model-parallel groups do not exist in this process: each
             # worker is told its rank (the share of a chunk it writes).
             with mock.patch("kvoffload.vllm._worker_rank", lambda _ws, r=rank: r):
@@ -399,7 +418,7 @@ def build(
         scheduler=scheduler,
         workers=workers,
         caches=caches,
-        layers=layers,
+        group_layers=group_layers,
         tpb=tpb,
         async_scheduling=async_scheduling,
         aggregator=KVOutputAggregator(world_size),

@@ -4,11 +4,11 @@ windows only), recorded step by step as ``test_differential.py`` records a
 run, and kept as a corpus (``corpus/hybrid/*.json.gz``); and kvoffload's
 connector (its scheduler side) compared with it step by step.
 
-kvoffload's scheduler plans several groups (``Scheduler::with_groups``); its
-worker moves one group, so the package's connector does not declare
-``SupportsHMA`` yet and vLLM runs a hybrid model with its hybrid manager off
-(docs/hybrid-groups.md). ``hybrid_connector.py`` declares it for these
-scheduler-only runs. Per step the corpus holds the tokens scheduled, each
+kvoffload's connector declares ``SupportsHMA``: vLLM keeps its hybrid
+manager on for it, and its scheduler plans several groups
+(``Scheduler::with_groups``, docs/hybrid-groups.md). These runs are
+scheduler-only (fake workers: ``test_hybrid_worker.py`` moves the bytes).
+Per step the corpus holds the tokens scheduled, each
 lookup's hit, each hit's split by source, each load's and store's GPU blocks
 per group (with the group's first block index), the KV events, and what vLLM's connector saw inside (key
 states, load and store inputs). The tests check that vLLM still answers as
@@ -71,6 +71,7 @@ SPECS = {
     "full+swa8+swa13": lambda: [full(), window(8), window(13)],
     "swa6+full": lambda: [window(6), full()],
     "swa8+swa16": lambda: [window(8), window(16)],
+    "swa8": lambda: [window(8)],
 }
 CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}, 1),
@@ -93,6 +94,8 @@ CASES = [
     # the shared prefix's tails).
     (10, "full+swa8", {"block_size": 4 * TPB, "offload_prompt_only": False}, {"retention": None}, 1),
     (11, "full+swa8+swa13", {"offload_prompt_only": False}, {"retention": 16}, 0),
+    # A model of sliding-window layers only: one group, vLLM's windows.
+    (12, "swa8", {"offload_prompt_only": False}, {}, 1),
 ]
 
 
@@ -389,14 +392,13 @@ def test_vllm_answers_hybrid_configs_as_recorded(seed: int, specs: str, extra: d
 
 def kvoffload_run(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> list[dict]:
     """kvoffload's connector (its scheduler side, with vLLM's hybrid manager
-    on: ``hybrid_connector.py``) on the case's workload, per step what the
+    on) on the case's workload, per step what the
     corpus records of vLLM's and kvoffload can show: the tokens scheduled,
     the preemptions, each lookup's answer, each load's and store's GPU
     blocks per group, the KV events."""
     common, cfg = engine_options(specs, extra, opts)
     e = build(
-        connector="KvOffloadHybridConnector", module="hybrid_connector", extra=cfg,
-        fake_worker=kvoffload_worker(delay), tpb=TPB, groups=SPECS[specs](), **common,
+        extra=cfg, fake_worker=kvoffload_worker(delay), tpb=TPB, groups=SPECS[specs](), **common,
     )
     lookups: list[list] = []
     inner = e.connector.get_num_new_matched_tokens
@@ -518,25 +520,33 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
                     assert first == computed // TPB, (rid, g, computed, per_group)
 
 
-def test_kvoffload_worker_refuses_a_hybrid_kv_cache_config_by_name() -> None:
-    """The scheduler side plans several groups (above); the worker side
-    moves one group: given a hybrid config it refuses at once, naming why,
-    rather than move one group's blocks as another's. The package's
-    connector does not declare ``SupportsHMA``, so vLLM keeps its hybrid
-    manager off for it (every layer one full-attention group)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
+def test_vllm_keeps_its_hybrid_manager_on_for_kvoffload() -> None:
+    """The package's connector declares ``SupportsHMA``: vLLM's config
+    leaves its hybrid KV cache manager on (else it turns it off and
+    allocates every layer for all tokens)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from kvoffload.vllm import KvOffloadConnector
+    ktc = KVTransferConfig(kv_connector="KvOffloadConnector", kv_connector_module_path="kvoffload.vllm", kv_role="kv_both")
+    assert KVConnectorFactory.supports_hma_config(ktc)
 
-    e = build(
-        connector="KvOffloadHybridConnector", module="hybrid_connector",
-        extra={"cpu_bytes_to_use": 1 << 20}, fake_worker=kvoffload_worker(0), tpb=TPB,
-        groups=[full(), window(8)],
-    )
-    vllm_config, kv_cache_config = e.scheduler.vllm_config, e.scheduler.kv_cache_config
-    with pytest.raises(ValueError, match=r"worker moves one KV cache group; this model has 2 groups"):
-        KvOffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-    assert not issubclass(KvOffloadConnector, SupportsHMA)
+
+@pytest.mark.parametrize(
+    "extra,events,named",
+    [
+        ({"remote_tier": {"url": "redis://127.0.0.1:1"}}, False, "the remote tier"),
+        ({"self_describing_kv_events": True}, True, "self-describing KV events"),
+    ],
+)
+def test_what_several_groups_do_not_have_yet_stops_startup_naming_the_way_round(extra, events, named) -> None:
+    """The remote tier and self-describing KV events do not serve several
+    KV groups yet: a hybrid model configured with them stops at startup,
+    naming the option and vLLM's flag that offloads it as one
+    full-attention group instead."""
+    with pytest.raises(ValueError, match=rf"{named}.*--disable-hybrid-kv-cache-manager"):
+        build(
+            extra={"cpu_bytes_to_use": 1 << 20, **extra}, tpb=TPB, groups=[full(), window(8)], kv_events=events
+        )
 
 
 def test_corpus_has_hits_partly_not_from_the_host_tier() -> None:

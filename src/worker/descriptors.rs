@@ -42,8 +42,9 @@ impl DescriptorTable {
 
 /// Builds the descriptors for `spec` in `direction`, validating it first.
 ///
-/// Stores copy GPU pages to host chunks, loads the reverse. For each tensor in
-/// slot order and each block in logical order one descriptor is emitted; it is
+/// Stores copy GPU pages to host chunks, loads the reverse. For each KV group
+/// (one without group spans), each of the group's tensors in slot order and
+/// each block in logical order one descriptor is emitted; it is
 /// merged into the previous one when both its source and destination continue
 /// the previous run (adjacent blocks in adjacent sub-blocks).
 pub fn plan(
@@ -57,30 +58,31 @@ pub fn plan(
     out.bytes = 0;
     out.max_desc_bytes = 0;
     out.blocks = spec.gpu_blocks.len();
-    let bpc = layout.row().blocks_per_chunk();
-    let skip = spec.first_block_index % bpc;
-    let tensors = layout.gpu().regions().len();
-    for t in 0..tensors {
-        let page = layout.gpu().regions()[t].page_bytes;
-        for (k, &block) in spec.gpu_blocks.iter().enumerate() {
-            let pos = skip as usize + k;
-            let chunk = spec.chunks[pos / bpc as usize];
-            let sub = (pos % bpc as usize) as u32;
-            let gpu = layout.gpu_addr(t, block);
-            let host = layout.host_addr(t, chunk, sub);
-            let (src, dst) = match direction {
-                Direction::Store => (gpu, host),
-                Direction::Load => (host, gpu),
-            };
-            push_coalesced(
-                &mut out.descs,
-                CopyDesc {
-                    src,
-                    dst,
-                    bytes: page,
-                },
-            );
-            out.bytes += page;
+    let bpc = layout.row().blocks_per_chunk() as usize;
+    for part in layout.parts(spec) {
+        let skip = part.first_block_index as usize % bpc;
+        for &t in part.tensors {
+            let page = layout.gpu().regions()[t].page_bytes;
+            for (k, &block) in part.blocks.iter().enumerate() {
+                let pos = skip + k;
+                let chunk = part.chunks[pos / bpc];
+                let sub = (pos % bpc) as u32;
+                let gpu = layout.gpu_addr(t, block);
+                let host = layout.host_addr(t, chunk, sub);
+                let (src, dst) = match direction {
+                    Direction::Store => (gpu, host),
+                    Direction::Load => (host, gpu),
+                };
+                push_coalesced(
+                    &mut out.descs,
+                    CopyDesc {
+                        src,
+                        dst,
+                        bytes: page,
+                    },
+                );
+                out.bytes += page;
+            }
         }
     }
     out.max_desc_bytes = out.descs.iter().map(|d| d.bytes).max().unwrap_or(0);

@@ -66,6 +66,33 @@ pub enum LayoutError {
         /// GPU page bytes.
         gpu: u64,
     },
+    /// A layout of KV groups needs at least one group.
+    #[error("a layout of KV groups needs at least one group")]
+    NoGroups,
+    /// A KV group must use at least one tensor.
+    #[error("KV group {group} names no tensor")]
+    EmptyGroup {
+        /// The group.
+        group: usize,
+    },
+    /// A KV group names a tensor the GPU layout does not have.
+    #[error("KV group {group} names tensor {tensor}; the GPU layout has {tensors}")]
+    GroupTensorOutOfRange {
+        /// The group.
+        group: usize,
+        /// The tensor named.
+        tensor: usize,
+        /// Tensors (regions) in the GPU layout.
+        tensors: usize,
+    },
+    /// A KV group names one tensor twice (its bytes would move twice).
+    #[error("KV group {group} names tensor {tensor} twice")]
+    GroupTensorRepeated {
+        /// The group.
+        group: usize,
+        /// The tensor.
+        tensor: usize,
+    },
     /// Address arithmetic overflowed 64 bits.
     #[error("layout arithmetic overflows: {0}")]
     Overflow(&'static str),
@@ -93,12 +120,28 @@ pub enum SpecError {
     /// A transfer must move at least one block.
     #[error("a transfer must name at least one GPU block")]
     Empty,
-    /// A transfer over several KV groups (a hybrid model): the layouts hold
-    /// one group's tensors.
-    #[error("a transfer over {groups} KV groups: this worker moves one KV group only")]
-    SeveralGroups {
-        /// Groups in the spec.
-        groups: usize,
+    /// The spec names another number of KV groups than the layout has.
+    #[error("the transfer names {spec} KV groups; this worker's layout has {layout}")]
+    GroupCountMismatch {
+        /// Groups in the worker's layout.
+        layout: usize,
+        /// Groups in the spec (1 without group spans).
+        spec: usize,
+    },
+    /// The group spans do not add up to the spec's blocks and chunks.
+    #[error(
+        "the group spans add up to {span_blocks} blocks and {span_keys} chunks; \
+         the transfer has {blocks} blocks and {chunks} chunks"
+    )]
+    GroupSpansMismatch {
+        /// Blocks in the spec.
+        blocks: usize,
+        /// Chunks in the spec.
+        chunks: usize,
+        /// Blocks the spans add up to.
+        span_blocks: u64,
+        /// Chunks the spans add up to.
+        span_keys: u64,
     },
     /// GPU block 0 is the null block, never stored or loaded.
     #[error("GPU block at position {position} is the null block 0")]
@@ -124,9 +167,11 @@ pub enum SpecError {
     },
     /// The number of chunks does not match the blocks (with the unaligned first block).
     #[error(
-        "{blocks} blocks from logical index {first_block_index} need {expected} chunks, got {got}"
+        "group {group}: {blocks} blocks from logical index {first_block_index} need {expected} chunks, got {got}"
     )]
     ChunkCountMismatch {
+        /// The KV group (0 for a spec of one group).
+        group: usize,
         /// Blocks in the spec.
         blocks: usize,
         /// Logical index of the first block.

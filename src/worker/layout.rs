@@ -269,9 +269,9 @@ pub struct TransferSpec {
     /// Host chunk rows, in logical order.
     pub chunks: Vec<ChunkId>,
     /// A transfer over several KV groups: each group's part of the blocks
-    /// and chunks ([`crate::scheduler::GroupSpan`]); empty for one group.
-    /// No backend moves several groups yet: [`WorkerLayout::validate`]
-    /// refuses such a spec.
+    /// and chunks, in group order ([`crate::scheduler::GroupSpan`]; group
+    /// `g` moves the tensors [`WorkerLayout::with_groups`] gave it); empty
+    /// for one group (then `first_block_index` applies to every block).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub groups: Vec<crate::scheduler::GroupSpan>,
 }
@@ -296,6 +296,12 @@ impl TransferSpec {
 }
 
 /// One worker's view: its GPU cache paired with its slot in the host pool.
+///
+/// With several KV groups (vLLM's hybrid manager, [`Self::with_groups`]),
+/// each group names the tensors its layers use; a chunk row holds one
+/// group's key, so a transfer of group `g` moves only group `g`'s tensors of
+/// each row (vLLM's layout: groups overlay the same tensors, so a row is
+/// normally full whichever group it holds).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerLayout {
     gpu: GpuLayout,
@@ -303,6 +309,66 @@ pub struct WorkerLayout {
     worker: u32,
     host_base: u64,
     num_chunks: u32,
+    group_tensors: Vec<Vec<usize>>,
+}
+
+/// One KV group's part of a validated [`TransferSpec`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SpecPart<'a> {
+    /// The group's GPU blocks, in logical order.
+    pub blocks: &'a [GpuBlockId],
+    /// Logical index of `blocks[0]` (only its remainder by the chunk size matters).
+    pub first_block_index: u32,
+    /// The group's chunk rows.
+    pub chunks: &'a [ChunkId],
+    /// The tensors the group's layers use.
+    pub tensors: &'a [usize],
+}
+
+/// The parts of a spec, one per KV group ([`WorkerLayout::parts`]).
+pub(crate) struct SpecParts<'a> {
+    layout: &'a WorkerLayout,
+    spec: &'a TransferSpec,
+    group: usize,
+    block: usize,
+    chunk: usize,
+}
+
+impl<'a> Iterator for SpecParts<'a> {
+    type Item = SpecPart<'a>;
+
+    fn next(&mut self) -> Option<SpecPart<'a>> {
+        let spec = self.spec;
+        let (num_blocks, num_keys, first) = if spec.groups.is_empty() {
+            if self.group > 0 {
+                return None;
+            }
+            (
+                spec.gpu_blocks.len(),
+                spec.chunks.len(),
+                spec.first_block_index,
+            )
+        } else {
+            let span = spec.groups.get(self.group)?;
+            (
+                span.num_blocks as usize,
+                span.num_keys as usize,
+                span.first_block_index,
+            )
+        };
+        let tensors = self.layout.group_tensors.get(self.group)?;
+        let blocks = spec.gpu_blocks.get(self.block..self.block + num_blocks)?;
+        let chunks = spec.chunks.get(self.chunk..self.chunk + num_keys)?;
+        self.group += 1;
+        self.block += num_blocks;
+        self.chunk += num_keys;
+        Some(SpecPart {
+            blocks,
+            first_block_index: first,
+            chunks,
+            tensors,
+        })
+    }
 }
 
 impl WorkerLayout {
@@ -344,13 +410,65 @@ impl WorkerLayout {
         row.pool_bytes(num_chunks)
             .and_then(|b| host_base.checked_add(b))
             .ok_or(LayoutError::Overflow("host pool end"))?;
+        let group_tensors = vec![(0..gpu.regions.len()).collect()];
         Ok(Self {
             gpu,
             row,
             worker,
             host_base,
             num_chunks,
+            group_tensors,
         })
+    }
+
+    /// The same layout for several KV groups: `group_tensors[g]` lists the
+    /// tensors (regions, in slot order) of group `g`'s layers. A tensor may
+    /// serve several groups (vLLM overlays the groups' layers); within a
+    /// group each tensor appears once.
+    pub fn with_groups(mut self, group_tensors: Vec<Vec<usize>>) -> Result<Self, LayoutError> {
+        if group_tensors.is_empty() {
+            return Err(LayoutError::NoGroups);
+        }
+        let tensors = self.gpu.regions.len();
+        for (group, list) in group_tensors.iter().enumerate() {
+            if list.is_empty() {
+                return Err(LayoutError::EmptyGroup { group });
+            }
+            let mut seen = vec![false; tensors];
+            for &tensor in list {
+                match seen.get_mut(tensor) {
+                    None => {
+                        return Err(LayoutError::GroupTensorOutOfRange {
+                            group,
+                            tensor,
+                            tensors,
+                        });
+                    }
+                    Some(true) => return Err(LayoutError::GroupTensorRepeated { group, tensor }),
+                    Some(s) => *s = true,
+                }
+            }
+        }
+        self.group_tensors = group_tensors;
+        Ok(self)
+    }
+
+    /// The tensors of each KV group (one group of every tensor unless
+    /// [`Self::with_groups`] said otherwise).
+    pub fn group_tensors(&self) -> &[Vec<usize>] {
+        &self.group_tensors
+    }
+
+    /// Each KV group's part of `spec` (one part for a spec without group
+    /// spans); call after [`Self::validate`].
+    pub(crate) fn parts<'a>(&'a self, spec: &'a TransferSpec) -> SpecParts<'a> {
+        SpecParts {
+            layout: self,
+            spec,
+            group: 0,
+            block: 0,
+            chunk: 0,
+        }
     }
 
     /// The GPU side.
@@ -412,22 +530,58 @@ impl WorkerLayout {
 
     /// Checks a spec against this layout without building descriptors.
     pub fn validate(&self, spec: &TransferSpec) -> Result<(), SpecError> {
-        if !spec.groups.is_empty() {
-            return Err(SpecError::SeveralGroups {
-                groups: spec.groups.len(),
-            });
-        }
         if spec.gpu_blocks.is_empty() {
             return Err(SpecError::Empty);
         }
-        let expected = spec.chunks_needed(self.row.blocks_per_chunk);
-        if spec.chunks.len() != expected {
-            return Err(SpecError::ChunkCountMismatch {
-                blocks: spec.gpu_blocks.len(),
-                first_block_index: spec.first_block_index,
-                expected,
-                got: spec.chunks.len(),
+        let groups = self.group_tensors.len();
+        let spec_groups = spec.groups.len().max(1);
+        if spec_groups != groups {
+            return Err(SpecError::GroupCountMismatch {
+                layout: groups,
+                spec: spec_groups,
             });
+        }
+        let bpc = self.row.blocks_per_chunk;
+        if spec.groups.is_empty() {
+            let expected = spec.chunks_needed(bpc);
+            if spec.chunks.len() != expected {
+                return Err(SpecError::ChunkCountMismatch {
+                    group: 0,
+                    blocks: spec.gpu_blocks.len(),
+                    first_block_index: spec.first_block_index,
+                    expected,
+                    got: spec.chunks.len(),
+                });
+            }
+        } else {
+            let span_blocks: u64 = spec.groups.iter().map(|g| u64::from(g.num_blocks)).sum();
+            let span_keys: u64 = spec.groups.iter().map(|g| u64::from(g.num_keys)).sum();
+            if span_blocks != spec.gpu_blocks.len() as u64 || span_keys != spec.chunks.len() as u64
+            {
+                return Err(SpecError::GroupSpansMismatch {
+                    blocks: spec.gpu_blocks.len(),
+                    chunks: spec.chunks.len(),
+                    span_blocks,
+                    span_keys,
+                });
+            }
+            for (group, g) in spec.groups.iter().enumerate() {
+                let expected = if g.num_blocks == 0 {
+                    0
+                } else {
+                    ((g.first_block_index % bpc) as usize + g.num_blocks as usize)
+                        .div_ceil(bpc as usize)
+                };
+                if g.num_keys as usize != expected {
+                    return Err(SpecError::ChunkCountMismatch {
+                        group,
+                        blocks: g.num_blocks as usize,
+                        first_block_index: g.first_block_index,
+                        expected,
+                        got: g.num_keys as usize,
+                    });
+                }
+            }
         }
         for (position, b) in spec.gpu_blocks.iter().enumerate() {
             if b.0 == 0 {
@@ -525,6 +679,36 @@ mod tests {
             WorkerLayout::new(gpu, row, 0, 1 << 20, 0),
             Err(LayoutError::NoChunks)
         );
+    }
+
+    #[test]
+    fn groups_name_existing_tensors_once_each() {
+        let gpu = GpuLayout::per_layer(&[0, 4096], 4, 64, 64).unwrap();
+        let row = HostRowLayout::uniform(1, 1, &[64, 64]).unwrap();
+        let l = WorkerLayout::new(gpu, row, 0, 1 << 20, 4).unwrap();
+        assert_eq!(l.group_tensors(), &[vec![0, 1]]);
+        assert_eq!(l.clone().with_groups(vec![]), Err(LayoutError::NoGroups));
+        assert_eq!(
+            l.clone().with_groups(vec![vec![0, 1], vec![]]),
+            Err(LayoutError::EmptyGroup { group: 1 })
+        );
+        assert_eq!(
+            l.clone().with_groups(vec![vec![2]]),
+            Err(LayoutError::GroupTensorOutOfRange {
+                group: 0,
+                tensor: 2,
+                tensors: 2
+            })
+        );
+        assert_eq!(
+            l.clone().with_groups(vec![vec![1], vec![0, 1, 0]]),
+            Err(LayoutError::GroupTensorRepeated {
+                group: 1,
+                tensor: 0
+            })
+        );
+        let two = l.with_groups(vec![vec![0, 1], vec![1]]).unwrap();
+        assert_eq!(two.group_tensors(), &[vec![0, 1], vec![1]]);
     }
 
     #[test]

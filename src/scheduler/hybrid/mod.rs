@@ -14,8 +14,9 @@
 //! (`on_lookup.rs`, `on_alloc.rs`, `on_step.rs`): per-group block tables and
 //! store cursors, one load or store job carrying every group's part
 //! ([`GroupSpan`](super::GroupSpan)), sliding-window fences from a store's
-//! creation, stale window blocks dropped. The workers and the vLLM connector
-//! do not take several groups yet.
+//! creation, stale window blocks dropped. A worker moves each group's part
+//! over that group's tensors
+//! ([`WorkerLayout::with_groups`](crate::worker::WorkerLayout::with_groups)).
 
 mod groups;
 mod load;

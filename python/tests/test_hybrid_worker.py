@@ -1,0 +1,112 @@
+"""kvoffload's connector on hybrid models end to end: vLLM's real scheduler
+with its hybrid KV cache manager, kvoffload's scheduler side and its worker
+side over CPU KV tensors in which the groups' layers overlay each other (as
+vLLM allocates them), and the harness's fake model writing every group's
+KV. After every step the KV of every running request is compared, in every
+group, with what the model computed: what came back from the host tier is
+each group's own bytes (docs/hybrid-groups.md, step 5)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+import kvoffload._native as native
+from harness import build
+from test_hybrid_vllm import CASES, SPECS, TPB, drive, engine_options
+
+#: The cases run with real workers: every kind of group mix, chunks of one,
+#: two and four blocks, async scheduling, two workers, sync loads, short
+#: steps, the three retention kinds.
+WORKER_CASES = CASES
+
+
+def leak_free(e: Any) -> None:
+    st = e.connector.scheduler_state()
+    assert st["invariants"] is None, st
+    for k in ("jobs", "requests", "chunks_being_loaded", "fenced_blocks", "pinned_chunks", "pending_chunks"):
+        assert st[k] == 0, (k, st)
+    assert all(w._worker.core.in_flight() == 0 for w in e.workers), "worker jobs left"
+    assert e.connector._scheduler.core.held_requests() == 0
+
+
+class VllmStalled(Exception):
+    """vLLM's scheduler stopped scheduling with requests left, kvoffload
+    idle (nothing running, no job in flight, every invariant held): seen
+    when the request at the head of vLLM's queue of waiting requests that
+    hold KV blocks cannot be allocated, and the requests behind it (a
+    finished load among them) are never reached. vLLM's own connector
+    reaches it too (``scripts/widen-hybrid.py`` notes the seeds)."""
+
+
+def worker_run(seed: int, specs: str, extra: dict, opts: dict) -> dict[str, int]:
+    """The case's workload end to end with real workers, every running
+    request's KV checked in every group after every step (an
+    ``AssertionError`` names the first wrong token); returns what moved:
+    the tokens checked, the loads (synchronous ones, ones into a
+    sliding-window group), the stores, the requests loaded. Raises
+    `VllmStalled` when vLLM's scheduler stalls with kvoffload idle."""
+    common, cfg = engine_options(specs, extra, opts)
+    groups = SPECS[specs]()
+    e = build(extra=cfg, tpb=TPB, groups=groups, **common)
+    windowed = [g for g, s in enumerate(groups) if getattr(s, "sliding_window", None)]
+    seen = {"checked": 0, "loads": 0, "sync_loads": 0, "window_loads": 0, "stores": 0}
+
+    def snapshot(so: Any) -> dict:
+        plan = so.kv_connector_metadata.plan
+        loads, stores = native.plan_group_transfers(plan)
+        seen["loads"] += len(loads)
+        seen["stores"] += len(stores)
+        seen["sync_loads"] += len(native.plan_sync_loads(plan))
+        # A load that fills blocks of a sliding-window group.
+        seen["window_loads"] += sum(1 for _, per_group in loads if any(len(per_group[g]) > 1 for g in windowed))
+        for rid, req in e.scheduler.requests.items():
+            if req.status == RequestStatus.RUNNING:
+                seen["checked"] += e.check_kv(rid)
+        return {}
+
+    try:
+        drive(e, seed, snapshot)
+    except AssertionError as err:
+        sched = e.scheduler
+        st = e.connector.scheduler_state()
+        idle = st["jobs"] == 0 and st["invariants"] is None and all(w._worker.core.in_flight() == 0 for w in e.workers)
+        if "still running" in str(err) and not sched.running and idle:
+            head = sched.kv_holding_waiting.peek_request() if sched.kv_holding_waiting else None
+            raise VllmStalled(
+                f"seed {seed}: vLLM schedules nothing with {len(sched.requests)} requests left, kvoffload idle; "
+                f"head of the KV-holding queue: {head.request_id if head else None}"
+            ) from err
+        raise
+    assert not e.failed, f"loads failed: {sorted(e.failed)}"
+    leak_free(e)
+    seen["loaded"] = len(e.loaded)
+    return seen
+
+
+@pytest.mark.parametrize("seed,specs,extra,opts,delay", WORKER_CASES, ids=[f"seed{c[0]}-{c[1]}" for c in WORKER_CASES])
+def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
+    seed: int, specs: str, extra: dict, opts: dict, delay: int
+) -> None:
+    seen = worker_run(seed, specs, extra, opts)
+    assert seen["loads"] > 0 and seen["window_loads"] > 0 and seen["stores"] > 0, seen
+    # Loads end as a request that resumes, or (synchronous) in their step.
+    assert seen["loaded"] or seen["sync_loads"], "no request came back from the host tier"
+    assert seen["checked"] > 0
+
+
+def test_a_worker_given_groups_that_do_not_fit_its_tensors_says_which() -> None:
+    import ctypes
+
+    buf = (ctypes.c_uint8 * (2 * 8 * 256))()
+    base = ctypes.addressof(buf)
+    tensors = [(base, 256, 256), (base + 8 * 256, 256, 256)]
+    with pytest.raises(ValueError, match="KV group 1 names tensor 2; the GPU layout has 2"):
+        native.WorkerCore.host(tensors, 8, 1, 4, False, groups=[[0, 1], [2]])
+    with pytest.raises(ValueError, match="KV group 0 names tensor 1 twice"):
+        native.WorkerCore.host(tensors, 8, 1, 4, False, groups=[[1, 1]])
+    with pytest.raises(ValueError, match="KV group 1 names no tensor"):
+        native.WorkerCore.host(tensors, 8, 1, 4, False, groups=[[0], []])
+    assert native.WorkerCore.host(tensors, 8, 1, 4, False, groups=[[0, 1], [1, 0]]).backend == "host"
