@@ -214,6 +214,14 @@ fn a_prompt_stored_in_both_groups_loads_the_full_prefix_and_the_window() {
     h.push(BlockHash(99));
     s.add_request(r2, 17, &h[..4]).unwrap();
     assert_eq!(s.lookup(r2, 0).unwrap(), LookupOutcome::Hit(16));
+    // The full-attention chunks the lookup found, as vLLM's `record_lookup`
+    // sees them (its self-describing events): group 0's four, none of the
+    // window group's.
+    assert_eq!(
+        s.last_lookup_group_hits(),
+        &[(0, 0), (0, 1), (0, 2), (0, 3)]
+    );
+    assert_eq!(s.last_lookup_hits(), None);
     // vLLM allocates the window group's blocks behind the window as null.
     let (b0, b1) = (ids(&[11, 12, 13, 14, 15]), ids(&[0, 0, 17, 18, 19]));
     let fresh = [false; 5];

@@ -396,15 +396,9 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
         worker_bytes_per_block=per_block,
         kv_bytes_per_token=sum(b // spec.block_size for b in page_bytes),
     )
-    unserved = []
     if cfg.remote_tier_json is not None:
-        unserved.append("the remote tier (remote_tier)")
-    events = vllm_config.kv_events_config
-    if cfg.self_describing_kv_events and events is not None and events.enable_kv_cache_events:
-        unserved.append("self-describing KV events (self_describing_kv_events)")
-    if unserved:
         raise ValueError(
-            f"KvOffloadConnector does not offer {' or '.join(unserved)} for a model with "
+            "KvOffloadConnector does not offer the remote tier (remote_tier) for a model with "
             f"sliding-window or several KV cache groups yet (this one has {len(groups)}: vLLM's "
             "hybrid KV cache manager). Start vLLM with --disable-hybrid-kv-cache-manager to "
             "offload a model that also has full-attention layers as one full-attention group, "
@@ -525,8 +519,9 @@ class _SchedulerSide:
             groups=self.windows,
             retention_interval=retention,
         )
-        self.event_spec = (
-            get_offloading_event_group_spec(kv_cache_config.kv_cache_groups[0])
+        #: Per KV group, the kind and window its events carry (self-describing).
+        self.event_specs = (
+            [get_offloading_event_group_spec(g) for g in kv_cache_config.kv_cache_groups]
             if self.self_describing
             else None
         )
@@ -735,14 +730,15 @@ class _SchedulerSide:
         run): a steady decode step stores a chunk per request every block."""
         if not self.publish:
             return []
-        spec = self.event_spec
-        kind = spec.kv_cache_spec_kind if spec is not None else None
-        window = spec.kv_cache_spec_sliding_window if spec is not None else None
+        specs = self.event_specs
         tpb = self.cfg.tokens_per_block
         convert = block_hash_converter()
         identity = convert is _hash_as_bytes
         out: list[KVCacheEvent] = []
         for removed, group, items in self.core.take_events():
+            spec = specs[group] if specs is not None else None
+            kind = spec.kv_cache_spec_kind if spec is not None else None
+            window = spec.kv_cache_spec_sliding_window if spec is not None else None
             if removed:
                 out.append(
                     BlockRemoved(
@@ -756,12 +752,12 @@ class _SchedulerSide:
                     [_placeholder_stored(h if identity else convert(h), kind, window, group) for h in items]
                 )
             else:
-                out.extend(self._stored_payloads(items, convert, kind, window, tpb))
+                out.extend(self._stored_payloads(items, convert, kind, window, tpb, group))
         return out
 
     @staticmethod
     def _stored_payloads(
-        items: list, convert: Callable[[bytes], Any], kind: Any, window: Any, tpb: int
+        items: list, convert: Callable[[bytes], Any], kind: Any, window: Any, tpb: int, group: int
     ) -> Iterable[KVCacheEvent]:
         """Self-describing ``BlockStored`` events: a chunk's payload tuple, or
         a placeholder for a chunk without one."""
@@ -777,12 +773,12 @@ class _SchedulerSide:
                     medium="CPU",
                     lora_name=lora_name,
                     extra_keys=None,
-                    group_idx=0,
+                    group_idx=group,
                     kv_cache_spec_kind=kind,
                     kv_cache_spec_sliding_window=window,
                 )
                 continue
-            yield _placeholder_stored(convert(item), kind, window)
+            yield _placeholder_stored(convert(item), kind, window, group)
 
     def get_stats(self) -> OffloadingConnectorStats | None:
         """vLLM's stats payload for the step (its names and what each holds),

@@ -45,10 +45,6 @@ impl ChunkSource<'_> {
         self.hashes.len() / bpc
     }
 
-    fn key(&self, c: usize, bpc: usize) -> ChunkKey {
-        self.group_key(c, bpc, 0)
-    }
-
     fn group_key(&self, c: usize, bpc: usize, group: u32) -> ChunkKey {
         ChunkKey::for_group(self.hashes[(c + 1) * bpc - 1], group)
     }
@@ -73,19 +69,29 @@ pub(crate) struct EventTracker {
     key_group: FxHashMap<u64, u32>,
     /// Self-describing payloads by chunk key (`None`: placeholders only).
     payloads: Option<FxHashMap<u64, Payload>>,
+    /// Per KV group, whether it has a sliding window: its chunks keep the
+    /// placeholder payload (vLLM's tracker describes full attention only).
+    windowed: Vec<bool>,
     blocks_per_chunk: usize,
     tokens_per_chunk: usize,
 }
 
 impl EventTracker {
     /// A tracker for chunks of `blocks_per_chunk` blocks of `tokens_per_block`
-    /// tokens; `self_describing`: keep the payloads too.
-    pub(crate) fn new(blocks_per_chunk: u32, tokens_per_block: u32, self_describing: bool) -> Self {
+    /// tokens; `self_describing`: keep the payloads too, of the KV groups
+    /// not `windowed` (one full-attention group when empty).
+    pub(crate) fn new(
+        blocks_per_chunk: u32,
+        tokens_per_block: u32,
+        self_describing: bool,
+        windowed: Vec<bool>,
+    ) -> Self {
         let bpc = blocks_per_chunk.max(1) as usize;
         Self {
             key_bytes: FxHashMap::default(),
             key_group: FxHashMap::default(),
             payloads: self_describing.then(FxHashMap::default),
+            windowed,
             blocks_per_chunk: bpc,
             tokens_per_chunk: bpc * tokens_per_block.max(1) as usize,
         }
@@ -118,7 +124,8 @@ impl EventTracker {
     /// Records the keys a store (or fetch) job writes in KV group `group`
     /// (vLLM's `record_store`): the keys are chunks of the request in
     /// increasing order (chunks the tier already holds are left out), the
-    /// first found from the request's end. Payloads are group 0's only.
+    /// first found from the request's end. Payloads are full-attention
+    /// groups' only.
     pub(crate) fn record_store(
         &mut self,
         src: &ChunkSource<'_>,
@@ -150,7 +157,7 @@ impl EventTracker {
             if group != 0 {
                 self.key_group.insert(k.0, group);
             }
-            if self.payloads.is_some() && group == 0 {
+            if self.payloads.is_some() && self.describes(group) {
                 let payload = self.payload(src.request, list, c)?;
                 if let Some(p) = &mut self.payloads {
                     p.insert(k.0, payload);
@@ -161,6 +168,11 @@ impl EventTracker {
         Ok(())
     }
 
+    /// Whether chunks of KV group `group` get a payload (full attention).
+    fn describes(&self, group: u32) -> bool {
+        !self.windowed.get(group as usize).copied().unwrap_or(false)
+    }
+
     /// Records the chunks `first..end` a lookup found in the tier (vLLM's
     /// `record_lookup`, self-describing only): a payload for each that has
     /// none, and each counts as resident again.
@@ -169,19 +181,30 @@ impl EventTracker {
         src: &ChunkSource<'_>,
         found: std::ops::Range<usize>,
     ) -> PyResult<()> {
-        if self.payloads.is_none() {
+        let found: Vec<(usize, usize)> = found.map(|c| (0, c)).collect();
+        self.record_group_lookup(src, &found)
+    }
+
+    /// [`Self::record_lookup`] with several KV groups: each `(group, chunk)`
+    /// a lookup found in a full-attention group.
+    pub(crate) fn record_group_lookup(
+        &mut self,
+        src: &ChunkSource<'_>,
+        found: &[(usize, usize)],
+    ) -> PyResult<()> {
+        if self.payloads.is_none() || found.is_empty() {
             return Ok(());
         }
         let bpc = self.blocks_per_chunk;
-        let end = found.end.min(src.chunks(bpc));
-        if found.start >= end {
-            return Ok(());
-        }
+        let chunks = src.chunks(bpc);
         let py = src.request.py();
         let list = src.request.getattr(intern!(py, "block_hashes"))?;
         let list = list.cast::<PyList>()?;
-        for c in found.start..end {
-            let k = src.key(c, bpc);
+        for &(g, c) in found {
+            if c >= chunks || !self.describes(g as u32) {
+                continue;
+            }
+            let k = src.group_key(c, bpc, g as u32);
             let known = self.payloads.as_mut().and_then(|p| p.get_mut(&k.0));
             if let Some(p) = known {
                 p.resident = true;
@@ -397,7 +420,7 @@ mod tests {
     fn a_stored_chunk_carries_its_hashes_tokens_and_parent_and_its_removal_fans_out() {
         with_python(|py| {
             let mut s = scheduler(2);
-            let mut t = EventTracker::new(2, 2, true);
+            let mut t = EventTracker::new(2, 2, true, Vec::new());
             let (req, hashes) = request(py, "a");
             let k = keys(&hashes);
             let src = source(&req, &hashes);
@@ -436,7 +459,7 @@ mod tests {
     fn a_failed_store_announces_nothing_and_drops_its_payload() {
         with_python(|py| {
             let mut s = scheduler(4);
-            let mut t = EventTracker::new(2, 2, true);
+            let mut t = EventTracker::new(2, 2, true, Vec::new());
             let (req, hashes) = request(py, "c");
             let k = keys(&hashes);
             let src = source(&req, &hashes);
@@ -451,7 +474,7 @@ mod tests {
     fn a_lookup_records_the_chunks_it_found() {
         with_python(|py| {
             let mut s = scheduler(4);
-            let mut t = EventTracker::new(2, 2, true);
+            let mut t = EventTracker::new(2, 2, true, Vec::new());
             let (req, hashes) = request(py, "d");
             let k = keys(&hashes);
             // Stored without a record (as vLLM after a removal and a store in
@@ -476,10 +499,56 @@ mod tests {
     }
 
     #[test]
+    fn with_groups_only_full_attention_chunks_carry_a_payload() {
+        with_python(|py| {
+            let mut s = scheduler(8);
+            // Group 0 full attention, group 1 a sliding window.
+            let mut t = EventTracker::new(2, 2, true, vec![false, true]);
+            let (req, hashes) = request(py, "g");
+            let src = source(&req, &hashes);
+            let full = vec![ChunkKey::for_group(hashes[1], 0)];
+            let window = vec![ChunkKey::for_group(hashes[3], 1)];
+            t.record_store(&src, &full, 0).unwrap();
+            t.record_store(&src, &window, 1).unwrap();
+            store(&mut s, &full, StoreOutcome::Success);
+            store(&mut s, &window, StoreOutcome::Success);
+            let ev = t.take(py, &mut s).unwrap();
+            let got: Vec<(bool, u32, Vec<String>)> = ev
+                .iter()
+                .map(|(r, g, items)| (*r, *g, items.iter().map(|i| text(py, i)).collect()))
+                .collect();
+            assert_eq!(
+                got,
+                [
+                    (
+                        false,
+                        0,
+                        vec![
+                            "([b'g0', b'g1'], None, [100, 101, 102, 103], None, None)".to_string()
+                        ]
+                    ),
+                    (false, 1, vec!["b'g3'".to_string()]),
+                ]
+            );
+            assert_eq!(t.held_payloads(), 1);
+            // A lookup's finds: a window group's chunk gets no payload; a
+            // full-attention chunk already described stays one.
+            t.record_group_lookup(&src, &[(1, 1), (0, 0)]).unwrap();
+            assert_eq!(t.held_payloads(), 1);
+            t.record_group_lookup(&src, &[(0, 1), (0, 9)]).unwrap();
+            assert_eq!(
+                t.held_payloads(),
+                2,
+                "chunk 1 of group 0; chunk 9 is past the request"
+            );
+        });
+    }
+
+    #[test]
     fn placeholders_name_each_chunk_by_its_last_block() {
         with_python(|py| {
             let mut s = scheduler(4);
-            let mut t = EventTracker::new(2, 2, false);
+            let mut t = EventTracker::new(2, 2, false, Vec::new());
             let (req, hashes) = request(py, "e");
             let k = keys(&hashes);
             let src = source(&req, &hashes);
@@ -497,7 +566,7 @@ mod tests {
     fn a_payload_carries_the_requests_lora() {
         with_python(|py| {
             let mut s = scheduler(4);
-            let mut t = EventTracker::new(2, 2, true);
+            let mut t = EventTracker::new(2, 2, true, Vec::new());
             let lora = "__import__('types').SimpleNamespace(adapter_id=7, name='sql-adapter')";
             let (req, hashes) = request_with_lora(py, "f", lora);
             let k = keys(&hashes);

@@ -576,7 +576,8 @@ impl SchedulerCore {
     /// `kv_events`: vLLM publishes KV events (else `take_events` is empty).
     /// `self_describing`: the events carry each chunk's block hashes, tokens,
     /// parent hash and LoRA (vLLM's `self_describing_kv_events`; only with
-    /// `kv_events`).
+    /// `kv_events`; with several groups, the full-attention groups' chunks:
+    /// sliding-window chunks keep the placeholder, as vLLM's).
     #[new]
     #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false, groups = None, retention_interval = None))]
     fn new(
@@ -594,6 +595,10 @@ impl SchedulerCore {
             Some(c) => c.shared(),
             None => MonotonicClock::shared(),
         };
+        let windowed: Vec<bool> = groups
+            .as_ref()
+            .map(|w| w.iter().map(Option::is_some).collect())
+            .unwrap_or_default();
         let mut s = match groups {
             None => Scheduler::new(&cfg, clock.clone()),
             Some(windows) => {
@@ -611,17 +616,13 @@ impl SchedulerCore {
             }
         }
         .map_err(value_error)?;
-        if s.num_groups() > 1 && kv_events && self_describing {
-            return Err(value_error(
-                "self-describing KV events with several KV groups are not supported yet",
-            ));
-        }
         // No events published: the host tier logs none (nothing to drain).
         s.manager_mut().set_events_logged(kv_events);
         let events = EventTracker::new(
             cfg.blocks_per_chunk,
             cfg.tokens_per_block,
             kv_events && self_describing,
+            windowed,
         );
         if watchdog {
             s.start_watchdog().map_err(runtime_error)?;
@@ -761,14 +762,18 @@ impl SchedulerCore {
         }
         .map_err(value_error)?;
         if self.events.self_describing()
-            && let (Some(found), Some(t)) = (self.s.last_lookup_hits(), self.tracked.get(&id))
+            && let Some(t) = self.tracked.get(&id)
         {
             let request = t.request.bind(py);
             let src = ChunkSource {
                 request,
                 hashes: &t.hashes,
             };
-            self.events.record_lookup(&src, found)?;
+            if let Some(found) = self.s.last_lookup_hits() {
+                self.events.record_lookup(&src, found)?;
+            }
+            self.events
+                .record_group_lookup(&src, self.s.last_lookup_group_hits())?;
         }
         match outcome {
             LookupOutcome::Hit(n) => Ok(Some(n)),

@@ -96,6 +96,11 @@ CASES = [
     (11, "full+swa8+swa13", {"offload_prompt_only": False}, {"retention": 16}, 0),
     # A model of sliding-window layers only: one group, vLLM's windows.
     (12, "swa8", {"offload_prompt_only": False}, {}, 1),
+    # Self-describing KV events: full-attention chunks carry their block
+    # hashes, tokens and parent; sliding-window chunks a placeholder with
+    # their group's kind and window (one and two blocks a chunk).
+    (13, "full+swa8+swa13", {"self_describing_kv_events": True, "offload_prompt_only": False}, {}, 1),
+    (14, "swa6+full", {"self_describing_kv_events": True, "block_size": 2 * TPB}, {}, 0),
 ]
 
 
@@ -531,22 +536,32 @@ def test_vllm_keeps_its_hybrid_manager_on_for_kvoffload() -> None:
     assert KVConnectorFactory.supports_hma_config(ktc)
 
 
-@pytest.mark.parametrize(
-    "extra,events,named",
-    [
-        ({"remote_tier": {"url": "redis://127.0.0.1:1"}}, False, "the remote tier"),
-        ({"self_describing_kv_events": True}, True, "self-describing KV events"),
-    ],
-)
-def test_what_several_groups_do_not_have_yet_stops_startup_naming_the_way_round(extra, events, named) -> None:
-    """The remote tier and self-describing KV events do not serve several
-    KV groups yet: a hybrid model configured with them stops at startup,
+def test_the_remote_tier_with_several_groups_stops_startup_naming_the_way_round() -> None:
+    """The remote tier does not serve several KV groups yet (its lookups
+    are not asked): a hybrid model configured with it stops at startup,
     naming the option and vLLM's flag that offloads it as one
     full-attention group instead."""
-    with pytest.raises(ValueError, match=rf"{named}.*--disable-hybrid-kv-cache-manager"):
-        build(
-            extra={"cpu_bytes_to_use": 1 << 20, **extra}, tpb=TPB, groups=[full(), window(8)], kv_events=events
-        )
+    with pytest.raises(ValueError, match=r"the remote tier.*--disable-hybrid-kv-cache-manager"):
+        build(extra={"cpu_bytes_to_use": 1 << 20, "remote_tier": {"url": "redis://127.0.0.1:1"}}, tpb=TPB,
+              groups=[full(), window(8)])
+
+
+def test_corpus_has_self_describing_payloads_for_full_attention_only() -> None:
+    """The self-describing cases hold what the comparison above checks:
+    full-attention chunks with their tokens, sliding-window chunks as
+    placeholders carrying their group's kind and window."""
+    kinds = set()
+    for seed, specs, extra, _, _ in CASES:
+        if not extra.get("self_describing_kv_events"):
+            continue
+        for st in read_corpus(seed, specs)["steps"]:
+            for name, fields in st.get("events", []):
+                f = dict(fields)
+                if name == "BlockStored":
+                    kinds.add((f["kv_cache_spec_kind"], bool(f["token_ids"]), f["kv_cache_spec_sliding_window"] is not None))
+    assert ("full_attention", True, False) in kinds, kinds
+    assert ("sliding_window", False, True) in kinds, kinds
+    assert ("sliding_window", True, True) not in kinds, kinds
 
 
 def test_corpus_has_hits_partly_not_from_the_host_tier() -> None:

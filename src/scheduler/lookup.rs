@@ -174,6 +174,16 @@ impl Scheduler {
         self.last_lookup_hits.clone()
     }
 
+    /// With several KV groups ([`Self::with_groups`]), the chunks the last
+    /// [`Self::lookup`] found in the host tier (hit or still being written)
+    /// in full-attention groups, as `(group, chunk index)` in the order its
+    /// prefix scans asked them (a chunk asked again appears again): vLLM's
+    /// `record_lookup` calls, for its self-describing KV events. Empty with
+    /// one group ([`Self::last_lookup_hits`]).
+    pub fn last_lookup_group_hits(&self) -> &[(usize, usize)] {
+        &self.last_lookup_group_hits
+    }
+
     /// The answer, and whether the tier was looked up (`false`: deferred by
     /// the request's own jobs in flight, before any lookup); `skip_reading`:
     /// zero once the request is restarted (vLLM's `skip_reading_prefix_cache`).
@@ -184,6 +194,7 @@ impl Scheduler {
         skip_reading: bool,
     ) -> Result<(LookupOutcome, bool), SchedulerError> {
         self.last_lookup_hits = None;
+        self.last_lookup_group_hits.clear();
         self.apply_stalls();
         let g = self.geo;
         let rs = self
@@ -199,7 +210,10 @@ impl Scheduler {
             return Ok((LookupOutcome::Hit(0), true));
         }
         if self.groups.is_some() {
-            return Ok((self.lookup_groups(req, computed_tokens)?, true));
+            let mut found = std::mem::take(&mut self.last_lookup_group_hits);
+            let outcome = self.lookup_groups(req, computed_tokens, &mut found);
+            self.last_lookup_group_hits = found;
+            return Ok((outcome?, true));
         }
         // As vLLM: no hit past the request's last full chunk, and the
         // less-than-a-chunk answer (zero) comes before any key is looked up,

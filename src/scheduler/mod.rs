@@ -213,6 +213,10 @@ pub struct Scheduler {
     /// The chunks (indices in the request's keys) the last lookup's scan
     /// found in the host tier, hit or pending: vLLM's `record_lookup` set.
     last_lookup_hits: Option<std::ops::Range<usize>>,
+    /// With several groups: the `(group, chunk)` of every full-attention
+    /// chunk the last lookup's prefix scans found in the host tier, hit or
+    /// pending (vLLM's `record_lookup` calls, repeats included).
+    last_lookup_group_hits: Vec<(usize, usize)>,
     /// KV bytes per step that may be loaded synchronously (0: none), and
     /// the bytes per token it counts.
     sync_budget: u64,
@@ -275,6 +279,7 @@ impl Scheduler {
             scratch_keys: Vec::new(),
             remote: None,
             last_lookup_hits: None,
+            last_lookup_group_hits: Vec::new(),
             sync_budget: cfg.sync_load_budget_bytes,
             sync_bytes_per_token: cfg.sync_load_bytes_per_token().unwrap_or(0),
             groups: None,

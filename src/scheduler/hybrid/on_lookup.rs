@@ -17,6 +17,10 @@ struct TierKeys<'a> {
     being_loaded: &'a HashMap<ChunkKey, u32, KeyBuildHasher>,
     request: &'a RequestState,
     blocks_per_chunk: usize,
+    /// Per group, whether it has a sliding window (else its hits are recorded).
+    windowed: &'a [bool],
+    /// The full-attention `(group, chunk)`s found, hit or pending.
+    found: &'a mut Vec<(usize, usize)>,
 }
 
 impl GroupKeys for TierKeys<'_> {
@@ -26,11 +30,15 @@ impl GroupKeys for TierKeys<'_> {
 
     fn state(&mut self, group: usize, chunk: usize) -> KeyState {
         let key = self.request.group_key(group, chunk, self.blocks_per_chunk);
-        match self.manager.lookup(key) {
+        let state = match self.manager.lookup(key) {
             LookupResult::Hit => KeyState::Hit,
             LookupResult::HitPending => KeyState::HitPending,
             LookupResult::Miss => KeyState::Miss,
+        };
+        if state != KeyState::Miss && !self.windowed.get(group).copied().unwrap_or(true) {
+            self.found.push((group, chunk));
         }
+        state
     }
 
     fn being_loaded(&self, group: usize, chunk: usize) -> bool {
@@ -47,10 +55,12 @@ impl Scheduler {
     /// The hit of restarted request `req` over every group (vLLM's
     /// `_lookup_complete_chunks`): full-attention prefixes, sliding-window
     /// suffixes, deferred while a counted chunk is written or loaded.
+    /// `found` gets the full-attention chunks found (vLLM's `record_lookup`).
     pub(crate) fn lookup_groups(
         &self,
         req: RequestId,
         computed_tokens: u64,
+        found: &mut Vec<(usize, usize)>,
     ) -> Result<LookupOutcome, SchedulerError> {
         let Some(groups) = self.groups.as_deref() else {
             return Err(SchedulerError::Groups(
@@ -66,6 +76,8 @@ impl Scheduler {
             being_loaded: &self.being_loaded,
             request,
             blocks_per_chunk: self.geo.blocks_per_chunk,
+            windowed: &groups.windowed,
+            found,
         };
         let lookup = HybridLookup {
             computed: computed_tokens,
