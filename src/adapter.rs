@@ -10,8 +10,14 @@ use crate::worker::{self, FetchJob, LoadJob, SpecParts, StoreJob, TransferSpec};
 
 fn spec_parts(job: &TransferJob, blocks_per_chunk: u32) -> SpecParts<'_> {
     let bpc = blocks_per_chunk.max(1) as usize;
-    // A job starting inside its first chunk skips that chunk's leading blocks.
-    let skip = (job.keys.len() * bpc).saturating_sub(job.block_ids.len());
+    // A job starting inside its first chunk skips that chunk's leading
+    // blocks; a job over several groups carries each group's start in its
+    // spans (the spec's own is unused: 0).
+    let skip = if job.groups.is_empty() {
+        (job.keys.len() * bpc).saturating_sub(job.block_ids.len())
+    } else {
+        0
+    };
     SpecParts {
         gpu_blocks: &job.block_ids,
         first_block_index: skip as u32,

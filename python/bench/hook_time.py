@@ -17,6 +17,12 @@ update_connector_output, request_finished(_all_groups), take_events,
 get_kv_connector_stats, has_pending_push_work, ...), outermost calls only;
 take_events is drained inside its timing (vLLM's is a generator).
 
+``--groups full+swa`` runs a hybrid model instead (vLLM's hybrid KV cache
+manager: a full-attention group and a sliding-window group of
+`WINDOW` tokens, both connectors declaring ``SupportsHMA``): every block
+is stored or offered in both groups, and a decoding request's window
+blocks are freed behind it.
+
 Usage (the project's vLLM venv, kvoffload installed in it):
     scripts/bench-vllm-hooks.sh [--requests 64,256,1024] [--steps 64] [--json out.json]
 """
@@ -39,6 +45,8 @@ from test_differential import kvoffload_worker, vllm_worker  # noqa: E402
 
 TPB = 16
 PROMPT = 64
+#: The sliding window of `--groups full+swa`, in tokens (two blocks).
+WINDOW = 32
 WARMUP = 16
 HOOKS = (
     "on_new_request",
@@ -98,13 +106,22 @@ def measure(
     steps: int,
     kv_events: bool = False,
     self_describing: bool = False,
+    hybrid: bool = False,
 ) -> dict[str, Any]:
     batched = max(8192, n)
     # Every request decodes through the prefill of the last one and the timed steps.
     prefill_steps = -(-n * (PROMPT + 16) // batched)
     decode = WARMUP + steps + prefill_steps + 8
     blocks_per_req = -(-(PROMPT + 16 + decode) // TPB)
-    num_gpu_blocks = n * blocks_per_req + 64
+    groups = None
+    if hybrid:
+        import torch
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+        common = dict(block_size=TPB, num_kv_heads=2, head_size=4, dtype=torch.float32)
+        groups = [FullAttentionSpec(**common), SlidingWindowSpec(sliding_window=WINDOW, **common)]
+    ngroups = len(groups) if groups else 1
+    num_gpu_blocks = ngroups * n * blocks_per_req + 64
     # Room for every block in the host tier (2 layers x K,V x 16 tokens x 2 heads x 4 floats).
     block_bytes = 2 * 2 * TPB * 2 * 4 * 4
     e = build(
@@ -121,6 +138,7 @@ def measure(
         max_num_batched_tokens=batched,
         fake_worker=worker(1),
         kv_events=kv_events,
+        groups=groups,
     )
     timer = HookTimer(e.connector)
     for i in range(n):
@@ -184,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="runs per point, alternating the connectors; the figure is the median run",
     )
+    ap.add_argument(
+        "--groups",
+        default="one",
+        choices=("one", "full+swa"),
+        help="one full-attention KV group, or a hybrid model (a full-attention and a "
+        f"{WINDOW}-token sliding-window group, vLLM's hybrid manager)",
+    )
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     rows = []
@@ -194,18 +219,21 @@ def main(argv: list[str] | None = None) -> int:
     for ev in args.kv_events.split(","):
         for n in (int(x) for x in args.requests.split(",")):
             on, sd = ev in ("on", "self-describing"), ev == "self-describing"
+            hy = args.groups == "full+swa"
             vs, ks = [], []
             for _ in range(max(1, args.repeat)):
-                vs.append(measure("OffloadingConnector", None, vllm_worker, n, args.steps, on, sd))
+                vs.append(measure("OffloadingConnector", None, vllm_worker, n, args.steps, on, sd, hy))
                 ks.append(
-                    measure("KvOffloadConnector", "kvoffload.vllm", kvoffload_worker, n, args.steps, on, sd)
+                    measure("KvOffloadConnector", "kvoffload.vllm", kvoffload_worker, n, args.steps, on, sd, hy)
                 )
             v = sorted(vs, key=lambda r: r["median_us"])[len(vs) // 2]
             k = sorted(ks, key=lambda r: r["median_us"])[len(ks) // 2]
             v["runs_median_us"] = [r["median_us"] for r in vs]
             k["runs_median_us"] = [r["median_us"] for r in ks]
             ratio = v["median_us"] / k["median_us"]
-            rows.append({"requests": n, "kv_events": ev, "vllm": v, "kvoffload": k, "ratio": ratio})
+            rows.append(
+                {"requests": n, "kv_events": ev, "groups": args.groups, "vllm": v, "kvoffload": k, "ratio": ratio}
+            )
             print(
                 f"{n:>8} {ev:>9} {k['stores_per_step']:>11.1f} {v['median_us']:>15.0f}"
                 f" {k['median_us']:>20.0f} {ratio:>6.1f}x",

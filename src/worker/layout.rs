@@ -264,7 +264,8 @@ impl HostRowLayout {
 pub struct TransferSpec {
     /// GPU blocks, in logical order.
     pub gpu_blocks: Vec<GpuBlockId>,
-    /// Logical index (within the request) of `gpu_blocks[0]`.
+    /// Logical index (within the request) of `gpu_blocks[0]` (with group
+    /// spans unused: each span has its own).
     pub first_block_index: u32,
     /// Host chunk rows, in logical order.
     pub chunks: Vec<ChunkId>,
