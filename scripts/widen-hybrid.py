@@ -34,7 +34,7 @@ def main() -> int:
         return 2
     n, out = int(sys.argv[1]), Path(sys.argv[2])
     same = differ = wrong = stalled = 0
-    moved = {"checked": 0, "loads": 0, "window_loads": 0, "stores": 0}
+    moved = {"checked": 0, "loads": 0, "window_loads": 0, "stores": 0, "holes": 0}
     for k in range(n):
         _, specs, extra, opts, delay = hy.CASES[k % len(hy.CASES)]
         seed = 10_000 + k
@@ -74,7 +74,8 @@ def main() -> int:
     print(
         f"with workers: {wrong} seeds with a wrong byte or a leak, {stalled} stalled in vLLM's scheduler "
         f"with kvoffload idle; {moved['checked']} tokens checked, "
-        f"{moved['loads']} loads ({moved['window_loads']} into sliding-window groups), {moved['stores']} stores",
+        f"{moved['loads']} loads ({moved['window_loads']} into sliding-window groups), {moved['stores']} stores "
+        f"({moved['holes']} holes kept in place)",
         flush=True,
     )
     return 1 if differ or wrong else 0

@@ -100,6 +100,10 @@ impl Fixture {
                 let page = PAGES[t] as usize;
                 let tensor_off: usize = PAGES[..t].iter().sum::<u64>() as usize * self.bpc;
                 for (k, b) in blocks.iter().enumerate() {
+                    if b.0 == 0 {
+                        // A hole: nothing copied.
+                        continue;
+                    }
                     let pos = skip + k;
                     let host = chunks[pos / self.bpc].0 as usize * self.row
                         + tensor_off
@@ -142,8 +146,10 @@ impl Fixture {
 
 /// A spec over `groups` groups: group `g` moves `sizes[g].0` blocks from
 /// logical index `sizes[g].1`; blocks and chunks distinct across the job
-/// (a block belongs to one group at a time, each key has its own chunk).
-fn spec(bpc: usize, sizes: &[(usize, u32)], seed: u64) -> TransferSpec {
+/// (a block belongs to one group at a time, each key has its own chunk);
+/// with `holes`, some blocks inside a group (not its first or last) are
+/// holes (null: a window block freed before the store).
+fn spec(bpc: usize, sizes: &[(usize, u32)], seed: u64, holes: bool) -> TransferSpec {
     let mut blocks: Vec<u32> = (1..NUM_BLOCKS).collect();
     let mut chunks: Vec<u32> = (0..NUM_CHUNKS).collect();
     let mut x = seed | 1;
@@ -164,7 +170,11 @@ fn spec(bpc: usize, sizes: &[(usize, u32)], seed: u64) -> TransferSpec {
             (first as usize % bpc + n).div_ceil(bpc)
         };
         out.gpu_blocks
-            .extend(blocks[b..b + n].iter().map(|&i| kvoffload::GpuBlockId(i)));
+            .extend(blocks[b..b + n].iter().enumerate().map(|(k, &i)| {
+                let inside = k > 0 && k + 1 < n;
+                let hole = holes && inside && (i as u64 ^ seed).is_multiple_of(3);
+                kvoffload::GpuBlockId(if hole { 0 } else { i })
+            }));
         out.chunks
             .extend(chunks[c..c + keys].iter().map(|&i| kvoffload::ChunkId(i)));
         out.groups.push(GroupSpan {
@@ -192,8 +202,9 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
 
     /// A store writes each group's pages of its tensors into that group's
-    /// chunks and nothing else; the load back into poisoned GPU memory
-    /// restores exactly those pages.
+    /// chunks and nothing else (a hole's sub-block untouched, the blocks
+    /// after it in place); the load back into poisoned GPU memory restores
+    /// exactly those pages.
     #[test]
     #[cfg_attr(miri, ignore)] // proptest persistence needs the file system
     fn each_group_moves_its_own_tensors_between_its_blocks_and_chunks(
@@ -201,11 +212,12 @@ proptest! {
         bpc in 1u32..4,
         sizes in proptest::collection::vec((0usize..6, 0u32..10), 3),
         seed in any::<u64>(),
+        holes in any::<bool>(),
     ) {
         let sizes = &sizes[..groups.len()];
         prop_assume!(sizes.iter().any(|s| s.0 > 0));
         let mut f = Fixture::new(bpc, groups);
-        let spec = spec(bpc as usize, sizes, seed);
+        let spec = spec(bpc as usize, sizes, seed, holes);
         let random: Vec<u8> = (0..f.gpu.len()).map(|i| (i * 31 + seed as usize) as u8).collect();
         // SAFETY: no job in flight.
         unsafe {
@@ -225,7 +237,7 @@ proptest! {
 fn specs_that_do_not_fit_the_groups_are_typed_errors() {
     let mut f = Fixture::new(2, vec![vec![0, 1, 2], vec![0, 1, 2]]);
     let mut err = |spec: &TransferSpec| f.backend.submit_store(JobId(1), spec).unwrap_err();
-    let good = spec(2, &[(3, 1), (2, 4)], 7);
+    let good = spec(2, &[(3, 1), (2, 4)], 7, false);
     // One group on a layout of two.
     let one = TransferSpec {
         groups: Vec::new(),

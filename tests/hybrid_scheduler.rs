@@ -535,6 +535,47 @@ struct Running {
     load: Option<JobId>,
 }
 
+/// Each group's blocks of store `job` (one block a chunk here) are its
+/// request's blocks of the chunks its keys name, in order: key `j` of a
+/// group is chunk `c` of the request's prefix (`family`), and block `j` is
+/// the request's block `c` in that group, as the worker copies it.
+fn blocks_in_place(s: &Scheduler, job: &TransferJob, family: u64) -> Result<(), TestCaseError> {
+    let (mut at, mut key_at) = (0, 0);
+    for (g, span) in job.groups.iter().enumerate() {
+        prop_assert_eq!(
+            span.num_blocks,
+            span.num_keys,
+            "{} group {}: one block a chunk",
+            job.job,
+            g
+        );
+        let table = s.request_group_blocks(job.req, g).unwrap_or_default();
+        for j in 0..span.num_keys as usize {
+            let k = job.keys[key_at + j];
+            let c = (0..64).find(|&c| key(family, c, g as u32) == k);
+            prop_assert!(
+                c.is_some(),
+                "{} group {}: key {:?} is not the request's",
+                job.job,
+                g,
+                k
+            );
+            let want = table.get(c.unwrap_or(0) as usize).copied();
+            prop_assert_eq!(
+                Some(job.block_ids[at + j]),
+                want,
+                "{} group {} key {}",
+                job.job,
+                g,
+                j
+            );
+        }
+        at += span.num_blocks as usize;
+        key_at += span.num_keys as usize;
+    }
+    Ok(())
+}
+
 /// Blocks of an 8-token window wholly behind the token at `end`: vLLM's
 /// window holds the 7 tokens before it.
 fn behind_window(block: usize, end: u64) -> bool {
@@ -576,12 +617,14 @@ proptest! {
         let mut running: Vec<Running> = Vec::new();
         let mut pending: Vec<(JobId, Vec<GpuBlockId>)> = Vec::new();
         let mut next_req = 0u64;
+        let mut families: std::collections::HashMap<RequestId, u64> = Default::default();
         let mut mid_step = false;
         for op in ops {
             match op {
                 Op::Admit { family, blocks, extra } => {
                     next_req += 1;
                     let id = RequestId(next_req);
+                    families.insert(id, u64::from(family));
                     let tokens = u64::from(blocks) * 4 + u64::from(extra);
                     let h = hashes(u64::from(family), tokens / 4);
                     s.add_request(id, tokens, &h).unwrap();
@@ -636,8 +679,10 @@ proptest! {
                             .iter()
                             .filter(|r| r.id != job.req && r.sent)
                             .flat_map(|r| r.blocks.iter().flatten())
+                            .filter(|b| b.0 != 0)
                             .find(|b| job.block_ids.contains(b));
                         prop_assert!(theirs.is_none(), "{} reads {theirs:?}, another request's", job.job);
+                        blocks_in_place(&s, job, families[&job.req])?;
                     }
                     for (job, blocks) in &pending {
                         if s.is_job_live(*job) && blocks.iter().any(|b| handed.contains(b)) {
@@ -688,6 +733,9 @@ proptest! {
                         .unwrap();
                     for job in plan.loads.iter().chain(&plan.stores) {
                         assert_spans_cover(job);
+                    }
+                    for job in &plan.stores {
+                        blocks_in_place(&s, job, families[&job.req])?;
                     }
                     pending.extend(plan.stores.iter().map(|j| (j.job, j.block_ids.to_vec())));
                     mid_step = false;

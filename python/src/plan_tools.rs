@@ -48,7 +48,9 @@ pub(crate) fn plan_transfers(
 }
 
 /// A job's GPU blocks per KV group, as vLLM lists a transfer's: per group
-/// `[first block index, block ids...]` (one group: the spec's own).
+/// `[first block index, block ids...]` (one group: the spec's own), holes
+/// (null blocks kept in place in kvoffload's spec) left out as vLLM's spec
+/// leaves them.
 fn group_blocks(s: &TransferSpec) -> Vec<Vec<u32>> {
     if s.groups.is_empty() {
         let mut one = vec![s.first_block_index];
@@ -61,7 +63,14 @@ fn group_blocks(s: &TransferSpec) -> Vec<Vec<u32>> {
         .map(|g| {
             let n = g.num_blocks as usize;
             let mut out = vec![g.first_block_index];
-            out.extend(s.gpu_blocks.iter().skip(at).take(n).map(|b| b.0));
+            out.extend(
+                s.gpu_blocks
+                    .iter()
+                    .skip(at)
+                    .take(n)
+                    .map(|b| b.0)
+                    .filter(|&b| b != 0),
+            );
             at += n;
             out
         })

@@ -46,17 +46,21 @@ def worker_run(seed: int, specs: str, extra: dict, opts: dict) -> dict[str, int]
     request's KV checked in every group after every step (an
     ``AssertionError`` names the first wrong token); returns what moved:
     the tokens checked, the loads (synchronous ones, ones into a
-    sliding-window group), the stores, the requests loaded. Raises
+    sliding-window group), the stores (and the holes in them), the
+    requests loaded. Raises
     `VllmStalled` when vLLM's scheduler stalls with kvoffload idle."""
     common, cfg = engine_options(specs, extra, opts)
     groups = SPECS[specs]()
     e = build(extra=cfg, tpb=TPB, groups=groups, **common)
     windowed = [g for g, s in enumerate(groups) if getattr(s, "sliding_window", None)]
-    seen = {"checked": 0, "loads": 0, "sync_loads": 0, "window_loads": 0, "stores": 0}
+    seen = {"checked": 0, "loads": 0, "sync_loads": 0, "window_loads": 0, "stores": 0, "holes": 0}
 
     def snapshot(so: Any) -> dict:
         plan = so.kv_connector_metadata.plan
         loads, stores = native.plan_group_transfers(plan)
+        # Holes: null blocks a store keeps in place (plan_group_transfers
+        # leaves them out, as vLLM's spec).
+        seen["holes"] += sum(b.count(0) for _, b in native.plan_transfers(plan)[1])
         seen["loads"] += len(loads)
         seen["stores"] += len(stores)
         seen["sync_loads"] += len(native.plan_sync_loads(plan))
@@ -95,6 +99,20 @@ def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
     # Loads end as a request that resumes, or (synchronous) in their step.
     assert seen["loaded"] or seen["sync_loads"], "no request came back from the host tier"
     assert seen["checked"] > 0
+
+
+def test_a_store_over_a_window_block_freed_inside_its_chunk_keeps_the_blocks_after_it_in_place() -> None:
+    """Chunks of four blocks, a two-block window, dense retention: a
+    finishing request stores a chunk whose second block the window freed
+    (no hit needs it) while its first block is kept. vLLM 0.33's spec lists
+    the chunk's other three blocks from its first, so its worker writes the
+    third and fourth blocks' KV one sub-block early, and a later load of the
+    window brings back the wrong tokens' KV (found by
+    ``scripts/widen-hybrid.py``, seed 10121). kvoffload's spec keeps the
+    freed block's place as a hole: the bytes come back right."""
+    seen = worker_run(10121, "full+swa8", {"block_size": 4 * TPB, "offload_prompt_only": False}, {"retention": None})
+    assert seen["holes"] > 0, seen
+    assert seen["window_loads"] > 0, seen
 
 
 def test_a_worker_given_groups_that_do_not_fit_its_tensors_says_which() -> None:

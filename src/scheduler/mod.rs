@@ -590,6 +590,18 @@ impl Scheduler {
         })
     }
 
+    /// `req`'s GPU blocks in KV group `group` as the scheduler holds them
+    /// (null where a window block left the table), or `None` if it is not
+    /// tracked.
+    ///
+    /// For tests and inspection (feature `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
+    pub fn request_group_blocks(&self, req: RequestId, group: usize) -> Option<Vec<GpuBlockId>> {
+        self.requests
+            .get(&req)
+            .map(|r| r.group_blocks(group).to_vec())
+    }
+
     /// The next chunk index `req` will offer for storing.
     ///
     /// For tests and inspection (feature `test-support`).

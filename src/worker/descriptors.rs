@@ -64,6 +64,10 @@ pub fn plan(
         for &t in part.tensors {
             let page = layout.gpu().regions()[t].page_bytes;
             for (k, &block) in part.blocks.iter().enumerate() {
+                if block.0 == 0 {
+                    // A hole (several groups only: `validate`).
+                    continue;
+                }
                 let pos = skip + k;
                 let chunk = part.chunks[pos / bpc];
                 let sub = (pos % bpc) as u32;

@@ -273,6 +273,7 @@ pub struct TransferSpec {
     /// and chunks, in group order ([`crate::scheduler::GroupSpan`]; group
     /// `g` moves the tensors [`WorkerLayout::with_groups`] gave it); empty
     /// for one group (then `first_block_index` applies to every block).
+    /// With spans, a null block (0) is a hole: that sub-block is not copied.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub groups: Vec<crate::scheduler::GroupSpan>,
 }
@@ -586,6 +587,12 @@ impl WorkerLayout {
         }
         for (position, b) in spec.gpu_blocks.iter().enumerate() {
             if b.0 == 0 {
+                // With group spans a null block is a hole: its sub-block
+                // is not copied (the scheduler keeps the blocks after it
+                // in place).
+                if !spec.groups.is_empty() {
+                    continue;
+                }
                 return Err(SpecError::NullBlock { position });
             }
             if b.0 >= self.gpu.num_blocks {

@@ -182,6 +182,13 @@ impl Scheduler {
                 first_block_index: 0,
             };
             let mut first = None;
+            // Null blocks inside the job's blocks (a sliding-window block
+            // freed behind the window but not needed by any hit): vLLM's
+            // spec leaves them out, which puts the blocks after them into
+            // the wrong sub-blocks of the chunk. kvoffload's keeps their
+            // place as holes (block 0, not copied); leading nulls are the
+            // span's start, and a stored chunk's last block is never null.
+            let mut holes = 0u32;
             for &chunk in chosen {
                 let key = keys[next_offered];
                 next_offered += 1;
@@ -193,9 +200,15 @@ impl Scheduler {
                 let start = chunk * bpc;
                 for (i, &b) in table.iter().enumerate().skip(start).take(bpc) {
                     if b.0 == 0 {
+                        holes += u32::from(first.is_some());
                         continue;
                     }
                     first.get_or_insert(i);
+                    for _ in 0..holes {
+                        blocks.push(crate::ids::GpuBlockId(0));
+                    }
+                    span.num_blocks += holes;
+                    holes = 0;
                     blocks.push(b);
                     span.num_blocks += 1;
                     if groups.windowed[group] {
