@@ -118,6 +118,20 @@ impl Scheduler {
         };
         let num_keys = rs.num_keys(bpc);
         let n = groups.len();
+        let storable_chunks = |rs: &crate::scheduler::request::RequestState, group: usize| {
+            ((offloadable / tpc) as usize)
+                .min(rs.group_blocks(group).len() / bpc)
+                .min(num_keys)
+        };
+        // A running request whose groups have no chunk past their cursors
+        // offers nothing and moves no cursor (`store_candidates` starts at
+        // the cursor unless the request finished): most requests of a
+        // decode step, which complete a chunk every few steps.
+        if !finished
+            && (0..n).all(|group| storable_chunks(rs, group) <= rs.group_next_stored(group))
+        {
+            return;
+        }
         // Per group: chunks computed, allocated and keyed; the chunks offered.
         let mut storable = Vec::with_capacity(n);
         let mut offered: Vec<Vec<usize>> = Vec::with_capacity(n);
@@ -125,9 +139,7 @@ impl Scheduler {
         let mut positions = Vec::new();
         for (group, shape) in groups.shapes.iter().enumerate() {
             let blocks = rs.group_blocks(group);
-            let chunks = ((offloadable / tpc) as usize)
-                .min(blocks.len() / bpc)
-                .min(num_keys);
+            let chunks = storable_chunks(rs, group);
             let held: Vec<bool> = blocks.iter().map(|b| b.0 != 0).collect();
             let view = StoreView {
                 next_stored_chunk: rs.group_next_stored(group),
