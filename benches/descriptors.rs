@@ -6,7 +6,12 @@
 //!
 //! `cargo bench --bench descriptors -- --warm-up-time 1 --measurement-time 3`
 
+#[path = "common/scattered.rs"]
+mod scattered;
+
 use std::hint::black_box;
+
+use scattered::scattered;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvoffload::Direction;
@@ -22,20 +27,6 @@ const BLOCKS: u32 = 4096;
 const MOVED: u32 = 48;
 const CHUNKS: u32 = 1024;
 
-/// `n` distinct pseudo-random ids in `lo..hi` (xorshift, fixed seed).
-fn scattered(seed: u64, n: u32, lo: u32, hi: u32) -> Vec<u32> {
-    let mut all: Vec<u32> = (lo..hi).collect();
-    let mut s = seed;
-    for i in (1..all.len()).rev() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        all.swap(i, (s % (i as u64 + 1)) as usize);
-    }
-    all.truncate(n as usize);
-    all
-}
-
 fn layout() -> WorkerLayout {
     // Addresses only: planning reads no memory.
     let span = PAGE * u64::from(BLOCKS);
@@ -46,8 +37,8 @@ fn layout() -> WorkerLayout {
 }
 
 fn bench(c: &mut Criterion) {
-    let blocks = scattered(7, MOVED, 1, BLOCKS);
-    let chunks = scattered(11, MOVED, 0, CHUNKS);
+    let blocks = scattered(7, MOVED as usize, 1, BLOCKS);
+    let chunks = scattered(11, MOVED as usize, 0, CHUNKS);
     let one = layout();
     let single = TransferSpec::new(&blocks, 0, &chunks);
     let two = layout()

@@ -5,8 +5,13 @@
 //!
 //! `cargo bench --bench host_backend -- --warm-up-time 1 --measurement-time 3`
 
+#[path = "common/scattered.rs"]
+mod scattered;
+
 use kvoffload::Direction;
 use std::hint::black_box;
+
+use scattered::scattered;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,20 +26,6 @@ const BLOCK: u64 = 16 << 10;
 const BLOCKS: u32 = 1024;
 const MOVED: usize = 256;
 
-/// 256 distinct pseudo-random ids in `lo..hi` (xorshift, fixed seed).
-fn scattered(seed: u64, lo: u32, hi: u32) -> Vec<u32> {
-    let mut all: Vec<u32> = (lo..hi).collect();
-    let mut s = seed;
-    for i in (1..all.len()).rev() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        all.swap(i, (s % (i as u64 + 1)) as usize);
-    }
-    all.truncate(MOVED);
-    all
-}
-
 fn bench(c: &mut Criterion) {
     let gpu = Arc::new(HostBuffer::new((BLOCK * u64::from(BLOCKS)) as usize).expect("gpu buffer"));
     let pool = Arc::new(HostBuffer::new((BLOCK * u64::from(BLOCKS)) as usize).expect("pool"));
@@ -47,9 +38,9 @@ fn bench(c: &mut Criterion) {
     )
     .expect("layout");
     let spec = TransferSpec::new(
-        &scattered(0x1234_5678, 1, BLOCKS),
+        &scattered(0x1234_5678, MOVED, 1, BLOCKS),
         0,
-        &scattered(0x9abc_def0, 0, BLOCKS),
+        &scattered(0x9abc_def0, MOVED, 0, BLOCKS),
     );
     let mut table = Default::default();
     plan_descriptors(&layout, Direction::Store, &spec, &mut table).expect("plan");

@@ -291,10 +291,22 @@ impl TransferSpec {
 
     /// Chunks needed for these blocks with `blocks_per_chunk`.
     pub fn chunks_needed(&self, blocks_per_chunk: u32) -> usize {
-        let bpc = blocks_per_chunk.max(1) as usize;
-        let skip = (self.first_block_index % blocks_per_chunk.max(1)) as usize;
-        (skip + self.gpu_blocks.len()).div_ceil(bpc)
+        chunks_for(
+            self.gpu_blocks.len(),
+            self.first_block_index,
+            blocks_per_chunk,
+        )
     }
+}
+
+/// Chunks that `num_blocks` blocks from logical index `first_block_index`
+/// fall into, `blocks_per_chunk` blocks a chunk (none for no block).
+fn chunks_for(num_blocks: usize, first_block_index: u32, blocks_per_chunk: u32) -> usize {
+    if num_blocks == 0 {
+        return 0;
+    }
+    let bpc = blocks_per_chunk.max(1);
+    ((first_block_index % bpc) as usize + num_blocks).div_ceil(bpc as usize)
 }
 
 /// One worker's view: its GPU cache paired with its slot in the host pool.
@@ -568,12 +580,7 @@ impl WorkerLayout {
                 });
             }
             for (group, g) in spec.groups.iter().enumerate() {
-                let expected = if g.num_blocks == 0 {
-                    0
-                } else {
-                    ((g.first_block_index % bpc) as usize + g.num_blocks as usize)
-                        .div_ceil(bpc as usize)
-                };
+                let expected = chunks_for(g.num_blocks as usize, g.first_block_index, bpc);
                 if g.num_keys as usize != expected {
                     return Err(SpecError::ChunkCountMismatch {
                         group,
