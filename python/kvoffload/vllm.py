@@ -396,14 +396,6 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
         worker_bytes_per_block=per_block,
         kv_bytes_per_token=sum(b // spec.block_size for b in page_bytes),
     )
-    if cfg.remote_tier_json is not None:
-        raise ValueError(
-            "KvOffloadConnector does not offer the remote tier (remote_tier) for a model with "
-            f"sliding-window or several KV cache groups yet (this one has {len(groups)}: vLLM's "
-            "hybrid KV cache manager). Start vLLM with --disable-hybrid-kv-cache-manager to "
-            "offload a model that also has full-attention layers as one full-attention group, "
-            "or leave the option out"
-        )
     return cfg
 
 
@@ -459,6 +451,13 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
             attention or "auto",
         )
     )
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) > 1 or getattr(spec, "sliding_window", None) is not None:
+        # Hybrid groups: a chunk holds one group's layers, keyed by its group.
+        layout += "|groups:" + ";".join(
+            f"{type(g.kv_cache_spec).__name__}/{getattr(g.kv_cache_spec, 'sliding_window', '')}/{len(g.layer_names)}"
+            for g in groups
+        )
     return remote_namespace(
         model,
         layout,

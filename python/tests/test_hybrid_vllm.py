@@ -536,16 +536,6 @@ def test_vllm_keeps_its_hybrid_manager_on_for_kvoffload() -> None:
     assert KVConnectorFactory.supports_hma_config(ktc)
 
 
-def test_the_remote_tier_with_several_groups_stops_startup_naming_the_way_round() -> None:
-    """The remote tier does not serve several KV groups yet (its lookups
-    are not asked): a hybrid model configured with it stops at startup,
-    naming the option and vLLM's flag that offloads it as one
-    full-attention group instead."""
-    with pytest.raises(ValueError, match=r"the remote tier.*--disable-hybrid-kv-cache-manager"):
-        build(extra={"cpu_bytes_to_use": 1 << 20, "remote_tier": {"url": "redis://127.0.0.1:1"}}, tpb=TPB,
-              groups=[full(), window(8)])
-
-
 def test_corpus_has_self_describing_payloads_for_full_attention_only() -> None:
     """The self-describing cases hold what the comparison above checks:
     full-attention chunks with their tokens, sliding-window chunks as

@@ -8,7 +8,7 @@ each group's own bytes (docs/hybrid-groups.md, step 5)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from vllm.v1.request import RequestStatus
@@ -41,13 +41,16 @@ class VllmStalled(Exception):
     reaches it too (``scripts/widen-hybrid.py`` notes the seeds)."""
 
 
-def worker_run(seed: int, specs: str, extra: dict, opts: dict) -> dict[str, int]:
+def worker_run(
+    seed: int, specs: str, extra: dict, opts: dict, on_done: Callable[[Any], None] | None = None
+) -> dict[str, int]:
     """The case's workload end to end with real workers, every running
     request's KV checked in every group after every step (an
     ``AssertionError`` names the first wrong token); returns what moved:
     the tokens checked, the loads (synchronous ones, ones into a
     sliding-window group), the stores (and the holes in them), the
-    requests loaded. Raises
+    requests loaded. `on_done` gets the engine once the run has ended and
+    been checked. Raises
     `VllmStalled` when vLLM's scheduler stalls with kvoffload idle."""
     common, cfg = engine_options(specs, extra, opts)
     groups = SPECS[specs]()
@@ -87,6 +90,8 @@ def worker_run(seed: int, specs: str, extra: dict, opts: dict) -> dict[str, int]
     assert not e.failed, f"loads failed: {sorted(e.failed)}"
     leak_free(e)
     seen["loaded"] = len(e.loaded)
+    if on_done is not None:
+        on_done(e)
     return seen
 
 

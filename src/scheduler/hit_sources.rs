@@ -77,12 +77,20 @@ impl Scheduler {
         let end = start.saturating_add(external_tokens);
         if self.groups.is_some() {
             // vLLM's sweep over the load's key ranges: a token any loaded
-            // chunk covers comes from the host tier (no remote tier here).
-            let host = tokens_in_spans(start, end, rs.load_cover.clone());
+            // chunk covers comes from a tier; from the remote tier where the
+            // request's own fetches brought that chunk in (in any group).
+            let covered = tokens_in_spans(start, end, rs.load_cover.clone());
+            let remote = tokens_in_ranges(
+                start,
+                end,
+                self.remote_fetched_chunks(req),
+                self.geo.tokens_per_chunk,
+            )
+            .min(covered);
             return Ok(HitSources {
-                host_tokens: host,
-                remote_tokens: 0,
-                uncovered_tokens: external_tokens - host,
+                host_tokens: covered - remote,
+                remote_tokens: remote,
+                uncovered_tokens: external_tokens - covered,
             });
         }
         let remote = tokens_in_ranges(

@@ -210,9 +210,19 @@ impl Scheduler {
             return Ok((LookupOutcome::Hit(0), true));
         }
         if self.groups.is_some() {
+            let skip_remote = rs.caps.skip_remote_tier;
             let mut found = std::mem::take(&mut self.last_lookup_group_hits);
             let outcome = self.lookup_groups(req, computed_tokens, &mut found);
             self.last_lookup_group_hits = found;
+            // The host tier's hit could go further: the remote tier, if one
+            // is attached, is asked about the rest (`hybrid/on_remote.rs`).
+            if let Ok(LookupOutcome::Hit(hit)) = outcome
+                && self.remote.is_some()
+                && !skip_remote
+                && let Some(remote) = self.remote_lookup_groups(req, computed_tokens, hit)
+            {
+                return Ok((remote, true));
+            }
             return Ok((outcome?, true));
         }
         // As vLLM: no hit past the request's last full chunk, and the

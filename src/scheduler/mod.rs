@@ -295,7 +295,9 @@ impl Scheduler {
     /// [`StepInput::group_block_ids`] in each step. One full-attention
     /// group is the single-group scheduler ([`Self::new`]).
     ///
-    /// Lookups of a scheduler with several groups do not ask a remote tier.
+    /// With a remote tier attached ([`Self::attach_remote`]), a lookup asks
+    /// it about the chunks of every group that the host tier misses, and
+    /// fetches what the hit over both tiers reads.
     pub fn with_groups(
         cfg: &OffloadConfig,
         groups: hybrid::KvGroups,

@@ -22,29 +22,68 @@ use crate::remote::{Answer, RemoteTier, Ticket, WritePolicy};
 
 use super::Scheduler;
 use super::jobs::JobEntry;
-use super::types::{JobBlocks, JobKeys, JobSlots, LookupOutcome, TransferJob};
+use super::types::{GroupSpan, JobBlocks, JobKeys, JobSlots, LookupOutcome, TransferJob};
 
 /// Remote fetch attempts per request position before it stops asking (so
 /// that a host tier evicting fetched chunks before their load cannot make a
 /// request ask for ever).
-const MAX_ATTEMPTS: u8 = 2;
+pub(super) const MAX_ATTEMPTS: u8 = 2;
 
 /// Where a request stands with the remote tier.
+///
+/// With several KV groups a position is the host tier's hit end in tokens
+/// (`hybrid/on_remote.rs`); with one, the chunk where its scan stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Probe {
+pub(super) enum Probe {
     /// Asked which chunks from `first` on the remote tier holds.
     Asked { first: usize, ticket: Ticket },
     /// Fetching `count` chunks from `first` on into the host tier.
     Fetching { first: usize, count: usize },
+    /// With several groups: fetching `count` chunks (chunk indices
+    /// `lo..hi`, over the groups) so that the hit ends at `after` tokens
+    /// instead of `before`.
+    FetchingGroups {
+        before: usize,
+        after: usize,
+        lo: usize,
+        hi: usize,
+        count: usize,
+    },
     /// Chunks from `first_absent` on are not to be had remotely (absent, or
     /// the fetch failed): lookups answer from the host tier alone.
     Known { first_absent: usize },
 }
 
 #[derive(Debug, Clone, Copy)]
-struct RequestProbe {
-    probe: Probe,
-    attempts: u8,
+pub(super) struct RequestProbe {
+    pub(super) probe: Probe,
+    pub(super) attempts: u8,
+}
+
+/// Where a fetch job takes a request's probe.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum FetchAt {
+    /// One group: chunks from `first` on.
+    Prefix { first: usize },
+    /// Several groups: the hit end moves from `before` to `after` tokens;
+    /// the fetched chunks lie in `lo..hi`; `groups`: the number of groups.
+    Groups {
+        before: usize,
+        after: usize,
+        lo: usize,
+        hi: usize,
+        groups: usize,
+    },
+}
+
+impl FetchAt {
+    /// The position the request stays at when the fetch cannot start or fails.
+    fn before(self) -> usize {
+        match self {
+            FetchAt::Prefix { first } => first,
+            FetchAt::Groups { before, .. } => before,
+        }
+    }
 }
 
 /// What the remote side of the scheduler did (cumulative).
@@ -69,12 +108,15 @@ pub struct RemoteLookupStats {
 /// request's probe.
 #[derive(Debug)]
 pub(crate) struct RemoteSide {
-    tier: RemoteTier,
-    probes: HashMap<RequestId, RequestProbe>,
+    pub(super) tier: RemoteTier,
+    pub(super) probes: HashMap<RequestId, RequestProbe>,
     /// Lookups in flight -> their request.
-    asked: HashMap<Ticket, RequestId>,
+    pub(super) asked: HashMap<Ticket, RequestId>,
     /// Answers that came, until their request looks up again.
-    answered: HashMap<Ticket, Answer>,
+    pub(super) answered: HashMap<Ticket, Answer>,
+    /// With several groups, the `(group, chunk)` each key of a request's
+    /// lookup in flight names, in the order asked.
+    pub(super) group_asked: HashMap<RequestId, Vec<(usize, usize)>>,
     /// Fetch jobs in flight -> their request and keys.
     fetch_jobs: HashMap<JobId, RequestId>,
     /// Chunks in the host tier that came from the remote tier (written on
@@ -84,19 +126,19 @@ pub(crate) struct RemoteSide {
     /// tier (what its loads report as read from the remote tier).
     fetched: HashMap<RequestId, Vec<Range<usize>>>,
     scratch: Vec<(Ticket, Answer)>,
-    stats: RemoteLookupStats,
+    pub(super) stats: RemoteLookupStats,
 }
 
 impl RemoteSide {
     /// Chunks from `first` on are not to be had remotely for `req`.
-    fn known_absent(&mut self, req: RequestId, first: usize, attempts: u8) {
+    pub(super) fn known_absent(&mut self, req: RequestId, first: usize, attempts: u8) {
         let probe = Probe::Known {
             first_absent: first,
         };
         self.probes.insert(req, RequestProbe { probe, attempts });
     }
 
-    fn poll(&mut self) {
+    pub(super) fn poll(&mut self) {
         self.tier.poll(&mut self.scratch);
         for (t, a) in self.scratch.drain(..) {
             if self.asked.contains_key(&t) {
@@ -123,6 +165,7 @@ impl Scheduler {
             probes: HashMap::new(),
             asked: HashMap::new(),
             answered: HashMap::new(),
+            group_asked: HashMap::new(),
             fetch_jobs: HashMap::new(),
             from_remote: std::collections::HashSet::new(),
             fetched: HashMap::new(),
@@ -145,7 +188,12 @@ impl Scheduler {
     /// every request has finished).
     pub fn remote_probes(&self) -> usize {
         self.remote.as_ref().map_or(0, |r| {
-            r.probes.len() + r.asked.len() + r.answered.len() + r.fetch_jobs.len() + r.fetched.len()
+            r.probes.len()
+                + r.asked.len()
+                + r.answered.len()
+                + r.group_asked.len()
+                + r.fetch_jobs.len()
+                + r.fetched.len()
         })
     }
 
@@ -199,7 +247,9 @@ impl Scheduler {
         let entry = r.probes.get(&req).copied();
         match entry.map(|e| e.probe) {
             Some(Probe::Known { first_absent }) if first_absent == first => return None,
-            Some(Probe::Fetching { .. }) => return Some(LookupOutcome::Defer),
+            Some(Probe::Fetching { .. } | Probe::FetchingGroups { .. }) => {
+                return Some(LookupOutcome::Defer);
+            }
             Some(Probe::Asked { first: f, ticket }) if f == first => {
                 let Some(answer) = r.answered.remove(&ticket) else {
                     return Some(LookupOutcome::Defer);
@@ -215,7 +265,8 @@ impl Scheduler {
                     r.known_absent(req, first, attempts);
                     return None;
                 }
-                return self.start_fetch(req, first, &keys[..found.min(keys.len())], attempts);
+                let keys = &keys[..found.min(keys.len())];
+                return self.start_fetch(req, keys, &[], attempts, FetchAt::Prefix { first });
             }
             _ => {}
         }
@@ -248,21 +299,23 @@ impl Scheduler {
         Some(LookupOutcome::Defer)
     }
 
-    /// Allocates host slots for `keys` (found remotely, chunks `first..`)
-    /// and creates their fetch job; `None` (answer from the host tier) when
-    /// the tier has no room.
-    fn start_fetch(
+    /// Allocates host slots for `keys` (found remotely) and creates their
+    /// fetch job, taking the request's probe to `at`; `None` (answer from
+    /// the host tier) when the tier has no room. With several groups,
+    /// `key_groups` names each key's group (the keys group-major).
+    pub(super) fn start_fetch(
         &mut self,
         req: RequestId,
-        first: usize,
         keys: &[ChunkKey],
+        key_groups: &[usize],
         attempts: u8,
+        at: FetchAt,
     ) -> Option<LookupOutcome> {
         let prepared = self.manager.prepare_store(keys, None);
         let r = self.remote.as_mut()?;
         let Some(out) = prepared.filter(|o| !o.keys_to_store.is_empty()) else {
             r.stats.allocation_failures += 1;
-            r.known_absent(req, first, attempts);
+            r.known_absent(req, at.before(), attempts);
             return None;
         };
         let count = out.keys_to_store.len();
@@ -283,24 +336,60 @@ impl Scheduler {
         if let Some(rs) = self.requests.get_mut(&req) {
             rs.jobs.push(job);
         }
+        // With groups, each group's part of the keys (for the KV events
+        // that announce them; workers fetch by key).
+        let groups = match at {
+            FetchAt::Groups { groups, .. } => {
+                let mut spans = vec![
+                    GroupSpan {
+                        num_keys: 0,
+                        num_blocks: 0,
+                        first_block_index: 0,
+                    };
+                    groups
+                ];
+                let group_of: HashMap<ChunkKey, usize> = keys
+                    .iter()
+                    .copied()
+                    .zip(key_groups.iter().copied())
+                    .collect();
+                for k in &out.keys_to_store {
+                    if let Some(span) = group_of.get(k).and_then(|&g| spans.get_mut(g)) {
+                        span.num_keys += 1;
+                    }
+                }
+                spans
+            }
+            FetchAt::Prefix { .. } => Vec::new(),
+        };
         self.batch.fetches.push(TransferJob {
             job,
             req,
             block_ids: JobBlocks::new(),
             chunk_ids: JobSlots::from_slice(&out.chunk_ids),
             keys: JobKeys::from_slice(&out.keys_to_store),
-            groups: Vec::new(),
+            groups,
         });
         if let Some(r) = self.remote.as_mut() {
             r.fetch_jobs.insert(job, req);
             r.stats.fetch_jobs += 1;
-            r.probes.insert(
-                req,
-                RequestProbe {
-                    probe: Probe::Fetching { first, count },
-                    attempts,
+            let probe = match at {
+                FetchAt::Prefix { first } => Probe::Fetching { first, count },
+                FetchAt::Groups {
+                    before,
+                    after,
+                    lo,
+                    hi,
+                    ..
+                } => Probe::FetchingGroups {
+                    before,
+                    after,
+                    lo,
+                    hi,
+                    count,
                 },
-            );
+            };
+            r.probes.insert(req, RequestProbe { probe, attempts });
         }
         Some(LookupOutcome::Defer)
     }
@@ -340,20 +429,29 @@ impl Scheduler {
         let Some(p) = r.probes.get_mut(&req) else {
             return;
         };
-        if let Probe::Fetching { first, count } = p.probe {
-            p.probe = if success {
-                r.stats.chunks_fetched += count as u64;
-                r.fetched.entry(req).or_default().push(first..first + count);
-                Probe::Known {
-                    first_absent: first + count,
-                }
-            } else {
-                r.stats.fetches_failed += 1;
-                Probe::Known {
-                    first_absent: first,
-                }
-            };
-        }
+        let (before, after, chunks, count) = match p.probe {
+            Probe::Fetching { first, count } => (first, first + count, first..first + count, count),
+            Probe::FetchingGroups {
+                before,
+                after,
+                lo,
+                hi,
+                count,
+            } => (before, after, lo..hi, count),
+            _ => return,
+        };
+        p.probe = if success {
+            r.stats.chunks_fetched += count as u64;
+            r.fetched.entry(req).or_default().push(chunks);
+            Probe::Known {
+                first_absent: after,
+            }
+        } else {
+            r.stats.fetches_failed += 1;
+            Probe::Known {
+                first_absent: before,
+            }
+        };
     }
 
     /// The request is gone: its probe and any lookup answer go too.
@@ -362,6 +460,7 @@ impl Scheduler {
             return;
         };
         r.fetched.remove(&req);
+        r.group_asked.remove(&req);
         if let Some(p) = r.probes.remove(&req)
             && let Probe::Asked { ticket, .. } = p.probe
         {
@@ -377,6 +476,7 @@ impl Scheduler {
             r.probes.clear();
             r.asked.clear();
             r.answered.clear();
+            r.group_asked.clear();
             r.fetch_jobs.clear();
             r.from_remote.clear();
             r.fetched.clear();

@@ -10,6 +10,8 @@
 //! group shrinks it, earlier groups are asked again until the end converges.
 //! With a sliding-window group the hit leaves the last token to compute.
 
+use std::ops::Range;
+
 use super::shape::GroupShape;
 
 /// What the host tier answers for one chunk key of one group (vLLM's
@@ -136,18 +138,25 @@ pub fn lookup_complete_chunks(
     }
     let end = computed + hit;
     for (g, shape) in groups.iter().enumerate() {
-        let tpc = shape.tokens_per_chunk();
-        let start = (computed / tpc) as usize;
-        let stop = (end.div_ceil(tpc) as usize).min(keys.num_keys(g));
-        let mut first = start.min(stop);
-        if let Some(window) = shape.load_window_chunks(end) {
-            first = first.max(stop.saturating_sub(window as usize));
-        }
-        if (first..stop).any(|c| keys.being_loaded(g, c)) {
+        if load_chunks(shape, computed, end, keys.num_keys(g)).any(|c| keys.being_loaded(g, c)) {
             return None;
         }
     }
     Some(hit)
+}
+
+/// The chunks of a group with `shape` (and `num_keys` chunk keys) that a
+/// hit from `computed` to `end` tokens reads: every chunk past the GPU's hit
+/// for full attention, the load window before `end` for a sliding window.
+pub fn load_chunks(shape: &GroupShape, computed: u64, end: u64, num_keys: usize) -> Range<usize> {
+    let tpc = shape.tokens_per_chunk();
+    let start = (computed / tpc) as usize;
+    let stop = (end.div_ceil(tpc) as usize).min(num_keys);
+    let mut first = start.min(stop);
+    if let Some(window) = shape.load_window_chunks(end) {
+        first = first.max(stop.saturating_sub(window as usize));
+    }
+    first..stop
 }
 
 /// Consecutive present chunks of `group` from `start` (vLLM's

@@ -23,6 +23,7 @@ mod load;
 mod lookup;
 mod on_alloc;
 mod on_lookup;
+mod on_remote;
 mod on_step;
 mod recorded_keys;
 mod shape;

@@ -1,0 +1,154 @@
+"""Hybrid models (vLLM's hybrid KV cache manager: full-attention and
+sliding-window groups) with a remote tier on a real ``redis-server``: one
+node runs a seeded workload and writes every group's chunks through; a
+second node, its host tier empty, runs the same workload over the same
+store. Its lookups ask the remote tier about every group's chunks the host
+tier misses, fetch what the hit over both tiers reads, and load it; after
+every step every running request's KV is compared, in every group, with
+what the model computed (``test_hybrid_worker.worker_run``). Skipped with
+the reason where ``redis-server`` is missing (failing instead with
+``KVOFFLOAD_REDIS_TESTS=1``, as CI sets it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vllm.distributed.kv_events import BlockStored
+
+import harness
+from test_connector import PREFIX, leak_free, run_checked
+from test_hybrid_vllm import SPECS, TPB, full, window
+from test_hybrid_worker import worker_run
+from test_remote import record_hit_sources, redis_url, remote_stats, writes  # noqa: F401  (redis_url: a fixture)
+
+#: (seed, group specs, extra config, engine options): chunks of one, two
+#: and four blocks, two windows, a window alone, async scheduling, two
+#: workers, dense retention.
+REMOTE_CASES = [
+    (1, "full+swa8", {"offload_prompt_only": False}, {}),
+    (3, "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {}),
+    (4, "swa6+full", {}, {"async_scheduling": True}),
+    (5, "full+swa8", {}, {"world_size": 2}),
+    (10, "full+swa8", {"block_size": 4 * TPB, "offload_prompt_only": False}, {"retention": None}),
+    (12, "swa8", {"offload_prompt_only": False}, {}),
+]
+
+
+@pytest.mark.parametrize("seed,specs,extra,opts", REMOTE_CASES, ids=[f"seed{c[0]}-{c[1]}" for c in REMOTE_CASES])
+def test_a_second_node_fetches_every_group_s_chunks_and_loads_the_computed_bytes(
+    redis_url: str, seed: int, specs: str, extra: dict, opts: dict
+) -> None:
+    cfg = {**extra, "remote_tier": {"url": redis_url}}
+    first: dict[str, Any] = {}
+
+    def written(e: Any) -> None:
+        e.drain_remote()
+        first.update(writes(e))
+
+    worker_run(seed, specs, cfg, opts, on_done=written)
+    assert first["puts_written"] > 0 and first["puts_failed"] == 0, first
+
+    second: dict[str, Any] = {}
+
+    def fetched(e: Any) -> None:
+        second["lookup"] = remote_stats(e)
+        second["workers"] = writes(e)
+        second["state"] = e.connector.scheduler_state()
+
+    seen = worker_run(seed, specs, cfg, opts, on_done=fetched)
+    st = second["lookup"]
+    # The second node's host tier starts empty: its hits come from chunks
+    # the first node wrote, fetched into its host tier and loaded, every
+    # group's bytes right (checked each step by worker_run).
+    assert st["fetch_jobs"] > 0 and st["chunks_fetched"] > 0, st
+    assert st["fetches_failed"] == 0, st
+    assert st["chunks_found"] >= st["chunks_fetched"], st
+    assert seen["loads"] > 0 and seen["window_loads"] > 0 and seen["checked"] > 0, seen
+    w = second["workers"]
+    world = opts.get("world_size", 1)
+    assert w["hits"] == st["chunks_fetched"] * world and w["misses"] == 0, (w, st)
+    assert w["rejected_values"] == 0, w
+    assert second["state"]["remote_probes"] == 0, second["state"]
+
+
+def stored_by_group(e: harness.Engine) -> list:
+    """``(group, block hash)`` of every block the connector's `BlockStored`
+    events announce, in order."""
+    stored: list = []
+    take = e.connector.take_events
+
+    def take_events() -> list:
+        got = list(take())
+        for ev in got:
+            if isinstance(ev, BlockStored):
+                stored.extend((ev.group_idx, h) for h in ev.block_hashes)
+        return got
+
+    e.connector.take_events = take_events
+    return stored
+
+
+def hybrid_node(redis: str) -> harness.Engine:
+    extra = {"num_cpu_chunks": 64, "offload_prompt_only": False, "remote_tier": {"url": redis}}
+    return harness.build(extra=extra, tpb=TPB, groups=SPECS["full+swa8"](), num_gpu_blocks=96)
+
+
+def test_the_remote_tier_gives_a_second_node_the_hit_the_host_tier_gives_the_first(redis_url: str) -> None:
+    """Node A computes a prefix (full attention and an 8-token window),
+    writes it through, then, its GPU prefix cache reset, finds a second
+    prompt's hit in its host tier; node B, its host tier empty, finds the
+    same hit in the remote tier: the same tokens, reported as a remote
+    store, the same bytes, announced by the same blocks of the same groups."""
+    a = hybrid_node(redis_url)
+    stored_a = stored_by_group(a)
+    a.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(a)
+    a.drain_remote()
+    assert writes(a)["puts_written"] > 0
+    assert a.scheduler.reset_prefix_cache(), "the GPU prefix cache holds no running request"
+    host_sources = record_hit_sources(a)
+    a.add(PREFIX + [7, 8, 9], max_tokens=3, req_id="again")
+    assert run_checked(a) > 0
+    # The remote tier holds what node A's host tier holds: nothing to fetch.
+    assert remote_stats(a)["chunks_fetched"] == 0, remote_stats(a)
+    [(_, host_hit, host_split)] = host_sources
+    assert host_hit > 0 and host_split == {"host": host_hit}, (host_sources, remote_stats(a))
+    leak_free(a)
+
+    b = hybrid_node(redis_url)
+    stored_b = stored_by_group(b)
+    remote_sources = record_hit_sources(b)
+    r = b.add(PREFIX + [7, 8, 9], max_tokens=3, req_id="again")
+    assert run_checked(b) > 0
+    assert r in b.loaded and not b.failed
+    # vLLM's label for a remote store; the hit the host tier gave node A.
+    assert remote_sources == [(r, host_hit, {"external_unspecified": host_hit})], (remote_sources, host_sources)
+    st = remote_stats(b)
+    assert st["fetch_jobs"] == 1 and st["fetches_failed"] == 0, st
+    leak_free(b)
+    assert b.connector.scheduler_state()["remote_probes"] == 0
+    # The fetched chunks are announced as node A announced them, per group:
+    # the full-attention prefix and the sliding window before the hit's end.
+    fetched = stored_b[: st["chunks_fetched"]]
+    assert set(fetched) <= set(stored_a), (fetched, stored_a)
+    assert {g for g, _ in fetched} == {0, 1}, fetched
+
+
+def test_the_namespace_names_every_group() -> None:
+    """Chunks are keyed by group and hold one group's layers: deployments
+    whose groups differ (another window, the hybrid manager turned off)
+    never read each other's chunks. The store need not be up to start."""
+    from kvoffload.vllm import _remote_namespace
+
+    def namespace(**kw: Any) -> int:
+        extra = {"cpu_bytes_to_use": 1 << 20, "remote_tier": {"url": "redis://127.0.0.1:1"}}
+        w = harness.build(extra=extra, tpb=TPB, **kw).workers[0]._worker
+        return _remote_namespace(w.vllm_config, w.kv_cache_config, w.cfg)
+
+    hybrid = namespace(groups=[full(), window(8)])
+    assert hybrid == namespace(groups=[full(), window(8)]), "deterministic"
+    assert hybrid != namespace(groups=[full(), window(16)])
+    assert hybrid != namespace(groups=[full(), window(8), window(13)])
+    assert hybrid != namespace(spec=full())

@@ -1,0 +1,266 @@
+//! The remote tier behind the host tier with several KV groups
+//! (`docs/remote-tier.md`): a lookup whose host-tier hit could go further
+//! asks the remote tier about every group's chunks the host tier misses, up
+//! to where the hit could end; the request waits ("not yet") until the
+//! answer comes. The hit the host tier and the remote tier give together is
+//! vLLM's lookup ([`lookup_complete_chunks`]) over both; when it ends past
+//! the host tier's alone, the chunks that hit reads (every full-attention
+//! chunk past the GPU's hit, each sliding window's load window) and only
+//! the host tier lacks become one fetch job, and the next lookup finds them
+//! in the host tier. A fetch that fails leaves the request to the host tier
+//! at the position it asked from.
+
+use std::collections::HashSet;
+
+use crate::ids::RequestId;
+use crate::key::ChunkKey;
+use crate::manager::LookupResult;
+use crate::remote::Answer;
+use crate::scheduler::remote::{FetchAt, MAX_ATTEMPTS, Probe, RequestProbe};
+use crate::scheduler::{LookupOutcome, Scheduler};
+
+use super::lookup::{GroupKeys, HybridLookup, KeyState, load_chunks, lookup_complete_chunks};
+
+/// A request's keys answered as if the remote tier's `present` chunks were
+/// in the host tier too (`present: None`: as if every chunk were).
+struct WithRemote<'a> {
+    scheduler: &'a Scheduler,
+    request: RequestId,
+    num_keys: usize,
+    present: Option<&'a HashSet<(usize, usize)>>,
+}
+
+impl WithRemote<'_> {
+    fn key(&self, group: usize, chunk: usize) -> Option<ChunkKey> {
+        let rs = self.scheduler.requests.get(&self.request)?;
+        Some(rs.group_key(group, chunk, self.scheduler.geo.blocks_per_chunk))
+    }
+
+    fn host_state(&self, group: usize, chunk: usize) -> KeyState {
+        match self
+            .key(group, chunk)
+            .map(|k| self.scheduler.manager.lookup(k))
+        {
+            Some(LookupResult::Hit) => KeyState::Hit,
+            Some(LookupResult::HitPending) => KeyState::HitPending,
+            _ => KeyState::Miss,
+        }
+    }
+}
+
+impl GroupKeys for WithRemote<'_> {
+    fn num_keys(&self, _group: usize) -> usize {
+        self.num_keys
+    }
+
+    fn state(&mut self, group: usize, chunk: usize) -> KeyState {
+        let Some(present) = self.present else {
+            return KeyState::Hit;
+        };
+        match self.host_state(group, chunk) {
+            KeyState::Miss if present.contains(&(group, chunk)) => KeyState::Hit,
+            state => state,
+        }
+    }
+
+    fn being_loaded(&self, group: usize, chunk: usize) -> bool {
+        self.present.is_some()
+            && !self.scheduler.being_loaded.is_empty()
+            && self
+                .key(group, chunk)
+                .is_some_and(|k| self.scheduler.being_loaded.contains_key(&k))
+    }
+}
+
+impl Scheduler {
+    /// The remote side's answer for restarted request `req` (GPU hit
+    /// `computed` tokens) whose host-tier lookup answered `host_hit`:
+    /// `Some(Defer)` while asking or fetching, `None` to answer `host_hit`.
+    pub(crate) fn remote_lookup_groups(
+        &mut self,
+        req: RequestId,
+        computed: u64,
+        host_hit: u64,
+    ) -> Option<LookupOutcome> {
+        let position = usize::try_from(computed.saturating_add(host_hit)).ok()?;
+        let r = self.remote.as_mut()?;
+        r.poll();
+        let entry = r.probes.get(&req).copied();
+        let attempts = entry.map_or(0, |e| e.attempts);
+        match entry.map(|e| e.probe) {
+            Some(Probe::Known { first_absent }) if first_absent == position => return None,
+            Some(Probe::Fetching { .. } | Probe::FetchingGroups { .. }) => {
+                return Some(LookupOutcome::Defer);
+            }
+            Some(Probe::Asked { first, ticket }) if first == position => {
+                let Some(answer) = r.answered.remove(&ticket) else {
+                    return Some(LookupOutcome::Defer);
+                };
+                r.asked.remove(&ticket);
+                let asked = r.group_asked.remove(&req).unwrap_or_default();
+                let present: HashSet<(usize, usize)> = match answer {
+                    Answer::Present(p) => asked
+                        .iter()
+                        .zip(p.iter())
+                        .filter(|&(_, &here)| here)
+                        .map(|(&k, _)| k)
+                        .collect(),
+                    _ => HashSet::new(),
+                };
+                r.stats.chunks_found += present.len() as u64;
+                return self.fetch_for_groups(req, computed, host_hit, &present, attempts);
+            }
+            Some(Probe::Asked { ticket, .. }) => {
+                // A lookup still in flight for another position is dropped
+                // with its answer.
+                r.asked.remove(&ticket);
+                r.answered.remove(&ticket);
+                r.group_asked.remove(&req);
+            }
+            _ => {}
+        }
+        let asked = if attempts >= MAX_ATTEMPTS {
+            Vec::new()
+        } else {
+            self.remote_candidates(req, computed, host_hit)
+        };
+        let keys: Vec<ChunkKey> = asked
+            .iter()
+            .filter_map(|&(g, c)| self.group_key(req, g, c))
+            .collect();
+        let r = self.remote.as_mut()?;
+        if asked.is_empty() || keys.len() != asked.len() {
+            r.known_absent(req, position, attempts);
+            return None;
+        }
+        let ticket = r.tier.lookup(&keys);
+        r.asked.insert(ticket, req);
+        r.group_asked.insert(req, asked);
+        r.stats.lookups += 1;
+        r.probes.insert(
+            req,
+            RequestProbe {
+                probe: Probe::Asked {
+                    first: position,
+                    ticket,
+                },
+                attempts: attempts + 1,
+            },
+        );
+        Some(LookupOutcome::Defer)
+    }
+
+    fn group_key(&self, req: RequestId, group: usize, chunk: usize) -> Option<ChunkKey> {
+        let rs = self.requests.get(&req)?;
+        Some(rs.group_key(group, chunk, self.geo.blocks_per_chunk))
+    }
+
+    /// vLLM's lookup of `req` with `present` read as it were in the host
+    /// tier (`None`: every chunk): the hit in tokens past `computed`, `None`
+    /// when it would wait.
+    fn hit_with_remote(
+        &self,
+        req: RequestId,
+        computed: u64,
+        present: Option<&HashSet<(usize, usize)>>,
+    ) -> Option<u64> {
+        let groups = self.groups.as_deref()?;
+        let rs = self.requests.get(&req)?;
+        let mut keys = WithRemote {
+            scheduler: self,
+            request: req,
+            num_keys: rs.num_keys(self.geo.blocks_per_chunk),
+            present,
+        };
+        let lookup = HybridLookup {
+            computed,
+            num_tokens: rs.num_tokens,
+            max_load_tokens: rs.caps.max_load_tokens,
+            max_new_tokens: None,
+        };
+        lookup_complete_chunks(&groups.shapes, &mut keys, lookup)
+    }
+
+    /// The `(group, chunk)`s to ask the remote tier about: every group's
+    /// chunks the host tier misses between the GPU's hit and the furthest a
+    /// hit could end; none when the host tier's hit is already that far.
+    fn remote_candidates(
+        &self,
+        req: RequestId,
+        computed: u64,
+        host_hit: u64,
+    ) -> Vec<(usize, usize)> {
+        let (Some(groups), Some(rs)) = (self.groups.as_deref(), self.requests.get(&req)) else {
+            return Vec::new();
+        };
+        let ceiling = self.hit_with_remote(req, computed, None).unwrap_or(0);
+        if ceiling <= host_hit {
+            return Vec::new();
+        }
+        let end = computed.saturating_add(ceiling);
+        let num_keys = rs.num_keys(self.geo.blocks_per_chunk);
+        let mut asked = Vec::new();
+        for (g, shape) in groups.shapes.iter().enumerate() {
+            let tpc = shape.tokens_per_chunk();
+            let start = (computed / tpc) as usize;
+            let stop = (end.div_ceil(tpc) as usize).min(num_keys);
+            for c in start..stop {
+                let key = rs.group_key(g, c, self.geo.blocks_per_chunk);
+                if self.manager.lookup(key) == LookupResult::Miss {
+                    asked.push((g, c));
+                }
+            }
+        }
+        asked
+    }
+
+    /// The remote tier answered `present`: fetch what the hit over both tiers
+    /// reads and the host tier lacks, when that hit ends past `host_hit`.
+    fn fetch_for_groups(
+        &mut self,
+        req: RequestId,
+        computed: u64,
+        host_hit: u64,
+        present: &HashSet<(usize, usize)>,
+        attempts: u8,
+    ) -> Option<LookupOutcome> {
+        let before = usize::try_from(computed.saturating_add(host_hit)).ok()?;
+        let hit = self
+            .hit_with_remote(req, computed, Some(present))
+            .filter(|&h| h > host_hit);
+        let (Some(hit), Some(groups), Some(rs)) =
+            (hit, self.groups.as_deref(), self.requests.get(&req))
+        else {
+            self.remote.as_mut()?.known_absent(req, before, attempts);
+            return None;
+        };
+        let end = computed.saturating_add(hit);
+        let num_keys = rs.num_keys(self.geo.blocks_per_chunk);
+        let mut keys = Vec::new();
+        let mut key_groups = Vec::new();
+        let (mut lo, mut hi) = (usize::MAX, 0);
+        for (g, shape) in groups.shapes.iter().enumerate() {
+            for c in load_chunks(shape, computed, end, num_keys) {
+                if present.contains(&(g, c)) {
+                    keys.push(rs.group_key(g, c, self.geo.blocks_per_chunk));
+                    key_groups.push(g);
+                    lo = lo.min(c);
+                    hi = hi.max(c + 1);
+                }
+            }
+        }
+        if keys.is_empty() {
+            self.remote.as_mut()?.known_absent(req, before, attempts);
+            return None;
+        }
+        let after = usize::try_from(end).ok()?;
+        let at = FetchAt::Groups {
+            before,
+            after,
+            lo,
+            hi,
+            groups: groups.shapes.len(),
+        };
+        self.start_fetch(req, &keys, &key_groups, attempts, at)
+    }
+}

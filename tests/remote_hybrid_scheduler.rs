@@ -1,0 +1,377 @@
+//! The control plane with several KV groups (full attention and sliding
+//! windows) and a remote tier behind the host tier, over the in-memory
+//! store: a lookup whose host-tier hit could go further asks the remote tier
+//! about every group's chunks, fetches what the hit over both tiers reads,
+//! and then answers the hit vLLM's lookup gives over those chunks; a fetch
+//! that fails leaves the request to the host tier without asking again;
+//! nothing is held once the requests are gone. Manual clocks; no test
+//! sleeps.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvoffload::remote::value::{ValueIdentity, encode};
+use kvoffload::remote::{MemoryConnector, MemoryState, Namespace, RemoteTier, RemoteTierConfig};
+use kvoffload::scheduler::hybrid::{
+    GroupKeys, GroupShape, HybridLookup, KeyState, KvGroups, Retention, lookup_complete_chunks,
+};
+use kvoffload::scheduler::{CompletionReport, LookupOutcome, Scheduler, StepInput, StepPlan};
+use kvoffload::{BlockHash, ChunkKey, JobId, ManualClock, OffloadConfig, RequestId};
+use proptest::prelude::*;
+
+const WAIT: Duration = Duration::from_secs(20);
+const TPB: u64 = 4;
+
+struct Rig {
+    s: Scheduler,
+    state: Arc<MemoryState>,
+    ns: Namespace,
+    shapes: Vec<GroupShape>,
+    bpc: u64,
+}
+
+/// A scheduler of 4-token blocks, `bpc` blocks a chunk, 256 host chunks and
+/// one worker, with `shapes`' groups and a remote tier on an in-memory store.
+fn rig(shapes: Vec<GroupShape>, bpc: u64) -> Rig {
+    let cfg = OffloadConfig {
+        tokens_per_block: TPB as u32,
+        blocks_per_chunk: bpc as u32,
+        offload_prompt_only: false,
+        ..OffloadConfig::with_chunks(256)
+    };
+    let clock = ManualClock::new();
+    let groups = KvGroups {
+        shapes: shapes.clone(),
+        retention: Retention::BoundariesOnly,
+    };
+    let mut s = Scheduler::with_groups(&cfg, groups, clock.shared()).expect("scheduler");
+    let state = MemoryState::new();
+    let ns = Namespace::from_fingerprint(0x4B1D);
+    let tier = RemoteTier::start(
+        Box::new(MemoryConnector::new(state.clone())),
+        &RemoteTierConfig::default(),
+        ns.clone(),
+        1,
+        clock.shared(),
+    )
+    .expect("tier");
+    s.attach_remote(tier);
+    Rig {
+        s,
+        state,
+        ns,
+        shapes,
+        bpc,
+    }
+}
+
+fn full_and_window(window_tokens: u64) -> Vec<GroupShape> {
+    let tpc = TPB; // one block a chunk
+    vec![
+        GroupShape::full_attention(tpc).unwrap(),
+        GroupShape::sliding_window(tpc, window_tokens).unwrap(),
+    ]
+}
+
+fn hashes(family: u64, blocks: u64) -> Vec<BlockHash> {
+    (0..blocks).map(|i| BlockHash(family * 1000 + i)).collect()
+}
+
+impl Rig {
+    /// The key of chunk `chunk` of `group` of a request of `family`.
+    fn key(&self, family: u64, group: usize, chunk: usize) -> ChunkKey {
+        let last = family * 1000 + (chunk as u64 + 1) * self.bpc - 1;
+        ChunkKey::for_group(BlockHash(last), group as u32)
+    }
+
+    /// The worker's share of `k` in the store, as write-through leaves it.
+    fn put(&self, k: ChunkKey) {
+        let id = ValueIdentity {
+            namespace: self.ns.fingerprint(),
+            key: k.0,
+            rank: 0,
+        };
+        self.state
+            .insert_raw(&self.ns.key(k.0, 0), encode(id, &[7; 64]));
+    }
+
+    fn step(&mut self) -> StepPlan {
+        self.s.build_step(&StepInput::default()).expect("step")
+    }
+
+    fn report(&mut self, job: JobId, failed: bool) {
+        let out = self.s.on_worker_output(&CompletionReport {
+            completed: vec![(job, 1)],
+            failed: if failed { vec![job] } else { vec![] },
+        });
+        assert!(out.rejected.is_empty(), "{:?}", out.rejected);
+    }
+
+    /// Looks `req` up from no GPU hit until it answers, answering the
+    /// remote lookups and completing (or failing) each fetch job; returns
+    /// the answer and the keys fetched.
+    fn settle(&mut self, req: RequestId, fail_fetches: bool) -> (u64, Vec<ChunkKey>) {
+        let mut fetched = Vec::new();
+        for _ in 0..6 {
+            match self.s.lookup(req, 0).expect("lookup") {
+                LookupOutcome::Hit(h) => return (h, fetched),
+                LookupOutcome::Defer => {}
+            }
+            self.s.wait_remote_lookups(WAIT);
+            let plan = self.step();
+            for f in &plan.fetches {
+                assert!(f.block_ids.is_empty(), "a fetch moves no GPU block");
+                let spans: u32 = f.groups.iter().map(|g| g.num_keys).sum();
+                assert_eq!(spans as usize, f.keys.len(), "every key in a group span");
+                assert_eq!(f.groups.len(), self.shapes.len());
+                fetched.extend(f.keys.iter().copied());
+                self.report(f.job, fail_fetches);
+            }
+        }
+        panic!("the lookup never answered");
+    }
+}
+
+/// vLLM's lookup over chunks that are all in the host tier (the oracle).
+struct Present<'a> {
+    num_keys: usize,
+    present: &'a HashSet<(usize, usize)>,
+}
+
+impl GroupKeys for Present<'_> {
+    fn num_keys(&self, _group: usize) -> usize {
+        self.num_keys
+    }
+    fn state(&mut self, group: usize, chunk: usize) -> KeyState {
+        if self.present.contains(&(group, chunk)) {
+            KeyState::Hit
+        } else {
+            KeyState::Miss
+        }
+    }
+    fn being_loaded(&self, _group: usize, _chunk: usize) -> bool {
+        false
+    }
+}
+
+fn oracle(
+    shapes: &[GroupShape],
+    num_tokens: u64,
+    num_keys: usize,
+    present: &HashSet<(usize, usize)>,
+) -> u64 {
+    let lookup = HybridLookup {
+        computed: 0,
+        num_tokens,
+        max_load_tokens: None,
+        max_new_tokens: None,
+    };
+    lookup_complete_chunks(shapes, &mut Present { num_keys, present }, lookup).expect("no wait")
+}
+
+#[test]
+fn a_prefix_and_its_window_are_fetched_from_the_remote_tier_then_hit() {
+    // Full attention and an 8-token window (two chunks); a 6-block prompt
+    // of 24 tokens: the hit leaves the last token (23 tokens).
+    let mut t = rig(full_and_window(8), 1);
+    let req = RequestId(1);
+    t.s.add_request(req, 24, &hashes(1, 6)).unwrap();
+    for c in 0..6 {
+        t.put(t.key(1, 0, c));
+        t.put(t.key(1, 1, c));
+    }
+    let (hit, fetched) = t.settle(req, false);
+    assert_eq!(hit, 23);
+    // The full-attention prefix and the window before token 23 (chunks 4
+    // and 5): not the window's earlier chunks.
+    let mut want: Vec<ChunkKey> = (0..6).map(|c| t.key(1, 0, c)).collect();
+    want.extend([t.key(1, 1, 4), t.key(1, 1, 5)]);
+    assert_eq!(fetched, want);
+    let st = t.s.remote_lookup_stats().unwrap();
+    assert_eq!((st.lookups, st.fetch_jobs, st.chunks_fetched), (1, 1, 8));
+    // Another request over the same prefix finds it in the host tier; it
+    // asks the remote tier only about what could go further (nothing here).
+    t.s.add_request(RequestId(2), 24, &hashes(1, 6)).unwrap();
+    assert_eq!(t.s.lookup(RequestId(2), 0).unwrap(), LookupOutcome::Hit(23));
+    assert_eq!(t.s.remote_lookup_stats().unwrap().lookups, 1);
+    for q in [1, 2] {
+        t.s.request_finished(RequestId(q), &[], true, 0).unwrap();
+    }
+    t.step();
+    assert_eq!(t.s.remote_probes(), 0);
+    assert!(t.s.check_invariants().is_ok());
+}
+
+#[test]
+fn a_window_the_remote_tier_lacks_ends_the_hit_where_a_whole_window_is() {
+    // The full-attention prefix is all there, the window's chunks 3 and 4
+    // are not: the hit ends where the window's chunks 1 and 2 end.
+    let mut t = rig(full_and_window(8), 1);
+    let req = RequestId(1);
+    t.s.add_request(req, 24, &hashes(1, 6)).unwrap();
+    for c in 0..6 {
+        t.put(t.key(1, 0, c));
+    }
+    t.put(t.key(1, 1, 1));
+    t.put(t.key(1, 1, 2));
+    let (hit, fetched) = t.settle(req, false);
+    assert_eq!(hit, 12);
+    let mut want: Vec<ChunkKey> = (0..3).map(|c| t.key(1, 0, c)).collect();
+    want.extend([t.key(1, 1, 1), t.key(1, 1, 2)]);
+    assert_eq!(fetched, want);
+}
+
+#[test]
+fn a_failed_fetch_leaves_the_request_to_the_host_tier_without_asking_again() {
+    let mut t = rig(full_and_window(8), 1);
+    let req = RequestId(1);
+    t.s.add_request(req, 24, &hashes(1, 6)).unwrap();
+    for c in 0..6 {
+        t.put(t.key(1, 0, c));
+        t.put(t.key(1, 1, c));
+    }
+    let (hit, fetched) = t.settle(req, true);
+    assert_eq!(hit, 0, "nothing reached the host tier");
+    assert_eq!(fetched.len(), 8);
+    let st = t.s.remote_lookup_stats().unwrap();
+    assert_eq!((st.lookups, st.fetch_jobs, st.fetches_failed), (1, 1, 1));
+    assert_eq!(t.s.lookup(req, 0).unwrap(), LookupOutcome::Hit(0));
+    assert_eq!(t.s.remote_lookup_stats().unwrap().lookups, 1);
+    t.s.request_finished(req, &[], true, 0).unwrap();
+    t.step();
+    assert_eq!(t.s.remote_probes(), 0);
+    assert!(t.s.check_invariants().is_ok());
+}
+
+#[test]
+fn a_request_gone_or_a_reset_with_a_lookup_or_a_fetch_in_flight_leaks_nothing() {
+    let mut t = rig(full_and_window(8), 1);
+    for c in 0..6 {
+        t.put(t.key(1, 0, c));
+        t.put(t.key(1, 1, c));
+    }
+    // Request 1 leaves with its lookup in flight.
+    t.s.add_request(RequestId(1), 24, &hashes(1, 6)).unwrap();
+    assert_eq!(t.s.lookup(RequestId(1), 0).unwrap(), LookupOutcome::Defer);
+    t.s.request_finished(RequestId(1), &[], true, 0).unwrap();
+    // Request 2 leaves with its fetch in flight.
+    t.s.add_request(RequestId(2), 24, &hashes(1, 6)).unwrap();
+    assert_eq!(t.s.lookup(RequestId(2), 0).unwrap(), LookupOutcome::Defer);
+    t.s.wait_remote_lookups(WAIT);
+    assert_eq!(t.s.lookup(RequestId(2), 0).unwrap(), LookupOutcome::Defer);
+    let plan = t.step();
+    assert_eq!(plan.fetches.len(), 1);
+    t.s.request_finished(RequestId(2), &[], true, 0).unwrap();
+    t.report(plan.fetches[0].job, false);
+    t.step();
+    assert_eq!(t.s.remote_probes(), 0);
+    assert!(t.s.check_invariants().is_ok());
+    // A reset with a lookup in flight forgets it.
+    t.s.add_request(RequestId(3), 24, &hashes(2, 6)).unwrap();
+    t.put(t.key(2, 0, 0));
+    assert_eq!(t.s.lookup(RequestId(3), 0).unwrap(), LookupOutcome::Defer);
+    t.s.request_finished(RequestId(3), &[], true, 0).unwrap();
+    assert!(t.s.reset().is_ok());
+    t.step();
+    assert_eq!(t.s.remote_probes(), 0);
+}
+
+fn shapes_strategy() -> impl Strategy<Value = (Vec<GroupShape>, u64)> {
+    (
+        1u64..=2,
+        1u64..=4,
+        prop::option::of(1u64..=6),
+        any::<bool>(),
+    )
+        .prop_map(|(bpc, w1, w2, with_full)| {
+            let tpc = TPB * bpc;
+            let mut shapes = Vec::new();
+            if with_full {
+                shapes.push(GroupShape::full_attention(tpc).unwrap());
+            }
+            shapes.push(GroupShape::sliding_window(tpc, w1 * TPB).unwrap());
+            if let Some(w) = w2 {
+                shapes.push(GroupShape::sliding_window(tpc, w * TPB).unwrap());
+            }
+            (shapes, bpc)
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    /// Whatever part of every group the remote tier holds, a request whose
+    /// host tier is empty ends with the hit vLLM's lookup gives over those
+    /// chunks (as if they were in the host tier), having fetched only
+    /// chunks the remote tier holds and the hit reads, after one remote
+    /// lookup; a failed fetch ends at no hit. A second request then reads
+    /// the host tier's chunks and fetches only the rest.
+    #[test]
+    fn the_hit_over_both_tiers_is_vllm_s_lookup_over_the_chunks_they_hold(
+        (shapes, bpc) in shapes_strategy(),
+        blocks in 1u64..=14,
+        extra_tokens in 0u64..4,
+        held in prop::collection::vec(any::<bool>(), 3 * 14),
+        more in prop::collection::vec(any::<bool>(), 3 * 14),
+        fail in any::<bool>(),
+    ) {
+        let mut t = rig(shapes.clone(), bpc);
+        let req = RequestId(1);
+        let num_tokens = blocks * TPB + extra_tokens;
+        let num_keys = (blocks / bpc) as usize;
+        t.s.add_request(req, num_tokens, &hashes(1, blocks)).unwrap();
+        let mut present = HashSet::new();
+        for g in 0..shapes.len() {
+            for c in 0..num_keys {
+                if held[g * 14 + c] {
+                    present.insert((g, c));
+                    t.put(t.key(1, g, c));
+                }
+            }
+        }
+        let want = oracle(&shapes, num_tokens, num_keys, &present);
+        let (hit, fetched) = t.settle(req, fail);
+        prop_assert_eq!(hit, if fail && !fetched.is_empty() { 0 } else { want });
+        let tpc = TPB * bpc;
+        for k in &fetched {
+            let place = (0..shapes.len())
+                .flat_map(|g| (0..num_keys).map(move |c| (g, c)))
+                .find(|&(g, c)| t.key(1, g, c) == *k);
+            let Some((g, c)) = place else {
+                return Err(TestCaseError::fail(format!("fetched a key of no chunk: {k:?}")));
+            };
+            prop_assert!(present.contains(&(g, c)), "fetched ({g}, {c}), which the remote tier lacks");
+            prop_assert!((c as u64) * tpc < want, "fetched ({g}, {c}) past the hit {want}");
+        }
+        let st = t.s.remote_lookup_stats().unwrap();
+        prop_assert!(st.lookups <= 1 && st.fetch_jobs <= 1, "{st:?}");
+        prop_assert_eq!(st.fetch_jobs == 1, !fetched.is_empty());
+        t.s.request_finished(req, &[], true, 0).unwrap();
+        t.step();
+        prop_assert_eq!(t.s.remote_probes(), 0);
+
+        // The remote tier gains more chunks; a second request over the same
+        // prompt finds what the first fetched in the host tier and the rest
+        // in the remote tier: vLLM's lookup over both.
+        for g in 0..shapes.len() {
+            for c in 0..num_keys {
+                if more[g * 14 + c] && present.insert((g, c)) {
+                    t.put(t.key(1, g, c));
+                }
+            }
+        }
+        let want = oracle(&shapes, num_tokens, num_keys, &present);
+        let second = RequestId(2);
+        t.s.add_request(second, num_tokens, &hashes(1, blocks)).unwrap();
+        let (hit, fetched_again) = t.settle(second, false);
+        prop_assert_eq!(hit, want);
+        for k in &fetched_again {
+            prop_assert!(fail || !fetched.contains(k), "fetched {k:?} again, which the host tier holds");
+        }
+        t.s.request_finished(second, &[], true, 0).unwrap();
+        t.step();
+        prop_assert_eq!(t.s.remote_probes(), 0);
+        prop_assert!(t.s.check_invariants().is_ok());
+    }
+}
