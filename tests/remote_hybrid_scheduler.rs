@@ -7,12 +7,13 @@
 //! nothing is held once the requests are gone. Manual clocks; no test
 //! sleeps.
 
+mod common;
+
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::time::Duration;
 
-use kvoffload::remote::value::{ValueIdentity, encode};
-use kvoffload::remote::{MemoryConnector, MemoryState, Namespace, RemoteTier, RemoteTierConfig};
+use common::memory_tier::MemoryStore;
+use kvoffload::remote::WritePolicy;
 use kvoffload::scheduler::hybrid::{
     GroupKeys, GroupShape, HybridLookup, KeyState, KvGroups, Retention, lookup_complete_chunks,
 };
@@ -25,8 +26,7 @@ const TPB: u64 = 4;
 
 struct Rig {
     s: Scheduler,
-    state: Arc<MemoryState>,
-    ns: Namespace,
+    store: MemoryStore,
     shapes: Vec<GroupShape>,
     bpc: u64,
 }
@@ -46,21 +46,11 @@ fn rig(shapes: Vec<GroupShape>, bpc: u64) -> Rig {
         retention: Retention::BoundariesOnly,
     };
     let mut s = Scheduler::with_groups(&cfg, groups, clock.shared()).expect("scheduler");
-    let state = MemoryState::new();
-    let ns = Namespace::from_fingerprint(0x4B1D);
-    let tier = RemoteTier::start(
-        Box::new(MemoryConnector::new(state.clone())),
-        &RemoteTierConfig::default(),
-        ns.clone(),
-        1,
-        clock.shared(),
-    )
-    .expect("tier");
-    s.attach_remote(tier);
+    let store = MemoryStore::new(0x4B1D);
+    s.attach_remote(store.tier(1, WritePolicy::Through, &clock));
     Rig {
         s,
-        state,
-        ns,
+        store,
         shapes,
         bpc,
     }
@@ -87,13 +77,30 @@ impl Rig {
 
     /// The worker's share of `k` in the store, as write-through leaves it.
     fn put(&self, k: ChunkKey) {
-        let id = ValueIdentity {
-            namespace: self.ns.fingerprint(),
-            key: k.0,
-            rank: 0,
-        };
-        self.state
-            .insert_raw(&self.ns.key(k.0, 0), encode(id, &[7; 64]));
+        self.store.put_share(k, 0, 7);
+    }
+
+    /// Request `req` of family 1: a 6-block prompt of 24 tokens whose
+    /// chunks of both groups the remote tier holds, less those `missing`.
+    fn prompt_in_the_remote_tier(&mut self, req: RequestId, missing: &[(usize, usize)]) {
+        self.s.add_request(req, 24, &hashes(1, 6)).unwrap();
+        for g in 0..2 {
+            for c in 0..6 {
+                if !missing.contains(&(g, c)) {
+                    self.put(self.key(1, g, c));
+                }
+            }
+        }
+    }
+
+    /// The requests finish: nothing is left behind.
+    fn finish(&mut self, reqs: &[u64]) {
+        for &q in reqs {
+            self.s.request_finished(RequestId(q), &[], true, 0).unwrap();
+        }
+        self.step();
+        assert_eq!(self.s.remote_probes(), 0);
+        assert!(self.s.check_invariants().is_ok());
     }
 
     fn step(&mut self) -> StepPlan {
@@ -176,11 +183,7 @@ fn a_prefix_and_its_window_are_fetched_from_the_remote_tier_then_hit() {
     // of 24 tokens: the hit leaves the last token (23 tokens).
     let mut t = rig(full_and_window(8), 1);
     let req = RequestId(1);
-    t.s.add_request(req, 24, &hashes(1, 6)).unwrap();
-    for c in 0..6 {
-        t.put(t.key(1, 0, c));
-        t.put(t.key(1, 1, c));
-    }
+    t.prompt_in_the_remote_tier(req, &[]);
     let (hit, fetched) = t.settle(req, false);
     assert_eq!(hit, 23);
     // The full-attention prefix and the window before token 23 (chunks 4
@@ -195,12 +198,7 @@ fn a_prefix_and_its_window_are_fetched_from_the_remote_tier_then_hit() {
     t.s.add_request(RequestId(2), 24, &hashes(1, 6)).unwrap();
     assert_eq!(t.s.lookup(RequestId(2), 0).unwrap(), LookupOutcome::Hit(23));
     assert_eq!(t.s.remote_lookup_stats().unwrap().lookups, 1);
-    for q in [1, 2] {
-        t.s.request_finished(RequestId(q), &[], true, 0).unwrap();
-    }
-    t.step();
-    assert_eq!(t.s.remote_probes(), 0);
-    assert!(t.s.check_invariants().is_ok());
+    t.finish(&[1, 2]);
 }
 
 #[test]
@@ -209,28 +207,20 @@ fn a_window_the_remote_tier_lacks_ends_the_hit_where_a_whole_window_is() {
     // are not: the hit ends where the window's chunks 1 and 2 end.
     let mut t = rig(full_and_window(8), 1);
     let req = RequestId(1);
-    t.s.add_request(req, 24, &hashes(1, 6)).unwrap();
-    for c in 0..6 {
-        t.put(t.key(1, 0, c));
-    }
-    t.put(t.key(1, 1, 1));
-    t.put(t.key(1, 1, 2));
+    t.prompt_in_the_remote_tier(req, &[(1, 0), (1, 3), (1, 4), (1, 5)]);
     let (hit, fetched) = t.settle(req, false);
     assert_eq!(hit, 12);
     let mut want: Vec<ChunkKey> = (0..3).map(|c| t.key(1, 0, c)).collect();
     want.extend([t.key(1, 1, 1), t.key(1, 1, 2)]);
     assert_eq!(fetched, want);
+    t.finish(&[1]);
 }
 
 #[test]
 fn a_failed_fetch_leaves_the_request_to_the_host_tier_without_asking_again() {
     let mut t = rig(full_and_window(8), 1);
     let req = RequestId(1);
-    t.s.add_request(req, 24, &hashes(1, 6)).unwrap();
-    for c in 0..6 {
-        t.put(t.key(1, 0, c));
-        t.put(t.key(1, 1, c));
-    }
+    t.prompt_in_the_remote_tier(req, &[]);
     let (hit, fetched) = t.settle(req, true);
     assert_eq!(hit, 0, "nothing reached the host tier");
     assert_eq!(fetched.len(), 8);
@@ -238,21 +228,14 @@ fn a_failed_fetch_leaves_the_request_to_the_host_tier_without_asking_again() {
     assert_eq!((st.lookups, st.fetch_jobs, st.fetches_failed), (1, 1, 1));
     assert_eq!(t.s.lookup(req, 0).unwrap(), LookupOutcome::Hit(0));
     assert_eq!(t.s.remote_lookup_stats().unwrap().lookups, 1);
-    t.s.request_finished(req, &[], true, 0).unwrap();
-    t.step();
-    assert_eq!(t.s.remote_probes(), 0);
-    assert!(t.s.check_invariants().is_ok());
+    t.finish(&[1]);
 }
 
 #[test]
 fn a_request_gone_or_a_reset_with_a_lookup_or_a_fetch_in_flight_leaks_nothing() {
     let mut t = rig(full_and_window(8), 1);
-    for c in 0..6 {
-        t.put(t.key(1, 0, c));
-        t.put(t.key(1, 1, c));
-    }
     // Request 1 leaves with its lookup in flight.
-    t.s.add_request(RequestId(1), 24, &hashes(1, 6)).unwrap();
+    t.prompt_in_the_remote_tier(RequestId(1), &[]);
     assert_eq!(t.s.lookup(RequestId(1), 0).unwrap(), LookupOutcome::Defer);
     t.s.request_finished(RequestId(1), &[], true, 0).unwrap();
     // Request 2 leaves with its fetch in flight.
@@ -264,17 +247,14 @@ fn a_request_gone_or_a_reset_with_a_lookup_or_a_fetch_in_flight_leaks_nothing() 
     assert_eq!(plan.fetches.len(), 1);
     t.s.request_finished(RequestId(2), &[], true, 0).unwrap();
     t.report(plan.fetches[0].job, false);
-    t.step();
-    assert_eq!(t.s.remote_probes(), 0);
-    assert!(t.s.check_invariants().is_ok());
+    t.finish(&[]);
     // A reset with a lookup in flight forgets it.
     t.s.add_request(RequestId(3), 24, &hashes(2, 6)).unwrap();
     t.put(t.key(2, 0, 0));
     assert_eq!(t.s.lookup(RequestId(3), 0).unwrap(), LookupOutcome::Defer);
-    t.s.request_finished(RequestId(3), &[], true, 0).unwrap();
     assert!(t.s.reset().is_ok());
-    t.step();
-    assert_eq!(t.s.remote_probes(), 0);
+    assert_eq!(t.s.remote_probes(), 0, "the reset forgets the lookup");
+    t.finish(&[3]);
 }
 
 fn shapes_strategy() -> impl Strategy<Value = (Vec<GroupShape>, u64)> {

@@ -7,14 +7,11 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
+use common::memory_tier::MemoryStore;
 use common::{b, hashes, key, r};
-use kvoffload::remote::value::{ValueIdentity, encode};
-use kvoffload::remote::{
-    MemoryConnector, MemoryState, Namespace, RemoteTier, RemoteTierConfig, WritePolicy,
-};
+use kvoffload::remote::WritePolicy;
 use kvoffload::scheduler::{CompletionReport, LookupOutcome, Scheduler, StepInput, StepPlan};
 use kvoffload::{ChunkKey, JobId, ManualClock, OffloadConfig};
 
@@ -22,8 +19,7 @@ const WAIT: Duration = Duration::from_secs(20);
 
 struct Rig {
     s: Scheduler,
-    state: Arc<MemoryState>,
-    ns: Namespace,
+    store: MemoryStore,
     clock: ManualClock,
 }
 
@@ -43,39 +39,16 @@ fn rig_with(chunks: u64, write: WritePolicy) -> Rig {
     };
     let clock = ManualClock::new();
     let mut s = Scheduler::new(&cfg, clock.shared()).expect("scheduler");
-    let state = MemoryState::new();
-    let ns = Namespace::from_fingerprint(0xC0DE);
-    let tier = RemoteTier::start(
-        Box::new(MemoryConnector::new(state.clone())),
-        &RemoteTierConfig {
-            write,
-            ..RemoteTierConfig::default()
-        },
-        ns.clone(),
-        2,
-        clock.shared(),
-    )
-    .expect("tier");
-    s.attach_remote(tier);
-    Rig {
-        s,
-        state,
-        ns,
-        clock,
-    }
+    let store = MemoryStore::new(0xC0DE);
+    s.attach_remote(store.tier(2, write, &clock));
+    Rig { s, store, clock }
 }
 
 impl Rig {
     /// Both workers' shares of `k` in the store, as write-through leaves them.
     fn put(&self, k: ChunkKey) {
         for rank in 0..2 {
-            let id = ValueIdentity {
-                namespace: self.ns.fingerprint(),
-                key: k.0,
-                rank,
-            };
-            self.state
-                .insert_raw(&self.ns.key(k.0, rank), encode(id, &[rank as u8; 64]));
+            self.store.put_share(k, rank, rank as u8);
         }
     }
 

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod driver;
+pub mod memory_tier;
 pub mod rng;
 pub mod trace_rec;
 
