@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Widens the check of the remote tier with hybrid KV groups
+(`python/tests/test_hybrid_remote.py`) to N seeds, cycling through
+test_hybrid_vllm.py's configurations, on one `redis-server` started here on
+loopback. Per seed: node A runs the seeded workload with kvoffload's real
+workers and writes every group's chunks through; node B, its host tier
+empty, runs the same workload over the same store (each seed in its own
+deployment namespace). Both check every running request's KV in every group
+after every step (`test_hybrid_worker.worker_run`); the script sums what
+node B fetched and loaded.
+
+Run with the cached vLLM venv's python (scripts/setup-vllm.sh prints it), the
+kvoffload package installed in it (scripts/test-python.sh does), and
+redis-server on PATH (scripts/setup-redis.sh):
+    PY=$(scripts/setup-vllm.sh)
+    PYTHONHASHSEED=1 $PY scripts/widen-hybrid-remote.py 140
+Exits 1 if a node moved a wrong byte, leaked, or a fetch failed.
+"""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests")
+sys.path.insert(0, tests)
+import conftest  # noqa: E402,F401  (vLLM's environment: CPU, offline)
+import test_hybrid_vllm as hy  # noqa: E402
+import test_hybrid_worker as hw  # noqa: E402
+import test_remote as tr  # noqa: E402
+
+
+def main() -> int:
+    if len(sys.argv) != 2 or not sys.argv[1].isdigit():
+        print(__doc__, file=sys.stderr)
+        return 2
+    if not tr.REDIS:
+        print("redis-server is not on PATH (scripts/setup-redis.sh installs it)", file=sys.stderr)
+        return 2
+    n = int(sys.argv[1])
+    port = tr._free_port()
+    with tempfile.TemporaryDirectory() as d:
+        proc = tr._start(Path(d), port)
+        try:
+            return widen(n, f"redis://127.0.0.1:{port}")
+        finally:
+            tr._stop([proc])
+
+
+def widen(n: int, url: str) -> int:
+    good = wrong = stalled = 0
+    total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0}
+    moved = {"checked": 0, "loads": 0, "window_loads": 0}
+    for k in range(n):
+        _, specs, extra, opts, _ = hy.CASES[k % len(hy.CASES)]
+        seed = 20_000 + k
+        cfg = {**extra, "remote_tier": {"url": url, "deployment": f"seed{seed}"}}
+        got: dict = {}
+
+        def written(e) -> None:
+            e.drain_remote()
+
+        def fetched(e) -> None:
+            got.update(tr.remote_stats(e))
+
+        try:
+            hw.worker_run(seed, specs, cfg, opts, on_done=written)
+            seen = hw.worker_run(seed, specs, cfg, opts, on_done=fetched)
+        except hw.VllmStalled as e:
+            stalled += 1
+            print(f"seed {seed} {specs}: {e}", flush=True)
+            continue
+        except AssertionError as e:
+            wrong += 1
+            print(f"seed {seed} {specs}: {str(e)[:300]}", flush=True)
+            continue
+        for key in total:
+            total[key] += got[key]
+        for key in moved:
+            moved[key] += seen[key]
+        if got["fetches_failed"]:
+            wrong += 1
+        else:
+            good += 1
+        print(
+            f"seed {seed} {specs}: node B fetched {got['chunks_fetched']} chunks in {got['fetch_jobs']} jobs, "
+            f"{seen['loads']} loads, every byte right",
+            flush=True,
+        )
+    print(
+        f"{good} seeds right, {wrong} wrong, {stalled} stalled in vLLM's scheduler; node B: "
+        f"{total['lookups']} remote lookups, {total['chunks_found']} chunks found, {total['fetch_jobs']} fetch "
+        f"jobs, {total['chunks_fetched']} chunks fetched, {total['fetches_failed']} failed; {moved['loads']} loads "
+        f"({moved['window_loads']} into sliding-window groups), {moved['checked']} tokens checked",
+        flush=True,
+    )
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
