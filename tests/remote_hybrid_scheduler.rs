@@ -17,7 +17,9 @@ use kvoffload::remote::WritePolicy;
 use kvoffload::scheduler::hybrid::{
     GroupKeys, GroupShape, HybridLookup, KeyState, KvGroups, Retention, lookup_complete_chunks,
 };
-use kvoffload::scheduler::{CompletionReport, LookupOutcome, Scheduler, StepInput, StepPlan};
+use kvoffload::scheduler::{
+    CompletionReport, LookupOutcome, RequestCaps, Scheduler, StepInput, StepPlan,
+};
 use kvoffload::{BlockHash, ChunkKey, JobId, ManualClock, OffloadConfig, RequestId};
 use proptest::prelude::*;
 
@@ -166,12 +168,13 @@ fn oracle(
     shapes: &[GroupShape],
     num_tokens: u64,
     num_keys: usize,
+    cap: Option<u64>,
     present: &HashSet<(usize, usize)>,
 ) -> u64 {
     let lookup = HybridLookup {
         computed: 0,
         num_tokens,
-        max_load_tokens: None,
+        max_load_tokens: cap,
         max_new_tokens: None,
     };
     lookup_complete_chunks(shapes, &mut Present { num_keys, present }, lookup).expect("no wait")
@@ -257,6 +260,35 @@ fn a_request_gone_or_a_reset_with_a_lookup_or_a_fetch_in_flight_leaks_nothing() 
     t.finish(&[3]);
 }
 
+#[test]
+fn caps_bound_the_hit_over_both_tiers_and_a_request_may_skip_the_remote_tier() {
+    let mut t = rig(full_and_window(8), 1);
+    // Request 1 skips the remote tier: answered from the host tier at once.
+    t.prompt_in_the_remote_tier(RequestId(1), &[]);
+    let skip = RequestCaps {
+        skip_remote_tier: true,
+        ..Default::default()
+    };
+    t.s.set_request_caps(RequestId(1), skip).unwrap();
+    assert_eq!(t.s.lookup(RequestId(1), 0).unwrap(), LookupOutcome::Hit(0));
+    assert_eq!(t.s.remote_lookup_stats().unwrap().lookups, 0);
+    assert!(t.step().fetches.is_empty());
+    // Request 2 may load 13 tokens: whole chunks (12 tokens), so the
+    // full-attention chunks 0..3 and the window's chunks 1 and 2, no more.
+    t.s.add_request(RequestId(2), 24, &hashes(1, 6)).unwrap();
+    let capped = RequestCaps {
+        max_load_tokens: Some(13),
+        ..Default::default()
+    };
+    t.s.set_request_caps(RequestId(2), capped).unwrap();
+    let (hit, fetched) = t.settle(RequestId(2), false);
+    assert_eq!(hit, 12);
+    let mut want: Vec<ChunkKey> = (0..3).map(|c| t.key(1, 0, c)).collect();
+    want.extend([t.key(1, 1, 1), t.key(1, 1, 2)]);
+    assert_eq!(fetched, want);
+    t.finish(&[1, 2]);
+}
+
 fn shapes_strategy() -> impl Strategy<Value = (Vec<GroupShape>, u64)> {
     (
         1u64..=2,
@@ -285,8 +317,9 @@ proptest! {
     /// host tier is empty ends with the hit vLLM's lookup gives over those
     /// chunks (as if they were in the host tier), having fetched only
     /// chunks the remote tier holds and the hit reads, after one remote
-    /// lookup; a failed fetch ends at no hit. A second request then reads
-    /// the host tier's chunks and fetches only the rest.
+    /// lookup, within the request's `max_load_tokens`; a failed fetch ends
+    /// at no hit. A second request then reads the host tier's chunks and
+    /// fetches only the rest.
     #[test]
     fn the_hit_over_both_tiers_is_vllm_s_lookup_over_the_chunks_they_hold(
         (shapes, bpc) in shapes_strategy(),
@@ -295,12 +328,15 @@ proptest! {
         held in prop::collection::vec(any::<bool>(), 3 * 14),
         more in prop::collection::vec(any::<bool>(), 3 * 14),
         fail in any::<bool>(),
+        cap in prop::option::of(0u64..64),
     ) {
         let mut t = rig(shapes.clone(), bpc);
         let req = RequestId(1);
         let num_tokens = blocks * TPB + extra_tokens;
         let num_keys = (blocks / bpc) as usize;
         t.s.add_request(req, num_tokens, &hashes(1, blocks)).unwrap();
+        let caps = RequestCaps { max_load_tokens: cap, ..Default::default() };
+        t.s.set_request_caps(req, caps).unwrap();
         let mut present = HashSet::new();
         for g in 0..shapes.len() {
             for c in 0..num_keys {
@@ -310,7 +346,7 @@ proptest! {
                 }
             }
         }
-        let want = oracle(&shapes, num_tokens, num_keys, &present);
+        let want = oracle(&shapes, num_tokens, num_keys, cap, &present);
         let (hit, fetched) = t.settle(req, fail);
         prop_assert_eq!(hit, if fail && !fetched.is_empty() { 0 } else { want });
         let tpc = TPB * bpc;
@@ -341,9 +377,10 @@ proptest! {
                 }
             }
         }
-        let want = oracle(&shapes, num_tokens, num_keys, &present);
+        let want = oracle(&shapes, num_tokens, num_keys, cap, &present);
         let second = RequestId(2);
         t.s.add_request(second, num_tokens, &hashes(1, blocks)).unwrap();
+        t.s.set_request_caps(second, caps).unwrap();
         let (hit, fetched_again) = t.settle(second, false);
         prop_assert_eq!(hit, want);
         for k in &fetched_again {
