@@ -750,3 +750,33 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn after_a_reset_a_window_block_behind_the_old_store_cursor_allocated_again_leaves_the_table() {
+    let (mut s, _clock) = scheduler(Retention::Dense);
+    let r1 = RequestId(1);
+    let plan = prefill(&mut s, 1, 3, &[1, 2, 3, 4], &[5, 6, 7, 8]);
+    s.on_worker_output(&all_done(&plan));
+    // Block 6 goes to request 2 while it sits behind request 1's store
+    // cursor: request 1 keeps it (its chunk was offered already).
+    s.add_request(RequestId(2), 8, &hashes(4, 2)).unwrap();
+    assert_eq!(s.lookup(RequestId(2), 0).unwrap(), LookupOutcome::Hit(0));
+    let plan = s
+        .build_step(&step_of(vec![entry(2, 0, 8, &[9, 10], &[6, 11])]))
+        .unwrap();
+    s.on_worker_output(&all_done(&plan));
+    assert_eq!(s.request_group_blocks(r1, 1).unwrap(), ids(&[5, 6, 7, 8]));
+    // A reset moves every store cursor back to the start: when block 6 is
+    // allocated again, it leaves request 1's table (and request 2's).
+    s.reset().unwrap();
+    s.add_request(RequestId(3), 8, &hashes(5, 2)).unwrap();
+    assert_eq!(s.lookup(RequestId(3), 0).unwrap(), LookupOutcome::Hit(0));
+    s.build_step(&step_of(vec![entry(3, 0, 8, &[12, 13], &[6, 14])]))
+        .unwrap();
+    assert_eq!(s.request_group_blocks(r1, 1).unwrap(), ids(&[5, 0, 7, 8]));
+    assert_eq!(
+        s.request_group_blocks(RequestId(2), 1).unwrap(),
+        ids(&[0, 11])
+    );
+    s.check_invariants().unwrap();
+}

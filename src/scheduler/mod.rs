@@ -210,6 +210,8 @@ pub struct Scheduler {
     scratch_keys: Vec<ChunkKey>,
     /// The remote tier behind the host tier, if one is attached.
     remote: Option<Box<remote::RemoteSide>>,
+    /// With sliding-window groups, where each block sits in their tables.
+    window_index: hybrid::WindowIndex,
     /// The chunks (indices in the request's keys) the last lookup's scan
     /// found in the host tier, hit or pending: vLLM's `record_lookup` set.
     last_lookup_hits: Option<std::ops::Range<usize>>,
@@ -278,6 +280,7 @@ impl Scheduler {
             scratch_pos: Vec::new(),
             scratch_keys: Vec::new(),
             remote: None,
+            window_index: hybrid::WindowIndex::default(),
             last_lookup_hits: None,
             last_lookup_group_hits: Vec::new(),
             sync_budget: cfg.sync_load_budget_bytes,

@@ -28,6 +28,7 @@ mod on_step;
 mod recorded_keys;
 mod shape;
 mod store;
+mod window_index;
 
 pub(crate) use groups::SchedulerGroups;
 pub use groups::{KvGroups, KvGroupsError};
@@ -39,3 +40,4 @@ pub use shape::{GroupShape, GroupShapeError};
 pub use store::{
     Retention, StorePolicy, StoreRequest, StoreView, alignment_tokens, store_candidates,
 };
+pub(crate) use window_index::WindowIndex;

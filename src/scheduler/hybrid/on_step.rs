@@ -9,6 +9,7 @@ use crate::scheduler::types::{GroupSpan, JobBlocks, JobKeys, JobSlots, TransferJ
 use crate::scheduler::{Scheduler, SchedulerError, StepInput};
 
 use super::store::{StoreRequest, StoreView, store_candidates};
+use super::window_index::WindowPlace;
 
 impl Scheduler {
     /// A step's group lists (not empty): one entry per scheduled request,
@@ -61,18 +62,43 @@ impl Scheduler {
                 }
             }
         }
-        if groups.windowed.contains(&true) && !self.batch.allocated.is_empty() {
-            for rs in self.requests.values_mut() {
-                for g in (0..groups.len()).filter(|&g| groups.windowed[g]) {
-                    let Some((blocks, next)) = rs.group_mut(g) else {
+        // The places of this step's blocks in the windows' tables, past the
+        // store cursor, are emptied (vLLM: a block allocated again is no
+        // longer the request's). Places behind the cursor are kept.
+        if groups.windowed.contains(&true) {
+            for &b in self.batch.allocated.as_slice() {
+                for place in self.window_index.take(b) {
+                    let table = self
+                        .requests
+                        .at_mut(place.slot)
+                        .and_then(|rs| rs.group_mut(place.group as usize));
+                    let Some((blocks, next)) = table else {
                         continue;
                     };
-                    let start = (*next * bpc).min(blocks.len());
-                    for b in &mut blocks[start..] {
-                        if self.batch.allocated.contains(*b) {
-                            *b = GpuBlockId(0);
-                        }
+                    let i = place.index as usize;
+                    if blocks.get(i) != Some(&b) {
+                        continue;
                     }
+                    if i >= *next * bpc {
+                        blocks[i] = GpuBlockId(0);
+                    } else {
+                        self.window_index.put(b, place);
+                    }
+                }
+            }
+        }
+        // What reading every table would find: no window block past a store
+        // cursor was allocated in this step.
+        #[cfg(debug_assertions)]
+        for rs in self.requests.values_mut() {
+            for g in (0..groups.len()).filter(|&g| groups.windowed[g]) {
+                let next = rs.group_next_stored(g);
+                let blocks = rs.group_blocks(g);
+                for &b in &blocks[(next * bpc).min(blocks.len())..] {
+                    debug_assert!(
+                        !self.batch.allocated.contains(b),
+                        "window block {b:?} allocated again left in a table"
+                    );
                 }
             }
         }
@@ -84,6 +110,16 @@ impl Scheduler {
             let lists = std::iter::once(&s.new_block_ids).chain(others);
             for (g, new) in lists.enumerate() {
                 if let Some((blocks, _)) = rs.group_mut(g) {
+                    if groups.windowed[g] {
+                        for (i, &b) in new.iter().enumerate() {
+                            let place = WindowPlace {
+                                slot,
+                                group: g as u32,
+                                index: (blocks.len() + i) as u32,
+                            };
+                            self.window_index.put(b, place);
+                        }
+                    }
                     blocks.extend_from_slice(new);
                 }
             }
