@@ -19,7 +19,7 @@ from vllm.distributed.kv_events import BlockStored
 
 import harness
 from test_connector import PREFIX, leak_free, run_checked
-from test_hybrid_vllm import SPECS, TPB, full, window
+from test_hybrid_vllm import SPECS, TPB, engine_options, full, window
 from test_hybrid_worker import worker_run
 from test_remote import record_hit_sources, redis_url, remote_stats, writes  # noqa: F401  (redis_url: a fixture)
 
@@ -71,6 +71,27 @@ def test_a_second_node_fetches_every_group_s_chunks_and_loads_the_computed_bytes
     assert w["hits"] == st["chunks_fetched"] * world and w["misses"] == 0, (w, st)
     assert w["rejected_values"] == 0, w
     assert second["state"]["remote_probes"] == 0, second["state"]
+
+
+def test_written_on_eviction_a_second_node_finds_every_group_s_evicted_chunks(redis_url: str) -> None:
+    """With ``write = "on_eviction"`` and a host tier a tenth of the usual,
+    node A writes the chunks its host tier evicts, of every group; node B
+    fetches them and loads the computed bytes (checked every step)."""
+    specs, opts = "full+swa8+swa13", {}
+    extra = {"block_size": 2 * TPB, "offload_prompt_only": False}
+    _, usual = engine_options(specs, extra, opts)
+    cfg = {
+        **extra,
+        "cpu_bytes_to_use": usual["cpu_bytes_to_use"] // 10,
+        "remote_tier": {"url": redis_url, "write": "on_eviction"},
+    }
+    first: dict[str, Any] = {}
+    worker_run(3, specs, cfg, opts, on_done=lambda e: (e.drain_remote(), first.update(writes(e))))
+    assert first["puts_written"] > 0 and first["puts_failed"] == 0, first
+    second: dict[str, Any] = {}
+    seen = worker_run(3, specs, cfg, opts, on_done=lambda e: second.update(remote_stats(e)))
+    assert second["chunks_fetched"] > 0 and second["fetches_failed"] == 0, second
+    assert seen["window_loads"] > 0, seen
 
 
 def stored_by_group(e: harness.Engine) -> list:
