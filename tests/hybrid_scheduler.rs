@@ -507,6 +507,10 @@ enum Op {
     Report { n: u8 },
     /// Request `pick` (modulo the running ones) finishes.
     Finish { pick: u8 },
+    /// The cache is reset between steps, with no job in flight. Requests may
+    /// be running (vLLM refuses that, or preempts them first; an embedder
+    /// may not): each re-offers its chunks from the start.
+    Reset,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -519,6 +523,7 @@ fn op() -> impl Strategy<Value = Op> {
         (1u8..12).prop_map(|tokens| Op::Step { tokens }),
         (1u8..4).prop_map(|n| Op::Report { n }),
         any::<u8>().prop_map(|pick| Op::Finish { pick }),
+        Just(Op::Reset),
     ]
 }
 
@@ -741,6 +746,12 @@ proptest! {
                     mid_step = false;
                     free.extend(r.blocks.iter().flatten().filter(|b| b.0 != 0));
                 }
+                Op::Reset => {
+                    if mid_step || !pending.is_empty() || running.iter().any(|r| r.load.is_some()) {
+                        continue;
+                    }
+                    s.reset().unwrap();
+                }
             }
             // The invariants hold between steps (not between an admission's
             // allocation and its step).
@@ -752,13 +763,14 @@ proptest! {
 }
 
 #[test]
-fn after_a_reset_a_window_block_behind_the_old_store_cursor_allocated_again_leaves_the_table() {
+fn a_reset_forgets_the_window_blocks_behind_each_store_cursor() {
     let (mut s, _clock) = scheduler(Retention::Dense);
     let r1 = RequestId(1);
     let plan = prefill(&mut s, 1, 3, &[1, 2, 3, 4], &[5, 6, 7, 8]);
     s.on_worker_output(&all_done(&plan));
-    // Block 6 goes to request 2 while it sits behind request 1's store
-    // cursor: request 1 keeps it (its chunk was offered already).
+    // The window freed block 6 and it went to request 2 while it sat behind
+    // request 1's store cursor (its chunk offered already): the scheduler is
+    // not told, and request 1's table keeps it.
     s.add_request(RequestId(2), 8, &hashes(4, 2)).unwrap();
     assert_eq!(s.lookup(RequestId(2), 0).unwrap(), LookupOutcome::Hit(0));
     let plan = s
@@ -766,17 +778,22 @@ fn after_a_reset_a_window_block_behind_the_old_store_cursor_allocated_again_leav
         .unwrap();
     s.on_worker_output(&all_done(&plan));
     assert_eq!(s.request_group_blocks(r1, 1).unwrap(), ids(&[5, 6, 7, 8]));
-    // A reset moves every store cursor back to the start: when block 6 is
-    // allocated again, it leaves request 1's table (and request 2's).
+    // A reset moves every store cursor back to the start: the window blocks
+    // behind the cursors are forgotten, so that re-offering the chunks never
+    // reads block 6 (request 2's now) as request 1's. Full attention keeps
+    // its blocks.
     s.reset().unwrap();
+    assert_eq!(s.request_group_blocks(r1, 1).unwrap(), ids(&[0, 0, 0, 0]));
+    assert_eq!(s.request_group_blocks(r1, 0).unwrap(), ids(&[1, 2, 3, 4]));
+    assert_eq!(
+        s.request_group_blocks(RequestId(2), 1).unwrap(),
+        ids(&[0, 0])
+    );
+    // Block 6 allocated again finds no place to empty.
     s.add_request(RequestId(3), 8, &hashes(5, 2)).unwrap();
     assert_eq!(s.lookup(RequestId(3), 0).unwrap(), LookupOutcome::Hit(0));
     s.build_step(&step_of(vec![entry(3, 0, 8, &[12, 13], &[6, 14])]))
         .unwrap();
-    assert_eq!(s.request_group_blocks(r1, 1).unwrap(), ids(&[5, 0, 7, 8]));
-    assert_eq!(
-        s.request_group_blocks(RequestId(2), 1).unwrap(),
-        ids(&[0, 11])
-    );
+    assert_eq!(s.request_group_blocks(r1, 1).unwrap(), ids(&[0, 0, 0, 0]));
     s.check_invariants().unwrap();
 }

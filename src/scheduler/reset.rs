@@ -18,7 +18,9 @@ impl Scheduler {
     /// (reports for jobs created before the reset are then counted there only;
     /// the manager hears `on_reset_flushed` when it drains). Finished requests
     /// are finalized (the manager's `request_finished` if they had not had it)
-    /// and dropped; surviving requests re-offer every chunk and forget their jobs.
+    /// and dropped; surviving requests re-offer every chunk and forget their
+    /// jobs (with sliding-window groups, every chunk whose blocks they still
+    /// know to hold: window blocks behind a store cursor are forgotten).
     ///
     /// Stalled jobs are not added to the reset fence (they may never report),
     /// but they keep their host slots out of reuse until their late reports
@@ -111,6 +113,24 @@ impl Scheduler {
         }
         self.manager.reset();
         self.remote_reset();
+        // Sliding-window blocks behind a store cursor may have been freed by
+        // their window (the scheduler is not told, and another request may
+        // hold them now): their places are emptied before the cursors go
+        // back, so that re-offering from chunk 0 never reads them (vLLM reads
+        // its manager's reachable blocks instead).
+        let windowed: Vec<bool> = self
+            .groups
+            .as_deref()
+            .map_or_else(Vec::new, |g| g.windowed.clone());
+        let bpc = self.geo.blocks_per_chunk;
+        for rs in self.requests.values_mut() {
+            for g in (0..windowed.len()).filter(|&g| windowed[g]) {
+                if let Some((blocks, next)) = rs.group_mut(g) {
+                    let end = (*next * bpc).min(blocks.len());
+                    blocks[..end].fill(crate::ids::GpuBlockId(0));
+                }
+            }
+        }
         for rs in self.requests.values_mut() {
             rs.next_stored_chunk = 0;
             for g in &mut rs.other_groups {
