@@ -8,7 +8,8 @@
 //! gone, a table cleared): every place is checked against the table before
 //! it is acted on. It holds every true place: blocks enter the windows'
 //! tables only through a step's block updates, which add them here, and a
-//! place behind the store cursor is kept (a reset moves the cursors back).
+//! place behind the store cursor is kept (should a cursor ever move back
+//! over it; a reset empties such places instead).
 //! A block's places are looked up, and the false ones dropped, each time
 //! the block is allocated again: the index holds, per block, the places put
 //! since its last allocation and those still behind a store cursor.
