@@ -21,7 +21,13 @@ import harness
 from test_connector import PREFIX, leak_free, run_checked
 from test_hybrid_vllm import SPECS, TPB, engine_options, full, window
 from test_hybrid_worker import worker_run
-from test_remote import record_hit_sources, redis_url, remote_stats, writes  # noqa: F401  (redis_url: a fixture)
+from test_remote import (  # noqa: F401  (redis_url, redis_cluster: fixtures)
+    record_hit_sources,
+    redis_cluster,
+    redis_url,
+    remote_stats,
+    writes,
+)
 
 #: (seed, group specs, extra config, engine options): chunks of one, two
 #: and four blocks, two windows, a window alone, async scheduling, two
@@ -111,18 +117,22 @@ def stored_by_group(e: harness.Engine) -> list:
     return stored
 
 
-def hybrid_node(redis: str) -> harness.Engine:
-    extra = {"num_cpu_chunks": 64, "offload_prompt_only": False, "remote_tier": {"url": redis}}
+def hybrid_node(remote: dict) -> harness.Engine:
+    extra = {"num_cpu_chunks": 64, "offload_prompt_only": False, "remote_tier": remote}
     return harness.build(extra=extra, tpb=TPB, groups=SPECS["full+swa8"](), num_gpu_blocks=96)
 
 
-def test_the_remote_tier_gives_a_second_node_the_hit_the_host_tier_gives_the_first(redis_url: str) -> None:
+@pytest.mark.parametrize("store", ["standalone", "cluster"])
+def test_the_remote_tier_gives_a_second_node_the_hit_the_host_tier_gives_the_first(store: str, request) -> None:
     """Node A computes a prefix (full attention and an 8-token window),
     writes it through, then, its GPU prefix cache reset, finds a second
     prompt's hit in its host tier; node B, its host tier empty, finds the
     same hit in the remote tier: the same tokens, reported as a remote
-    store, the same bytes, announced by the same blocks of the same groups."""
-    a = hybrid_node(redis_url)
+    store, the same bytes, announced by the same blocks of the same groups.
+    On one server and on a Redis Cluster of three masters."""
+    url = request.getfixturevalue("redis_url" if store == "standalone" else "redis_cluster")
+    remote = {"url": url, "cluster": store == "cluster"}
+    a = hybrid_node(remote)
     stored_a = stored_by_group(a)
     a.add(PREFIX + [1, 2, 3], max_tokens=2)
     run_checked(a)
@@ -138,7 +148,7 @@ def test_the_remote_tier_gives_a_second_node_the_hit_the_host_tier_gives_the_fir
     assert host_hit > 0 and host_split == {"host": host_hit}, (host_sources, remote_stats(a))
     leak_free(a)
 
-    b = hybrid_node(redis_url)
+    b = hybrid_node(remote)
     stored_b = stored_by_group(b)
     remote_sources = record_hit_sources(b)
     r = b.add(PREFIX + [7, 8, 9], max_tokens=3, req_id="again")
