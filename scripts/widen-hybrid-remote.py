@@ -13,7 +13,8 @@ Run with the cached vLLM venv's python (scripts/setup-vllm.sh prints it), the
 kvoffload package installed in it (scripts/test-python.sh does), and
 redis-server on PATH (scripts/setup-redis.sh):
     PY=$(scripts/setup-vllm.sh)
-    PYTHONHASHSEED=1 $PY scripts/widen-hybrid-remote.py 140
+    PYTHONHASHSEED=1 $PY scripts/widen-hybrid-remote.py 140 [--cluster]
+With --cluster, the store is a Redis Cluster of three masters instead.
 Exits 1 if a node moved a wrong byte, leaked, or a fetch failed.
 """
 
@@ -31,30 +32,41 @@ import test_remote as tr  # noqa: E402
 
 
 def main() -> int:
-    if len(sys.argv) != 2 or not sys.argv[1].isdigit():
+    args = sys.argv[1:]
+    cluster = "--cluster" in args
+    args = [a for a in args if a != "--cluster"]
+    if len(args) != 1 or not args[0].isdigit():
         print(__doc__, file=sys.stderr)
         return 2
-    if not tr.REDIS:
+    if not (tr.REDIS and tr.REDIS_CLI):
         print("redis-server is not on PATH (scripts/setup-redis.sh installs it)", file=sys.stderr)
         return 2
-    n = int(sys.argv[1])
-    port = tr._free_port()
+    n = int(args[0])
     with tempfile.TemporaryDirectory() as d:
+        if cluster:
+            # The tests' fixture, driven by hand: three masters, torn down at the end.
+            servers = tr.redis_cluster.__wrapped__(Path(d))
+            url = next(servers)
+            try:
+                return widen(n, {"url": str(url), "cluster": True})
+            finally:
+                next(servers, None)
+        port = tr._free_port()
         proc = tr._start(Path(d), port)
         try:
-            return widen(n, f"redis://127.0.0.1:{port}")
+            return widen(n, {"url": f"redis://127.0.0.1:{port}"})
         finally:
             tr._stop([proc])
 
 
-def widen(n: int, url: str) -> int:
+def widen(n: int, remote: dict) -> int:
     good = wrong = stalled = 0
     total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0}
     moved = {"checked": 0, "loads": 0, "window_loads": 0}
     for k in range(n):
         _, specs, extra, opts, _ = hy.CASES[k % len(hy.CASES)]
         seed = 20_000 + k
-        cfg = {**extra, "remote_tier": {"url": url, "deployment": f"seed{seed}"}}
+        cfg = {**extra, "remote_tier": {**remote, "deployment": f"seed{seed}"}}
         got: dict = {}
 
         def written(e) -> None:
