@@ -118,10 +118,7 @@ impl Scheduler {
         // hold them now): their places are emptied before the cursors go
         // back, so that re-offering from chunk 0 never reads them (vLLM reads
         // its manager's reachable blocks instead).
-        let windowed: Vec<bool> = self
-            .groups
-            .as_deref()
-            .map_or_else(Vec::new, |g| g.windowed.clone());
+        let windowed: &[bool] = self.groups.as_deref().map_or(&[], |g| &g.windowed);
         let bpc = self.geo.blocks_per_chunk;
         for rs in self.requests.values_mut() {
             for g in (0..windowed.len()).filter(|&g| windowed[g]) {
@@ -130,8 +127,6 @@ impl Scheduler {
                     blocks[..end].fill(crate::ids::GpuBlockId(0));
                 }
             }
-        }
-        for rs in self.requests.values_mut() {
             rs.next_stored_chunk = 0;
             for g in &mut rs.other_groups {
                 g.next_stored_chunk = 0;

@@ -32,8 +32,7 @@ struct WithRemote<'a> {
 
 impl WithRemote<'_> {
     fn key(&self, group: usize, chunk: usize) -> Option<ChunkKey> {
-        let rs = self.scheduler.requests.get(&self.request)?;
-        Some(rs.group_key(group, chunk, self.scheduler.geo.blocks_per_chunk))
+        self.scheduler.group_key(self.request, group, chunk)
     }
 
     fn host_state(&self, group: usize, chunk: usize) -> KeyState {
@@ -119,17 +118,13 @@ impl Scheduler {
             }
             _ => {}
         }
-        let asked = if attempts >= MAX_ATTEMPTS {
-            Vec::new()
+        let (asked, keys) = if attempts >= MAX_ATTEMPTS {
+            (Vec::new(), Vec::new())
         } else {
             self.remote_candidates(req, computed, host_hit)
         };
-        let keys: Vec<ChunkKey> = asked
-            .iter()
-            .filter_map(|&(g, c)| self.group_key(req, g, c))
-            .collect();
         let r = self.remote.as_mut()?;
-        if asked.is_empty() || keys.len() != asked.len() {
+        if asked.is_empty() {
             r.known_absent(req, position, attempts);
             return None;
         }
@@ -181,25 +176,26 @@ impl Scheduler {
         lookup_complete_chunks(&groups.shapes, &mut keys, lookup)
     }
 
-    /// The `(group, chunk)`s to ask the remote tier about: every group's
-    /// chunks the host tier misses between the GPU's hit and the furthest a
-    /// hit could end; none when the host tier's hit is already that far.
+    /// The `(group, chunk)`s to ask the remote tier about, and their keys:
+    /// every group's chunks the host tier misses between the GPU's hit and
+    /// the furthest a hit could end; none when the host tier's hit is
+    /// already that far.
     fn remote_candidates(
         &self,
         req: RequestId,
         computed: u64,
         host_hit: u64,
-    ) -> Vec<(usize, usize)> {
+    ) -> (Vec<(usize, usize)>, Vec<ChunkKey>) {
+        let (mut asked, mut keys) = (Vec::new(), Vec::new());
         let (Some(groups), Some(rs)) = (self.groups.as_deref(), self.requests.get(&req)) else {
-            return Vec::new();
+            return (asked, keys);
         };
         let ceiling = self.hit_with_remote(req, computed, None).unwrap_or(0);
         if ceiling <= host_hit {
-            return Vec::new();
+            return (asked, keys);
         }
         let end = computed.saturating_add(ceiling);
         let num_keys = rs.num_keys(self.geo.blocks_per_chunk);
-        let mut asked = Vec::new();
         for (g, shape) in groups.shapes.iter().enumerate() {
             let tpc = shape.tokens_per_chunk();
             let start = (computed / tpc) as usize;
@@ -208,10 +204,11 @@ impl Scheduler {
                 let key = rs.group_key(g, c, self.geo.blocks_per_chunk);
                 if self.manager.lookup(key) == LookupResult::Miss {
                     asked.push((g, c));
+                    keys.push(key);
                 }
             }
         }
-        asked
+        (asked, keys)
     }
 
     /// The remote tier answered `present`: fetch what the hit over both tiers
