@@ -13,8 +13,10 @@ Run with the cached vLLM venv's python (scripts/setup-vllm.sh prints it), the
 kvoffload package installed in it (scripts/test-python.sh does), and
 redis-server on PATH (scripts/setup-redis.sh):
     PY=$(scripts/setup-vllm.sh)
-    PYTHONHASHSEED=1 $PY scripts/widen-hybrid-remote.py 140 [--cluster]
+    PYTHONHASHSEED=1 $PY scripts/widen-hybrid-remote.py 140 [--cluster] [--only S]
 With --cluster, the store is a Redis Cluster of three masters instead.
+`--only S` cycles through the configurations whose group names contain S
+(`--only local`: the chunked-local ones), from seed 40,000.
 Exits 1 if a node moved a wrong byte, leaked, or a fetch failed.
 """
 
@@ -35,8 +37,15 @@ def main() -> int:
     args = sys.argv[1:]
     cluster = "--cluster" in args
     args = [a for a in args if a != "--cluster"]
+    only = None
+    if len(args) == 3 and args[1] == "--only":
+        only, args = args[2], args[:1]
     if len(args) != 1 or not args[0].isdigit():
         print(__doc__, file=sys.stderr)
+        return 2
+    cases = [c for c in hy.CASES if only is None or only in c[1]]
+    if not cases:
+        print(f"no configuration's groups contain {only!r}", file=sys.stderr)
         return 2
     if not (tr.REDIS and tr.REDIS_CLI):
         print("redis-server is not on PATH (scripts/setup-redis.sh installs it)", file=sys.stderr)
@@ -48,24 +57,24 @@ def main() -> int:
             servers = tr.redis_cluster.__wrapped__(Path(d))
             url = next(servers)
             try:
-                return widen(n, {"url": str(url), "cluster": True})
+                return widen(n, {"url": str(url), "cluster": True}, cases, only is not None)
             finally:
                 next(servers, None)
         port = tr._free_port()
         proc = tr._start(Path(d), port)
         try:
-            return widen(n, {"url": f"redis://127.0.0.1:{port}"})
+            return widen(n, {"url": f"redis://127.0.0.1:{port}"}, cases, only is not None)
         finally:
             tr._stop([proc])
 
 
-def widen(n: int, remote: dict) -> int:
+def widen(n: int, remote: dict, cases: list, filtered: bool) -> int:
     good = wrong = stalled = 0
     total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0}
     moved = {"checked": 0, "loads": 0, "window_loads": 0}
     for k in range(n):
-        _, specs, extra, opts, _ = hy.CASES[k % len(hy.CASES)]
-        seed = 20_000 + k
+        _, specs, extra, opts, _ = cases[k % len(cases)]
+        seed = (40_000 if filtered else 20_000) + k
         cfg = {**extra, "remote_tier": {**remote, "deployment": f"seed{seed}"}}
         got: dict = {}
 
@@ -103,7 +112,7 @@ def widen(n: int, remote: dict) -> int:
         f"{good} seeds right, {wrong} wrong, {stalled} stalled in vLLM's scheduler; node B: "
         f"{total['lookups']} remote lookups, {total['chunks_found']} chunks found, {total['fetch_jobs']} fetch "
         f"jobs, {total['chunks_fetched']} chunks fetched, {total['fetches_failed']} failed; {moved['loads']} loads "
-        f"({moved['window_loads']} into sliding-window groups), {moved['checked']} tokens checked",
+        f"({moved['window_loads']} into windowed groups), {moved['checked']} tokens checked",
         flush=True,
     )
     return 1 if wrong else 0

@@ -49,7 +49,11 @@ fn shapes(case: &Value) -> Vec<GroupShape> {
         .iter()
         .map(|s| {
             let tpc = s["tokens_per_chunk"].as_u64().expect("tokens_per_chunk");
-            GroupShape::new(tpc, s["sliding_window"].as_u64()).expect("a group shape")
+            match s["attention_chunk_size"].as_u64() {
+                Some(local) => GroupShape::chunked_local(tpc, local),
+                None => GroupShape::new(tpc, s["sliding_window"].as_u64()),
+            }
+            .expect("a group shape")
         })
         .collect()
 }

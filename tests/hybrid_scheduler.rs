@@ -581,10 +581,33 @@ fn blocks_in_place(s: &Scheduler, job: &TransferJob, family: u64) -> Result<(), 
     Ok(())
 }
 
-/// Blocks of an 8-token window wholly behind the token at `end`: vLLM's
-/// window holds the 7 tokens before it.
-fn behind_window(block: usize, end: u64) -> bool {
-    (block as u64 + 1) * 4 <= end.saturating_sub(7)
+/// Group 1's attention in the random backend: an 8-token sliding window or
+/// chunked-local attention over 8-token chunks.
+#[derive(Debug, Clone, Copy)]
+enum Window {
+    Sliding,
+    ChunkedLocal,
+}
+
+impl Window {
+    fn shape(self) -> GroupShape {
+        match self {
+            Self::Sliding => GroupShape::sliding_window(4, 8).unwrap(),
+            Self::ChunkedLocal => GroupShape::chunked_local(4, 8).unwrap(),
+        }
+    }
+
+    /// Whether group 1's block `block` is wholly behind what the token at
+    /// `end` attends to (vLLM frees it): a sliding window holds the 7
+    /// tokens before `end`; chunked-local attention its own 8-token chunk
+    /// (vLLM's `get_num_skipped_tokens`).
+    fn behind(self, block: usize, end: u64) -> bool {
+        let skipped = match self {
+            Self::Sliding => end.saturating_sub(7),
+            Self::ChunkedLocal => end / 8 * 8,
+        };
+        (block as u64 + 1) * 4 <= skipped
+    }
 }
 
 proptest! {
@@ -607,10 +630,16 @@ proptest! {
             Just(Retention::Every(8)),
         ],
         host_chunks in prop_oneof![Just(3u64), Just(8), Just(64)],
+        window in prop_oneof![Just(Window::Sliding), Just(Window::ChunkedLocal)],
     ) {
         // A small host tier refuses stores while others are in flight: their
         // chunks are offered again while the windows move on.
-        let (mut s, _clock) = scheduler_with_chunks(retention, host_chunks);
+        let groups = KvGroups {
+            shapes: vec![GroupShape::full_attention(4).unwrap(), window.shape()],
+            retention,
+        };
+        let clock = ManualClock::new();
+        let mut s = Scheduler::with_groups(&config_with_chunks(host_chunks), groups, clock.shared()).unwrap();
         let mut next_block = 0u32;
         let mut free: Vec<GpuBlockId> = Vec::new();
         let mut alloc = |free: &mut Vec<GpuBlockId>| {
@@ -640,7 +669,7 @@ proptest! {
                     let n = tokens.div_ceil(4) as usize;
                     let b0: Vec<GpuBlockId> = (0..n).map(|_| alloc(&mut free)).collect();
                     let b1: Vec<GpuBlockId> = (0..n)
-                        .map(|i| if behind_window(i, hit) { GpuBlockId(0) } else { alloc(&mut free) })
+                        .map(|i| if window.behind(i, hit) { GpuBlockId(0) } else { alloc(&mut free) })
                         .collect();
                     let fresh = vec![false; n];
                     let groups = [
@@ -702,7 +731,7 @@ proptest! {
                     // request.
                     for r in running.iter_mut().filter(|r| r.sent) {
                         for (i, b) in r.blocks[1].iter_mut().enumerate() {
-                            if b.0 != 0 && behind_window(i, r.computed) {
+                            if b.0 != 0 && window.behind(i, r.computed) {
                                 free.push(*b);
                                 *b = GpuBlockId(0);
                             }

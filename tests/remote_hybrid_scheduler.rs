@@ -295,8 +295,9 @@ fn shapes_strategy() -> impl Strategy<Value = (Vec<GroupShape>, u64)> {
         1u64..=4,
         prop::option::of(1u64..=6),
         any::<bool>(),
+        any::<bool>(),
     )
-        .prop_map(|(bpc, w1, w2, with_full)| {
+        .prop_map(|(bpc, w1, w2, with_full, local)| {
             let tpc = TPB * bpc;
             let mut shapes = Vec::new();
             if with_full {
@@ -304,7 +305,13 @@ fn shapes_strategy() -> impl Strategy<Value = (Vec<GroupShape>, u64)> {
             }
             shapes.push(GroupShape::sliding_window(tpc, w1 * TPB).unwrap());
             if let Some(w) = w2 {
-                shapes.push(GroupShape::sliding_window(tpc, w * TPB).unwrap());
+                // The second windowed group: a sliding window or chunked-local
+                // attention (Llama 4's local layers).
+                shapes.push(if local {
+                    GroupShape::chunked_local(tpc, w * TPB).unwrap()
+                } else {
+                    GroupShape::sliding_window(tpc, w * TPB).unwrap()
+                });
             }
             (shapes, bpc)
         })

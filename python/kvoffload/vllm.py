@@ -45,6 +45,7 @@ from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMe
 from vllm.logger import init_logger
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
@@ -254,9 +255,11 @@ def block_hash_converter() -> Callable[[bytes], Any]:
     return _hash_as_int if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else _hash_as_bytes
 
 
-def _window_chunks(window: int, chunk_tokens: int) -> int:
+def _window_chunks(window: int | tuple[str, int], chunk_tokens: int) -> int:
     """vLLM's ``get_sliding_window_size_in_chunks``: the chunks a window of
-    ``window`` tokens spans."""
+    ``window`` tokens spans (a chunked-local group's: its attention chunk's)."""
+    if isinstance(window, tuple):
+        return -(-window[1] // chunk_tokens)
     return max(-(-window // chunk_tokens), -(-(window - 1) // chunk_tokens))
 
 
@@ -289,27 +292,39 @@ def _u64(limit: int | None) -> int | None:
 _DENSE_ATTENTION_SPECS = (FullAttentionSpec, MLAAttentionSpec)
 
 
-def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[int | None] | None:
+#: A KV group as the scheduler core takes it: ``None`` full attention, an
+#: int a sliding window in tokens, ``("chunked_local", n)`` chunked-local
+#: attention over aligned chunks of ``n`` tokens.
+GroupWindow = int | tuple[str, int] | None
+
+#: The windowed kinds of one KV group that take the hybrid path.
+_WINDOWED_SPECS = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
+
+
+def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None:
     """The KV groups of a hybrid ``KVCacheConfig`` (several groups, vLLM's
-    hybrid manager, or one sliding-window group) as the scheduler core takes
-    them: per group its sliding window in tokens, ``None`` for full
-    attention. ``None`` for one group of another kind (the single-group
-    path). Raises ``ValueError`` for groups kvoffload cannot offload (other
-    kinds of layers, different block sizes)."""
+    hybrid manager, or one sliding-window or chunked-local group) as the
+    scheduler core takes them (``GroupWindow``: ``None`` for full attention,
+    the sliding window in tokens, ``("chunked_local", n)``). ``None`` for one
+    group of another kind (the single-group path). Raises ``ValueError`` for
+    groups kvoffload cannot offload (other kinds of layers, different block
+    sizes)."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) < 2 and not (groups and type(groups[0].kv_cache_spec) is SlidingWindowSpec):
+    if len(groups) < 2 and not (groups and type(groups[0].kv_cache_spec) in _WINDOWED_SPECS):
         return None
-    windows: list[int | None] = []
+    windows: list[GroupWindow] = []
     for g in groups:
         spec = g.kv_cache_spec
         if type(spec) is FullAttentionSpec:
             windows.append(None)
         elif type(spec) is SlidingWindowSpec and not getattr(spec, "extra_retained_tokens", 0):
             windows.append(int(spec.sliding_window))
+        elif type(spec) is ChunkedLocalAttentionSpec:
+            windows.append(("chunked_local", int(spec.attention_chunk_size)))
         else:
             raise ValueError(
-                "KvOffloadConnector offloads hybrid models of full-attention and sliding-window "
-                f"KV groups; this model has a {type(spec).__name__} group"
+                "KvOffloadConnector offloads hybrid models of full-attention, sliding-window and "
+                f"chunked-local attention KV groups; this model has a {type(spec).__name__} group"
             )
     sizes = {g.kv_cache_spec.block_size for g in groups}
     if len(sizes) != 1:
@@ -319,8 +334,8 @@ def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[int | None] | None:
 
 def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
     """The engine configuration from vLLM's: one full-attention KV group, or
-    (scheduler side only, `kv_group_windows`) full-attention and
-    sliding-window groups."""
+    (`kv_group_windows`) full-attention, sliding-window and chunked-local
+    attention groups."""
     groups = kv_cache_config.kv_cache_groups
     if kv_group_windows(kv_cache_config) is not None:
         return _hybrid_engine_config(vllm_config, kv_cache_config)
@@ -331,10 +346,10 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
         )
     spec = groups[0].kv_cache_spec
     if type(spec) not in _DENSE_ATTENTION_SPECS:
-        # Chunked-local, R-SWA and sink layers: vLLM frees (or nulls) their
-        # blocks behind the window while the request runs, and the
-        # single-group path stores from, and loads into, every block id it
-        # was given (another request may hold some by then). Sliding-window
+        # R-SWA and sink layers: vLLM frees (or nulls) their blocks behind
+        # the window while the request runs, and the single-group path
+        # stores from, and loads into, every block id it was given (another
+        # request may hold some by then). Sliding-window and chunked-local
         # groups take the hybrid path (`kv_group_windows`), which follows
         # vLLM's windows.
         raise ValueError(
@@ -424,6 +439,15 @@ def _warn_if_replicated(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig)
         )
 
 
+def _group_extent(spec: Any) -> Any:
+    """A group's window in the remote namespace: the local-attention chunk,
+    else the spec's ``sliding_window`` (as namespaces were named before
+    chunked-local groups)."""
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return spec.attention_chunk_size
+    return getattr(spec, "sliding_window", "")
+
+
 def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, cfg: EngineConfig) -> int:
     """The deployment's namespace in the remote store: the same on every node
     (and in both roles) exactly when their chunks' bytes are interchangeable:
@@ -452,10 +476,14 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
         )
     )
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) > 1 or getattr(spec, "sliding_window", None) is not None:
+    if (
+        len(groups) > 1
+        or getattr(spec, "sliding_window", None) is not None
+        or isinstance(spec, ChunkedLocalAttentionSpec)
+    ):
         # Hybrid groups: a chunk holds one group's layers, keyed by its group.
         layout += "|groups:" + ";".join(
-            f"{type(g.kv_cache_spec).__name__}/{getattr(g.kv_cache_spec, 'sliding_window', '')}/{len(g.layer_names)}"
+            f"{type(g.kv_cache_spec).__name__}/{_group_extent(g.kv_cache_spec)}/{len(g.layer_names)}"
             for g in groups
         )
     return remote_namespace(
@@ -499,8 +527,8 @@ class _SchedulerSide:
         #: Whether the events carry each chunk's payload (and every
         #: ``BlockStored`` the KV group's kind and window).
         self.self_describing = publish and cfg.self_describing_kv_events
-        #: Per KV group its sliding window (``None``: full attention), or
-        #: ``None`` for one group.
+        #: Per KV group its window (``GroupWindow``; ``None``: full
+        #: attention), or ``None`` for one full-attention group.
         self.windows = kv_group_windows(kv_cache_config)
         retention = vllm_config.cache_config.prefix_cache_retention_interval if self.windows else None
         if self.windows and retention is not None:
@@ -1019,8 +1047,8 @@ class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector interface, served by kvoffload.
 
     It declares ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on
-    for it, and a model of full-attention and sliding-window layers
-    (``kv_group_windows``) is offloaded group by group, as vLLM's own
+    for it, and a model of full-attention, sliding-window and chunked-local
+    attention layers (``kv_group_windows``; Gemma 3, gpt-oss, Llama 4) is offloaded group by group, as vLLM's own
     ``OffloadingConnector`` does."""
 
     _cache_hit_source = CacheHitSource.HOST

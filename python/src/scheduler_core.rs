@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use kvoffload::adapter::encode_worker_plan;
-use kvoffload::scheduler::hybrid::{GroupAlloc, GroupShape, KvGroups, Retention};
+use kvoffload::scheduler::hybrid::{Attention, GroupAlloc, GroupShape, KvGroups, Retention};
 use kvoffload::scheduler::{
     CompletionReport, GroupSpan, LookupOutcome, ScheduledRequest, Scheduler, StepInput,
 };
@@ -567,6 +567,42 @@ impl SchedulerCore {
     }
 }
 
+/// One KV group as the connector names it: `None` full attention, an int a
+/// sliding window in tokens, `("chunked_local", n)` chunked-local attention
+/// over aligned chunks of `n` tokens.
+#[derive(FromPyObject)]
+enum GroupArg {
+    /// Full attention (`None`) or a sliding window.
+    Window(Option<u64>),
+    /// A kind of attention by name, and its size in tokens.
+    Kind(String, u64),
+}
+
+impl GroupArg {
+    /// The group's shape over chunks of `tokens_per_chunk` tokens.
+    fn shape(self, tokens_per_chunk: u64) -> PyResult<GroupShape> {
+        let attention = match self {
+            Self::Window(None) => Attention::Full,
+            Self::Window(Some(window_tokens)) => Attention::SlidingWindow { window_tokens },
+            Self::Kind(kind, chunk_tokens) if kind == "chunked_local" => {
+                Attention::ChunkedLocal { chunk_tokens }
+            }
+            Self::Kind(kind, _) => {
+                return Err(value_error(format!(
+                    "unknown KV group kind {kind:?} (expected \"chunked_local\")"
+                )));
+            }
+        };
+        GroupShape::with_attention(tokens_per_chunk, attention).map_err(value_error)
+    }
+
+    /// Whether the group is windowed (its chunks' KV events keep vLLM's
+    /// placeholder payload).
+    fn windowed(&self) -> bool {
+        !matches!(self, Self::Window(None))
+    }
+}
+
 #[pymethods]
 impl SchedulerCore {
     /// A scheduler for the engine configuration `config_json` (kvoffload's
@@ -578,6 +614,10 @@ impl SchedulerCore {
     /// parent hash and LoRA (vLLM's `self_describing_kv_events`; only with
     /// `kv_events`; with several groups, the full-attention groups' chunks:
     /// sliding-window chunks keep the placeholder, as vLLM's).
+    /// `groups`: per KV group (vLLM's hybrid manager) `None` for full
+    /// attention, a sliding window in tokens, or `("chunked_local", n)`;
+    /// `None` for one full-attention group. `retention_interval`: vLLM's
+    /// `prefix_cache_retention_interval`.
     #[new]
     #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false, groups = None, retention_interval = None))]
     fn new(
@@ -586,7 +626,7 @@ impl SchedulerCore {
         manual_clock: bool,
         kv_events: bool,
         self_describing: bool,
-        groups: Option<Vec<Option<u64>>>,
+        groups: Option<Vec<GroupArg>>,
         retention_interval: Option<u64>,
     ) -> PyResult<Self> {
         let cfg = OffloadConfig::from_json_str(config_json).map_err(value_error)?;
@@ -597,7 +637,7 @@ impl SchedulerCore {
         };
         let windowed: Vec<bool> = groups
             .as_ref()
-            .map(|w| w.iter().map(Option::is_some).collect())
+            .map(|w| w.iter().map(GroupArg::windowed).collect())
             .unwrap_or_default();
         let mut s = match groups {
             None => Scheduler::new(&cfg, clock.clone()),
@@ -605,9 +645,8 @@ impl SchedulerCore {
                 let tokens_per_chunk = cfg.tokens_per_chunk();
                 let shapes = windows
                     .into_iter()
-                    .map(|w| GroupShape::new(tokens_per_chunk, w))
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(value_error)?;
+                    .map(|w| w.shape(tokens_per_chunk))
+                    .collect::<PyResult<Vec<_>>>()?;
                 let groups = KvGroups {
                     shapes,
                     retention: Retention::from_vllm(retention_interval),

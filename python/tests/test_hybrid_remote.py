@@ -19,7 +19,7 @@ from vllm.distributed.kv_events import BlockStored
 
 import harness
 from test_connector import PREFIX, leak_free, run_checked
-from test_hybrid_vllm import SPECS, TPB, engine_options, full, window
+from test_hybrid_vllm import SPECS, TPB, engine_options, full, local, window
 from test_hybrid_worker import worker_run
 from test_remote import (  # noqa: F401  (redis_url, redis_cluster: fixtures)
     record_hit_sources,
@@ -31,7 +31,7 @@ from test_remote import (  # noqa: F401  (redis_url, redis_cluster: fixtures)
 
 #: (seed, group specs, extra config, engine options): chunks of one, two
 #: and four blocks, two windows, a window alone, async scheduling, two
-#: workers, dense retention.
+#: workers, dense retention; chunked-local attention groups.
 REMOTE_CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}),
     (3, "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {}),
@@ -39,6 +39,9 @@ REMOTE_CASES = [
     (5, "full+swa8", {}, {"world_size": 2}),
     (10, "full+swa8", {"block_size": 4 * TPB, "offload_prompt_only": False}, {"retention": None}),
     (12, "swa8", {"offload_prompt_only": False}, {}),
+    (15, "full+local8", {"offload_prompt_only": False}, {}),
+    (16, "local12+full", {"block_size": 2 * TPB}, {"async_scheduling": True}),
+    (18, "full+swa8+local16", {"offload_prompt_only": False}, {"world_size": 2}),
 ]
 
 
@@ -183,3 +186,6 @@ def test_the_namespace_names_every_group() -> None:
     assert hybrid != namespace(groups=[full(), window(16)])
     assert hybrid != namespace(groups=[full(), window(8), window(13)])
     assert hybrid != namespace(spec=full())
+    # Chunked-local attention over 8-token chunks is not an 8-token window.
+    assert hybrid != namespace(groups=[full(), local(8)])
+    assert namespace(groups=[full(), local(8)]) != namespace(groups=[full(), local(16)])

@@ -38,7 +38,7 @@ import torch
 from harness import HEAD_SIZE, HEADS, build
 import kvoffload._native as native
 from test_differential import capture_events, kvoffload_worker, order_free, vllm_worker
-from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 TPB = 4
@@ -65,6 +65,14 @@ def window(tokens: int) -> SlidingWindowSpec:
     )
 
 
+def local(tokens: int) -> ChunkedLocalAttentionSpec:
+    """Chunked-local attention over aligned chunks of `tokens` tokens
+    (Llama 4's local layers)."""
+    return ChunkedLocalAttentionSpec(
+        block_size=TPB, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32, attention_chunk_size=tokens
+    )
+
+
 # (seed, group specs by name, extra config, engine options, fake worker delay)
 SPECS = {
     "full+swa8": lambda: [full(), window(8)],
@@ -72,6 +80,10 @@ SPECS = {
     "swa6+full": lambda: [window(6), full()],
     "swa8+swa16": lambda: [window(8), window(16)],
     "swa8": lambda: [window(8)],
+    "full+local8": lambda: [full(), local(8)],
+    "full+local12": lambda: [full(), local(12)],
+    "local12+full": lambda: [local(12), full()],
+    "full+swa8+local16": lambda: [full(), window(8), local(16)],
 }
 CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}, 1),
@@ -101,6 +113,17 @@ CASES = [
     # their group's kind and window (one and two blocks a chunk).
     (13, "full+swa8+swa13", {"self_describing_kv_events": True, "offload_prompt_only": False}, {}, 1),
     (14, "swa6+full", {"self_describing_kv_events": True, "block_size": 2 * TPB}, {}, 0),
+    # Chunked-local attention (Llama 4's local layers): a window of its
+    # attention chunk, no right padding, every held block stored. Attention
+    # chunks of two, three and four blocks; host chunks of one, two and four
+    # blocks (host chunks straddling attention chunks: 12 tokens over 8- and
+    # 16-token host chunks); with a sliding window beside it; async
+    # scheduling, two workers, dense retention, self-describing events
+    # (placeholders).
+    (15, "full+local8", {"offload_prompt_only": False}, {}, 1),
+    (16, "local12+full", {"block_size": 2 * TPB, "self_describing_kv_events": True}, {"async_scheduling": True}, 1),
+    (17, "full+local12", {"block_size": 4 * TPB, "offload_prompt_only": False}, {"retention": None}, 1),
+    (18, "full+swa8+local16", {"offload_prompt_only": False}, {"world_size": 2}, 0),
 ]
 
 
@@ -370,6 +393,7 @@ def write_case(
     tpc = extra.get("block_size", TPB)
     shapes = [
         {"tokens_per_chunk": tpc, "sliding_window": getattr(s, "sliding_window", None)}
+        | ({"attention_chunk_size": s.attention_chunk_size} if isinstance(s, ChunkedLocalAttentionSpec) else {})
         for s in SPECS[specs]()
     ]
     text = json.dumps({"seed": seed, "groups": specs, "shapes": shapes, "blocks_per_chunk": tpc // TPB,
@@ -519,6 +543,10 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
                     # A sliding-window group loads its window only (one chunk
                     # more where the window's start is not chunk-aligned).
                     limit = (window_chunks(spec.sliding_window, tpc) + 1) * bpc
+                    assert len(blocks) <= limit, (rid, g, per_group)
+                elif isinstance(spec, ChunkedLocalAttentionSpec):
+                    # A chunked-local group loads its attention chunk's worth.
+                    limit = -(-spec.attention_chunk_size // tpc) * bpc + 1
                     assert len(blocks) <= limit, (rid, g, per_group)
                 else:
                     # A full-attention group loads everything past the GPU hit.

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import pytest
 from vllm.v1.request import RequestStatus
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 import kvoffload._native as native
 from harness import build
@@ -55,7 +56,8 @@ def worker_run(
     common, cfg = engine_options(specs, extra, opts)
     groups = SPECS[specs]()
     e = build(extra=cfg, tpb=TPB, groups=groups, **common)
-    windowed = [g for g, s in enumerate(groups) if getattr(s, "sliding_window", None)]
+    # Sliding-window and chunked-local groups.
+    windowed = [g for g, s in enumerate(groups) if type(s) is not FullAttentionSpec]
     seen = {"checked": 0, "loads": 0, "sync_loads": 0, "window_loads": 0, "stores": 0, "holes": 0}
 
     def snapshot(so: Any) -> dict:

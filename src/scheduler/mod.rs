@@ -307,7 +307,7 @@ impl Scheduler {
         clock: SharedClock,
     ) -> Result<Self, SchedulerError> {
         let mut s = Self::new(cfg, clock)?;
-        let single = groups.shapes.len() == 1 && groups.shapes[0].window_tokens().is_none();
+        let single = groups.shapes.len() == 1 && groups.shapes[0].is_full_attention();
         let groups =
             hybrid::SchedulerGroups::new(groups, s.geo.tokens_per_chunk, s.geo.blocks_per_chunk)
                 .map_err(|e| SchedulerError::Groups(e.to_string()))?;

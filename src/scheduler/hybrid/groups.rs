@@ -48,7 +48,9 @@ pub(crate) struct SchedulerGroups {
     pub shapes: Vec<GroupShape>,
     /// The store selection's configuration.
     pub policy: StorePolicy,
-    /// Whether group `g` has a sliding window.
+    /// Whether group `g` is windowed (a sliding window or chunked-local
+    /// attention: vLLM frees its blocks behind the window while a request
+    /// runs).
     pub windowed: Vec<bool>,
 }
 
@@ -77,7 +79,7 @@ impl SchedulerGroups {
             windowed: groups
                 .shapes
                 .iter()
-                .map(|s| s.window_tokens().is_some())
+                .map(|s| !s.is_full_attention())
                 .collect(),
             policy: StorePolicy {
                 blocks_per_chunk,

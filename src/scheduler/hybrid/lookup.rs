@@ -3,8 +3,8 @@
 //! EAGLE draft groups and Mamba alignment.
 //!
 //! Full-attention groups first, a prefix lookup each (consecutive hits from
-//! the first chunk past the GPU's hit); then sliding-window groups, largest
-//! window first, a suffix lookup each (the last run of `window` consecutive
+//! the first chunk past the GPU's hit); then windowed groups (sliding
+//! windows and chunked-local attention), largest window first, a suffix lookup each (the last run of `window` consecutive
 //! hits, scanning from the right; the first run may need the load window,
 //! one chunk more). Each group can only shrink the hit's end; when a later
 //! group shrinks it, earlier groups are asked again until the end converges.

@@ -1,6 +1,6 @@
-//! Several KV cache groups (vLLM's hybrid manager: full-attention and
-//! sliding-window groups side by side), built step by step after
-//! `docs/hybrid-groups.md`'s plan.
+//! Several KV cache groups (vLLM's hybrid manager: full-attention,
+//! sliding-window and chunked-local attention groups side by side), built
+//! step by step after `docs/hybrid-groups.md`'s plan.
 //!
 //! The pure functions: the groups' shapes ([`GroupShape`]), the lookup of a
 //! request's hit over every group ([`lookup_complete_chunks`], vLLM 0.33.0's
@@ -36,7 +36,7 @@ pub use load::{GpuBlock, GroupLoad, LoadPlanError, plan_load};
 pub use lookup::{GroupKeys, HybridLookup, KeyState, lookup_complete_chunks};
 pub use on_alloc::GroupAlloc;
 pub use recorded_keys::{RecordedKeys, UnknownKeyLetter};
-pub use shape::{GroupShape, GroupShapeError};
+pub use shape::{Attention, GroupShape, GroupShapeError};
 pub use store::{
     Retention, StorePolicy, StoreRequest, StoreView, alignment_tokens, store_candidates,
 };

@@ -17,7 +17,7 @@ struct TierKeys<'a> {
     being_loaded: &'a HashMap<ChunkKey, u32, KeyBuildHasher>,
     request: &'a RequestState,
     blocks_per_chunk: usize,
-    /// Per group, whether it has a sliding window (else its hits are recorded).
+    /// Per group, whether it is windowed (else its hits are recorded).
     windowed: &'a [bool],
     /// The full-attention `(group, chunk)`s found, hit or pending.
     found: &'a mut Vec<(usize, usize)>,

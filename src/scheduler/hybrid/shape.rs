@@ -1,5 +1,6 @@
-//! One KV cache group's shape as lookups and loads see it: the tokens of a
-//! host chunk and, for a sliding-window group, its window.
+//! One KV cache group's shape as lookups, loads and stores see it: the
+//! tokens of a host chunk and the group's kind of attention (full, a
+//! sliding window, or chunked-local attention).
 
 use thiserror::Error;
 
@@ -12,27 +13,42 @@ pub enum GroupShapeError {
     /// A sliding window must cover at least one token.
     #[error("a sliding window must cover at least one token")]
     EmptyWindow,
+    /// A local-attention chunk must cover at least one token.
+    #[error("a chunked-local attention chunk must cover at least one token")]
+    EmptyAttentionChunk,
 }
 
-/// A KV cache group's shape: its chunk size in tokens and, for sliding-window
-/// attention, the window in tokens (vLLM's `SlidingWindowSpec.sliding_window`,
-/// no extra retained tokens).
+/// What the tokens of a group attend to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attention {
+    /// Every token attends to the whole prefix (vLLM's `FullAttentionSpec`).
+    Full,
+    /// Each token attends to the last `window_tokens` tokens (vLLM's
+    /// `SlidingWindowSpec.sliding_window`, no extra retained tokens).
+    SlidingWindow {
+        /// The window in tokens.
+        window_tokens: u64,
+    },
+    /// Each token attends to the tokens of its own aligned chunk of
+    /// `chunk_tokens` tokens (vLLM's `ChunkedLocalAttentionSpec.
+    /// attention_chunk_size`, Llama 4's local layers).
+    ChunkedLocal {
+        /// The attention chunk in tokens.
+        chunk_tokens: u64,
+    },
+}
+
+/// A KV cache group's shape: its chunk size in tokens and its attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupShape {
     tokens_per_chunk: u64,
-    window_tokens: Option<u64>,
+    attention: Attention,
 }
 
 impl GroupShape {
     /// A full-attention group (every token attends to the whole prefix).
     pub fn full_attention(tokens_per_chunk: u64) -> Result<Self, GroupShapeError> {
-        if tokens_per_chunk == 0 {
-            return Err(GroupShapeError::EmptyChunk);
-        }
-        Ok(Self {
-            tokens_per_chunk,
-            window_tokens: None,
-        })
+        Self::with_attention(tokens_per_chunk, Attention::Full)
     }
 
     /// A sliding-window group attending to the last `window_tokens` tokens.
@@ -40,13 +56,16 @@ impl GroupShape {
         tokens_per_chunk: u64,
         window_tokens: u64,
     ) -> Result<Self, GroupShapeError> {
-        if window_tokens == 0 {
-            return Err(GroupShapeError::EmptyWindow);
-        }
-        Ok(Self {
-            window_tokens: Some(window_tokens),
-            ..Self::full_attention(tokens_per_chunk)?
-        })
+        Self::with_attention(tokens_per_chunk, Attention::SlidingWindow { window_tokens })
+    }
+
+    /// A chunked-local attention group: tokens attend within aligned chunks
+    /// of `chunk_tokens` tokens.
+    pub fn chunked_local(
+        tokens_per_chunk: u64,
+        chunk_tokens: u64,
+    ) -> Result<Self, GroupShapeError> {
+        Self::with_attention(tokens_per_chunk, Attention::ChunkedLocal { chunk_tokens })
     }
 
     /// Full attention (`window_tokens: None`) or a sliding window.
@@ -57,32 +76,77 @@ impl GroupShape {
         }
     }
 
+    /// A group of `attention` over chunks of `tokens_per_chunk` tokens.
+    pub fn with_attention(
+        tokens_per_chunk: u64,
+        attention: Attention,
+    ) -> Result<Self, GroupShapeError> {
+        if tokens_per_chunk == 0 {
+            return Err(GroupShapeError::EmptyChunk);
+        }
+        match attention {
+            Attention::SlidingWindow { window_tokens: 0 } => Err(GroupShapeError::EmptyWindow),
+            Attention::ChunkedLocal { chunk_tokens: 0 } => {
+                Err(GroupShapeError::EmptyAttentionChunk)
+            }
+            _ => Ok(Self {
+                tokens_per_chunk,
+                attention,
+            }),
+        }
+    }
+
     /// Tokens of one host chunk of this group.
     pub fn tokens_per_chunk(&self) -> u64 {
         self.tokens_per_chunk
     }
 
-    /// The window in tokens, `None` for full attention.
+    /// What this group's tokens attend to.
+    pub fn attention(&self) -> Attention {
+        self.attention
+    }
+
+    /// Whether this is a full-attention group (vLLM frees none of a running
+    /// request's blocks; a lookup needs every chunk of the prefix).
+    pub fn is_full_attention(&self) -> bool {
+        self.attention == Attention::Full
+    }
+
+    /// The sliding window in tokens; `None` for full and chunked-local
+    /// attention.
     pub fn window_tokens(&self) -> Option<u64> {
-        self.window_tokens
+        match self.attention {
+            Attention::SlidingWindow { window_tokens } => Some(window_tokens),
+            _ => None,
+        }
     }
 
     /// The window in chunks (vLLM's `get_sliding_window_size_in_chunks`):
-    /// the chunks a lookup needs in a row; `None` for full attention.
+    /// the chunks a lookup needs in a row before the hit's end; `None` for
+    /// full attention. A chunked-local group needs its attention chunk's
+    /// worth (vLLM's bound: attention never reaches back past one chunk).
     pub fn window_chunks(&self) -> Option<u64> {
-        let w = self.window_tokens?;
         let tpc = self.tokens_per_chunk;
-        Some(w.div_ceil(tpc).max((w - 1).div_ceil(tpc)))
+        match self.attention {
+            Attention::Full => None,
+            Attention::SlidingWindow { window_tokens: w } => {
+                Some(w.div_ceil(tpc).max((w - 1).div_ceil(tpc)))
+            }
+            Attention::ChunkedLocal { chunk_tokens } => Some(chunk_tokens.div_ceil(tpc)),
+        }
     }
 
     /// The chunks a load into this group covers when the hit ends at
-    /// `hit_end` tokens (vLLM's `load_window_size_in_chunks`): the window,
-    /// one chunk more where the window's first token falls in an earlier
-    /// chunk because `hit_end` is not chunk-aligned; `None` for full
-    /// attention (everything past the GPU's hit is loaded).
+    /// `hit_end` tokens (vLLM's `load_window_size_in_chunks`): a sliding
+    /// window's chunks, one more where the window's first token falls in an
+    /// earlier chunk because `hit_end` is not chunk-aligned; a chunked-local
+    /// group's window; `None` for full attention (everything past the GPU's
+    /// hit is loaded).
     pub fn load_window_chunks(&self, hit_end: u64) -> Option<u64> {
         let window = self.window_chunks()?;
-        let w = self.window_tokens?;
+        let Some(w) = self.window_tokens() else {
+            return Some(window);
+        };
         let tpc = self.tokens_per_chunk;
         let right_padding = (tpc - hit_end % tpc) % tpc;
         Some(window.max((w - 1 + right_padding).div_ceil(tpc)))
@@ -122,6 +186,34 @@ mod tests {
         assert_eq!(
             GroupShape::sliding_window(0, 8),
             Err(GroupShapeError::EmptyChunk)
+        );
+        assert_eq!(
+            GroupShape::chunked_local(4, 0),
+            Err(GroupShapeError::EmptyAttentionChunk)
+        );
+    }
+
+    #[test]
+    fn a_chunked_local_group_needs_its_attention_chunk_and_loads_no_padding() {
+        // vLLM: cdiv(attention_chunk_size, tokens_per_chunk), and the load
+        // window is that (no right padding, unlike a sliding window).
+        let local8 = GroupShape::chunked_local(4, 8).unwrap();
+        assert!(!local8.is_full_attention());
+        assert_eq!(local8.window_tokens(), None);
+        assert_eq!(local8.window_chunks(), Some(2));
+        assert_eq!(local8.load_window_chunks(13), Some(2));
+        assert_eq!(local8.load_window_chunks(16), Some(2));
+        assert_eq!(
+            GroupShape::chunked_local(8, 12).unwrap().window_chunks(),
+            Some(2)
+        );
+        assert_eq!(
+            GroupShape::chunked_local(16, 8).unwrap().window_chunks(),
+            Some(1)
+        );
+        assert_eq!(
+            local8.attention(),
+            Attention::ChunkedLocal { chunk_tokens: 8 }
         );
     }
 

@@ -7,7 +7,9 @@
 //! its last storable one. A sliding-window group offers only chunks a later
 //! lookup can use: those holding the window that ends on a boundary where
 //! a hit may end (per vLLM's retention interval), and never a chunk with a
-//! block that vLLM already freed behind the window.
+//! block that vLLM already freed behind the window. A chunked-local
+//! attention group offers, as vLLM's (its manager keeps the default mask),
+//! every chunk whose blocks it still holds.
 
 use super::shape::GroupShape;
 
@@ -53,7 +55,7 @@ pub struct StorePolicy {
 pub fn alignment_tokens(groups: &[GroupShape]) -> Option<u64> {
     let mut full = groups
         .iter()
-        .filter(|g| g.window_tokens().is_none())
+        .filter(|g| g.is_full_attention())
         .map(GroupShape::tokens_per_chunk);
     match full.next() {
         Some(first) => full.all(|t| t == first).then_some(first),
