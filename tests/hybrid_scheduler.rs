@@ -2,7 +2,9 @@
 //! sliding-window group, vLLM's hybrid manager): lookups over both groups,
 //! one load carrying each group's blocks, one store per request carrying
 //! each group's chunks, the sliding-window fences and stale blocks, and the
-//! errors of calls that do not match the groups. Which chunks each group
+//! errors of calls that do not match the groups; a proptest of a random
+//! backend (a sliding-window or chunked-local group) with failed and
+//! stalled jobs, preemptions and resets. Which chunks each group
 //! offers and loads is vLLM's (checked against its recorded answers in
 //! `hybrid_corpus.rs`); these tests check how the scheduler wires them.
 
@@ -503,8 +505,15 @@ enum Op {
     Admit { family: u8, blocks: u8, extra: u8 },
     /// Run the step: every running request computes up to `tokens` more.
     Step { tokens: u8 },
-    /// The worker reports the oldest `n` jobs.
-    Report { n: u8 },
+    /// The worker reports the oldest `n` jobs (as failed with `fail`).
+    Report { n: u8, fail: bool },
+    /// Running request `pick` (modulo those with no load in flight) is
+    /// preempted: its blocks are freed at once, it is listed in the next
+    /// step and looked up again in a later one.
+    Preempt { pick: u8 },
+    /// Time passes beyond the stall timeout and the watchdog scans: every
+    /// job in flight is stalled (a stalled load fails its request).
+    Stall,
     /// Request `pick` (modulo the running ones) finishes.
     Finish { pick: u8 },
     /// The cache is reset between steps, with no job in flight. Requests may
@@ -515,15 +524,17 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        (0u8..3, 1u8..6, 0u8..4).prop_map(|(family, blocks, extra)| Op::Admit {
+        4 => (0u8..3, 1u8..6, 0u8..4).prop_map(|(family, blocks, extra)| Op::Admit {
             family,
             blocks,
             extra
         }),
-        (1u8..12).prop_map(|tokens| Op::Step { tokens }),
-        (1u8..4).prop_map(|n| Op::Report { n }),
-        any::<u8>().prop_map(|pick| Op::Finish { pick }),
-        Just(Op::Reset),
+        4 => (1u8..12).prop_map(|tokens| Op::Step { tokens }),
+        4 => (1u8..4, proptest::bool::weighted(0.2)).prop_map(|(n, fail)| Op::Report { n, fail }),
+        2 => any::<u8>().prop_map(|pick| Op::Finish { pick }),
+        1 => any::<u8>().prop_map(|pick| Op::Preempt { pick }),
+        1 => Just(Op::Stall),
+        1 => Just(Op::Reset),
     ]
 }
 
@@ -536,6 +547,9 @@ struct Running {
     blocks: [Vec<GpuBlockId>; 2],
     /// Its tables went to the scheduler (its first step).
     sent: bool,
+    /// Its first step sends its whole table (`full_table`: resumed after a
+    /// preemption, or recomputing after a failed load).
+    full: bool,
     /// Its load, until the worker reports it.
     load: Option<JobId>,
 }
@@ -610,17 +624,93 @@ impl Window {
     }
 }
 
+/// The random backend's GPU blocks: freed ones are handed out again first.
+#[derive(Default)]
+struct Pool {
+    highest: u32,
+    free: Vec<GpuBlockId>,
+}
+
+impl Pool {
+    fn take(&mut self) -> GpuBlockId {
+        self.free.pop().unwrap_or_else(|| {
+            self.highest += 1;
+            GpuBlockId(self.highest)
+        })
+    }
+
+    /// Frees every held (non-null) block of `blocks`.
+    fn release<'a>(&mut self, blocks: impl IntoIterator<Item = &'a GpuBlockId>) {
+        self.free.extend(blocks.into_iter().filter(|b| b.0 != 0));
+    }
+
+    /// Both groups' blocks for a request of `tokens` whose hit ends at
+    /// `hit`: group 1's blocks behind what the hit's end attends to are
+    /// null (vLLM allocates them so).
+    fn allocate(&mut self, tokens: u64, hit: u64, window: Window) -> [Vec<GpuBlockId>; 2] {
+        let n = tokens.div_ceil(4) as usize;
+        let b0 = (0..n).map(|_| self.take()).collect();
+        let b1 = (0..n)
+            .map(|i| {
+                if window.behind(i, hit) {
+                    GpuBlockId(0)
+                } else {
+                    self.take()
+                }
+            })
+            .collect();
+        [b0, b1]
+    }
+}
+
+/// `on_alloc_groups` with both groups' blocks, none cached.
+fn alloc_groups(
+    s: &mut Scheduler,
+    id: RequestId,
+    blocks: &[Vec<GpuBlockId>; 2],
+    hit: u64,
+) -> Option<JobId> {
+    let fresh = vec![false; blocks[0].len()];
+    let groups = [
+        GroupAlloc {
+            block_ids: &blocks[0],
+            cached: &fresh,
+        },
+        GroupAlloc {
+            block_ids: &blocks[1],
+            cached: &fresh,
+        },
+    ];
+    s.on_alloc_groups(id, &groups, hit).unwrap()
+}
+
+/// Loads that failed (on a worker, or stalled): the request recomputes
+/// from its first token, with blocks for group 1's nulls, and sends its
+/// whole table at its first step.
+fn fail_loads(running: &mut [Running], failed: &[RequestId], pool: &mut Pool) {
+    for r in running.iter_mut().filter(|r| failed.contains(&r.id)) {
+        r.load = None;
+        r.computed = 0;
+        r.full = true;
+        for b in r.blocks[1].iter_mut().filter(|b| b.0 == 0) {
+            *b = pool.take();
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(500))]
 
     /// A backend that admits requests of a few shared prefixes (loading what
     /// the host tier has, with null window blocks behind the window), runs
     /// them, frees each window's blocks as it moves on and hands them to new
-    /// requests, finishes requests and reports jobs in order: no hook fails,
-    /// every job's spans cut it exactly, every invariant holds after every
-    /// operation, a new store reads no block another request holds, and a
-    /// pending store whose block is handed to a new request is in that
-    /// step's flush.
+    /// requests, finishes and preempts requests (looked up again later),
+    /// reports jobs in order (some as failed: a failed load recomputes) and
+    /// stalls every job in flight now and then (their late reports come in
+    /// later): no hook fails, every job's spans cut it exactly, every
+    /// invariant holds after every operation, a new store reads no block
+    /// another request holds, and a pending store whose block is handed to
+    /// a new request is in that step's flush.
     #[test]
     fn random_hybrid_serving_keeps_every_invariant(
         ops in proptest::collection::vec(op(), 1..100),
@@ -639,17 +729,20 @@ proptest! {
             retention,
         };
         let clock = ManualClock::new();
-        let mut s = Scheduler::with_groups(&config_with_chunks(host_chunks), groups, clock.shared()).unwrap();
-        let mut next_block = 0u32;
-        let mut free: Vec<GpuBlockId> = Vec::new();
-        let mut alloc = |free: &mut Vec<GpuBlockId>| {
-            free.pop().unwrap_or_else(|| {
-                next_block += 1;
-                GpuBlockId(next_block)
-            })
-        };
+        let cfg = config_with_chunks(host_chunks);
+        let past_the_stall_timeout = std::time::Duration::from_millis(cfg.stall_timeout_ms + 1);
+        let mut s = Scheduler::with_groups(&cfg, groups, clock.shared()).unwrap();
+        let mut pool = Pool::default();
         let mut running: Vec<Running> = Vec::new();
+        // Preempted, to be looked up again at a later step.
+        let mut waiting: Vec<Running> = Vec::new();
+        // Preempted since the last step (the next step lists them).
+        let mut preempted: Vec<RequestId> = Vec::new();
         let mut pending: Vec<(JobId, Vec<GpuBlockId>)> = Vec::new();
+        // Stalled jobs whose late report has not come in.
+        let mut stalled: Vec<JobId> = Vec::new();
+        // Jobs a step's flush named: the workers finished them in that step.
+        let mut flushed: std::collections::HashSet<JobId> = Default::default();
         let mut next_req = 0u64;
         let mut families: std::collections::HashMap<RequestId, u64> = Default::default();
         let mut mid_step = false;
@@ -666,22 +759,30 @@ proptest! {
                         LookupOutcome::Hit(n) => n,
                         LookupOutcome::Defer => continue,
                     };
-                    let n = tokens.div_ceil(4) as usize;
-                    let b0: Vec<GpuBlockId> = (0..n).map(|_| alloc(&mut free)).collect();
-                    let b1: Vec<GpuBlockId> = (0..n)
-                        .map(|i| if window.behind(i, hit) { GpuBlockId(0) } else { alloc(&mut free) })
-                        .collect();
-                    let fresh = vec![false; n];
-                    let groups = [
-                        GroupAlloc { block_ids: &b0, cached: &fresh },
-                        GroupAlloc { block_ids: &b1, cached: &fresh },
-                    ];
-                    let load = s.on_alloc_groups(id, &groups, hit).unwrap();
+                    let blocks = pool.allocate(tokens, hit, window);
+                    let load = alloc_groups(&mut s, id, &blocks, hit);
                     mid_step = true;
-                    running.push(Running { id, tokens, computed: hit, blocks: [b0, b1], sent: false, load });
+                    running.push(Running { id, tokens, computed: hit, blocks, sent: false, full: false, load });
                 }
                 Op::Step { tokens } => {
-                    let mut input = StepInput::default();
+                    // Requests preempted in earlier steps come back: looked
+                    // up again and allocated, their whole table sent.
+                    for mut r in std::mem::take(&mut waiting) {
+                        match s.lookup(r.id, 0).unwrap() {
+                            LookupOutcome::Defer => waiting.push(r),
+                            LookupOutcome::Hit(hit) => {
+                                r.blocks = pool.allocate(r.tokens, hit, window);
+                                r.load = alloc_groups(&mut s, r.id, &r.blocks, hit);
+                                r.computed = hit;
+                                (r.sent, r.full) = (false, true);
+                                running.push(r);
+                            }
+                        }
+                    }
+                    let mut input = StepInput {
+                        preempted: std::mem::take(&mut preempted),
+                        ..StepInput::default()
+                    };
                     let mut handed: Vec<GpuBlockId> = Vec::new();
                     for r in running.iter_mut().filter(|r| r.load.is_none()) {
                         let n = u64::from(tokens).min(r.tokens.saturating_sub(r.computed));
@@ -697,6 +798,7 @@ proptest! {
                             // Its first step hands it its blocks.
                             r.sent = true;
                             e.new_block_ids = r.blocks[0].clone();
+                            e.full_table = std::mem::take(&mut r.full);
                             others = vec![r.blocks[1].clone()];
                             handed.extend(r.blocks.iter().flatten().filter(|b| b.0 != 0));
                         }
@@ -718,13 +820,17 @@ proptest! {
                         prop_assert!(theirs.is_none(), "{} reads {theirs:?}, another request's", job.job);
                         blocks_in_place(&s, job, families[&job.req])?;
                     }
+                    // A preempted request's stores are flushed in the step
+                    // that lists it (its blocks may go to others from then on).
+                    flushed.extend(plan.flush.iter().copied());
                     for (job, blocks) in &pending {
                         if s.is_job_live(*job) && blocks.iter().any(|b| handed.contains(b)) {
-                            prop_assert!(plan.flush.contains(job), "{job} reads a block handed on");
+                            prop_assert!(flushed.contains(job), "{job} reads a block handed on");
                         }
                     }
                     pending.retain(|(j, _)| s.is_job_live(*j));
                     pending.extend(plan.stores.iter().map(|j| (j.job, j.block_ids.to_vec())));
+                    fail_loads(&mut running, &plan.failed_loads, &mut pool);
                     mid_step = false;
                     // Each window moves on: its blocks wholly behind it are
                     // freed (the scheduler is not told) and may go to a new
@@ -732,23 +838,30 @@ proptest! {
                     for r in running.iter_mut().filter(|r| r.sent) {
                         for (i, b) in r.blocks[1].iter_mut().enumerate() {
                             if b.0 != 0 && window.behind(i, r.computed) {
-                                free.push(*b);
+                                pool.free.push(*b);
                                 *b = GpuBlockId(0);
                             }
                         }
                     }
                 }
-                Op::Report { n } => {
+                Op::Report { n, fail } => {
                     let loads: Vec<JobId> = running.iter().filter_map(|r| r.load).collect();
-                    let done: Vec<(JobId, u32)> = pending
+                    let jobs: Vec<JobId> = pending
                         .iter()
                         .map(|(j, _)| *j)
                         .chain(loads)
+                        .chain(stalled.iter().copied())
                         .take(usize::from(n))
-                        .map(|j| (j, 1))
                         .collect();
-                    let out = s.on_worker_output(&CompletionReport { completed: done, failed: vec![] });
+                    stalled.retain(|j| !jobs.contains(j));
+                    let report = if fail {
+                        CompletionReport { completed: vec![], failed: jobs }
+                    } else {
+                        CompletionReport { completed: jobs.iter().map(|&j| (j, 1)).collect(), failed: vec![] }
+                    };
+                    let out = s.on_worker_output(&report);
                     prop_assert!(out.rejected.is_empty(), "{:?}", out.rejected);
+                    fail_loads(&mut running, &out.failed_loads, &mut pool);
                     for r in &mut running {
                         if r.load.is_some_and(|j| !s.is_job_live(j)) {
                             r.load = None;
@@ -763,7 +876,11 @@ proptest! {
                     let r = running.remove(usize::from(pick) % running.len());
                     s.request_finished(r.id, &r.blocks[0], false, r.computed).unwrap();
                     let plan = s
-                        .build_step(&StepInput { finished: vec![r.id], ..StepInput::default() })
+                        .build_step(&StepInput {
+                            finished: vec![r.id],
+                            preempted: std::mem::take(&mut preempted),
+                            ..StepInput::default()
+                        })
                         .unwrap();
                     for job in plan.loads.iter().chain(&plan.stores) {
                         assert_spans_cover(job);
@@ -771,9 +888,33 @@ proptest! {
                     for job in &plan.stores {
                         blocks_in_place(&s, job, families[&job.req])?;
                     }
+                    flushed.extend(plan.flush.iter().copied());
                     pending.extend(plan.stores.iter().map(|j| (j.job, j.block_ids.to_vec())));
                     mid_step = false;
-                    free.extend(r.blocks.iter().flatten().filter(|b| b.0 != 0));
+                    pool.release(r.blocks.iter().flatten());
+                }
+                Op::Preempt { pick } => {
+                    // vLLM preempts running requests (none waiting for its
+                    // load), freeing their blocks at once.
+                    let candidates: Vec<usize> = (0..running.len())
+                        .filter(|&i| running[i].sent && running[i].load.is_none())
+                        .collect();
+                    if mid_step || candidates.is_empty() {
+                        continue;
+                    }
+                    let mut r = running.remove(candidates[usize::from(pick) % candidates.len()]);
+                    pool.release(r.blocks.iter().flatten());
+                    r.blocks = [Vec::new(), Vec::new()];
+                    r.computed = 0;
+                    preempted.push(r.id);
+                    waiting.push(r);
+                }
+                Op::Stall => {
+                    clock.advance(past_the_stall_timeout);
+                    let out = s.scan_now();
+                    stalled.extend(out.stalled.iter().copied());
+                    fail_loads(&mut running, &out.failed_loads, &mut pool);
+                    pending.retain(|(j, _)| s.is_job_live(*j));
                 }
                 Op::Reset => {
                     if mid_step || !pending.is_empty() || running.iter().any(|r| r.load.is_some()) {
