@@ -616,3 +616,21 @@ def test_corpus_holds_every_case_and_nothing_else() -> None:
     have = {p.name for p in CORPUS.glob("*")}
     assert have == want, f"corpus files {sorted(have ^ want)} do not match the cases"
 
+
+
+@pytest.mark.parametrize(
+    "specs,extra,opts",
+    sorted({(c[1], json.dumps(c[2], sort_keys=True), json.dumps(c[3], sort_keys=True)) for c in CASES}),
+)
+def test_the_tier_facts_are_vllms_on_every_hybrid_config(specs: str, extra: str, opts: str) -> None:
+    """The CPU tier's facts (vLLM's ``kv_offload_config_info``: chunks,
+    blocks a chunk, bytes, and the tokens it holds at ``max_model_len``,
+    where a windowed group counts its window's chunks only) are what vLLM's
+    own connector reports for the same configuration."""
+    common, cfg = engine_options(specs, json.loads(extra), json.loads(opts))
+    theirs = build(
+        connector="OffloadingConnector", module=None, extra=cfg, fake_worker=vllm_worker(0),
+        tpb=TPB, groups=SPECS[specs](), **common,
+    )
+    ours = build(extra=cfg, tpb=TPB, groups=SPECS[specs](), **common)
+    assert [ours.connector._scheduler.info] == theirs.connector.connector_scheduler.manager.config_info()
