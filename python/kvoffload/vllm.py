@@ -337,6 +337,7 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
     (`kv_group_windows`) full-attention, sliding-window and chunked-local
     attention groups."""
     groups = kv_cache_config.kv_cache_groups
+    _warn_if_eagle_block_drop(vllm_config, kv_cache_config)
     if kv_group_windows(kv_cache_config) is not None:
         return _hybrid_engine_config(vllm_config, kv_cache_config)
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
@@ -412,6 +413,31 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
         kv_bytes_per_token=sum(b // spec.block_size for b in page_bytes),
     )
     return cfg
+
+
+def _warn_if_eagle_block_drop(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """Warns where vLLM's own connector would treat a KV group as an
+    EAGLE/MTP draft group (speculative decoding whose drafter's KV at a
+    position depends on the next token: ``use_eagle_block_drop``). vLLM's
+    connector then never stores a decoding request's last chunk of that
+    group and makes a hit end one chunk before the last chunk it finds;
+    kvoffload stores and hits every chunk. Outputs are the same (the target
+    model verifies every draft); a hit may hand the drafter one position's
+    KV computed before another next token, which can lower acceptance
+    there, and hits and stores differ from vLLM's."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    drop = getattr(spec, "use_eagle_block_drop", None)
+    if spec is None or drop is None or not drop():
+        return
+    draft = [i for i, g in enumerate(kv_cache_config.kv_cache_groups) if getattr(g, "is_eagle_group", False)]
+    logger.warning(
+        "kvoffload: speculative decoding (%s) with draft KV in KV group(s) %s: vLLM's "
+        "OffloadingConnector keeps the drafter's volatile last chunk out of its stores and hits; "
+        "kvoffload does not yet (outputs are unchanged, the draft acceptance at a hit's last "
+        "position may be lower, and hits and stores differ from vLLM's)",
+        getattr(spec, "method", "?"),
+        draft or "unannotated",
+    )
 
 
 def _warn_if_replicated(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:

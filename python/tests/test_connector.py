@@ -289,6 +289,29 @@ def test_mla_replicated_on_every_tensor_rank_is_warned_of(monkeypatch):
     assert len(said) == 1, said
 
 
+def test_speculative_decoding_with_a_volatile_draft_tail_is_warned_of(monkeypatch):
+    """vLLM's connector keeps an EAGLE/MTP drafter's last chunk out of its
+    stores and hits; kvoffload does not yet: the operator is told, naming
+    the draft groups."""
+    from types import SimpleNamespace
+
+    import kvoffload.vllm as kv
+
+    said: list[str] = []
+    monkeypatch.setattr(kv.logger, "warning", lambda msg, *a: said.append(msg % a))
+
+    def cfg(drop: bool | None) -> tuple:
+        spec = None if drop is None else SimpleNamespace(method="eagle3", use_eagle_block_drop=lambda: drop)
+        groups = [SimpleNamespace(is_eagle_group=False), SimpleNamespace(is_eagle_group=True)]
+        return SimpleNamespace(speculative_config=spec), SimpleNamespace(kv_cache_groups=groups)
+
+    kv._warn_if_eagle_block_drop(*cfg(True))
+    assert len(said) == 1 and "eagle3" in said[0] and "[1]" in said[0], said
+    for quiet in (cfg(False), cfg(None)):
+        kv._warn_if_eagle_block_drop(*quiet)
+    assert len(said) == 1, said
+
+
 def test_decode_context_parallelism_stops_startup():
     """With DCP a KV block spans block_size x dcp tokens: refused, not mis-keyed."""
     from types import SimpleNamespace
