@@ -16,7 +16,8 @@ redis-server on PATH (scripts/setup-redis.sh):
     PYTHONHASHSEED=1 $PY scripts/widen-hybrid-remote.py 140 [--cluster] [--only S]
 With --cluster, the store is a Redis Cluster of three masters instead.
 `--only S` cycles through the configurations whose group names contain S
-(`--only local`: the chunked-local ones), from seed 40,000.
+(`--only local`: the chunked-local ones; `--only eagle`: those with
+EAGLE draft groups), from seed 40,000.
 Exits 1 if a node moved a wrong byte, leaked, or a fetch failed.
 """
 
@@ -43,7 +44,7 @@ def main() -> int:
     if len(args) != 1 or not args[0].isdigit():
         print(__doc__, file=sys.stderr)
         return 2
-    cases = [c for c in hy.CASES if only is None or only in c[1]]
+    cases = [c for c in hy.CASES if only is None or only in c[1] or (only == "eagle" and c[3].get("eagle_groups"))]
     if not cases:
         print(f"no configuration's groups contain {only!r}", file=sys.stderr)
         return 2

@@ -15,7 +15,8 @@ kvoffload package installed in it (scripts/test-python.sh does):
     PYTHONHASHSEED=1 $PY scripts/widen-hybrid.py 40 /tmp/hybrid-wide
     KVOFFLOAD_HYBRID_CORPUS=/tmp/hybrid-wide cargo test --release --test hybrid_corpus
 `--only S` cycles through the configurations whose group names contain S
-(`--only local`: the chunked-local ones), from seed 30,000.
+(`--only local`: the chunked-local ones; `--only eagle`: those with
+EAGLE draft groups), from seed 30,000.
 Exits 1 if kvoffload answered a step differently or moved a wrong byte.
 """
 
@@ -39,7 +40,7 @@ def main() -> int:
         print(__doc__, file=sys.stderr)
         return 2
     n, out = int(args[0]), Path(args[1])
-    cases = [c for c in hy.CASES if only is None or only in c[1]]
+    cases = [c for c in hy.CASES if only is None or only in c[1] or (only == "eagle" and c[3].get("eagle_groups"))]
     if not cases:
         print(f"no configuration's groups contain {only!r}", file=sys.stderr)
         return 2

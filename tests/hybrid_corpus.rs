@@ -49,11 +49,16 @@ fn shapes(case: &Value) -> Vec<GroupShape> {
         .iter()
         .map(|s| {
             let tpc = s["tokens_per_chunk"].as_u64().expect("tokens_per_chunk");
-            match s["attention_chunk_size"].as_u64() {
+            let shape = match s["attention_chunk_size"].as_u64() {
                 Some(local) => GroupShape::chunked_local(tpc, local),
                 None => GroupShape::new(tpc, s["sliding_window"].as_u64()),
             }
-            .expect("a group shape")
+            .expect("a group shape");
+            if s["eagle"].as_bool() == Some(true) {
+                shape.eagle_draft()
+            } else {
+                shape
+            }
         })
         .collect()
 }

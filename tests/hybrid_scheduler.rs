@@ -721,11 +721,14 @@ proptest! {
         ],
         host_chunks in prop_oneof![Just(3u64), Just(8), Just(64)],
         window in prop_oneof![Just(Window::Sliding), Just(Window::ChunkedLocal)],
+        eagle in any::<bool>(),
     ) {
         // A small host tier refuses stores while others are in flight: their
-        // chunks are offered again while the windows move on.
+        // chunks are offered again while the windows move on. Group 0 may
+        // hold an EAGLE drafter's layers (its hits need one chunk more).
+        let full = GroupShape::full_attention(4).unwrap();
         let groups = KvGroups {
-            shapes: vec![GroupShape::full_attention(4).unwrap(), window.shape()],
+            shapes: vec![if eagle { full.eagle_draft() } else { full }, window.shape()],
             retention,
         };
         let clock = ManualClock::new();

@@ -296,12 +296,16 @@ fn shapes_strategy() -> impl Strategy<Value = (Vec<GroupShape>, u64)> {
         prop::option::of(1u64..=6),
         any::<bool>(),
         any::<bool>(),
+        any::<bool>(),
     )
-        .prop_map(|(bpc, w1, w2, with_full, local)| {
+        .prop_map(|(bpc, w1, w2, with_full, local, eagle)| {
             let tpc = TPB * bpc;
             let mut shapes = Vec::new();
             if with_full {
-                shapes.push(GroupShape::full_attention(tpc).unwrap());
+                // With an EAGLE drafter's layers or not (a hit needs the
+                // chunk after its end too).
+                let full = GroupShape::full_attention(tpc).unwrap();
+                shapes.push(if eagle { full.eagle_draft() } else { full });
             }
             shapes.push(GroupShape::sliding_window(tpc, w1 * TPB).unwrap());
             if let Some(w) = w2 {
@@ -365,7 +369,9 @@ proptest! {
                 return Err(TestCaseError::fail(format!("fetched a key of no chunk: {k:?}")));
             };
             prop_assert!(present.contains(&(g, c)), "fetched ({g}, {c}), which the remote tier lacks");
-            prop_assert!((c as u64) * tpc < want, "fetched ({g}, {c}) past the hit {want}");
+            // A draft group's hit needs the chunk after its end as well.
+            let peek = u64::from(shapes[g].is_eagle_draft()) * tpc;
+            prop_assert!((c as u64) * tpc < want + peek, "fetched ({g}, {c}) past the hit {want}");
         }
         let st = t.s.remote_lookup_stats().unwrap();
         prop_assert!(st.lookups <= 1 && st.fetch_jobs <= 1, "{st:?}");

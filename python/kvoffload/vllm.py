@@ -301,6 +301,14 @@ GroupWindow = int | tuple[str, int] | None
 _WINDOWED_SPECS = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
 
 
+def kv_eagle_groups(kv_cache_config: KVCacheConfig) -> list[int]:
+    """The KV groups that hold an EAGLE/MTP drafter's layers (vLLM's
+    ``is_eagle_group``, set with speculative decoding whose draft KV at a
+    position depends on the next token): vLLM's connector treats their last
+    chunk as volatile."""
+    return [i for i, g in enumerate(kv_cache_config.kv_cache_groups) if getattr(g, "is_eagle_group", False)]
+
+
 def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None:
     """The KV groups of a hybrid ``KVCacheConfig`` (several groups, vLLM's
     hybrid manager, or one sliding-window or chunked-local group) as the
@@ -310,7 +318,15 @@ def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None
     groups kvoffload cannot offload (other kinds of layers, different block
     sizes)."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) < 2 and not (groups and type(groups[0].kv_cache_spec) in _WINDOWED_SPECS):
+    if len(groups) < 2 and not (
+        groups
+        and (
+            type(groups[0].kv_cache_spec) in _WINDOWED_SPECS
+            # One full-attention group holding a drafter's layers: the
+            # groups' path follows its volatile last chunk.
+            or (type(groups[0].kv_cache_spec) is FullAttentionSpec and kv_eagle_groups(kv_cache_config))
+        )
+    ):
         return None
     windows: list[GroupWindow] = []
     for g in groups:
@@ -416,27 +432,28 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
 
 
 def _warn_if_eagle_block_drop(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-    """Warns where vLLM's own connector would treat a KV group as an
-    EAGLE/MTP draft group (speculative decoding whose drafter's KV at a
-    position depends on the next token: ``use_eagle_block_drop``). vLLM's
-    connector then never stores a decoding request's last chunk of that
-    group and makes a hit end one chunk before the last chunk it finds;
-    kvoffload stores and hits every chunk. Outputs are the same (the target
-    model verifies every draft); a hit may hand the drafter one position's
-    KV computed before another next token, which can lower acceptance
-    there, and hits and stores differ from vLLM's."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    drop = getattr(spec, "use_eagle_block_drop", None)
-    if spec is None or drop is None or not drop():
+    """Warns where a KV group holds an EAGLE/MTP drafter's layers
+    (``kv_eagle_groups``) that kvoffload does not treat as vLLM's connector
+    does: one group of another kind than ``FullAttentionSpec`` (MLA, as
+    DeepSeek's MTP), which takes the single-group path. vLLM's connector
+    never stores a decoding request's last chunk of such a group and ends a
+    hit one chunk before the last chunk it finds; kvoffload then stores and
+    hits every chunk. Outputs are the same (the target model verifies every
+    draft); a hit may hand the drafter one position's KV computed before
+    another next token, which can lower acceptance there, and hits and
+    stores differ from vLLM's."""
+    draft = kv_eagle_groups(kv_cache_config)
+    if not draft or kv_group_windows(kv_cache_config) is not None:
         return
-    draft = [i for i, g in enumerate(kv_cache_config.kv_cache_groups) if getattr(g, "is_eagle_group", False)]
+    spec = getattr(vllm_config, "speculative_config", None)
     logger.warning(
-        "kvoffload: speculative decoding (%s) with draft KV in KV group(s) %s: vLLM's "
+        "kvoffload: speculative decoding (%s) with draft KV in KV group(s) %s of %s: vLLM's "
         "OffloadingConnector keeps the drafter's volatile last chunk out of its stores and hits; "
-        "kvoffload does not yet (outputs are unchanged, the draft acceptance at a hit's last "
-        "position may be lower, and hits and stores differ from vLLM's)",
+        "kvoffload does not for this kind of group (outputs are unchanged, the draft acceptance "
+        "at a hit's last position may be lower, and hits and stores differ from vLLM's)",
         getattr(spec, "method", "?"),
-        draft or "unannotated",
+        draft,
+        type(kv_cache_config.kv_cache_groups[draft[0]].kv_cache_spec).__name__,
     )
 
 
@@ -571,6 +588,7 @@ class _SchedulerSide:
             self_describing=self.self_describing,
             groups=self.windows,
             retention_interval=retention,
+            eagle_groups=kv_eagle_groups(kv_cache_config) if self.windows else [],
         )
         #: Per KV group, the kind and window its events carry (self-describing).
         self.event_specs = (

@@ -617,9 +617,12 @@ impl SchedulerCore {
     /// `groups`: per KV group (vLLM's hybrid manager) `None` for full
     /// attention, a sliding window in tokens, or `("chunked_local", n)`;
     /// `None` for one full-attention group. `retention_interval`: vLLM's
-    /// `prefix_cache_retention_interval`.
+    /// `prefix_cache_retention_interval`. `eagle_groups`: the groups (of
+    /// `groups`) that hold an EAGLE/MTP drafter's layers (vLLM's
+    /// `is_eagle_group`): their last chunk is volatile.
     #[new]
-    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false, groups = None, retention_interval = None))]
+    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false, groups = None, retention_interval = None, eagle_groups = Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         config_json: &str,
         watchdog: bool,
@@ -628,6 +631,7 @@ impl SchedulerCore {
         self_describing: bool,
         groups: Option<Vec<GroupArg>>,
         retention_interval: Option<u64>,
+        eagle_groups: Vec<usize>,
     ) -> PyResult<Self> {
         let cfg = OffloadConfig::from_json_str(config_json).map_err(value_error)?;
         let manual = manual_clock.then(ManualClock::new);
@@ -639,14 +643,26 @@ impl SchedulerCore {
             .as_ref()
             .map(|w| w.iter().map(GroupArg::windowed).collect())
             .unwrap_or_default();
+        if groups.is_none() && !eagle_groups.is_empty() {
+            return Err(value_error(
+                "eagle_groups names groups of `groups`, which is None",
+            ));
+        }
         let mut s = match groups {
             None => Scheduler::new(&cfg, clock.clone()),
             Some(windows) => {
                 let tokens_per_chunk = cfg.tokens_per_chunk();
-                let shapes = windows
+                let mut shapes = windows
                     .into_iter()
                     .map(|w| w.shape(tokens_per_chunk))
                     .collect::<PyResult<Vec<_>>>()?;
+                for &g in &eagle_groups {
+                    let n = shapes.len();
+                    let shape = shapes.get_mut(g).ok_or_else(|| {
+                        value_error(format!("EAGLE group {g}: there are {n} KV groups"))
+                    })?;
+                    *shape = shape.eagle_draft();
+                }
                 let groups = KvGroups {
                     shapes,
                     retention: Retention::from_vllm(retention_interval),

@@ -313,6 +313,7 @@ def build(
     policy: str = "fcfs",
     groups: list[Any] | None = None,
     retention: int | None = 0,
+    eagle_groups: tuple[int, ...] = (),
 ) -> Engine:
     """An engine with the connector `connector` (loaded from `module`);
     `spec`: the KV cache group's spec (full attention of `tpb` tokens a
@@ -323,7 +324,11 @@ def build(
     The fake model writes every group's KV (each group's layers apart).
     `retention`: vLLM's
     ``prefix_cache_retention_interval`` (which sliding-window blocks are kept
-    and stored; 0, its default, keeps only the replay boundary's)."""
+    and stored; 0, its default, keeps only the replay boundary's).
+    `eagle_groups`: the groups that hold an EAGLE/MTP drafter's layers
+    (``KVCacheGroupSpec.is_eagle_group``, which vLLM sets with speculative
+    decoding whose draft KV depends on the next token): the connectors treat
+    their last chunk as volatile; the scheduler runs without speculation."""
     model_config = ModelConfig(model=MODEL, dtype="float32", seed=42)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -382,7 +387,10 @@ def build(
             )
             for names in group_layers
         ],
-        kv_cache_groups=[KVCacheGroupSpec(names, s) for names, s in zip(group_layers, specs)],
+        kv_cache_groups=[
+            KVCacheGroupSpec(names, s, is_eagle_group=g in eagle_groups)
+            for g, (names, s) in enumerate(zip(group_layers, specs))
+        ],
     )
     cls = AsyncScheduler if async_scheduling else Scheduler
     with set_current_vllm_config(vllm_config):

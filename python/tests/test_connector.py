@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -289,25 +290,29 @@ def test_mla_replicated_on_every_tensor_rank_is_warned_of(monkeypatch):
     assert len(said) == 1, said
 
 
-def test_speculative_decoding_with_a_volatile_draft_tail_is_warned_of(monkeypatch):
+def test_a_draft_group_kvoffload_does_not_follow_is_warned_of(monkeypatch):
     """vLLM's connector keeps an EAGLE/MTP drafter's last chunk out of its
-    stores and hits; kvoffload does not yet: the operator is told, naming
-    the draft groups."""
+    stores and hits. kvoffload follows it for full-attention groups (the
+    groups' path, test_hybrid_vllm.py); one MLA group (DeepSeek's MTP)
+    takes the single-group path, which does not: the operator is told."""
     from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     import kvoffload.vllm as kv
 
     said: list[str] = []
     monkeypatch.setattr(kv.logger, "warning", lambda msg, *a: said.append(msg % a))
+    common = dict(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
 
-    def cfg(drop: bool | None) -> tuple:
-        spec = None if drop is None else SimpleNamespace(method="eagle3", use_eagle_block_drop=lambda: drop)
-        groups = [SimpleNamespace(is_eagle_group=False), SimpleNamespace(is_eagle_group=True)]
-        return SimpleNamespace(speculative_config=spec), SimpleNamespace(kv_cache_groups=groups)
+    def cfg(spec: Any, eagle: bool) -> tuple:
+        group = SimpleNamespace(kv_cache_spec=spec, is_eagle_group=eagle, layer_names=["l0"])
+        return SimpleNamespace(speculative_config=SimpleNamespace(method="mtp")), SimpleNamespace(kv_cache_groups=[group])
 
-    kv._warn_if_eagle_block_drop(*cfg(True))
-    assert len(said) == 1 and "eagle3" in said[0] and "[1]" in said[0], said
-    for quiet in (cfg(False), cfg(None)):
+    kv._warn_if_eagle_block_drop(*cfg(MLAAttentionSpec(**common), True))
+    assert len(said) == 1 and "mtp" in said[0] and "MLAAttentionSpec" in said[0], said
+    assert kv.kv_group_windows(cfg(FullAttentionSpec(**common), True)[1]) == [None], "the groups' path"
+    for quiet in (cfg(FullAttentionSpec(**common), True), cfg(MLAAttentionSpec(**common), False)):
         kv._warn_if_eagle_block_drop(*quiet)
     assert len(said) == 1, said
 

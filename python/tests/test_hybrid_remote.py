@@ -31,7 +31,8 @@ from test_remote import (  # noqa: F401  (redis_url, redis_cluster: fixtures)
 
 #: (seed, group specs, extra config, engine options): chunks of one, two
 #: and four blocks, two windows, a window alone, async scheduling, two
-#: workers, dense retention; chunked-local attention groups.
+#: workers, dense retention; chunked-local attention groups; EAGLE draft
+#: groups (a hit needs the chunk after its end: fetched too).
 REMOTE_CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}),
     (3, "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {}),
@@ -42,6 +43,8 @@ REMOTE_CASES = [
     (15, "full+local8", {"offload_prompt_only": False}, {}),
     (16, "local12+full", {"block_size": 2 * TPB}, {"async_scheduling": True}),
     (18, "full+swa8+local16", {"offload_prompt_only": False}, {"world_size": 2}),
+    (19, "full", {"offload_prompt_only": False}, {"eagle_groups": [0]}),
+    (20, "full+swa8", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"eagle_groups": [0]}),
 ]
 
 
@@ -74,7 +77,8 @@ def test_a_second_node_fetches_every_group_s_chunks_and_loads_the_computed_bytes
     assert st["fetch_jobs"] > 0 and st["chunks_fetched"] > 0, st
     assert st["fetches_failed"] == 0, st
     assert st["chunks_found"] >= st["chunks_fetched"], st
-    assert seen["loads"] > 0 and seen["window_loads"] > 0 and seen["checked"] > 0, seen
+    assert seen["loads"] > 0 and seen["checked"] > 0, seen
+    assert seen["window_loads"] > 0 or specs == "full", seen
     w = second["workers"]
     world = opts.get("world_size", 1)
     assert w["hits"] == st["chunks_fetched"] * world and w["misses"] == 0, (w, st)

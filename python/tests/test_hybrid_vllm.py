@@ -80,6 +80,7 @@ SPECS = {
     "swa6+full": lambda: [window(6), full()],
     "swa8+swa16": lambda: [window(8), window(16)],
     "swa8": lambda: [window(8)],
+    "full": lambda: [full()],
     "full+local8": lambda: [full(), local(8)],
     "full+local12": lambda: [full(), local(12)],
     "local12+full": lambda: [local(12), full()],
@@ -124,6 +125,16 @@ CASES = [
     (16, "local12+full", {"block_size": 2 * TPB, "self_describing_kv_events": True}, {"async_scheduling": True}, 1),
     (17, "full+local12", {"block_size": 4 * TPB, "offload_prompt_only": False}, {"retention": None}, 1),
     (18, "full+swa8+local16", {"offload_prompt_only": False}, {"world_size": 2}, 0),
+    # EAGLE/MTP draft groups (vLLM's is_eagle_group, set with speculative
+    # decoding; the scheduler runs without speculation here): a hit must find
+    # the chunk after its end, and a decoding request's last chunk is not
+    # stored. One full-attention group (a model with an EAGLE drafter); a
+    # draft full-attention group beside a window, chunks of two blocks; a
+    # draft window too, chunks of four blocks, dense retention (its
+    # reachable-block mask needs one block more, one block later).
+    (19, "full", {"offload_prompt_only": False}, {"eagle_groups": [0]}, 1),
+    (20, "full+swa8", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"eagle_groups": [0]}, 1),
+    (21, "swa6+full", {"block_size": 4 * TPB, "offload_prompt_only": False}, {"eagle_groups": [0, 1], "retention": None}, 0),
 ]
 
 
@@ -391,10 +402,12 @@ def write_case(
     same record gives the same bytes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tpc = extra.get("block_size", TPB)
+    eagle = opts.get("eagle_groups", [])
     shapes = [
         {"tokens_per_chunk": tpc, "sliding_window": getattr(s, "sliding_window", None)}
         | ({"attention_chunk_size": s.attention_chunk_size} if isinstance(s, ChunkedLocalAttentionSpec) else {})
-        for s in SPECS[specs]()
+        | ({"eagle": True} if g in eagle else {})
+        for g, s in enumerate(SPECS[specs]())
     ]
     text = json.dumps({"seed": seed, "groups": specs, "shapes": shapes, "blocks_per_chunk": tpc // TPB,
                        **derived, "extra": extra, "opts": opts, "delay": delay, "steps": steps},

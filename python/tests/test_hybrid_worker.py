@@ -112,7 +112,9 @@ def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
     seed: int, specs: str, extra: dict, opts: dict, delay: int
 ) -> None:
     seen = worker_run(seed, specs, extra, opts)
-    assert seen["loads"] > 0 and seen["window_loads"] > 0 and seen["stores"] > 0, seen
+    windowed = any(type(s) is not FullAttentionSpec for s in SPECS[specs]())
+    assert seen["loads"] > 0 and seen["stores"] > 0, seen
+    assert seen["window_loads"] > 0 or not windowed, seen
     # Loads end as a request that resumes, or (synchronous) in their step.
     assert seen["loaded"] or seen["sync_loads"], "no request came back from the host tier"
     assert seen["checked"] > 0

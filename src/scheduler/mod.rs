@@ -307,7 +307,9 @@ impl Scheduler {
         clock: SharedClock,
     ) -> Result<Self, SchedulerError> {
         let mut s = Self::new(cfg, clock)?;
-        let single = groups.shapes.len() == 1 && groups.shapes[0].is_full_attention();
+        let single = groups.shapes.len() == 1
+            && groups.shapes[0].is_full_attention()
+            && !groups.shapes[0].is_eagle_draft();
         let groups =
             hybrid::SchedulerGroups::new(groups, s.geo.tokens_per_chunk, s.geo.blocks_per_chunk)
                 .map_err(|e| SchedulerError::Groups(e.to_string()))?;

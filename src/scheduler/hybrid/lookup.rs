@@ -9,6 +9,8 @@
 //! one chunk more). Each group can only shrink the hit's end; when a later
 //! group shrinks it, earlier groups are asked again until the end converges.
 //! With a sliding-window group the hit leaves the last token to compute.
+//! An EAGLE/MTP draft group looks one chunk past the end and drops the last
+//! chunk it finds (its last position's draft KV depends on the next token).
 
 use std::ops::Range;
 
@@ -86,6 +88,9 @@ pub fn lookup_complete_chunks(
     let mut hit = 0u64;
     let mut defer = false;
     let mut pending = order.clone();
+    // EAGLE draft groups that dropped their volatile last chunk at the
+    // current end (asked again once another group narrows the end).
+    let mut eagle_verified = vec![false; groups.len()];
     while !pending.is_empty() {
         let mut looked_up_window = false;
         let round = std::mem::take(&mut pending);
@@ -93,6 +98,7 @@ pub fn lookup_complete_chunks(
             let shape = groups[g];
             let tpc = shape.tokens_per_chunk();
             let num_keys = keys.num_keys(g);
+            let unverified = shape.is_eagle_draft() && !eagle_verified[g];
             max_hit = max_hit.min(num_keys as u64 * tpc);
             if req.max_load_tokens.is_some() {
                 max_hit -= max_hit % tpc;
@@ -100,26 +106,49 @@ pub fn lookup_complete_chunks(
             if max_hit < computed.saturating_add(tpc) {
                 return Some(0);
             }
-            let num_chunks = (max_hit.div_ceil(tpc) as usize).min(num_keys);
+            // An unverified draft group looks one chunk further, then drops
+            // the last chunk it found.
+            let query_max = if unverified {
+                max_hit.saturating_add(tpc).min(num_keys as u64 * tpc)
+            } else {
+                max_hit
+            };
+            let extra = u64::from(unverified);
+            let num_chunks = (query_max.div_ceil(tpc) as usize).min(num_keys);
             let start = (computed / tpc) as usize;
             let found = match shape.window_chunks() {
                 None => prefix(keys, g, start, num_chunks),
                 Some(window) => {
-                    let candidate_end = max_hit.min(num_chunks as u64 * tpc);
+                    let candidate_end =
+                        max_hit.min((num_chunks as u64).saturating_sub(extra) * tpc);
                     let first_run = shape.load_window_chunks(candidate_end).unwrap_or(window);
-                    suffix(keys, g, start, num_chunks, window, first_run)
+                    suffix(
+                        keys,
+                        g,
+                        start,
+                        num_chunks,
+                        window + extra,
+                        first_run + extra,
+                    )
                 }
             };
             match found {
                 Some(0) => return Some(0),
                 None => defer = true,
-                Some(n) => max_hit = max_hit.min(tpc * (start + n) as u64),
+                Some(n) => {
+                    let n = n - extra as usize;
+                    eagle_verified[g] |= unverified;
+                    max_hit = max_hit.min(tpc * (start + n) as u64);
+                }
             }
             if max_hit < computed.saturating_add(tpc) {
                 return Some(0);
             }
             let new_hit = max_hit - computed;
             if new_hit < hit {
+                if !shape.is_eagle_draft() {
+                    eagle_verified.fill(false);
+                }
                 if defer {
                     // Ask every group again: the narrower hit may not wait.
                     defer = false;
@@ -287,6 +316,26 @@ mod tests {
         );
         // No run of the window and none at the start: no hit.
         assert_eq!(ask(&[full(), window(8)], &["HHHH", "MHMH"], 0, 17), Some(0));
+    }
+
+    #[test]
+    fn a_draft_group_needs_the_chunk_after_the_hit() {
+        let draft = full().eagle_draft();
+        // Four chunks held: the last one only proves the third.
+        assert_eq!(ask(&[full()], &["HHHH"], 0, 17), Some(16));
+        assert_eq!(ask(&[draft], &["HHHH"], 0, 17), Some(12));
+        // It looks one chunk past the end the others allow: a fifth key.
+        assert_eq!(ask(&[draft], &["HHHHH"], 0, 17), Some(16));
+        // Found up to a miss: the last found chunk is dropped.
+        assert_eq!(ask(&[draft], &["HHMH"], 0, 17), Some(4));
+        assert_eq!(ask(&[draft], &["HMHH"], 0, 17), Some(0));
+        // A window beside it narrows the end (chunks 1 and 2): the draft
+        // group's prefix holds there, the chunk after it with it (vLLM does
+        // not ask the full-attention groups again).
+        assert_eq!(
+            ask(&[draft, window(8)], &["HHHHH", "MHHMM"], 0, 21),
+            Some(12)
+        );
     }
 
     #[test]

@@ -199,7 +199,9 @@ impl Scheduler {
         for (g, shape) in groups.shapes.iter().enumerate() {
             let tpc = shape.tokens_per_chunk();
             let start = (computed / tpc) as usize;
-            let stop = (end.div_ceil(tpc) as usize).min(num_keys);
+            // A draft group's hit needs the chunk after its end too.
+            let peek = usize::from(shape.is_eagle_draft());
+            let stop = (end.div_ceil(tpc) as usize + peek).min(num_keys);
             for c in start..stop {
                 let key = rs.group_key(g, c, self.geo.blocks_per_chunk);
                 if self.manager.lookup(key) == LookupResult::Miss {
@@ -237,7 +239,11 @@ impl Scheduler {
         let mut key_groups = Vec::new();
         let (mut lo, mut hi) = (usize::MAX, 0);
         for (g, shape) in groups.shapes.iter().enumerate() {
-            for c in load_chunks(shape, computed, end, num_keys) {
+            // A draft group's hit also needs the chunk after its end in the
+            // host tier (not loaded).
+            let after = end.div_ceil(shape.tokens_per_chunk()) as usize;
+            let peek = (shape.is_eagle_draft() && after < num_keys).then_some(after);
+            for c in load_chunks(shape, computed, end, num_keys).chain(peek) {
                 if present.contains(&(g, c)) {
                     keys.push(rs.group_key(g, c, self.geo.blocks_per_chunk));
                     key_groups.push(g);

@@ -154,8 +154,13 @@ impl Scheduler {
         };
         let num_keys = rs.num_keys(bpc);
         let n = groups.len();
+        // A draft group's last chunk is volatile while the request decodes
+        // (vLLM's `storable_chunks`): a rejected draft may rewrite it.
+        let decoding = offloadable > rs.prompt_tokens && !finished;
         let storable_chunks = |rs: &crate::scheduler::request::RequestState, group: usize| {
+            let volatile = usize::from(decoding && groups.shapes[group].is_eagle_draft());
             ((offloadable / tpc) as usize)
+                .saturating_sub(volatile)
                 .min(rs.group_blocks(group).len() / bpc)
                 .min(num_keys)
         };

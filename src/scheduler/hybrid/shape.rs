@@ -38,11 +38,13 @@ pub enum Attention {
     },
 }
 
-/// A KV cache group's shape: its chunk size in tokens and its attention.
+/// A KV cache group's shape: its chunk size in tokens, its attention, and
+/// whether it holds an EAGLE/MTP drafter's layers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupShape {
     tokens_per_chunk: u64,
     attention: Attention,
+    eagle_draft: bool,
 }
 
 impl GroupShape {
@@ -92,8 +94,26 @@ impl GroupShape {
             _ => Ok(Self {
                 tokens_per_chunk,
                 attention,
+                eagle_draft: false,
             }),
         }
+    }
+
+    /// The same group holding an EAGLE/MTP drafter's layers (vLLM's
+    /// `KVCacheGroupSpec.is_eagle_group`, set with speculative decoding whose
+    /// draft KV at a position depends on the next token): its last chunk is
+    /// volatile, so a lookup needs the chunk after a hit's end too, and a
+    /// decoding request's last chunk is not stored.
+    pub fn eagle_draft(self) -> Self {
+        Self {
+            eagle_draft: true,
+            ..self
+        }
+    }
+
+    /// Whether the group holds an EAGLE/MTP drafter's layers.
+    pub fn is_eagle_draft(&self) -> bool {
+        self.eagle_draft
     }
 
     /// Tokens of one host chunk of this group.

@@ -101,15 +101,16 @@ pub fn store_candidates(
     let num_chunks = view.storable_chunks;
     let next = view.next_stored_chunk;
     let dense = policy.retention == Retention::Dense;
+    let eagle = shape.is_eagle_draft();
     let final_alignment_blocks = match (shape.window_tokens(), policy.alignment_tokens) {
-        (Some(_), Some(a)) if a.is_multiple_of(tpb) => Some(a / tpb),
+        (Some(_), Some(a)) if !eagle && a.is_multiple_of(tpb) => Some(a / tpb),
         _ => None,
     };
     let reconsider = req.finished
         && num_chunks != view.prompt_chunks
         && dense
         && final_alignment_blocks.is_some_and(|b| b > 0);
-    let store_horizon = if !dense {
+    let store_horizon = if !dense || eagle {
         None
     } else if req.finished {
         Some(num_chunks)
@@ -182,8 +183,9 @@ pub fn store_candidates(
 }
 
 /// vLLM's `SlidingWindowManager.reachable_block_mask` for blocks
-/// `start..end` of a group (no EAGLE, no DCP): `None` keeps every block
-/// (full attention, no alignment, or a window covering whole segments).
+/// `start..end` of a group (no DCP): `None` keeps every block (full
+/// attention, no alignment, or a window covering whole segments). An EAGLE
+/// draft group needs one block more, ending one block later.
 fn reachable_mask(
     shape: &GroupShape,
     tpb: u64,
@@ -197,8 +199,9 @@ fn reachable_mask(
     if !alignment.is_multiple_of(tpb) {
         return None;
     }
-    // Blocks a hit needs before its end.
-    let need = ((window - 1).div_ceil(tpb)) as usize;
+    // Blocks a hit needs before its end (a draft group's one more, past it).
+    let shift = usize::from(shape.is_eagle_draft());
+    let need = ((window - 1).div_ceil(tpb)) as usize + shift;
     let mut mask = vec![false; end.saturating_sub(start)];
     let segment = match policy.retention {
         Retention::Dense => Some(alignment),
@@ -211,11 +214,11 @@ fn reachable_mask(
             return None;
         }
         for i in start..end {
-            if i % per_segment >= per_segment - need {
+            if i >= shift && (i - shift) % per_segment >= per_segment - need {
                 mask[i - start] = true;
             }
         }
-        if let Some(final_end) = final_segment_end {
+        if let (Some(final_end), 0) = (final_segment_end, shift) {
             let size = final_end % per_segment;
             if size != 0 {
                 let tail_start = (final_end - size).max(final_end.saturating_sub(need));
@@ -227,7 +230,7 @@ fn reachable_mask(
     }
     if policy.retention != Retention::Dense {
         for &boundary in boundaries {
-            let aligned_end = (boundary / alignment * alignment / tpb) as usize;
+            let aligned_end = (boundary / alignment * alignment / tpb) as usize + shift;
             for j in start.max(aligned_end.saturating_sub(need))..end.min(aligned_end) {
                 mask[j - start] = true;
             }
