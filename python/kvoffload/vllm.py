@@ -322,16 +322,17 @@ def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None
         groups
         and (
             type(groups[0].kv_cache_spec) in _WINDOWED_SPECS
-            # One full-attention group holding a drafter's layers: the
-            # groups' path follows its volatile last chunk.
-            or (type(groups[0].kv_cache_spec) is FullAttentionSpec and kv_eagle_groups(kv_cache_config))
+            # One full-attention (or MLA) group holding a drafter's layers:
+            # the groups' path follows its volatile last chunk.
+            or (type(groups[0].kv_cache_spec) in _DENSE_ATTENTION_SPECS and kv_eagle_groups(kv_cache_config))
         )
     ):
         return None
     windows: list[GroupWindow] = []
     for g in groups:
         spec = g.kv_cache_spec
-        if type(spec) is FullAttentionSpec:
+        if type(spec) in _DENSE_ATTENTION_SPECS:
+            # Full attention, MLA's included (vLLM's connector: no window).
             windows.append(None)
         elif type(spec) is SlidingWindowSpec and not getattr(spec, "extra_retained_tokens", 0):
             windows.append(int(spec.sliding_window))
@@ -339,8 +340,8 @@ def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None
             windows.append(("chunked_local", int(spec.attention_chunk_size)))
         else:
             raise ValueError(
-                "KvOffloadConnector offloads hybrid models of full-attention, sliding-window and "
-                f"chunked-local attention KV groups; this model has a {type(spec).__name__} group"
+                "KvOffloadConnector offloads hybrid models of full-attention (or MLA), sliding-window "
+                f"and chunked-local attention KV groups; this model has a {type(spec).__name__} group"
             )
     sizes = {g.kv_cache_spec.block_size for g in groups}
     if len(sizes) != 1:
@@ -353,7 +354,6 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
     (`kv_group_windows`) full-attention, sliding-window and chunked-local
     attention groups."""
     groups = kv_cache_config.kv_cache_groups
-    _warn_if_eagle_block_drop(vllm_config, kv_cache_config)
     if kv_group_windows(kv_cache_config) is not None:
         return _hybrid_engine_config(vllm_config, kv_cache_config)
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
@@ -421,6 +421,7 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
     else:
         per_block = sum(page_bytes)
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    _warn_if_replicated(vllm_config, kv_cache_config)
     cfg = EngineConfig.from_extra(
         extra,
         tokens_per_block=spec.block_size,
@@ -429,32 +430,6 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
         kv_bytes_per_token=sum(b // spec.block_size for b in page_bytes),
     )
     return cfg
-
-
-def _warn_if_eagle_block_drop(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-    """Warns where a KV group holds an EAGLE/MTP drafter's layers
-    (``kv_eagle_groups``) that kvoffload does not treat as vLLM's connector
-    does: one group of another kind than ``FullAttentionSpec`` (MLA, as
-    DeepSeek's MTP), which takes the single-group path. vLLM's connector
-    never stores a decoding request's last chunk of such a group and ends a
-    hit one chunk before the last chunk it finds; kvoffload then stores and
-    hits every chunk. Outputs are the same (the target model verifies every
-    draft); a hit may hand the drafter one position's KV computed before
-    another next token, which can lower acceptance there, and hits and
-    stores differ from vLLM's."""
-    draft = kv_eagle_groups(kv_cache_config)
-    if not draft or kv_group_windows(kv_cache_config) is not None:
-        return
-    spec = getattr(vllm_config, "speculative_config", None)
-    logger.warning(
-        "kvoffload: speculative decoding (%s) with draft KV in KV group(s) %s of %s: vLLM's "
-        "OffloadingConnector keeps the drafter's volatile last chunk out of its stores and hits; "
-        "kvoffload does not for this kind of group (outputs are unchanged, the draft acceptance "
-        "at a hit's last position may be lower, and hits and stores differ from vLLM's)",
-        getattr(spec, "method", "?"),
-        draft,
-        type(kv_cache_config.kv_cache_groups[draft[0]].kv_cache_spec).__name__,
-    )
 
 
 def _warn_if_replicated(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:

@@ -290,31 +290,28 @@ def test_mla_replicated_on_every_tensor_rank_is_warned_of(monkeypatch):
     assert len(said) == 1, said
 
 
-def test_a_draft_group_kvoffload_does_not_follow_is_warned_of(monkeypatch):
+def test_one_group_holding_a_drafters_layers_takes_the_groups_path():
     """vLLM's connector keeps an EAGLE/MTP drafter's last chunk out of its
-    stores and hits. kvoffload follows it for full-attention groups (the
-    groups' path, test_hybrid_vllm.py); one MLA group (DeepSeek's MTP)
-    takes the single-group path, which does not: the operator is told."""
+    stores and hits, with one KV group too: one full-attention or MLA group
+    (DeepSeek's MTP) holding a drafter's layers takes the groups' path,
+    which follows it (test_hybrid_vllm.py, cases with ``eagle_groups``);
+    without a drafter it keeps the single-group path."""
     from types import SimpleNamespace
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     import kvoffload.vllm as kv
 
-    said: list[str] = []
-    monkeypatch.setattr(kv.logger, "warning", lambda msg, *a: said.append(msg % a))
     common = dict(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
 
-    def cfg(spec: Any, eagle: bool) -> tuple:
+    def config(spec: Any, eagle: bool) -> Any:
         group = SimpleNamespace(kv_cache_spec=spec, is_eagle_group=eagle, layer_names=["l0"])
-        return SimpleNamespace(speculative_config=SimpleNamespace(method="mtp")), SimpleNamespace(kv_cache_groups=[group])
+        return SimpleNamespace(kv_cache_groups=[group])
 
-    kv._warn_if_eagle_block_drop(*cfg(MLAAttentionSpec(**common), True))
-    assert len(said) == 1 and "mtp" in said[0] and "MLAAttentionSpec" in said[0], said
-    assert kv.kv_group_windows(cfg(FullAttentionSpec(**common), True)[1]) == [None], "the groups' path"
-    for quiet in (cfg(FullAttentionSpec(**common), True), cfg(MLAAttentionSpec(**common), False)):
-        kv._warn_if_eagle_block_drop(*quiet)
-    assert len(said) == 1, said
+    for spec in (FullAttentionSpec(**common), MLAAttentionSpec(**common)):
+        assert kv.kv_eagle_groups(config(spec, True)) == [0]
+        assert kv.kv_group_windows(config(spec, True)) == [None], type(spec).__name__
+        assert kv.kv_group_windows(config(spec, False)) is None, type(spec).__name__
 
 
 def test_decode_context_parallelism_stops_startup():

@@ -32,7 +32,7 @@ from test_remote import (  # noqa: F401  (redis_url, redis_cluster: fixtures)
 #: (seed, group specs, extra config, engine options): chunks of one, two
 #: and four blocks, two windows, a window alone, async scheduling, two
 #: workers, dense retention; chunked-local attention groups; EAGLE draft
-#: groups (a hit needs the chunk after its end: fetched too).
+#: groups (a hit needs the chunk after its end: fetched too); MLA groups.
 REMOTE_CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}),
     (3, "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {}),
@@ -45,6 +45,8 @@ REMOTE_CASES = [
     (18, "full+swa8+local16", {"offload_prompt_only": False}, {"world_size": 2}),
     (19, "full", {"offload_prompt_only": False}, {"eagle_groups": [0]}),
     (20, "full+swa8", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"eagle_groups": [0]}),
+    (22, "mla+swa8", {"offload_prompt_only": False}, {}),
+    (23, "mla", {"offload_prompt_only": False}, {"eagle_groups": [0]}),
 ]
 
 
@@ -78,7 +80,7 @@ def test_a_second_node_fetches_every_group_s_chunks_and_loads_the_computed_bytes
     assert st["fetches_failed"] == 0, st
     assert st["chunks_found"] >= st["chunks_fetched"], st
     assert seen["loads"] > 0 and seen["checked"] > 0, seen
-    assert seen["window_loads"] > 0 or specs == "full", seen
+    assert seen["window_loads"] > 0 or specs in ("full", "mla"), seen
     w = second["workers"]
     world = opts.get("world_size", 1)
     assert w["hits"] == st["chunks_fetched"] * world and w["misses"] == 0, (w, st)

@@ -38,7 +38,7 @@ import torch
 from harness import HEAD_SIZE, HEADS, build
 import kvoffload._native as native
 from test_differential import capture_events, kvoffload_worker, order_free, vllm_worker
-from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 TPB = 4
@@ -73,6 +73,11 @@ def local(tokens: int) -> ChunkedLocalAttentionSpec:
     )
 
 
+def mla() -> MLAAttentionSpec:
+    """MLA (one latent vector a token), its page the size of the others'."""
+    return MLAAttentionSpec(block_size=TPB, num_kv_heads=1, head_size=2 * HEADS * HEAD_SIZE, dtype=torch.float32)
+
+
 # (seed, group specs by name, extra config, engine options, fake worker delay)
 SPECS = {
     "full+swa8": lambda: [full(), window(8)],
@@ -81,6 +86,8 @@ SPECS = {
     "swa8+swa16": lambda: [window(8), window(16)],
     "swa8": lambda: [window(8)],
     "full": lambda: [full()],
+    "mla": lambda: [mla()],
+    "mla+swa8": lambda: [mla(), window(8)],
     "full+local8": lambda: [full(), local(8)],
     "full+local12": lambda: [full(), local(12)],
     "local12+full": lambda: [local(12), full()],
@@ -135,6 +142,10 @@ CASES = [
     (19, "full", {"offload_prompt_only": False}, {"eagle_groups": [0]}, 1),
     (20, "full+swa8", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"eagle_groups": [0]}, 1),
     (21, "swa6+full", {"block_size": 4 * TPB, "offload_prompt_only": False}, {"eagle_groups": [0, 1], "retention": None}, 0),
+    # MLA groups: full attention to vLLM's connector, beside a window; one
+    # MLA group holding an MTP drafter's layers (DeepSeek's MTP).
+    (22, "mla+swa8", {"offload_prompt_only": False}, {}, 1),
+    (23, "mla", {"offload_prompt_only": False}, {"eagle_groups": [0]}, 1),
 ]
 
 

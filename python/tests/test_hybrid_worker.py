@@ -66,7 +66,7 @@ def worker_run(
     if on_start is not None:
         on_start(e)
     # Sliding-window and chunked-local groups.
-    windowed = [g for g, s in enumerate(groups) if type(s) is not FullAttentionSpec]
+    windowed = [g for g, s in enumerate(groups) if not isinstance(s, FullAttentionSpec)]
     seen = {"checked": 0, "loads": 0, "sync_loads": 0, "window_loads": 0, "stores": 0, "holes": 0}
 
     def snapshot(so: Any) -> dict:
@@ -112,7 +112,7 @@ def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
     seed: int, specs: str, extra: dict, opts: dict, delay: int
 ) -> None:
     seen = worker_run(seed, specs, extra, opts)
-    windowed = any(type(s) is not FullAttentionSpec for s in SPECS[specs]())
+    windowed = any(not isinstance(s, FullAttentionSpec) for s in SPECS[specs]())
     assert seen["loads"] > 0 and seen["stores"] > 0, seen
     assert seen["window_loads"] > 0 or not windowed, seen
     # Loads end as a request that resumes, or (synchronous) in their step.
