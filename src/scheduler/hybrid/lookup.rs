@@ -1,10 +1,11 @@
 //! A request's hit over several KV groups: vLLM 0.33.0's
 //! `_lookup_complete_chunks` (its `OffloadingConnectorScheduler`), without
-//! EAGLE draft groups and Mamba alignment.
+//! Mamba alignment.
 //!
 //! Full-attention groups first, a prefix lookup each (consecutive hits from
 //! the first chunk past the GPU's hit); then windowed groups (sliding
-//! windows and chunked-local attention), largest window first, a suffix lookup each (the last run of `window` consecutive
+//! windows and chunked-local attention), largest window first, a suffix
+//! lookup each (the last run of `window` consecutive
 //! hits, scanning from the right; the first run may need the load window,
 //! one chunk more). Each group can only shrink the hit's end; when a later
 //! group shrinks it, earlier groups are asked again until the end converges.

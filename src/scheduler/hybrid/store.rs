@@ -1,7 +1,7 @@
 //! Which of a request's chunks a store offers the host tier, group by group:
 //! the candidate selection of vLLM 0.33.0's `_build_store_jobs`, with its
-//! sliding-window `reachable_block_mask`, without EAGLE draft groups, Mamba
-//! and decode context parallelism.
+//! sliding-window `reachable_block_mask` (an EAGLE draft window's too),
+//! without Mamba and decode context parallelism.
 //!
 //! A full-attention group offers every chunk from its next unstored one to
 //! its last storable one. A sliding-window group offers only chunks a later
