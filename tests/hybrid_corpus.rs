@@ -54,6 +54,8 @@ fn shapes(case: &Value) -> Vec<GroupShape> {
                 None => GroupShape::new(tpc, s["sliding_window"].as_u64()),
             }
             .expect("a group shape");
+            let extra = s["extra_retained_tokens"].as_u64().unwrap_or(0);
+            let shape = shape.retaining(extra).expect("retained tokens on a window");
             if s["eagle"].as_bool() == Some(true) {
                 shape.eagle_draft()
             } else {

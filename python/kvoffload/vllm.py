@@ -255,12 +255,16 @@ def block_hash_converter() -> Callable[[bytes], Any]:
     return _hash_as_int if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else _hash_as_bytes
 
 
-def _window_chunks(window: int | tuple[str, int], chunk_tokens: int) -> int:
+def _window_chunks(window: int | tuple, chunk_tokens: int) -> int:
     """vLLM's ``get_sliding_window_size_in_chunks``: the chunks a window of
-    ``window`` tokens spans (a chunked-local group's: its attention chunk's)."""
+    ``window`` tokens spans (with the tokens it retains behind it; a
+    chunked-local group's: its attention chunk's)."""
+    extra = 0
     if isinstance(window, tuple):
-        return -(-window[1] // chunk_tokens)
-    return max(-(-window // chunk_tokens), -(-(window - 1) // chunk_tokens))
+        if window[0] == "chunked_local":
+            return -(-window[1] // chunk_tokens)
+        window, extra = window[1], window[2]
+    return max(-(-window // chunk_tokens), -(-(window - 1 + extra) // chunk_tokens))
 
 
 def _placeholder_stored(block_hash: Any, kind: Any, window: Any, group: int = 0) -> BlockStored:
@@ -294,8 +298,10 @@ _DENSE_ATTENTION_SPECS = (FullAttentionSpec, MLAAttentionSpec)
 
 #: A KV group as the scheduler core takes it: ``None`` full attention, an
 #: int a sliding window in tokens, ``("chunked_local", n)`` chunked-local
-#: attention over aligned chunks of ``n`` tokens.
-GroupWindow = int | tuple[str, int] | None
+#: attention over aligned chunks of ``n`` tokens, ``("sliding_window", w,
+#: extra)`` a sliding window retaining ``extra`` tokens behind it
+#: (multi-module MTP).
+GroupWindow = int | tuple[str, int] | tuple[str, int, int] | None
 
 #: The windowed kinds of one KV group that take the hybrid path.
 _WINDOWED_SPECS = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
@@ -334,8 +340,9 @@ def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None
         if type(spec) in _DENSE_ATTENTION_SPECS:
             # Full attention, MLA's included (vLLM's connector: no window).
             windows.append(None)
-        elif type(spec) is SlidingWindowSpec and not getattr(spec, "extra_retained_tokens", 0):
-            windows.append(int(spec.sliding_window))
+        elif type(spec) is SlidingWindowSpec:
+            extra = int(getattr(spec, "extra_retained_tokens", 0))
+            windows.append(("sliding_window", int(spec.sliding_window), extra) if extra else int(spec.sliding_window))
         elif type(spec) is ChunkedLocalAttentionSpec:
             windows.append(("chunked_local", int(spec.attention_chunk_size)))
         else:

@@ -569,13 +569,16 @@ impl SchedulerCore {
 
 /// One KV group as the connector names it: `None` full attention, an int a
 /// sliding window in tokens, `("chunked_local", n)` chunked-local attention
-/// over aligned chunks of `n` tokens.
+/// over aligned chunks of `n` tokens, `("sliding_window", w, extra)` a
+/// sliding window retaining `extra` tokens behind it.
 #[derive(FromPyObject)]
 enum GroupArg {
     /// Full attention (`None`) or a sliding window.
     Window(Option<u64>),
     /// A kind of attention by name, and its size in tokens.
     Kind(String, u64),
+    /// A kind of attention by name, its size and the tokens it retains.
+    Retaining(String, u64, u64),
 }
 
 impl GroupArg {
@@ -587,9 +590,14 @@ impl GroupArg {
             Self::Kind(kind, chunk_tokens) if kind == "chunked_local" => {
                 Attention::ChunkedLocal { chunk_tokens }
             }
-            Self::Kind(kind, _) => {
+            Self::Retaining(kind, window_tokens, extra) if kind == "sliding_window" => {
+                return GroupShape::sliding_window(tokens_per_chunk, window_tokens)
+                    .and_then(|s| s.retaining(extra))
+                    .map_err(value_error);
+            }
+            Self::Kind(kind, _) | Self::Retaining(kind, _, _) => {
                 return Err(value_error(format!(
-                    "unknown KV group kind {kind:?} (expected \"chunked_local\")"
+                    "unknown KV group kind {kind:?} (expected \"chunked_local\" or \"sliding_window\" with retained tokens)"
                 )));
             }
         };

@@ -505,15 +505,24 @@ def test_a_model_of_only_chunked_local_attention_loads_its_last_attention_chunk(
     leak_free(e)
 
 
-def test_sliding_window_layers_that_retain_extra_tokens_stop_startup():
-    # Multi-token prediction makes vLLM keep extra tokens behind each
-    # sliding window (extra_retained_tokens), which vLLM's lookup and
-    # stores then widen by: not followed yet, so refused by name.
+def test_sliding_window_layers_that_retain_extra_tokens_load_their_wider_window():
+    # Multi-module MTP makes vLLM keep extra tokens behind each sliding
+    # window (extra_retained_tokens), and its connector's lookups, loads and
+    # stores widen by them (test_hybrid_vllm.py, "full+swa8x2"). One such
+    # group alone: a prefix dropped by the GPU comes back from the host tier
+    # with the computed bytes.
     import dataclasses
 
     spec = dataclasses.replace(_local_specs()["sliding"], extra_retained_tokens=2)
-    with pytest.raises(ValueError, match=type(spec).__name__):
-        harness.build(spec=spec)
+    e = harness.build(spec=spec, num_gpu_blocks=32, extra={"num_cpu_chunks": 64, "offload_prompt_only": False})
+    assert e.connector._scheduler.windows == [("sliding_window", 8, 2)]
+    e.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(e)
+    evict_gpu_prefix(e)
+    b = e.add(PREFIX + [7, 8, 9], max_tokens=3)
+    assert run_checked(e) > 0
+    assert b in e.loaded
+    leak_free(e)
 
 
 def test_with_the_hybrid_manager_off_a_model_mixing_full_and_sliding_window_layers_runs_as_full_attention():

@@ -32,7 +32,8 @@ from test_remote import (  # noqa: F401  (redis_url, redis_cluster: fixtures)
 #: (seed, group specs, extra config, engine options): chunks of one, two
 #: and four blocks, two windows, a window alone, async scheduling, two
 #: workers, dense retention; chunked-local attention groups; EAGLE draft
-#: groups (a hit needs the chunk after its end: fetched too); MLA groups.
+#: groups (a hit needs the chunk after its end: fetched too); MLA groups; a
+#: window retaining tokens behind it.
 REMOTE_CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}),
     (3, "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {}),
@@ -47,6 +48,7 @@ REMOTE_CASES = [
     (20, "full+swa8", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"eagle_groups": [0]}),
     (22, "mla+swa8", {"offload_prompt_only": False}, {}),
     (23, "mla", {"offload_prompt_only": False}, {"eagle_groups": [0]}),
+    (24, "full+swa8x2", {"offload_prompt_only": False}, {}),
 ]
 
 

@@ -25,6 +25,7 @@ diff: it is vLLM's behaviour changing, or the harness).
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -65,6 +66,12 @@ def window(tokens: int) -> SlidingWindowSpec:
     )
 
 
+def window_retaining(tokens: int, extra: int) -> SlidingWindowSpec:
+    """A sliding window keeping `extra` more tokens behind it (vLLM sets
+    ``extra_retained_tokens`` with multi-module MTP)."""
+    return dataclasses.replace(window(tokens), extra_retained_tokens=extra)
+
+
 def local(tokens: int) -> ChunkedLocalAttentionSpec:
     """Chunked-local attention over aligned chunks of `tokens` tokens
     (Llama 4's local layers)."""
@@ -88,6 +95,7 @@ SPECS = {
     "full": lambda: [full()],
     "mla": lambda: [mla()],
     "mla+swa8": lambda: [mla(), window(8)],
+    "full+swa8x2": lambda: [full(), window_retaining(8, 2)],
     "full+local8": lambda: [full(), local(8)],
     "full+local12": lambda: [full(), local(12)],
     "local12+full": lambda: [local(12), full()],
@@ -146,6 +154,11 @@ CASES = [
     # MLA group holding an MTP drafter's layers (DeepSeek's MTP).
     (22, "mla+swa8", {"offload_prompt_only": False}, {}, 1),
     (23, "mla", {"offload_prompt_only": False}, {"eagle_groups": [0]}, 1),
+    # A sliding window retaining 2 tokens behind it (multi-module MTP): its
+    # window, load window and reachable-block mask widen by them (chunks of
+    # one block; of four blocks with dense retention).
+    (24, "full+swa8x2", {"offload_prompt_only": False}, {}, 1),
+    (25, "full+swa8x2", {"block_size": 4 * TPB, "offload_prompt_only": False}, {"retention": None}, 1),
 ]
 
 
@@ -417,6 +430,7 @@ def write_case(
     shapes = [
         {"tokens_per_chunk": tpc, "sliding_window": getattr(s, "sliding_window", None)}
         | ({"attention_chunk_size": s.attention_chunk_size} if isinstance(s, ChunkedLocalAttentionSpec) else {})
+        | ({"extra_retained_tokens": s.extra_retained_tokens} if getattr(s, "extra_retained_tokens", 0) else {})
         | ({"eagle": True} if g in eagle else {})
         for g, s in enumerate(SPECS[specs]())
     ]
@@ -566,7 +580,8 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
                 if isinstance(spec, SlidingWindowSpec):
                     # A sliding-window group loads its window only (one chunk
                     # more where the window's start is not chunk-aligned).
-                    limit = (window_chunks(spec.sliding_window, tpc) + 1) * bpc
+                    retained = spec.sliding_window + spec.extra_retained_tokens
+                    limit = (window_chunks(retained, tpc) + 1) * bpc
                     assert len(blocks) <= limit, (rid, g, per_group)
                 elif isinstance(spec, ChunkedLocalAttentionSpec):
                     # A chunked-local group loads its attention chunk's worth.

@@ -16,6 +16,9 @@ pub enum GroupShapeError {
     /// A local-attention chunk must cover at least one token.
     #[error("a chunked-local attention chunk must cover at least one token")]
     EmptyAttentionChunk,
+    /// Only a sliding window retains extra tokens behind it.
+    #[error("only a sliding-window group retains extra tokens behind its window")]
+    RetainedWithoutWindow,
 }
 
 /// What the tokens of a group attend to.
@@ -38,13 +41,15 @@ pub enum Attention {
     },
 }
 
-/// A KV cache group's shape: its chunk size in tokens, its attention, and
-/// whether it holds an EAGLE/MTP drafter's layers.
+/// A KV cache group's shape: its chunk size in tokens, its attention,
+/// whether it holds an EAGLE/MTP drafter's layers, and the tokens a sliding
+/// window retains behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GroupShape {
     tokens_per_chunk: u64,
     attention: Attention,
     eagle_draft: bool,
+    extra_retained_tokens: u64,
 }
 
 impl GroupShape {
@@ -95,6 +100,7 @@ impl GroupShape {
                 tokens_per_chunk,
                 attention,
                 eagle_draft: false,
+                extra_retained_tokens: 0,
             }),
         }
     }
@@ -114,6 +120,27 @@ impl GroupShape {
     /// Whether the group holds an EAGLE/MTP drafter's layers.
     pub fn is_eagle_draft(&self) -> bool {
         self.eagle_draft
+    }
+
+    /// The same sliding window keeping `tokens` more behind it (vLLM's
+    /// `SlidingWindowSpec.extra_retained_tokens`, set with multi-module MTP:
+    /// the drafter re-reads them): a lookup needs, and a store keeps, that
+    /// much more history. Refused for other kinds of groups.
+    pub fn retaining(self, tokens: u64) -> Result<Self, GroupShapeError> {
+        match self.attention {
+            Attention::SlidingWindow { .. } => Ok(Self {
+                extra_retained_tokens: tokens,
+                ..self
+            }),
+            _ if tokens == 0 => Ok(self),
+            _ => Err(GroupShapeError::RetainedWithoutWindow),
+        }
+    }
+
+    /// Tokens a sliding window retains behind it (0 but with multi-module
+    /// MTP).
+    pub fn extra_retained_tokens(&self) -> u64 {
+        self.extra_retained_tokens
     }
 
     /// Tokens of one host chunk of this group.
@@ -150,7 +177,8 @@ impl GroupShape {
         match self.attention {
             Attention::Full => None,
             Attention::SlidingWindow { window_tokens: w } => {
-                Some(w.div_ceil(tpc).max((w - 1).div_ceil(tpc)))
+                let extra = self.extra_retained_tokens;
+                Some(w.div_ceil(tpc).max((w - 1 + extra).div_ceil(tpc)))
             }
             Attention::ChunkedLocal { chunk_tokens } => Some(chunk_tokens.div_ceil(tpc)),
         }
@@ -169,7 +197,8 @@ impl GroupShape {
         };
         let tpc = self.tokens_per_chunk;
         let right_padding = (tpc - hit_end % tpc) % tpc;
-        Some(window.max((w - 1 + right_padding).div_ceil(tpc)))
+        let extra = self.extra_retained_tokens;
+        Some(window.max((w - 1 + extra + right_padding).div_ceil(tpc)))
     }
 }
 
@@ -211,6 +240,32 @@ mod tests {
             GroupShape::chunked_local(4, 0),
             Err(GroupShapeError::EmptyAttentionChunk)
         );
+    }
+
+    #[test]
+    fn retained_tokens_widen_a_sliding_window_as_vllm() {
+        // vLLM: max(cdiv(w, tpc), cdiv(w - 1 + extra, tpc)), and the load
+        // window with its right padding on top.
+        let w8 = GroupShape::sliding_window(4, 8)
+            .unwrap()
+            .retaining(2)
+            .unwrap();
+        assert_eq!(w8.extra_retained_tokens(), 2);
+        assert_eq!(w8.window_chunks(), Some(3));
+        assert_eq!(w8.load_window_chunks(16), Some(3));
+        assert_eq!(w8.load_window_chunks(13), Some(3));
+        assert_eq!(w8.load_window_chunks(15), Some(3));
+        let w7 = GroupShape::sliding_window(4, 7)
+            .unwrap()
+            .retaining(1)
+            .unwrap();
+        assert_eq!(w7.window_chunks(), Some(2));
+        assert_eq!(w7.load_window_chunks(13), Some(3));
+        assert_eq!(
+            GroupShape::chunked_local(4, 8).unwrap().retaining(2),
+            Err(GroupShapeError::RetainedWithoutWindow)
+        );
+        assert!(GroupShape::full_attention(4).unwrap().retaining(0).is_ok());
     }
 
     #[test]

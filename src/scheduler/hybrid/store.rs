@@ -194,7 +194,8 @@ fn reachable_mask(
     boundaries: &[u64],
     final_segment_end: Option<usize>,
 ) -> Option<Vec<bool>> {
-    let window = shape.window_tokens()?;
+    // vLLM widens the window by the tokens it retains behind it.
+    let window = shape.window_tokens()? + shape.extra_retained_tokens();
     let alignment = policy.alignment_tokens?;
     if !alignment.is_multiple_of(tpb) {
         return None;
