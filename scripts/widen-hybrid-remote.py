@@ -17,7 +17,8 @@ redis-server on PATH (scripts/setup-redis.sh):
 With --cluster, the store is a Redis Cluster of three masters instead.
 `--only S` cycles through the configurations whose group names contain S
 (`--only local`: the chunked-local ones; `--only eagle`: those with
-EAGLE draft groups), from seed 40,000.
+EAGLE draft groups; `--only hash`: those whose block hashes are finer
+than the blocks), from seed 40,000.
 Exits 1 if a node moved a wrong byte, leaked, or a fetch failed.
 """
 
@@ -44,7 +45,7 @@ def main() -> int:
     if len(args) != 1 or not args[0].isdigit():
         print(__doc__, file=sys.stderr)
         return 2
-    cases = [c for c in hy.CASES if only is None or only in c[1] or (only == "eagle" and c[3].get("eagle_groups"))]
+    cases = hy.select_cases(only)
     if not cases:
         print(f"no configuration's groups contain {only!r}", file=sys.stderr)
         return 2

@@ -16,7 +16,8 @@ kvoffload package installed in it (scripts/test-python.sh does):
     KVOFFLOAD_HYBRID_CORPUS=/tmp/hybrid-wide cargo test --release --test hybrid_corpus
 `--only S` cycles through the configurations whose group names contain S
 (`--only local`: the chunked-local ones; `--only eagle`: those with
-EAGLE draft groups), from seed 30,000.
+EAGLE draft groups; `--only hash`: those whose block hashes are finer
+than the blocks), from seed 30,000.
 Exits 1 if kvoffload answered a step differently or moved a wrong byte.
 """
 
@@ -40,7 +41,7 @@ def main() -> int:
         print(__doc__, file=sys.stderr)
         return 2
     n, out = int(args[0]), Path(args[1])
-    cases = [c for c in hy.CASES if only is None or only in c[1] or (only == "eagle" and c[3].get("eagle_groups"))]
+    cases = hy.select_cases(only)
     if not cases:
         print(f"no configuration's groups contain {only!r}", file=sys.stderr)
         return 2

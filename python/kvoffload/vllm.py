@@ -356,6 +356,23 @@ def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None
     return windows
 
 
+def kv_hashes_per_block(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    """vLLM's block hashes per KV block: ``block_size // prefix_match_unit``
+    (vLLM's ``tokens_per_hash``, which it allows finer than the blocks with
+    several KV groups), 1 by default. A block's chunk key is the last hash
+    in it, as vLLM's connector keys its chunks."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    block = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    if tokens_per_hash <= 0 or block % tokens_per_hash:
+        raise ValueError(
+            f"KvOffloadConnector needs the KV block ({block} tokens) to be a multiple of "
+            f"vLLM's block-hash unit (prefix_match_unit: {tokens_per_hash} tokens)"
+        )
+    return block // tokens_per_hash
+
+
 def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
     """The engine configuration from vLLM's: one full-attention KV group, or
     (`kv_group_windows`) full-attention, sliding-window and chunked-local
@@ -571,6 +588,7 @@ class _SchedulerSide:
             groups=self.windows,
             retention_interval=retention,
             eagle_groups=kv_eagle_groups(kv_cache_config) if self.windows else [],
+            hashes_per_block=kv_hashes_per_block(vllm_config, kv_cache_config) if self.windows else 1,
         )
         #: Per KV group, the kind and window its events carry (self-describing).
         self.event_specs = (

@@ -50,6 +50,16 @@ impl ChunkSource<'_> {
     }
 }
 
+/// GPU block `b`'s hash in a request's `block_hashes`, `per_block` of them
+/// a block: the last one in the block, which covers its whole prefix.
+fn block_hash_at(
+    block_hashes: &Bound<'_, PyList>,
+    per_block: usize,
+    b: usize,
+) -> PyResult<Py<PyAny>> {
+    Ok(block_hashes.get_item((b + 1) * per_block - 1)?.unbind())
+}
+
 /// One translated event: `(removed, group, items)`, the items of one KV
 /// group. A removal's items are block hashes (bytes); a store's are, per
 /// chunk, its hash (placeholder) or its payload tuple (self-describing).
@@ -74,17 +84,22 @@ pub(crate) struct EventTracker {
     windowed: Vec<bool>,
     blocks_per_chunk: usize,
     tokens_per_chunk: usize,
+    /// vLLM's block hashes per GPU block (`prefix_match_unit` finer than a
+    /// block): block `b`'s hash is raw hash `(b + 1) * n - 1`.
+    hashes_per_block: usize,
 }
 
 impl EventTracker {
     /// A tracker for chunks of `blocks_per_chunk` blocks of `tokens_per_block`
     /// tokens; `self_describing`: keep the payloads too, of the KV groups
-    /// not `windowed` (one full-attention group when empty).
+    /// not `windowed` (one full-attention group when empty);
+    /// `hashes_per_block`: vLLM's block hashes per GPU block.
     pub(crate) fn new(
         blocks_per_chunk: u32,
         tokens_per_block: u32,
         self_describing: bool,
         windowed: Vec<bool>,
+        hashes_per_block: usize,
     ) -> Self {
         let bpc = blocks_per_chunk.max(1) as usize;
         Self {
@@ -94,7 +109,14 @@ impl EventTracker {
             windowed,
             blocks_per_chunk: bpc,
             tokens_per_chunk: bpc * tokens_per_block.max(1) as usize,
+            hashes_per_block: hashes_per_block.max(1),
         }
+    }
+
+    /// GPU block `b`'s hash in the request's `block_hashes` (the last raw
+    /// hash in the block).
+    fn block_hash_at(&self, block_hashes: &Bound<'_, PyList>, b: usize) -> PyResult<Py<PyAny>> {
+        block_hash_at(block_hashes, self.hashes_per_block, b)
     }
 
     /// Whether payloads are kept (`self_describing_kv_events`).
@@ -144,6 +166,7 @@ impl EventTracker {
         let py = src.request.py();
         let list = src.request.getattr(intern!(py, "block_hashes"))?;
         let list = list.cast::<PyList>()?;
+        let per_block = self.hashes_per_block;
         for k in keys {
             while c < chunks && key(c) != *k {
                 c += 1;
@@ -152,7 +175,7 @@ impl EventTracker {
                 break;
             }
             if let std::collections::hash_map::Entry::Vacant(e) = self.key_bytes.entry(k.0) {
-                e.insert(list.get_item((c + 1) * bpc - 1)?.unbind());
+                e.insert(block_hash_at(list, per_block, (c + 1) * bpc - 1)?);
             }
             if group != 0 {
                 self.key_group.insert(k.0, group);
@@ -229,11 +252,16 @@ impl EventTracker {
         let py = request.py();
         let bpc = self.blocks_per_chunk;
         let first = c * bpc;
-        let hashes = block_hashes.get_slice(first, first + bpc);
+        let hashes = PyList::new(
+            py,
+            (first..first + bpc)
+                .map(|b| self.block_hash_at(block_hashes, b))
+                .collect::<PyResult<Vec<_>>>()?,
+        )?;
         let parent = if first == 0 {
             py.None()
         } else {
-            block_hashes.get_item(first - 1)?.unbind()
+            self.block_hash_at(block_hashes, first - 1)?
         };
         let tokens = request.getattr(intern!(py, "all_token_ids"))?;
         let start = (c * self.tokens_per_chunk) as isize;
@@ -420,7 +448,7 @@ mod tests {
     fn a_stored_chunk_carries_its_hashes_tokens_and_parent_and_its_removal_fans_out() {
         with_python(|py| {
             let mut s = scheduler(2);
-            let mut t = EventTracker::new(2, 2, true, Vec::new());
+            let mut t = EventTracker::new(2, 2, true, Vec::new(), 1);
             let (req, hashes) = request(py, "a");
             let k = keys(&hashes);
             let src = source(&req, &hashes);
@@ -456,10 +484,44 @@ mod tests {
     }
 
     #[test]
+    fn with_hashes_finer_than_blocks_a_payload_names_each_blocks_last_hash() {
+        with_python(|py| {
+            let mut s = scheduler(2);
+            let mut t = EventTracker::new(2, 2, true, Vec::new(), 2);
+            // vLLM's prefix_match_unit of 1 token over blocks of 2: eight
+            // hashes; block b's is hash 2b + 1 (it covers the block's prefix).
+            let req = py
+                .eval(
+                    c"__import__('types').SimpleNamespace(block_hashes=[b'h%d' % i for i in range(8)], \
+                      all_token_ids=list(range(100, 108)), lora_request=None)",
+                    None,
+                    None,
+                )
+                .unwrap();
+            let hashes: Vec<BlockHash> = [1, 3, 5, 7]
+                .iter()
+                .map(|i| block_hash(format!("h{i}").as_bytes()))
+                .collect();
+            let k = keys(&hashes);
+            t.record_store(&source(&req, &hashes), &k, 0).unwrap();
+            store(&mut s, &k, StoreOutcome::Success);
+            let ev = t.take(py, &mut s).unwrap();
+            let items: Vec<String> = ev[0].2.iter().map(|i| text(py, i)).collect();
+            assert_eq!(
+                items,
+                [
+                    "([b'h1', b'h3'], None, [100, 101, 102, 103], None, None)",
+                    "([b'h5', b'h7'], b'h3', [104, 105, 106, 107], None, None)",
+                ]
+            );
+        });
+    }
+
+    #[test]
     fn a_failed_store_announces_nothing_and_drops_its_payload() {
         with_python(|py| {
             let mut s = scheduler(4);
-            let mut t = EventTracker::new(2, 2, true, Vec::new());
+            let mut t = EventTracker::new(2, 2, true, Vec::new(), 1);
             let (req, hashes) = request(py, "c");
             let k = keys(&hashes);
             let src = source(&req, &hashes);
@@ -474,7 +536,7 @@ mod tests {
     fn a_lookup_records_the_chunks_it_found() {
         with_python(|py| {
             let mut s = scheduler(4);
-            let mut t = EventTracker::new(2, 2, true, Vec::new());
+            let mut t = EventTracker::new(2, 2, true, Vec::new(), 1);
             let (req, hashes) = request(py, "d");
             let k = keys(&hashes);
             // Stored without a record (as vLLM after a removal and a store in
@@ -503,7 +565,7 @@ mod tests {
         with_python(|py| {
             let mut s = scheduler(8);
             // Group 0 full attention, group 1 a sliding window.
-            let mut t = EventTracker::new(2, 2, true, vec![false, true]);
+            let mut t = EventTracker::new(2, 2, true, vec![false, true], 1);
             let (req, hashes) = request(py, "g");
             let src = source(&req, &hashes);
             let full = vec![ChunkKey::for_group(hashes[1], 0)];
@@ -548,7 +610,7 @@ mod tests {
     fn placeholders_name_each_chunk_by_its_last_block() {
         with_python(|py| {
             let mut s = scheduler(4);
-            let mut t = EventTracker::new(2, 2, false, Vec::new());
+            let mut t = EventTracker::new(2, 2, false, Vec::new(), 1);
             let (req, hashes) = request(py, "e");
             let k = keys(&hashes);
             let src = source(&req, &hashes);
@@ -566,7 +628,7 @@ mod tests {
     fn a_payload_carries_the_requests_lora() {
         with_python(|py| {
             let mut s = scheduler(4);
-            let mut t = EventTracker::new(2, 2, true, Vec::new());
+            let mut t = EventTracker::new(2, 2, true, Vec::new(), 1);
             let lora = "__import__('types').SimpleNamespace(adapter_id=7, name='sql-adapter')";
             let (req, hashes) = request_with_lora(py, "f", lora);
             let k = keys(&hashes);

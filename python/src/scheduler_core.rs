@@ -170,6 +170,11 @@ pub(crate) struct SchedulerCore {
     clock: SharedClock,
     /// Counter values at the last `take_stats` (its counters are deltas).
     last_counters: Counters,
+    /// vLLM's block hashes per GPU block (`block_size / prefix_match_unit`;
+    /// 1 unless `prefix_match_unit` is finer than the blocks): a block's
+    /// hash is the last one in it, the one that covers its whole prefix
+    /// (vLLM's `BlockHashListWithBlockSize`).
+    hashes_per_block: usize,
 }
 
 /// The cumulative counters `take_stats` reports as deltas.
@@ -198,12 +203,15 @@ impl SchedulerCore {
         let list = req.getattr(intern!(py, "block_hashes"))?;
         let list = list.cast::<PyList>()?;
         let sent = t.hashes.len();
-        if list.len() == sent && !force {
+        let per_block = self.hashes_per_block;
+        let blocks = list.len() / per_block;
+        if blocks == sent && !force {
             return Ok(sent);
         }
-        for i in sent..list.len() {
+        for b in sent..blocks {
+            let item = list.get_item((b + 1) * per_block - 1)?;
             t.hashes
-                .push(block_hash(list.get_item(i)?.cast::<PyBytes>()?.as_bytes()));
+                .push(block_hash(item.cast::<PyBytes>()?.as_bytes()));
         }
         if let Some(entry) = self.by_address.get_mut(&(t.name.as_ptr() as usize)) {
             entry.1 = t.hashes.len();
@@ -627,9 +635,11 @@ impl SchedulerCore {
     /// `None` for one full-attention group. `retention_interval`: vLLM's
     /// `prefix_cache_retention_interval`. `eagle_groups`: the groups (of
     /// `groups`) that hold an EAGLE/MTP drafter's layers (vLLM's
-    /// `is_eagle_group`): their last chunk is volatile.
+    /// `is_eagle_group`): their last chunk is volatile. `hashes_per_block`:
+    /// vLLM's block hashes per GPU block (`block_size / prefix_match_unit`,
+    /// several groups only): a block's key is the last hash in it.
     #[new]
-    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false, groups = None, retention_interval = None, eagle_groups = Vec::new()))]
+    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false, groups = None, retention_interval = None, eagle_groups = Vec::new(), hashes_per_block = 1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         config_json: &str,
@@ -640,8 +650,24 @@ impl SchedulerCore {
         groups: Option<Vec<GroupArg>>,
         retention_interval: Option<u64>,
         eagle_groups: Vec<usize>,
+        hashes_per_block: usize,
     ) -> PyResult<Self> {
         let cfg = OffloadConfig::from_json_str(config_json).map_err(value_error)?;
+        if hashes_per_block == 0
+            || !(cfg.tokens_per_block as usize).is_multiple_of(hashes_per_block)
+        {
+            return Err(value_error(format!(
+                "hashes_per_block ({hashes_per_block}) must divide the block's {} tokens",
+                cfg.tokens_per_block
+            )));
+        }
+        if hashes_per_block > 1 && groups.is_none() {
+            // vLLM refuses a prefix_match_unit finer than the block with one
+            // KV group.
+            return Err(value_error(
+                "hashes_per_block > 1 needs `groups` (vLLM hashes finer than a block only with several KV groups)",
+            ));
+        }
         let manual = manual_clock.then(ManualClock::new);
         let clock = match &manual {
             Some(c) => c.shared(),
@@ -686,6 +712,7 @@ impl SchedulerCore {
             cfg.tokens_per_block,
             kv_events && self_describing,
             windowed,
+            hashes_per_block,
         );
         if watchdog {
             s.start_watchdog().map_err(runtime_error)?;
@@ -707,6 +734,7 @@ impl SchedulerCore {
             input: StepInput::default(),
             manual,
             clock,
+            hashes_per_block,
         })
     }
 

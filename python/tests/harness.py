@@ -314,6 +314,7 @@ def build(
     groups: list[Any] | None = None,
     retention: int | None = 0,
     eagle_groups: tuple[int, ...] = (),
+    hash_tokens: int | None = None,
 ) -> Engine:
     """An engine with the connector `connector` (loaded from `module`);
     `spec`: the KV cache group's spec (full attention of `tpb` tokens a
@@ -328,7 +329,9 @@ def build(
     `eagle_groups`: the groups that hold an EAGLE/MTP drafter's layers
     (``KVCacheGroupSpec.is_eagle_group``, which vLLM sets with speculative
     decoding whose draft KV depends on the next token): the connectors treat
-    their last chunk as volatile; the scheduler runs without speculation."""
+    their last chunk as volatile; the scheduler runs without speculation.
+    `hash_tokens`: vLLM's ``prefix_match_unit`` (block hashes every
+    `hash_tokens` tokens, finer than a block; several groups only)."""
     model_config = ModelConfig(model=MODEL, dtype="float32", seed=42)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -340,8 +343,12 @@ def build(
         policy=policy,
     )
     cache_config = CacheConfig(
-        block_size=tpb, enable_prefix_caching=True, prefix_cache_retention_interval=retention
+        block_size=tpb,
+        enable_prefix_caching=True,
+        prefix_cache_retention_interval=retention,
+        prefix_match_unit=hash_tokens,
     )
+    hash_block = tpb if hash_tokens is None else hash_tokens
     extra = {"num_cpu_chunks": 64, "offload_prompt_only": False} if extra is None else extra
     kv_transfer = KVTransferConfig(
         kv_connector=connector,
@@ -400,7 +407,7 @@ def build(
             log_stats=True,
             structured_output_manager=StructuredOutputManager(vllm_config),
             block_size=tpb,
-            hash_block_size=tpb,
+            hash_block_size=hash_block,
         )
         workers = []
         caches = []
@@ -430,7 +437,7 @@ def build(
         tpb=tpb,
         async_scheduling=async_scheduling,
         aggregator=KVOutputAggregator(world_size),
-        hasher=get_request_block_hasher(tpb, sha256),
+        hasher=get_request_block_hasher(hash_block, sha256),
         world=world_size,
         fake_worker=fake_worker,
         remote="remote_tier" in extra,

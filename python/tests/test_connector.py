@@ -469,6 +469,20 @@ def leak_free_but_hashes(e: harness.Engine) -> None:
     assert e.connector._scheduler.core.held_requests() == 0
 
 
+def prefix_comes_back_from_the_host_tier(e: harness.Engine, evictions: int = 6) -> None:
+    """Runs a request of `PREFIX`, drops the prefix from the GPU prefix cache
+    (`evictions` other requests), and runs another of the same
+    prefix: it loads from the host tier, every running request's KV checked
+    after every step, nothing left at the end."""
+    e.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(e)
+    evict_gpu_prefix(e, evictions)
+    b = e.add(PREFIX + [7, 8, 9], max_tokens=3)
+    assert run_checked(e) > 0
+    assert b in e.loaded
+    leak_free(e)
+
+
 def _local_specs() -> dict:
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
@@ -496,13 +510,7 @@ def test_a_model_of_only_chunked_local_attention_loads_its_last_attention_chunk(
     spec = dataclasses.replace(_local_specs()["chunked"], attention_chunk_size=12)
     e = harness.build(spec=spec, num_gpu_blocks=8, extra={"num_cpu_chunks": 64, "offload_prompt_only": False})
     assert e.connector._scheduler.windows == [("chunked_local", 12)]
-    e.add(PREFIX + [1, 2, 3], max_tokens=2)
-    run_checked(e)
-    evict_gpu_prefix(e, 12)
-    b = e.add(PREFIX + [7, 8, 9], max_tokens=3)
-    assert run_checked(e) > 0
-    assert b in e.loaded
-    leak_free(e)
+    prefix_comes_back_from_the_host_tier(e, 12)
 
 
 def test_sliding_window_layers_that_retain_extra_tokens_load_their_wider_window():
@@ -516,13 +524,7 @@ def test_sliding_window_layers_that_retain_extra_tokens_load_their_wider_window(
     spec = dataclasses.replace(_local_specs()["sliding"], extra_retained_tokens=2)
     e = harness.build(spec=spec, num_gpu_blocks=32, extra={"num_cpu_chunks": 64, "offload_prompt_only": False})
     assert e.connector._scheduler.windows == [("sliding_window", 8, 2)]
-    e.add(PREFIX + [1, 2, 3], max_tokens=2)
-    run_checked(e)
-    evict_gpu_prefix(e)
-    b = e.add(PREFIX + [7, 8, 9], max_tokens=3)
-    assert run_checked(e) > 0
-    assert b in e.loaded
-    leak_free(e)
+    prefix_comes_back_from_the_host_tier(e)
 
 
 def test_with_the_hybrid_manager_off_a_model_mixing_full_and_sliding_window_layers_runs_as_full_attention():
@@ -540,13 +542,7 @@ def test_with_the_hybrid_manager_off_a_model_mixing_full_and_sliding_window_laye
     promoted = specs["layer1"]
     assert type(promoted) is FullAttentionSpec and promoted.sliding_window == 8
     e = harness.build(spec=promoted, num_gpu_blocks=32, extra={"num_cpu_chunks": 64, "offload_prompt_only": False})
-    e.add(PREFIX + [1, 2, 3], max_tokens=2)
-    run_checked(e)
-    evict_gpu_prefix(e)
-    b = e.add(PREFIX + [7, 8, 9], max_tokens=3)
-    assert run_checked(e) > 0
-    assert b in e.loaded
-    leak_free(e)
+    prefix_comes_back_from_the_host_tier(e)
 
 
 def test_the_largest_token_limits_limit_nothing_and_crash_nothing():
@@ -565,3 +561,15 @@ def test_the_largest_token_limits_limit_nothing_and_crash_nothing():
     assert run_checked(e) > 0
     assert b in e.loaded
     leak_free(e)
+
+
+def test_block_hashes_finer_than_blocks_must_divide_them_and_need_groups():
+    # vLLM's prefix_match_unit: several hashes a block, with several KV groups.
+    cfg = json.dumps({"tokens_per_block": 4, "blocks_per_chunk": 1, "num_cpu_chunks": 8, "world_size": 1})
+    with pytest.raises(ValueError, match=r"hashes_per_block \(3\) must divide the block's 4 tokens"):
+        kvoffload.SchedulerCore(cfg, watchdog=False, groups=[None, 8], hashes_per_block=3)
+    with pytest.raises(ValueError, match=r"hashes_per_block \(0\)"):
+        kvoffload.SchedulerCore(cfg, watchdog=False, groups=[None, 8], hashes_per_block=0)
+    with pytest.raises(ValueError, match="needs `groups`"):
+        kvoffload.SchedulerCore(cfg, watchdog=False, hashes_per_block=2)
+    kvoffload.SchedulerCore(cfg, watchdog=False, groups=[None, 8], hashes_per_block=2)

@@ -33,7 +33,7 @@ from test_remote import (  # noqa: F401  (redis_url, redis_cluster: fixtures)
 #: and four blocks, two windows, a window alone, async scheduling, two
 #: workers, dense retention; chunked-local attention groups; EAGLE draft
 #: groups (a hit needs the chunk after its end: fetched too); MLA groups; a
-#: window retaining tokens behind it.
+#: window retaining tokens behind it; block hashes finer than the blocks.
 REMOTE_CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}),
     (3, "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {}),
@@ -49,6 +49,7 @@ REMOTE_CASES = [
     (22, "mla+swa8", {"offload_prompt_only": False}, {}),
     (23, "mla", {"offload_prompt_only": False}, {"eagle_groups": [0]}),
     (24, "full+swa8x2", {"offload_prompt_only": False}, {}),
+    (26, "full+swa8", {"offload_prompt_only": False}, {"hash_tokens": 2}),
 ]
 
 

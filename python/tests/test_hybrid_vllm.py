@@ -159,7 +159,28 @@ CASES = [
     # one block; of four blocks with dense retention).
     (24, "full+swa8x2", {"offload_prompt_only": False}, {}, 1),
     (25, "full+swa8x2", {"block_size": 4 * TPB, "offload_prompt_only": False}, {"retention": None}, 1),
+    # Block hashes finer than the blocks (vLLM's prefix_match_unit, allowed
+    # with several groups): a chunk's key is the last hash in it. Two and
+    # four hashes a block; chunks of one and two blocks; self-describing
+    # events (a payload names each block's last hash, its parent the hash
+    # before the chunk); a draft group and a chunked-local group.
+    (26, "full+swa8", {"offload_prompt_only": False}, {"hash_tokens": 2}, 1),
+    (27, "full+swa8+swa13", {"block_size": 2 * TPB, "self_describing_kv_events": True, "offload_prompt_only": False}, {"hash_tokens": 1}, 0),
+    (28, "full+local12", {"offload_prompt_only": False}, {"hash_tokens": 2, "eagle_groups": [0], "async_scheduling": True}, 1),
 ]
+
+
+def select_cases(only: str | None) -> list[tuple]:
+    """The cases the widening scripts cycle through: all, or those whose
+    group names contain `only` (``eagle``: those with draft groups;
+    ``hash``: those with block hashes finer than the blocks)."""
+    if only is None:
+        return list(CASES)
+    if only == "eagle":
+        return [c for c in CASES if c[3].get("eagle_groups")]
+    if only == "hash":
+        return [c for c in CASES if c[3].get("hash_tokens")]
+    return [c for c in CASES if only in c[1]]
 
 
 def sampled(prompt: list[int], n: int) -> list[int]:
