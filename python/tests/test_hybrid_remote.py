@@ -50,6 +50,12 @@ REMOTE_CASES = [
     (23, "mla", {"offload_prompt_only": False}, {"eagle_groups": [0]}),
     (24, "full+swa8x2", {"offload_prompt_only": False}, {}),
     (26, "full+swa8", {"offload_prompt_only": False}, {"hash_tokens": 2}),
+    # A seed whose node A stores a window's chunk in part (a request whose
+    # window has passed its first block) after the whole chunk was evicted:
+    # that part of the host slot is stale. Written to the tier, it replaced
+    # the whole chunk, and node B loaded a stale block (found by
+    # scripts/widen-hybrid-remote.py --only hash, seed 40013).
+    (40013, "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {}),
 ]
 
 

@@ -105,6 +105,13 @@ pub trait TransferBackend: Send {
         let _ = chunk;
         None
     }
+
+    /// GPU blocks per host chunk, where the backend exposes its host pool
+    /// ([`Self::host_share`]): which chunks a store writes whole
+    /// ([`TransferSpec::whole_chunks`]). `None` by default.
+    fn blocks_per_chunk(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// A worker's share of one host chunk row: `len` bytes at `addr`.

@@ -331,6 +331,10 @@ impl<B: TransferBackend> TransferBackend for FaultInjector<B> {
     fn host_share(&self, chunk: ChunkId) -> Option<HostShare> {
         self.inner.host_share(chunk)
     }
+
+    fn blocks_per_chunk(&self) -> Option<u32> {
+        self.inner.blocks_per_chunk()
+    }
 }
 
 #[cfg(test)]

@@ -368,6 +368,10 @@ impl TransferBackend for HostBackend {
     fn host_share(&self, chunk: ChunkId) -> Option<HostShare> {
         self.layout.host_share(chunk)
     }
+
+    fn blocks_per_chunk(&self) -> Option<u32> {
+        Some(self.layout.row().blocks_per_chunk())
+    }
 }
 
 impl Drop for HostBackend {

@@ -289,6 +289,48 @@ impl TransferSpec {
         }
     }
 
+    /// Per entry of `chunks`, whether the transfer moves all of that chunk:
+    /// each of its `blocks_per_chunk` sub-blocks, none skipped by an
+    /// unaligned start, a short end or (with group spans) a hole. A store
+    /// leaves the rest of a partial chunk as the slot held it before.
+    pub fn whole_chunks(&self, blocks_per_chunk: u32) -> Vec<bool> {
+        let bpc = blocks_per_chunk.max(1) as usize;
+        let spans: Vec<(usize, usize, u32)> = if self.groups.is_empty() {
+            vec![(
+                self.gpu_blocks.len(),
+                self.chunks.len(),
+                self.first_block_index,
+            )]
+        } else {
+            self.groups
+                .iter()
+                .map(|g| {
+                    (
+                        g.num_blocks as usize,
+                        g.num_keys as usize,
+                        g.first_block_index,
+                    )
+                })
+                .collect()
+        };
+        let mut whole = Vec::with_capacity(self.chunks.len());
+        let mut at = 0;
+        for (num_blocks, num_keys, first) in spans {
+            let blocks = self.gpu_blocks.get(at..at + num_blocks).unwrap_or(&[]);
+            at += num_blocks;
+            let lead = first as usize % bpc;
+            let mut moved = vec![0usize; num_keys];
+            for (k, b) in blocks.iter().enumerate() {
+                let hole = !self.groups.is_empty() && b.0 == 0;
+                if let Some(n) = moved.get_mut((lead + k) / bpc).filter(|_| !hole) {
+                    *n += 1;
+                }
+            }
+            whole.extend(moved.iter().map(|&n| n == bpc));
+        }
+        whole
+    }
+
     /// Chunks needed for these blocks with `blocks_per_chunk`.
     pub fn chunks_needed(&self, blocks_per_chunk: u32) -> usize {
         chunks_for(
@@ -733,5 +775,31 @@ mod tests {
         assert_eq!(spec.chunks_needed(1), 3);
         let spec = TransferSpec::new(&[1, 2, 3, 4], 4, &[]);
         assert_eq!(spec.chunks_needed(4), 1);
+    }
+
+    #[test]
+    fn whole_chunks_leave_out_unaligned_starts_short_ends_and_holes() {
+        // One group: blocks 1..=4 from logical block 1, chunks of two: the
+        // first chunk misses its first sub-block, the last its second.
+        let spec = TransferSpec::new(&[1, 2, 3, 4], 1, &[7, 8, 9]);
+        assert_eq!(spec.whole_chunks(2), [false, true, false]);
+        let spec = TransferSpec::new(&[1, 2, 3], 0, &[7, 8, 9]);
+        assert_eq!(spec.whole_chunks(1), [true; 3]);
+        // Two groups: group 0 whole; group 1 with a hole (null block 0) in
+        // its first chunk.
+        let mut spec = TransferSpec::new(&[1, 2, 0, 4, 5, 6], 0, &[7, 8, 9]);
+        spec.groups = vec![
+            crate::scheduler::GroupSpan {
+                num_keys: 1,
+                num_blocks: 2,
+                first_block_index: 0,
+            },
+            crate::scheduler::GroupSpan {
+                num_keys: 2,
+                num_blocks: 4,
+                first_block_index: 2,
+            },
+        ];
+        assert_eq!(spec.whole_chunks(2), [true, false, true]);
     }
 }

@@ -6,7 +6,7 @@
 //! and the plan's remote fetches read chunk shares from it into host slots.
 
 use crate::Direction;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use thiserror::Error;
@@ -40,6 +40,11 @@ struct RemoteWrite {
     /// Fetches asked of the tier -> their job and host slot.
     tickets: HashMap<Ticket, (JobId, ChunkId)>,
     answers: Vec<(Ticket, Answer)>,
+    /// Host slots whose last store wrote only part of the chunk (a window's
+    /// hole, an unaligned start): the rest is what the slot held before,
+    /// so the chunk is never written to the tier, where another node would
+    /// load it whole.
+    partial: HashSet<ChunkId>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -98,6 +103,7 @@ impl<B: TransferBackend> OffloadWorker<B> {
             fetching: HashMap::new(),
             tickets: HashMap::new(),
             answers: Vec::new(),
+            partial: HashSet::new(),
         });
     }
 
@@ -317,6 +323,8 @@ impl<B: TransferBackend> OffloadWorker<B> {
         };
         if !progress.failed {
             for (&key, &chunk) in f.keys.iter().zip(&f.chunks) {
+                // A fetch fills the whole slot (or fails, and the slot is freed).
+                rw.partial.remove(&chunk);
                 match self.backend.host_share(chunk) {
                     Some(share) => {
                         let t = rw.tier.fetch(key, rw.rank, Some(share.len));
@@ -418,17 +426,30 @@ impl<B: TransferBackend> OffloadWorker<B> {
         for s in std::mem::take(&mut self.unsubmitted) {
             match self.backend.submit_store(s.job, &s.spec) {
                 Ok(()) => {
-                    if let Some(rw) = self
-                        .remote
-                        .as_mut()
-                        .filter(|rw| rw.tier.write_policy() == WritePolicy::Through)
-                    {
-                        if s.keys.len() == s.spec.chunks.len() {
-                            let items = s.keys.iter().copied().zip(s.spec.chunks.iter().copied());
-                            rw.pending.insert(s.job, items.collect());
+                    let Some(rw) = self.remote.as_mut() else {
+                        continue;
+                    };
+                    let whole = self
+                        .backend
+                        .blocks_per_chunk()
+                        .map(|bpc| s.spec.whole_chunks(bpc));
+                    let is_whole =
+                        |i: usize| whole.as_ref().is_none_or(|w| w.get(i) == Some(&true));
+                    for (i, &chunk) in s.spec.chunks.iter().enumerate() {
+                        if is_whole(i) {
+                            rw.partial.remove(&chunk);
                         } else {
-                            tracing::debug!(job = %s.job, "store without its chunk keys: not written through");
+                            rw.partial.insert(chunk);
                         }
+                    }
+                    if rw.tier.write_policy() != WritePolicy::Through {
+                        continue;
+                    }
+                    if s.keys.len() == s.spec.chunks.len() {
+                        let items = s.keys.iter().copied().zip(s.spec.chunks.iter().copied());
+                        rw.pending.insert(s.job, items.collect());
+                    } else {
+                        tracing::debug!(job = %s.job, "store without its chunk keys: not written through");
                     }
                 }
                 Err(e) => {
@@ -453,13 +474,19 @@ const FETCH_FLUSH_WAIT: Duration = Duration::from_secs(60);
 
 /// Puts this worker's share of each chunk to the remote tier: a stored chunk
 /// when its copy has finished and before the worker reports it, or an
-/// evicted one before any job of the plan that evicted it runs.
+/// evicted one before any job of the plan that evicted it runs. A chunk its
+/// store wrote only in part (`RemoteWrite::partial`) is left out.
 fn write_through<B: TransferBackend>(
     backend: &B,
     rw: &mut RemoteWrite,
     items: &[(ChunkKey, ChunkId)],
 ) {
     for &(key, chunk) in items {
+        if rw.partial.contains(&chunk) {
+            // Part of the chunk is stale: another node must not load it.
+            tracing::debug!(%key, "chunk stored in part: not written to the remote tier");
+            continue;
+        }
         let Some(share) = backend.host_share(chunk) else {
             continue;
         };

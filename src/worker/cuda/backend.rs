@@ -495,6 +495,10 @@ impl TransferBackend for CudaBackend {
     fn host_share(&self, chunk: crate::ids::ChunkId) -> Option<crate::worker::HostShare> {
         self.layout.host_share(chunk)
     }
+
+    fn blocks_per_chunk(&self) -> Option<u32> {
+        Some(self.layout.row().blocks_per_chunk())
+    }
 }
 
 impl Drop for CudaBackend {
