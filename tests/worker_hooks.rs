@@ -496,21 +496,8 @@ fn fetches_read_shares_written_by_another_worker_into_host_slots() {
 #[test]
 fn on_eviction_chunks_are_written_when_evicted_not_when_stored() {
     use kvoffload::ChunkId;
-    use kvoffload::remote::{MemoryState, RemoteTierConfig, WritePolicy};
-    let cfg = RemoteTierConfig {
-        write: WritePolicy::OnEviction,
-        ..RemoteTierConfig::default()
-    };
-    let (mut r, state, ns) = remote_rig_with(None, MemoryState::new(), cfg);
-    step(
-        &mut r.worker,
-        WorkerPlan {
-            stores: vec![store(1, 5, 2)],
-            ..Default::default()
-        },
-    );
-    let early = step(&mut r.worker, WorkerPlan::default());
-    drain(&mut r.worker, &[JobId(1)], 1 - early.completed.len());
+    let (mut r, state, ns) = on_eviction_rig();
+    store_and_drain(&mut r, store(1, 5, 2));
     assert_eq!(
         r.worker.pending_remote_writes(),
         0,
@@ -543,6 +530,35 @@ fn on_eviction_chunks_are_written_when_evicted_not_when_stored() {
     assert_eq!(state.len(), 1, "the stores themselves are not written");
 }
 
+/// A worker writing to an in-memory remote store on eviction.
+fn on_eviction_rig() -> (
+    Rig,
+    Arc<kvoffload::remote::MemoryState>,
+    kvoffload::remote::Namespace,
+) {
+    use kvoffload::remote::{MemoryState, RemoteTierConfig, WritePolicy};
+    let cfg = RemoteTierConfig {
+        write: WritePolicy::OnEviction,
+        ..RemoteTierConfig::default()
+    };
+    remote_rig_with(None, MemoryState::new(), cfg)
+}
+
+/// Runs store `s` to its report (the step that queues it, the next that
+/// submits it, then waiting).
+fn store_and_drain(r: &mut Rig, s: StoreJob) {
+    let job = s.job;
+    step(
+        &mut r.worker,
+        WorkerPlan {
+            stores: vec![s],
+            ..Default::default()
+        },
+    );
+    let early = step(&mut r.worker, WorkerPlan::default());
+    drain(&mut r.worker, &[job], 1 - early.completed.len());
+}
+
 /// A store of blocks `blocks` (0: a hole, a window's null block) into
 /// `chunks` of one KV group, one block a chunk.
 fn store_with_holes(job: u64, blocks: &[u32], chunks: &[u32]) -> StoreJob {
@@ -569,15 +585,7 @@ fn a_chunk_stored_in_part_is_not_written_through_until_a_store_fills_its_slot() 
     // chunk would load it whole. Found on two nodes with windows of 8 and
     // 13 tokens (scripts/widen-hybrid-remote.py, seed 40013).
     let (mut r, state, ns) = remote_rig(None);
-    step(
-        &mut r.worker,
-        WorkerPlan {
-            stores: vec![store_with_holes(1, &[5, 0], &[2, 3])],
-            ..Default::default()
-        },
-    );
-    let early = step(&mut r.worker, WorkerPlan::default());
-    drain(&mut r.worker, &[JobId(1)], 1 - early.completed.len());
+    store_and_drain(&mut r, store_with_holes(1, &[5, 0], &[2, 3]));
     flush_remote(&r.worker, 1);
     assert!(state.get_raw(&ns.key(1002, 3)).is_some());
     assert!(
@@ -585,15 +593,7 @@ fn a_chunk_stored_in_part_is_not_written_through_until_a_store_fills_its_slot() 
         "the chunk with a hole"
     );
     // The slot stored whole later is written.
-    step(
-        &mut r.worker,
-        WorkerPlan {
-            stores: vec![store(2, 6, 3)],
-            ..Default::default()
-        },
-    );
-    let early = step(&mut r.worker, WorkerPlan::default());
-    drain(&mut r.worker, &[JobId(2)], 1 - early.completed.len());
+    store_and_drain(&mut r, store(2, 6, 3));
     flush_remote(&r.worker, 2);
     assert!(state.get_raw(&ns.key(1003, 3)).is_some());
     assert_eq!(state.len(), 2);
@@ -602,21 +602,8 @@ fn a_chunk_stored_in_part_is_not_written_through_until_a_store_fills_its_slot() 
 #[test]
 fn an_evicted_chunk_stored_in_part_is_not_written() {
     use kvoffload::ChunkId;
-    use kvoffload::remote::{MemoryState, RemoteTierConfig, WritePolicy};
-    let cfg = RemoteTierConfig {
-        write: WritePolicy::OnEviction,
-        ..RemoteTierConfig::default()
-    };
-    let (mut r, state, ns) = remote_rig_with(None, MemoryState::new(), cfg);
-    step(
-        &mut r.worker,
-        WorkerPlan {
-            stores: vec![store_with_holes(1, &[0, 5], &[2, 3])],
-            ..Default::default()
-        },
-    );
-    let early = step(&mut r.worker, WorkerPlan::default());
-    drain(&mut r.worker, &[JobId(1)], 1 - early.completed.len());
+    let (mut r, state, ns) = on_eviction_rig();
+    store_and_drain(&mut r, store_with_holes(1, &[0, 5], &[2, 3]));
     step(
         &mut r.worker,
         WorkerPlan {
