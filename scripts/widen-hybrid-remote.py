@@ -72,7 +72,8 @@ def main() -> int:
 
 def widen(n: int, remote: dict, cases: list, filtered: bool) -> int:
     good = wrong = stalled = 0
-    total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0}
+    total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0,
+             "partial_not_put": 0}
     moved = {"checked": 0, "loads": 0, "window_loads": 0}
     for k in range(n):
         _, specs, extra, opts, _ = cases[k % len(cases)]
@@ -82,6 +83,7 @@ def widen(n: int, remote: dict, cases: list, filtered: bool) -> int:
 
         def written(e) -> None:
             e.drain_remote()
+            total["partial_not_put"] += tr.writes(e)["partial_chunks_not_put"]
 
         def fetched(e) -> None:
             got.update(tr.remote_stats(e))
@@ -98,7 +100,7 @@ def widen(n: int, remote: dict, cases: list, filtered: bool) -> int:
             print(f"seed {seed} {specs}: {str(e)[:300]}", flush=True)
             continue
         for key in total:
-            total[key] += got[key]
+            total[key] += got.get(key, 0)
         for key in moved:
             moved[key] += seen[key]
         if got["fetches_failed"]:
@@ -113,7 +115,8 @@ def widen(n: int, remote: dict, cases: list, filtered: bool) -> int:
     print(
         f"{good} seeds right, {wrong} wrong, {stalled} stalled in vLLM's scheduler; node B: "
         f"{total['lookups']} remote lookups, {total['chunks_found']} chunks found, {total['fetch_jobs']} fetch "
-        f"jobs, {total['chunks_fetched']} chunks fetched, {total['fetches_failed']} failed; {moved['loads']} loads "
+        f"jobs, {total['chunks_fetched']} chunks fetched, {total['fetches_failed']} failed; node A kept "
+        f"{total['partial_not_put']} chunks stored in part out of the store; {moved['loads']} loads "
         f"({moved['window_loads']} into windowed groups), {moved['checked']} tokens checked",
         flush=True,
     )

@@ -592,6 +592,8 @@ fn a_chunk_stored_in_part_is_not_written_through_until_a_store_fills_its_slot() 
         state.get_raw(&ns.key(1003, 3)).is_none(),
         "the chunk with a hole"
     );
+    let stats = r.worker.remote_tier().expect("a tier").stats();
+    assert_eq!((stats.puts_written, stats.puts_skipped_partial), (1, 1));
     // The slot stored whole later is written.
     store_and_drain(&mut r, store(2, 6, 3));
     flush_remote(&r.worker, 2);
@@ -618,4 +620,6 @@ fn an_evicted_chunk_stored_in_part_is_not_written() {
     );
     assert!(state.get_raw(&ns.key(1003, 3)).is_some());
     assert_eq!(state.len(), 1);
+    let stats = r.worker.remote_tier().expect("a tier").stats();
+    assert_eq!(stats.puts_skipped_partial, 1);
 }

@@ -186,6 +186,10 @@ REMOTE_METRICS = {
     "kvoffload_remote_puts_dropped": OffloadingCounterMetadata(
         documentation="Chunk shares not written: queue full, store unreachable or value too large.",
     ),
+    "kvoffload_remote_partial_chunks_not_put": OffloadingCounterMetadata(
+        documentation="Chunk shares not written because their store wrote only part of the host row "
+        "(a sliding window's hole: the rest is stale).",
+    ),
     "kvoffload_remote_shares_fetched": OffloadingCounterMetadata(
         documentation="Chunk shares the workers read back from the remote store and accepted.",
     ),
@@ -210,6 +214,7 @@ _REMOTE_WORKER_COUNTERS = {
     "bytes_put": "kvoffload_remote_bytes_written",
     "puts_failed": "kvoffload_remote_puts_failed",
     "puts_dropped": "kvoffload_remote_puts_dropped",
+    "partial_chunks_not_put": "kvoffload_remote_partial_chunks_not_put",
     "hits": "kvoffload_remote_shares_fetched",
     "misses": "kvoffload_remote_shares_missed",
     "rejected_values": "kvoffload_remote_values_rejected",

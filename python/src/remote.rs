@@ -95,6 +95,7 @@ pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &RemoteStats) -> PyResult<Boun
         ("puts_failed", s.puts_failed),
         ("puts_queued", s.puts_queued),
         ("puts_dropped", s.puts_dropped()),
+        ("partial_chunks_not_put", s.puts_skipped_partial),
         ("get_errors", s.get_errors),
         ("timeouts", s.timeouts),
         ("late_answers", s.late_answers),

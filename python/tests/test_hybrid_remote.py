@@ -65,13 +65,20 @@ def test_a_second_node_fetches_every_group_s_chunks_and_loads_the_computed_bytes
 ) -> None:
     cfg = {**extra, "remote_tier": {"url": redis_url}}
     first: dict[str, Any] = {}
+    prom: list[harness.PromRecorder] = []
 
     def written(e: Any) -> None:
         e.drain_remote()
+        e.step()  # the workers' last counters reach the scheduler's stats
         first.update(writes(e))
 
-    worker_run(seed, specs, cfg, opts, on_done=written)
+    worker_run(seed, specs, cfg, opts, on_done=written, on_start=lambda e: prom.append(harness.PromRecorder(e)))
     assert first["puts_written"] > 0 and first["puts_failed"] == 0, first
+    if seed == 40013:
+        # The case's point: node A stored chunks in part and kept them
+        # back, and says so.
+        assert first["partial_chunks_not_put"] > 0, first
+    assert (prom[0].value("kvoffload_remote_partial_chunks_not_put_total") or 0) == first["partial_chunks_not_put"]
 
     second: dict[str, Any] = {}
 

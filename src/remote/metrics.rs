@@ -35,6 +35,7 @@ pub(crate) struct Counters {
     pub puts_dropped_queue_full: AtomicU64,
     pub puts_dropped_unavailable: AtomicU64,
     pub puts_dropped_too_large: AtomicU64,
+    pub puts_skipped_partial: AtomicU64,
     pub get_errors: AtomicU64,
     pub timeouts: AtomicU64,
     pub late_answers: AtomicU64,
@@ -68,6 +69,7 @@ impl Default for Counters {
             puts_dropped_queue_full: z(),
             puts_dropped_unavailable: z(),
             puts_dropped_too_large: z(),
+            puts_skipped_partial: z(),
             get_errors: z(),
             timeouts: z(),
             late_answers: z(),
@@ -109,6 +111,7 @@ impl Counters {
             puts_dropped_queue_full: g(&self.puts_dropped_queue_full),
             puts_dropped_unavailable: g(&self.puts_dropped_unavailable),
             puts_dropped_too_large: g(&self.puts_dropped_too_large),
+            puts_skipped_partial: g(&self.puts_skipped_partial),
             get_errors: g(&self.get_errors),
             timeouts: g(&self.timeouts),
             late_answers: g(&self.late_answers),
@@ -153,6 +156,9 @@ pub struct RemoteStats {
     pub puts_dropped_unavailable: u64,
     /// Puts dropped because the value was over `max_value_bytes`.
     pub puts_dropped_too_large: u64,
+    /// Chunks not written because their store wrote only part of the
+    /// host row (a sliding window's hole): the rest of the row is stale.
+    pub puts_skipped_partial: u64,
     /// Reads that failed with an error (not absent keys).
     pub get_errors: u64,
     /// Lookups and fetches given up after `op_timeout_ms`.
@@ -219,6 +225,11 @@ impl RemoteStats {
             self.puts_dropped(),
         );
         counter(
+            "partial_chunks_not_put_total",
+            "Chunks not written because their store wrote only part of the host row.",
+            self.puts_skipped_partial,
+        );
+        counter(
             "get_errors_total",
             "Remote reads that failed.",
             self.get_errors,
@@ -273,6 +284,7 @@ mod tests {
             "kvoffload_remote_hits_total 3",
             "kvoffload_remote_connected 1",
             "kvoffload_remote_dropped_puts_total 0",
+            "kvoffload_remote_partial_chunks_not_put_total 0",
             "kvoffload_remote_put_seconds_count 0",
             "kvoffload_remote_get_seconds_bucket",
             "kvoffload_remote_rejected_values_total 0",

@@ -313,6 +313,12 @@ impl RemoteTier {
         self.in_flight.len() + self.ready.len()
     }
 
+    /// Counts a chunk not written because its store wrote only part of the
+    /// host row (`RemoteStats::puts_skipped_partial`).
+    pub fn note_partial_chunk_not_put(&self) {
+        Counters::add(&self.counters.puts_skipped_partial, 1);
+    }
+
     /// Writes chunk `key`'s share of worker `rank` (`payload`: its host row),
     /// asynchronously; never blocks (see [`PutOutcome`]).
     pub fn put(&mut self, key: ChunkKey, rank: u32, payload: &[u8]) -> PutOutcome {

@@ -485,6 +485,7 @@ fn write_through<B: TransferBackend>(
         if rw.partial.contains(&chunk) {
             // Part of the chunk is stale: another node must not load it.
             tracing::debug!(%key, "chunk stored in part: not written to the remote tier");
+            rw.tier.note_partial_chunk_not_put();
             continue;
         }
         let Some(share) = backend.host_share(chunk) else {
