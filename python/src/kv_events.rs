@@ -50,14 +50,22 @@ impl ChunkSource<'_> {
     }
 }
 
-/// GPU block `b`'s hash in a request's `block_hashes`, `per_block` of them
-/// a block: the last one in the block, which covers its whole prefix.
+/// Where GPU block `b`'s hash is in a request's `block_hashes`, `per_block`
+/// of them a block (vLLM's `prefix_match_unit` finer than the blocks): the
+/// last one in the block, which covers its whole prefix.
+pub(crate) fn block_hash_index(b: usize, per_block: usize) -> usize {
+    (b + 1) * per_block - 1
+}
+
+/// GPU block `b`'s hash in a request's `block_hashes` ([`block_hash_index`]).
 fn block_hash_at(
     block_hashes: &Bound<'_, PyList>,
     per_block: usize,
     b: usize,
 ) -> PyResult<Py<PyAny>> {
-    Ok(block_hashes.get_item((b + 1) * per_block - 1)?.unbind())
+    Ok(block_hashes
+        .get_item(block_hash_index(b, per_block))?
+        .unbind())
 }
 
 /// One translated event: `(removed, group, items)`, the items of one KV
@@ -111,12 +119,6 @@ impl EventTracker {
             tokens_per_chunk: bpc * tokens_per_block.max(1) as usize,
             hashes_per_block: hashes_per_block.max(1),
         }
-    }
-
-    /// GPU block `b`'s hash in the request's `block_hashes` (the last raw
-    /// hash in the block).
-    fn block_hash_at(&self, block_hashes: &Bound<'_, PyList>, b: usize) -> PyResult<Py<PyAny>> {
-        block_hash_at(block_hashes, self.hashes_per_block, b)
     }
 
     /// Whether payloads are kept (`self_describing_kv_events`).
@@ -252,16 +254,17 @@ impl EventTracker {
         let py = request.py();
         let bpc = self.blocks_per_chunk;
         let first = c * bpc;
+        let per_block = self.hashes_per_block;
         let hashes = PyList::new(
             py,
             (first..first + bpc)
-                .map(|b| self.block_hash_at(block_hashes, b))
+                .map(|b| block_hash_at(block_hashes, per_block, b))
                 .collect::<PyResult<Vec<_>>>()?,
         )?;
         let parent = if first == 0 {
             py.None()
         } else {
-            self.block_hash_at(block_hashes, first - 1)?
+            block_hash_at(block_hashes, per_block, first - 1)?
         };
         let tokens = request.getattr(intern!(py, "all_token_ids"))?;
         let start = (c * self.tokens_per_chunk) as isize;

@@ -19,7 +19,7 @@ use rustc_hash::FxHashMap;
 
 use crate::borrowed::{for_each_entry, list_item};
 use crate::convert::{block_hash, block_list, blocks, int_u64, runtime_error, value_error};
-use crate::kv_events::{ChunkSource, EventTracker};
+use crate::kv_events::{ChunkSource, EventTracker, block_hash_index};
 use crate::names::Names;
 
 /// A request the scheduler tracks: vLLM's `Request` object (read for its
@@ -209,7 +209,7 @@ impl SchedulerCore {
             return Ok(sent);
         }
         for b in sent..blocks {
-            let item = list.get_item((b + 1) * per_block - 1)?;
+            let item = list.get_item(block_hash_index(b, per_block))?;
             t.hashes
                 .push(block_hash(item.cast::<PyBytes>()?.as_bytes()));
         }
