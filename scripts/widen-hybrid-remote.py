@@ -18,7 +18,8 @@ With --cluster, the store is a Redis Cluster of three masters instead.
 `--only S` cycles through the configurations whose group names contain S
 (`--only local`: the chunked-local ones; `--only eagle`: those with
 EAGLE draft groups; `--only hash`: those whose block hashes are finer
-than the blocks), from seed 40,000.
+than the blocks; `--only sizes`: those whose groups have different block
+sizes), from seed 40,000.
 Exits 1 if a node moved a wrong byte, leaked, or a fetch failed.
 """
 

@@ -17,7 +17,8 @@ kvoffload package installed in it (scripts/test-python.sh does):
 `--only S` cycles through the configurations whose group names contain S
 (`--only local`: the chunked-local ones; `--only eagle`: those with
 EAGLE draft groups; `--only hash`: those whose block hashes are finer
-than the blocks), from seed 30,000.
+than the blocks; `--only sizes`: those whose groups have different block
+sizes), from seed 30,000.
 Exits 1 if kvoffload answered a step differently or moved a wrong byte.
 """
 

@@ -146,10 +146,11 @@ fn one_full_attention_group_is_the_single_group_scheduler_and_bad_groups_are_ref
     assert_eq!(s.num_groups(), 1);
     let (hybrid, _) = scheduler(Retention::Dense);
     assert_eq!(hybrid.num_groups(), 2);
+    // A chunk that is not whole configuration blocks (6 tokens over 4).
     let wrong_chunk = KvGroups {
         shapes: vec![
             GroupShape::full_attention(4).unwrap(),
-            GroupShape::sliding_window(8, 8).unwrap(),
+            GroupShape::sliding_window(6, 8).unwrap(),
         ],
         retention: Retention::Dense,
     };
@@ -288,6 +289,105 @@ fn a_prompt_stored_in_both_groups_loads_the_full_prefix_and_the_window() {
         LookupOutcome::Hit(16),
         "the wait ends with the load"
     );
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_group_of_larger_blocks_keys_each_chunk_by_the_last_hash_in_it() {
+    // Group 0: full attention over 4-token blocks; group 1: a 16-token
+    // window over 8-token blocks (vLLM grows a group of smaller pages to
+    // larger blocks). The requests carry one hash per 4 tokens.
+    let clock = ManualClock::new();
+    let groups = KvGroups {
+        shapes: vec![
+            GroupShape::full_attention(4).unwrap(),
+            GroupShape::sliding_window(8, 16).unwrap(),
+        ],
+        retention: Retention::Dense,
+    };
+    let mut s = Scheduler::with_groups(&config(), groups, clock.shared()).unwrap();
+    let r1 = RequestId(1);
+    s.add_request(r1, 16, &hashes(7, 4)).unwrap();
+    assert_eq!(s.lookup(r1, 0).unwrap(), LookupOutcome::Hit(0));
+    let (b0, b1) = (ids(&[1, 2, 3, 4]), ids(&[5, 6]));
+    let alloc = [
+        GroupAlloc {
+            block_ids: &b0,
+            cached: &[false; 4],
+        },
+        GroupAlloc {
+            block_ids: &b1,
+            cached: &[false; 2],
+        },
+    ];
+    assert_eq!(s.on_alloc_groups(r1, &alloc, 0).unwrap(), None);
+    let plan = s
+        .build_step(&step_of(vec![entry(1, 0, 16, &[1, 2, 3, 4], &[5, 6])]))
+        .unwrap();
+    let store = &plan.stores[0];
+    assert_spans_cover(store);
+    // Group 1's chunk c spans hashes 2c and 2c + 1: its key is the latter.
+    let want: Vec<ChunkKey> = (0..4)
+        .map(|c| key(7, c, 0))
+        .chain([key(7, 1, 1), key(7, 3, 1)])
+        .collect();
+    assert_eq!(store.keys.to_vec(), want);
+    assert_eq!(store.block_ids.to_vec(), ids(&[1, 2, 3, 4, 5, 6]));
+    s.on_worker_output(&all_done(&plan));
+    s.request_finished(r1, &ids(&[1, 2, 3, 4]), false, 16)
+        .unwrap();
+    s.build_step(&StepInput {
+        finished: vec![r1],
+        ..StepInput::default()
+    })
+    .unwrap();
+
+    // The same 16 tokens and one more: both groups hit 16 tokens (group
+    // 1's two chunks end at tokens 8 and 16).
+    let r2 = RequestId(2);
+    s.add_request(r2, 17, &hashes(7, 4)).unwrap();
+    assert_eq!(s.lookup(r2, 0).unwrap(), LookupOutcome::Hit(16));
+    let (b0, b1) = (ids(&[11, 12, 13, 14, 15]), ids(&[16, 17, 18]));
+    let alloc = [
+        GroupAlloc {
+            block_ids: &b0,
+            cached: &[false; 5],
+        },
+        GroupAlloc {
+            block_ids: &b1,
+            cached: &[false; 3],
+        },
+    ];
+    let job = s.on_alloc_groups(r2, &alloc, 16).unwrap().unwrap();
+    let plan = s.build_step(&StepInput::default()).unwrap();
+    let load = &plan.loads[0];
+    assert_eq!(load.job, job);
+    assert_spans_cover(load);
+    assert_eq!(
+        &load.keys[..4],
+        &(0..4).map(|c| key(7, c, 0)).collect::<Vec<_>>()[..]
+    );
+    assert_eq!(&load.block_ids[..4], &ids(&[11, 12, 13, 14])[..]);
+    // Group 1 loads its window's chunks, each into its own 8-token block.
+    let window = load.groups[1];
+    assert!(
+        window.num_keys >= 1 && window.num_keys == window.num_blocks,
+        "{window:?}"
+    );
+    let first = window.first_block_index as usize;
+    assert_eq!(
+        first + window.num_blocks as usize,
+        2,
+        "ends at the hit's end"
+    );
+    let want_keys: Vec<ChunkKey> = [key(7, 1, 1), key(7, 3, 1)][first..].to_vec();
+    assert_eq!(&load.keys[4..], &want_keys[..]);
+    assert_eq!(&load.block_ids[4..], &ids(&[16, 17])[first..]);
+    let sources = s.hit_sources(r2, 16).unwrap();
+    assert_eq!((sources.host_tokens, sources.uncovered_tokens), (16, 0));
+    s.check_invariants().unwrap();
+    let outcome = s.on_worker_output(&all_done(&plan));
+    assert_eq!(outcome.finished_loads, vec![r2]);
     s.check_invariants().unwrap();
 }
 
@@ -557,8 +657,15 @@ struct Running {
 /// Each group's blocks of store `job` (one block a chunk here) are its
 /// request's blocks of the chunks its keys name, in order: key `j` of a
 /// group is chunk `c` of the request's prefix (`family`), and block `j` is
-/// the request's block `c` in that group, as the worker copies it.
-fn blocks_in_place(s: &Scheduler, job: &TransferJob, family: u64) -> Result<(), TestCaseError> {
+/// the request's block `c` in that group, as the worker copies it. Group
+/// `g`'s blocks span `factors[g]` of the requests' hashes (its chunk's key
+/// is the last of them).
+fn blocks_in_place(
+    s: &Scheduler,
+    job: &TransferJob,
+    family: u64,
+    factors: [u64; 2],
+) -> Result<(), TestCaseError> {
     let (mut at, mut key_at) = (0, 0);
     for (g, span) in job.groups.iter().enumerate() {
         prop_assert_eq!(
@@ -569,9 +676,10 @@ fn blocks_in_place(s: &Scheduler, job: &TransferJob, family: u64) -> Result<(), 
             g
         );
         let table = s.request_group_blocks(job.req, g).unwrap_or_default();
+        let f = factors[g];
         for j in 0..span.num_keys as usize {
             let k = job.keys[key_at + j];
-            let c = (0..64).find(|&c| key(family, c, g as u32) == k);
+            let c = (0..64).find(|&c| key(family, (c + 1) * f - 1, g as u32) == k);
             prop_assert!(
                 c.is_some(),
                 "{} group {}: key {:?} is not the request's",
@@ -598,17 +706,31 @@ fn blocks_in_place(s: &Scheduler, job: &TransferJob, family: u64) -> Result<(), 
 /// Group 1's attention in the random backend: an 8-token sliding window or
 /// chunked-local attention over 8-token chunks.
 #[derive(Debug, Clone, Copy)]
-enum Window {
+enum Attention {
     Sliding,
     ChunkedLocal,
 }
 
+/// Group 1 in the random backend: its attention, over blocks of 4 tokens
+/// (group 0's) or 8 (vLLM's larger blocks for a group of smaller pages).
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    attention: Attention,
+    block_tokens: u64,
+}
+
 impl Window {
     fn shape(self) -> GroupShape {
-        match self {
-            Self::Sliding => GroupShape::sliding_window(4, 8).unwrap(),
-            Self::ChunkedLocal => GroupShape::chunked_local(4, 8).unwrap(),
+        let t = self.block_tokens;
+        match self.attention {
+            Attention::Sliding => GroupShape::sliding_window(t, 8).unwrap(),
+            Attention::ChunkedLocal => GroupShape::chunked_local(t, 8).unwrap(),
         }
+    }
+
+    /// Group 1's blocks for `tokens` tokens.
+    fn blocks(self, tokens: u64) -> usize {
+        tokens.div_ceil(self.block_tokens) as usize
     }
 
     /// Whether group 1's block `block` is wholly behind what the token at
@@ -616,11 +738,11 @@ impl Window {
     /// tokens before `end`; chunked-local attention its own 8-token chunk
     /// (vLLM's `get_num_skipped_tokens`).
     fn behind(self, block: usize, end: u64) -> bool {
-        let skipped = match self {
-            Self::Sliding => end.saturating_sub(7),
-            Self::ChunkedLocal => end / 8 * 8,
+        let skipped = match self.attention {
+            Attention::Sliding => end.saturating_sub(7),
+            Attention::ChunkedLocal => end / 8 * 8,
         };
-        (block as u64 + 1) * 4 <= skipped
+        (block as u64 + 1) * self.block_tokens <= skipped
     }
 }
 
@@ -650,7 +772,7 @@ impl Pool {
     fn allocate(&mut self, tokens: u64, hit: u64, window: Window) -> [Vec<GpuBlockId>; 2] {
         let n = tokens.div_ceil(4) as usize;
         let b0 = (0..n).map(|_| self.take()).collect();
-        let b1 = (0..n)
+        let b1 = (0..window.blocks(tokens))
             .map(|i| {
                 if window.behind(i, hit) {
                     GpuBlockId(0)
@@ -670,15 +792,15 @@ fn alloc_groups(
     blocks: &[Vec<GpuBlockId>; 2],
     hit: u64,
 ) -> Option<JobId> {
-    let fresh = vec![false; blocks[0].len()];
+    let (fresh0, fresh1) = (vec![false; blocks[0].len()], vec![false; blocks[1].len()]);
     let groups = [
         GroupAlloc {
             block_ids: &blocks[0],
-            cached: &fresh,
+            cached: &fresh0,
         },
         GroupAlloc {
             block_ids: &blocks[1],
-            cached: &fresh,
+            cached: &fresh1,
         },
     ];
     s.on_alloc_groups(id, &groups, hit).unwrap()
@@ -710,7 +832,8 @@ proptest! {
     /// later): no hook fails, every job's spans cut it exactly, every
     /// invariant holds after every operation, a new store reads no block
     /// another request holds, and a pending store whose block is handed to
-    /// a new request is in that step's flush.
+    /// a new request is in that step's flush. Group 1's blocks are group
+    /// 0's or twice as long (groups of different block sizes).
     #[test]
     fn random_hybrid_serving_keeps_every_invariant(
         ops in proptest::collection::vec(op(), 1..100),
@@ -720,9 +843,14 @@ proptest! {
             Just(Retention::Every(8)),
         ],
         host_chunks in prop_oneof![Just(3u64), Just(8), Just(64)],
-        window in prop_oneof![Just(Window::Sliding), Just(Window::ChunkedLocal)],
+        attention in prop_oneof![Just(Attention::Sliding), Just(Attention::ChunkedLocal)],
+        larger_blocks in any::<bool>(),
         eagle in any::<bool>(),
     ) {
+        // Group 1's blocks may be twice group 0's (vLLM's larger blocks
+        // for a group of smaller pages): its chunk's key is every other hash.
+        let window = Window { attention, block_tokens: if larger_blocks { 8 } else { 4 } };
+        let factors = [1, window.block_tokens / 4];
         // A small host tier refuses stores while others are in flight: their
         // chunks are offered again while the windows move on. Group 0 may
         // hold an EAGLE drafter's layers (its hits need one chunk more).
@@ -821,7 +949,7 @@ proptest! {
                             .filter(|b| b.0 != 0)
                             .find(|b| job.block_ids.contains(b));
                         prop_assert!(theirs.is_none(), "{} reads {theirs:?}, another request's", job.job);
-                        blocks_in_place(&s, job, families[&job.req])?;
+                        blocks_in_place(&s, job, families[&job.req], factors)?;
                     }
                     // A preempted request's stores are flushed in the step
                     // that lists it (its blocks may go to others from then on).
@@ -889,7 +1017,7 @@ proptest! {
                         assert_spans_cover(job);
                     }
                     for job in &plan.stores {
-                        blocks_in_place(&s, job, families[&job.req])?;
+                        blocks_in_place(&s, job, families[&job.req], factors)?;
                     }
                     flushed.extend(plan.flush.iter().copied());
                     pending.extend(plan.stores.iter().map(|j| (j.job, j.block_ids.to_vec())));

@@ -19,6 +19,7 @@ made here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -326,8 +327,8 @@ def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None
     scheduler core takes them (``GroupWindow``: ``None`` for full attention,
     the sliding window in tokens, ``("chunked_local", n)``). ``None`` for one
     group of another kind (the single-group path). Raises ``ValueError`` for
-    groups kvoffload cannot offload (other kinds of layers, different block
-    sizes)."""
+    groups kvoffload cannot offload (other kinds of layers). The groups may
+    have different block sizes (``kv_group_block_tokens``)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) < 2 and not (
         groups
@@ -355,10 +356,22 @@ def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None
                 "KvOffloadConnector offloads hybrid models of full-attention (or MLA), sliding-window "
                 f"and chunked-local attention KV groups; this model has a {type(spec).__name__} group"
             )
-    sizes = {g.kv_cache_spec.block_size for g in groups}
-    if len(sizes) != 1:
-        raise ValueError(f"KvOffloadConnector needs one block size for every KV group, got {sorted(sizes)}")
     return windows
+
+
+def kv_group_block_tokens(kv_cache_config: KVCacheConfig) -> list[int]:
+    """Each KV group's tokens a block. vLLM gives a group of smaller pages
+    (fewer KV heads, say) larger blocks so that every group has one page
+    size; the groups' chunks are then ``blocks_per_chunk`` of their own
+    blocks, of different token counts, as vLLM's connector makes them."""
+    return [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+
+
+def kv_unit_block_tokens(kv_cache_config: KVCacheConfig) -> int:
+    """The engine's block: the greatest common divisor of the groups'
+    blocks (every group's block a whole number of it); the scheduler core
+    takes a request's block hashes one per such block."""
+    return math.gcd(*kv_group_block_tokens(kv_cache_config))
 
 
 def kv_hashes_per_block(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
@@ -369,13 +382,13 @@ def kv_hashes_per_block(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig)
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
     _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    block = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-    if tokens_per_hash <= 0 or block % tokens_per_hash:
-        raise ValueError(
-            f"KvOffloadConnector needs the KV block ({block} tokens) to be a multiple of "
-            f"vLLM's block-hash unit (prefix_match_unit: {tokens_per_hash} tokens)"
-        )
-    return block // tokens_per_hash
+    for block in kv_group_block_tokens(kv_cache_config):
+        if tokens_per_hash <= 0 or block % tokens_per_hash:
+            raise ValueError(
+                f"KvOffloadConnector needs every KV block ({block} tokens) to be a multiple of "
+                f"vLLM's block-hash unit (prefix_match_unit: {tokens_per_hash} tokens)"
+            )
+    return kv_unit_block_tokens(kv_cache_config) // tokens_per_hash
 
 
 def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
@@ -437,7 +450,6 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
     group's blocks, sized as vLLM's (the backing allocation's bytes per
     block); the sync-load budget counts every group's bytes per token."""
     groups = kv_cache_config.kv_cache_groups
-    spec = groups[0].kv_cache_spec
     dcp = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1)
     if dcp > 1:
         raise ValueError(
@@ -450,13 +462,20 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
     else:
         per_block = sum(page_bytes)
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    block_tokens = kv_group_block_tokens(kv_cache_config)
+    if len(set(block_tokens)) > 1 and extra.get("block_size") is not None:
+        # vLLM's own check: a chunk in tokens fits one block size only.
+        raise ValueError(
+            "If 'block_size' is specified in kv_connector_extra_config, all KV cache groups must have "
+            f"the same block size (they have {sorted(set(block_tokens))}); set 'blocks_per_chunk' instead"
+        )
     _warn_if_replicated(vllm_config, kv_cache_config)
     cfg = EngineConfig.from_extra(
         extra,
-        tokens_per_block=spec.block_size,
+        tokens_per_block=kv_unit_block_tokens(kv_cache_config),
         world_size=vllm_config.parallel_config.world_size,
         worker_bytes_per_block=per_block,
-        kv_bytes_per_token=sum(b // spec.block_size for b in page_bytes),
+        kv_bytes_per_token=sum(b // t for b, t in zip(page_bytes, block_tokens)),
     )
     return cfg
 
@@ -577,15 +596,22 @@ class _SchedulerSide:
         #: Per KV group its window (``GroupWindow``; ``None``: full
         #: attention), or ``None`` for one full-attention group.
         self.windows = kv_group_windows(kv_cache_config)
+        #: Per KV group its chunk in tokens (``blocks_per_chunk`` of its
+        #: blocks); one entry for one full-attention group.
+        self.group_chunk_tokens = (
+            [t * cfg.blocks_per_chunk for t in kv_group_block_tokens(kv_cache_config)]
+            if self.windows
+            else [cfg.tokens_per_block * cfg.blocks_per_chunk]
+        )
         retention = vllm_config.cache_config.prefix_cache_retention_interval if self.windows else None
         if self.windows and retention is not None:
-            chunk = cfg.tokens_per_block * cfg.blocks_per_chunk
-            if any(w is not None for w in self.windows) and retention % chunk:
-                # vLLM's own check.
-                raise ValueError(
-                    f"prefix_cache_retention_interval ({retention}) must be a multiple of "
-                    f"tokens_per_chunk ({chunk})."
-                )
+            for w, chunk in zip(self.windows, self.group_chunk_tokens):
+                if w is not None and retention % chunk:
+                    # vLLM's own check.
+                    raise ValueError(
+                        f"prefix_cache_retention_interval ({retention}) must be a multiple of "
+                        f"tokens_per_chunk ({chunk})."
+                    )
         self.core = SchedulerCore(
             cfg.to_json(),
             kv_events=publish,
@@ -594,6 +620,7 @@ class _SchedulerSide:
             retention_interval=retention,
             eagle_groups=kv_eagle_groups(kv_cache_config) if self.windows else [],
             hashes_per_block=kv_hashes_per_block(vllm_config, kv_cache_config) if self.windows else 1,
+            block_tokens=kv_group_block_tokens(kv_cache_config) if self.windows else [],
         )
         #: Per KV group, the kind and window its events carry (self-describing).
         self.event_specs = (
@@ -617,15 +644,14 @@ class _SchedulerSide:
         self.block_size = cfg.tokens_per_block * cfg.blocks_per_chunk
         self.info_sent = False
         max_len = vllm_config.model_config.max_model_len if vllm_config.model_config else 0
-        chunk_tokens = self.block_size
         # vLLM's CPU tier facts (``CPUOffloadingInfo``): a request of
         # max_model_len tokens takes its chunks in every group (a sliding
         # window's at most its window's).
         per_request = 0
-        for w in self.windows or [None]:
-            group_chunks = -(-max_len // chunk_tokens)
+        for w, group_chunk in zip(self.windows or [None], self.group_chunk_tokens):
+            group_chunks = -(-max_len // group_chunk)
             if w is not None:
-                group_chunks = min(group_chunks, _window_chunks(w, chunk_tokens))
+                group_chunks = min(group_chunks, _window_chunks(w, group_chunk))
             per_request += group_chunks
         self.info = {
             "cpu_num_chunks": cfg.num_cpu_chunks,
@@ -807,7 +833,7 @@ class _SchedulerSide:
         if not self.publish:
             return []
         specs = self.event_specs
-        tpb = self.cfg.tokens_per_block
+        bpc = self.cfg.blocks_per_chunk
         convert = block_hash_converter()
         identity = convert is _hash_as_bytes
         out: list[KVCacheEvent] = []
@@ -828,6 +854,8 @@ class _SchedulerSide:
                     [_placeholder_stored(h if identity else convert(h), kind, window, group) for h in items]
                 )
             else:
+                # The group's own block (vLLM's events carry each group's).
+                tpb = self.group_chunk_tokens[group] // bpc if group < len(self.group_chunk_tokens) else 0
                 out.extend(self._stored_payloads(items, convert, kind, window, tpb, group))
         return out
 

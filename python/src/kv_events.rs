@@ -41,12 +41,14 @@ pub(crate) struct ChunkSource<'a> {
 }
 
 impl ChunkSource<'_> {
-    fn chunks(&self, bpc: usize) -> usize {
-        self.hashes.len() / bpc
+    /// Chunks of `per_chunk` hashes the request has.
+    fn chunks(&self, per_chunk: usize) -> usize {
+        self.hashes.len() / per_chunk
     }
 
-    fn group_key(&self, c: usize, bpc: usize, group: u32) -> ChunkKey {
-        ChunkKey::for_group(self.hashes[(c + 1) * bpc - 1], group)
+    /// Chunk `c`'s key in KV group `group`, `per_chunk` hashes a chunk.
+    fn group_key(&self, c: usize, per_chunk: usize, group: u32) -> ChunkKey {
+        ChunkKey::for_group(self.hashes[(c + 1) * per_chunk - 1], group)
     }
 }
 
@@ -95,19 +97,25 @@ pub(crate) struct EventTracker {
     /// vLLM's block hashes per GPU block (`prefix_match_unit` finer than a
     /// block): block `b`'s hash is raw hash `(b + 1) * n - 1`.
     hashes_per_block: usize,
+    /// Per KV group, its block in the configuration's blocks (vLLM gives a
+    /// group of smaller pages larger blocks; empty: 1 for every group).
+    block_factor: Vec<usize>,
 }
 
 impl EventTracker {
     /// A tracker for chunks of `blocks_per_chunk` blocks of `tokens_per_block`
     /// tokens; `self_describing`: keep the payloads too, of the KV groups
     /// not `windowed` (one full-attention group when empty);
-    /// `hashes_per_block`: vLLM's block hashes per GPU block.
+    /// `hashes_per_block`: vLLM's block hashes per GPU block;
+    /// `block_factor`: per KV group, its block in blocks of
+    /// `tokens_per_block` (empty: 1 for every group).
     pub(crate) fn new(
         blocks_per_chunk: u32,
         tokens_per_block: u32,
         self_describing: bool,
         windowed: Vec<bool>,
         hashes_per_block: usize,
+        block_factor: Vec<usize>,
     ) -> Self {
         let bpc = blocks_per_chunk.max(1) as usize;
         Self {
@@ -118,7 +126,17 @@ impl EventTracker {
             blocks_per_chunk: bpc,
             tokens_per_chunk: bpc * tokens_per_block.max(1) as usize,
             hashes_per_block: hashes_per_block.max(1),
+            block_factor,
         }
+    }
+
+    /// Group `group`'s block in the configuration's blocks.
+    fn factor(&self, group: u32) -> usize {
+        self.block_factor
+            .get(group as usize)
+            .copied()
+            .unwrap_or(1)
+            .max(1)
     }
 
     /// Whether payloads are kept (`self_describing_kv_events`).
@@ -157,18 +175,20 @@ impl EventTracker {
         group: u32,
     ) -> PyResult<()> {
         let bpc = self.blocks_per_chunk;
-        let chunks = src.chunks(bpc);
+        let factor = self.factor(group);
+        let per_chunk = bpc * factor;
+        let chunks = src.chunks(per_chunk);
         let Some(first) = keys.first() else {
             return Ok(());
         };
-        let key = |c: usize| src.group_key(c, bpc, group);
+        let key = |c: usize| src.group_key(c, per_chunk, group);
         let Some(mut c) = (0..chunks).rev().find(|&c| key(c) == *first) else {
             return Ok(());
         };
         let py = src.request.py();
         let list = src.request.getattr(intern!(py, "block_hashes"))?;
         let list = list.cast::<PyList>()?;
-        let per_block = self.hashes_per_block;
+        let per_block = self.hashes_per_block * factor;
         for k in keys {
             while c < chunks && key(c) != *k {
                 c += 1;
@@ -183,7 +203,7 @@ impl EventTracker {
                 self.key_group.insert(k.0, group);
             }
             if self.payloads.is_some() && self.describes(group) {
-                let payload = self.payload(src.request, list, c)?;
+                let payload = self.payload(src.request, list, c, factor)?;
                 if let Some(p) = &mut self.payloads {
                     p.insert(k.0, payload);
                 }
@@ -221,21 +241,22 @@ impl EventTracker {
             return Ok(());
         }
         let bpc = self.blocks_per_chunk;
-        let chunks = src.chunks(bpc);
         let py = src.request.py();
         let list = src.request.getattr(intern!(py, "block_hashes"))?;
         let list = list.cast::<PyList>()?;
         for &(g, c) in found {
-            if c >= chunks || !self.describes(g as u32) {
+            let factor = self.factor(g as u32);
+            let per_chunk = bpc * factor;
+            if c >= src.chunks(per_chunk) || !self.describes(g as u32) {
                 continue;
             }
-            let k = src.group_key(c, bpc, g as u32);
+            let k = src.group_key(c, per_chunk, g as u32);
             let known = self.payloads.as_mut().and_then(|p| p.get_mut(&k.0));
             if let Some(p) = known {
                 p.resident = true;
                 continue;
             }
-            let payload = self.payload(src.request, list, c)?;
+            let payload = self.payload(src.request, list, c, factor)?;
             if let Some(p) = &mut self.payloads {
                 p.insert(k.0, payload);
             }
@@ -243,18 +264,21 @@ impl EventTracker {
         Ok(())
     }
 
-    /// Chunk `c`'s payload, read from the request: its block hashes, the
-    /// hash before them, its tokens and the request's LoRA.
+    /// Chunk `c`'s payload in a group of `factor` configuration blocks a
+    /// block, read from the request: its block hashes, the hash before
+    /// them, its tokens and the request's LoRA.
     fn payload(
         &self,
         request: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyList>,
         c: usize,
+        factor: usize,
     ) -> PyResult<Payload> {
         let py = request.py();
         let bpc = self.blocks_per_chunk;
         let first = c * bpc;
-        let per_block = self.hashes_per_block;
+        let per_block = self.hashes_per_block * factor;
+        let tokens_per_chunk = self.tokens_per_chunk * factor;
         let hashes = PyList::new(
             py,
             (first..first + bpc)
@@ -267,11 +291,11 @@ impl EventTracker {
             block_hash_at(block_hashes, per_block, first - 1)?
         };
         let tokens = request.getattr(intern!(py, "all_token_ids"))?;
-        let start = (c * self.tokens_per_chunk) as isize;
+        let start = (c * tokens_per_chunk) as isize;
         let tokens = tokens.get_item(PySlice::new(
             py,
             start,
-            start + self.tokens_per_chunk as isize,
+            start + tokens_per_chunk as isize,
             1,
         ))?;
         let tokens = PyList::new(py, tokens.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
@@ -451,7 +475,7 @@ mod tests {
     fn a_stored_chunk_carries_its_hashes_tokens_and_parent_and_its_removal_fans_out() {
         with_python(|py| {
             let mut s = scheduler(2);
-            let mut t = EventTracker::new(2, 2, true, Vec::new(), 1);
+            let mut t = EventTracker::new(2, 2, true, Vec::new(), 1, Vec::new());
             let (req, hashes) = request(py, "a");
             let k = keys(&hashes);
             let src = source(&req, &hashes);
@@ -490,7 +514,7 @@ mod tests {
     fn with_hashes_finer_than_blocks_a_payload_names_each_blocks_last_hash() {
         with_python(|py| {
             let mut s = scheduler(2);
-            let mut t = EventTracker::new(2, 2, true, Vec::new(), 2);
+            let mut t = EventTracker::new(2, 2, true, Vec::new(), 2, Vec::new());
             // vLLM's prefix_match_unit of 1 token over blocks of 2: eight
             // hashes; block b's is hash 2b + 1 (it covers the block's prefix).
             let req = py
@@ -521,10 +545,37 @@ mod tests {
     }
 
     #[test]
+    fn a_group_of_larger_blocks_names_each_chunk_by_its_own_blocks() {
+        with_python(|py| {
+            let mut s = scheduler(4);
+            // One block a chunk, 2-token configuration blocks; group 1's
+            // blocks hold 4 tokens (two configuration blocks).
+            let mut t = EventTracker::new(1, 2, true, vec![false, false], 1, vec![1, 2]);
+            let (req, hashes) = request(py, "e");
+            let k = vec![
+                ChunkKey::for_group(hashes[1], 1),
+                ChunkKey::for_group(hashes[3], 1),
+            ];
+            t.record_store(&source(&req, &hashes), &k, 1).unwrap();
+            store(&mut s, &k, StoreOutcome::Success);
+            let ev = t.take(py, &mut s).unwrap();
+            assert_eq!((ev[0].0, ev[0].1), (false, 1), "a store of group 1");
+            let items: Vec<String> = ev[0].2.iter().map(|i| text(py, i)).collect();
+            assert_eq!(
+                items,
+                [
+                    "([b'e1'], None, [100, 101, 102, 103], None, None)",
+                    "([b'e3'], b'e1', [104, 105, 106, 107], None, None)",
+                ]
+            );
+        });
+    }
+
+    #[test]
     fn a_failed_store_announces_nothing_and_drops_its_payload() {
         with_python(|py| {
             let mut s = scheduler(4);
-            let mut t = EventTracker::new(2, 2, true, Vec::new(), 1);
+            let mut t = EventTracker::new(2, 2, true, Vec::new(), 1, Vec::new());
             let (req, hashes) = request(py, "c");
             let k = keys(&hashes);
             let src = source(&req, &hashes);
@@ -539,7 +590,7 @@ mod tests {
     fn a_lookup_records_the_chunks_it_found() {
         with_python(|py| {
             let mut s = scheduler(4);
-            let mut t = EventTracker::new(2, 2, true, Vec::new(), 1);
+            let mut t = EventTracker::new(2, 2, true, Vec::new(), 1, Vec::new());
             let (req, hashes) = request(py, "d");
             let k = keys(&hashes);
             // Stored without a record (as vLLM after a removal and a store in
@@ -568,7 +619,7 @@ mod tests {
         with_python(|py| {
             let mut s = scheduler(8);
             // Group 0 full attention, group 1 a sliding window.
-            let mut t = EventTracker::new(2, 2, true, vec![false, true], 1);
+            let mut t = EventTracker::new(2, 2, true, vec![false, true], 1, Vec::new());
             let (req, hashes) = request(py, "g");
             let src = source(&req, &hashes);
             let full = vec![ChunkKey::for_group(hashes[1], 0)];
@@ -613,7 +664,7 @@ mod tests {
     fn placeholders_name_each_chunk_by_its_last_block() {
         with_python(|py| {
             let mut s = scheduler(4);
-            let mut t = EventTracker::new(2, 2, false, Vec::new(), 1);
+            let mut t = EventTracker::new(2, 2, false, Vec::new(), 1, Vec::new());
             let (req, hashes) = request(py, "e");
             let k = keys(&hashes);
             let src = source(&req, &hashes);
@@ -631,7 +682,7 @@ mod tests {
     fn a_payload_carries_the_requests_lora() {
         with_python(|py| {
             let mut s = scheduler(4);
-            let mut t = EventTracker::new(2, 2, true, Vec::new(), 1);
+            let mut t = EventTracker::new(2, 2, true, Vec::new(), 1, Vec::new());
             let lora = "__import__('types').SimpleNamespace(adapter_id=7, name='sql-adapter')";
             let (req, hashes) = request_with_lora(py, "f", lora);
             let k = keys(&hashes);

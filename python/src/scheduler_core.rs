@@ -575,6 +575,41 @@ impl SchedulerCore {
     }
 }
 
+/// Per KV group (`groups` of them, `None`: one), its block in the
+/// configuration's blocks, from `block_tokens` (each group's tokens a block;
+/// empty: the configuration's for every group).
+fn group_block_factors(
+    cfg: &OffloadConfig,
+    groups: Option<usize>,
+    block_tokens: &[u64],
+) -> PyResult<Vec<usize>> {
+    if block_tokens.is_empty() {
+        return Ok(Vec::new());
+    }
+    let Some(n) = groups else {
+        return Err(value_error("block_tokens needs `groups`"));
+    };
+    if block_tokens.len() != n {
+        return Err(value_error(format!(
+            "block_tokens names {} groups, `groups` has {n}",
+            block_tokens.len()
+        )));
+    }
+    let unit = u64::from(cfg.tokens_per_block);
+    block_tokens
+        .iter()
+        .enumerate()
+        .map(|(g, &t)| {
+            if t == 0 || !t.is_multiple_of(unit) {
+                return Err(value_error(format!(
+                    "group {g}: blocks of {t} tokens are not a whole number of the configuration's {unit}-token blocks"
+                )));
+            }
+            Ok((t / unit) as usize)
+        })
+        .collect()
+}
+
 /// One KV group as the connector names it: `None` full attention, an int a
 /// sliding window in tokens, `("chunked_local", n)` chunked-local attention
 /// over aligned chunks of `n` tokens, `("sliding_window", w, extra)` a
@@ -638,8 +673,13 @@ impl SchedulerCore {
     /// `is_eagle_group`): their last chunk is volatile. `hashes_per_block`:
     /// vLLM's block hashes per GPU block (`block_size / prefix_match_unit`,
     /// several groups only): a block's key is the last hash in it.
+    /// `block_tokens`: per group of `groups`, its tokens a block, each a
+    /// multiple of the configuration's `tokens_per_block` (vLLM gives a
+    /// group of smaller pages larger blocks; empty: the configuration's for
+    /// every group). The request's hashes are then taken one per
+    /// configuration block, and a group's chunk key is the last in it.
     #[new]
-    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false, groups = None, retention_interval = None, eagle_groups = Vec::new(), hashes_per_block = 1))]
+    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false, groups = None, retention_interval = None, eagle_groups = Vec::new(), hashes_per_block = 1, block_tokens = Vec::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         config_json: &str,
@@ -651,6 +691,7 @@ impl SchedulerCore {
         retention_interval: Option<u64>,
         eagle_groups: Vec<usize>,
         hashes_per_block: usize,
+        block_tokens: Vec<u64>,
     ) -> PyResult<Self> {
         let cfg = OffloadConfig::from_json_str(config_json).map_err(value_error)?;
         if hashes_per_block == 0
@@ -677,6 +718,7 @@ impl SchedulerCore {
             .as_ref()
             .map(|w| w.iter().map(GroupArg::windowed).collect())
             .unwrap_or_default();
+        let block_factor = group_block_factors(&cfg, groups.as_ref().map(Vec::len), &block_tokens)?;
         if groups.is_none() && !eagle_groups.is_empty() {
             return Err(value_error(
                 "eagle_groups names groups of `groups`, which is None",
@@ -688,7 +730,11 @@ impl SchedulerCore {
                 let tokens_per_chunk = cfg.tokens_per_chunk();
                 let mut shapes = windows
                     .into_iter()
-                    .map(|w| w.shape(tokens_per_chunk))
+                    .enumerate()
+                    .map(|(g, w)| {
+                        let factor = block_factor.get(g).copied().unwrap_or(1) as u64;
+                        w.shape(tokens_per_chunk * factor)
+                    })
                     .collect::<PyResult<Vec<_>>>()?;
                 for &g in &eagle_groups {
                     let n = shapes.len();
@@ -713,6 +759,7 @@ impl SchedulerCore {
             kv_events && self_describing,
             windowed,
             hashes_per_block,
+            block_factor,
         );
         if watchdog {
             s.start_watchdog().map_err(runtime_error)?;

@@ -9,6 +9,7 @@ check that KV restored from the host tier equals what was computed.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from unittest import mock
 from dataclasses import dataclass, field
@@ -91,6 +92,8 @@ class Engine:
     #: scheduler's remote lookups, and each worker for its fetches and puts,
     #: so what a run decides does not depend on the I/O threads' timing.
     remote: bool = False
+    #: Per KV group, its tokens a block (empty: `tpb` for every group).
+    block_sizes: list[int] = field(default_factory=list)
 
     @property
     def connector(self) -> Any:
@@ -145,6 +148,11 @@ class Engine:
         # Sampled after computing up to num_computed_tokens: the next position's.
         return self.token_at(req, req.num_computed_tokens)
 
+    def group_tpb(self, group: int) -> int:
+        """Group `group`'s tokens a block (vLLM gives groups of smaller
+        pages larger blocks, so every group has one page size)."""
+        return self.block_sizes[group] if self.block_sizes else self.tpb
+
     def _layer_ordinal(self, group: int, index: int) -> int:
         """The layer's number across every group (the fake model writes
         each group's layers apart, so a block moved as another group's
@@ -160,9 +168,9 @@ class Engine:
             # schedule() has already counted this step's tokens as computed.
             start = req.num_computed_tokens - n
             for g, layers in enumerate(self.group_layers):
-                table = tables[g]
+                table, tpb = tables[g], self.group_tpb(g)
                 for p in range(start, start + n):
-                    block, slot = table[p // self.tpb], p % self.tpb
+                    block, slot = table[p // tpb], p % tpb
                     assert block != 0, f"{rid}: token {p} of group {g} computed into the null block"
                     t = self.token_at(req, p)
                     for w in range(len(self.workers)):
@@ -179,9 +187,9 @@ class Engine:
         tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
         n = req.num_computed_tokens
         for g, layers in enumerate(self.group_layers):
-            table = tables[g]
+            table, tpb = tables[g], self.group_tpb(g)
             for p in range(n):
-                block, slot = table[p // self.tpb], p % self.tpb
+                block, slot = table[p // tpb], p % tpb
                 if block == 0:
                     continue
                 t = self.token_at(req, p)
@@ -321,7 +329,9 @@ def build(
     block, `HEADS` heads of `HEAD_SIZE` floats by default); `groups`: in
     place of `spec`, the specs of several KV cache groups (vLLM's hybrid
     manager: `num_layers` layers each, ``g{group}.layer{i}``, their tensors
-    overlaid as vLLM overlays them; the specs must have one page size).
+    overlaid as vLLM overlays them; the specs must have one page size,
+    and may have different block sizes: a group of larger blocks sees the
+    same pages as fewer heads).
     The fake model writes every group's KV (each group's layers apart).
     `retention`: vLLM's
     ``prefix_cache_retention_interval`` (which sliding-window blocks are kept
@@ -348,7 +358,12 @@ def build(
         prefix_cache_retention_interval=retention,
         prefix_match_unit=hash_tokens,
     )
-    hash_block = tpb if hash_tokens is None else hash_tokens
+    # vLLM's scheduler block is the least common multiple of the groups'
+    # block sizes, its hash block their greatest common divisor (or
+    # `hash_tokens`); one group: `tpb` for both.
+    sizes = [s.block_size for s in groups] if groups is not None else [tpb]
+    sched_block = math.lcm(*sizes)
+    hash_block = math.gcd(*sizes) if hash_tokens is None else hash_tokens
     extra = {"num_cpu_chunks": 64, "offload_prompt_only": False} if extra is None else extra
     kv_transfer = KVTransferConfig(
         kv_connector=connector,
@@ -406,7 +421,7 @@ def build(
             kv_cache_config=kv_cache_config,
             log_stats=True,
             structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=tpb,
+            block_size=sched_block,
             hash_block_size=hash_block,
         )
         workers = []
@@ -421,7 +436,13 @@ def build(
                 torch.zeros(num_gpu_blocks, 2, tpb, HEADS, HEAD_SIZE, dtype=torch.float32)
                 for _ in range(num_layers)
             ]
-            cache = {name: tensors[i] for names in group_layers for i, name in enumerate(names)}
+            # A group of larger blocks sees the same pages as fewer heads
+            # (vLLM grows a smaller page's block to the common page size).
+            cache = {
+                name: tensors[i].view(num_gpu_blocks, 2, bs, HEADS * tpb // bs, HEAD_SIZE)
+                for names, bs in zip(group_layers, sizes if groups is not None else [tpb])
+                for i, name in enumerate(names)
+            }
             # vLLM's model-parallel groups do not exist in this process: each
             # worker is told its rank (the share of a chunk it writes).
             with mock.patch("kvoffload.vllm._worker_rank", lambda _ws, r=rank: r):
@@ -441,6 +462,7 @@ def build(
         world=world_size,
         fake_worker=fake_worker,
         remote="remote_tier" in extra,
+        block_sizes=sizes if groups is not None else [],
     )
 
 

@@ -573,3 +573,27 @@ def test_block_hashes_finer_than_blocks_must_divide_them_and_need_groups():
     with pytest.raises(ValueError, match="needs `groups`"):
         kvoffload.SchedulerCore(cfg, watchdog=False, hashes_per_block=2)
     kvoffload.SchedulerCore(cfg, watchdog=False, groups=[None, 8], hashes_per_block=2)
+
+
+def test_groups_of_different_block_sizes_are_whole_configuration_blocks():
+    # vLLM grows a group of smaller pages to larger blocks: each group's
+    # tokens a block, a whole number of the configuration's (the finest).
+    cfg = json.dumps({"tokens_per_block": 4, "blocks_per_chunk": 1, "num_cpu_chunks": 8, "world_size": 1})
+    with pytest.raises(ValueError, match="group 1: blocks of 6 tokens are not a whole number"):
+        kvoffload.SchedulerCore(cfg, watchdog=False, groups=[None, 8], block_tokens=[4, 6])
+    with pytest.raises(ValueError, match="block_tokens names 1 groups, `groups` has 2"):
+        kvoffload.SchedulerCore(cfg, watchdog=False, groups=[None, 8], block_tokens=[4])
+    with pytest.raises(ValueError, match="block_tokens needs `groups`"):
+        kvoffload.SchedulerCore(cfg, watchdog=False, block_tokens=[4])
+    kvoffload.SchedulerCore(cfg, watchdog=False, groups=[None, 8], block_tokens=[4, 8])
+
+
+def test_a_chunk_size_in_tokens_needs_one_block_size_for_every_group():
+    # vLLM's own check: kv_connector_extra_config's block_size (tokens a
+    # chunk) fits one block size; blocks_per_chunk works for any.
+    from test_hybrid_vllm import SPECS, TPB
+
+    with pytest.raises(ValueError, match="all KV cache groups must have the same block size"):
+        harness.build(extra={"num_cpu_chunks": 64, "block_size": 4 * TPB}, tpb=TPB, groups=SPECS["full+swa8b8"]())
+    e = harness.build(extra={"num_cpu_chunks": 64, "blocks_per_chunk": 2}, tpb=TPB, groups=SPECS["full+swa8b8"]())
+    assert e.connector._scheduler.group_chunk_tokens == [2 * TPB, 4 * TPB]

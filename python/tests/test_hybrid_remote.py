@@ -56,6 +56,10 @@ REMOTE_CASES = [
     # the whole chunk, and node B loaded a stale block (found by
     # scripts/widen-hybrid-remote.py --only hash, seed 40013).
     (40013, "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {}),
+    # Groups of different block sizes: a chunk of one group spans two of
+    # another's, both fetched and loaded by their own keys.
+    (29, "full+swa8b8", {"offload_prompt_only": False}, {}),
+    (31, "full+swa13b8+local16b8", {"blocks_per_chunk": 2, "offload_prompt_only": False}, {"world_size": 2}),
 ]
 
 

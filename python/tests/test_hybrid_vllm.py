@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import math
 import os
 import random
 from pathlib import Path
@@ -80,6 +81,13 @@ def local(tokens: int) -> ChunkedLocalAttentionSpec:
     )
 
 
+def larger_blocks(spec: Any, block_size: int) -> Any:
+    """`spec` with blocks of `block_size` tokens and its page size unchanged
+    (fewer KV heads): vLLM grows a group of smaller pages to larger blocks,
+    so that every group has one page size."""
+    return dataclasses.replace(spec, block_size=block_size, num_kv_heads=spec.num_kv_heads * spec.block_size // block_size)
+
+
 def mla() -> MLAAttentionSpec:
     """MLA (one latent vector a token), its page the size of the others'."""
     return MLAAttentionSpec(block_size=TPB, num_kv_heads=1, head_size=2 * HEADS * HEAD_SIZE, dtype=torch.float32)
@@ -100,6 +108,11 @@ SPECS = {
     "full+local12": lambda: [full(), local(12)],
     "local12+full": lambda: [local(12), full()],
     "full+swa8+local16": lambda: [full(), window(8), local(16)],
+    # Groups of different block sizes (the suffix: tokens a block).
+    "full+swa8b8": lambda: [full(), larger_blocks(window(8), 2 * TPB)],
+    "fullb8+swa13": lambda: [larger_blocks(full(), 2 * TPB), window(13)],
+    "full+swa13b8+local16b8": lambda: [full(), larger_blocks(window(13), 2 * TPB), larger_blocks(local(16), 2 * TPB)],
+    "full+fullb8+swa8": lambda: [full(), larger_blocks(full(), 2 * TPB), window(8)],
 }
 CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}, 1),
@@ -167,19 +180,37 @@ CASES = [
     (26, "full+swa8", {"offload_prompt_only": False}, {"hash_tokens": 2}, 1),
     (27, "full+swa8+swa13", {"block_size": 2 * TPB, "self_describing_kv_events": True, "offload_prompt_only": False}, {"hash_tokens": 1}, 0),
     (28, "full+local12", {"offload_prompt_only": False}, {"hash_tokens": 2, "eagle_groups": [0], "async_scheduling": True}, 1),
+    # Groups of different block sizes (vLLM gives a group of smaller pages
+    # larger blocks so every group has one page size): each group's chunk
+    # is blocks_per_chunk of its own blocks, its key the last hash in it.
+    # A window of 8-token blocks beside 4-token full attention; full
+    # attention of 8-token blocks beside a window of 4 (hashes every 2
+    # tokens, dense retention); chunks of two blocks with a window and
+    # chunked-local attention of 8-token blocks, self-describing events,
+    # async scheduling, two workers.
+    (29, "full+swa8b8", {"offload_prompt_only": False}, {}, 1),
+    (30, "fullb8+swa13", {"offload_prompt_only": False}, {"hash_tokens": 2, "retention": None}, 0),
+    (31, "full+swa13b8+local16b8", {"blocks_per_chunk": 2, "self_describing_kv_events": True, "offload_prompt_only": False}, {"async_scheduling": True, "world_size": 2}, 1),
+    # Two full-attention groups of different chunks: vLLM's connector then
+    # aligns nothing (its alignment_tokens is None), and a window's stores
+    # keep every chunk's tail.
+    (32, "full+fullb8+swa8", {"offload_prompt_only": False}, {}, 1),
 ]
 
 
 def select_cases(only: str | None) -> list[tuple]:
     """The cases the widening scripts cycle through: all, or those whose
     group names contain `only` (``eagle``: those with draft groups;
-    ``hash``: those with block hashes finer than the blocks)."""
+    ``hash``: those with block hashes finer than the blocks; ``sizes``: those
+    whose groups have different block sizes)."""
     if only is None:
         return list(CASES)
     if only == "eagle":
         return [c for c in CASES if c[3].get("eagle_groups")]
     if only == "hash":
         return [c for c in CASES if c[3].get("hash_tokens")]
+    if only == "sizes":
+        return [c for c in CASES if len({s.block_size for s in SPECS[c[1]]()}) > 1]
     return [c for c in CASES if only in c[1]]
 
 
@@ -431,9 +462,15 @@ def engine_options(specs: str, extra: dict, opts: dict) -> tuple[dict, dict]:
         **opts,
     }
     groups = SPECS[specs]()
-    chunk_bytes = groups[0].page_size_bytes * 2 * extra.get("block_size", TPB) // TPB
+    chunk_bytes = groups[0].page_size_bytes * 2 * case_blocks_per_chunk(extra)
     cfg = {"cpu_bytes_to_use": HOST_CHUNKS * chunk_bytes * common.get("world_size", 1), **extra}
     return common, cfg
+
+
+def case_blocks_per_chunk(extra: dict) -> int:
+    """A case's GPU blocks a host chunk (its ``blocks_per_chunk``, or its
+    ``block_size`` in `TPB`-token blocks)."""
+    return extra.get("blocks_per_chunk", extra.get("block_size", TPB) // TPB)
 
 
 def corpus_path(seed: int, specs: str) -> Path:
@@ -446,16 +483,16 @@ def write_case(
     """Writes a recorded run as the corpus holds it (gzip, mtime 0: the
     same record gives the same bytes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tpc = extra.get("block_size", TPB)
+    bpc = case_blocks_per_chunk(extra)
     eagle = opts.get("eagle_groups", [])
     shapes = [
-        {"tokens_per_chunk": tpc, "sliding_window": getattr(s, "sliding_window", None)}
+        {"tokens_per_chunk": s.block_size * bpc, "sliding_window": getattr(s, "sliding_window", None)}
         | ({"attention_chunk_size": s.attention_chunk_size} if isinstance(s, ChunkedLocalAttentionSpec) else {})
         | ({"extra_retained_tokens": s.extra_retained_tokens} if getattr(s, "extra_retained_tokens", 0) else {})
         | ({"eagle": True} if g in eagle else {})
         for g, s in enumerate(SPECS[specs]())
     ]
-    text = json.dumps({"seed": seed, "groups": specs, "shapes": shapes, "blocks_per_chunk": tpc // TPB,
+    text = json.dumps({"seed": seed, "groups": specs, "shapes": shapes, "blocks_per_chunk": bpc,
                        **derived, "extra": extra, "opts": opts, "delay": delay, "steps": steps},
                       separators=(",", ":")) + "\n"
     path.write_bytes(gzip.compress(text.encode(), mtime=0))
@@ -571,9 +608,11 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
     """docs/hybrid-groups.md's rules, checked on the corpus (vLLM's answers)."""
     steps = read_corpus(seed, specs)["steps"]
     groups = SPECS[specs]()
-    tpc = extra.get("block_size", TPB)
-    bpc = tpc // TPB
-    align = tpc
+    bpc = case_blocks_per_chunk(extra)
+    # Each group's chunk is bpc of its own blocks; a hit ends where every
+    # group's hit ends, on one group's chunk boundary (groups of different
+    # block sizes: not always the full-attention group's).
+    align = math.gcd(*(s.block_size * bpc for s in groups))
     hits = [lk for st in steps for lk in st.get("lookups", ()) if lk[3]]
     loads = [ld for st in steps for ld in st.get("loads", ())]
     stores = [sd for st in steps for sd in st.get("stores", ())]
@@ -584,18 +623,21 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
     for rid, computed, num_tokens, hit, *_ in hits:
         # A sliding-window group makes the hit leave the last token to compute.
         assert computed + hit <= num_tokens - 1, (rid, computed, num_tokens, hit)
-        # On a chunk boundary, or at that last token (not aligned).
+        # On a chunk boundary (of the group of the smallest chunks), or at
+        # that last token (not aligned).
         end = computed + hit
         assert end % align == 0 or end == num_tokens - 1, (rid, computed, num_tokens, hit)
-        assert hit >= tpc, "a hit is at least one chunk"
+        assert hit >= align, "a hit is at least one chunk"
     for st in steps:
         # A load answers the step's last lookup of its request.
         hit_of = {lk[0]: (lk[1], lk[3]) for lk in st.get("lookups", ()) if lk[3]}
         for rid, per_group in st.get("loads", ()):
             computed, hit = hit_of[rid]
-            end = -(-(computed + hit) // TPB)
             for g, (first, *blocks) in enumerate(per_group):
                 spec = groups[g]
+                tpb = spec.block_size
+                tpc = tpb * bpc
+                end = -(-(computed + hit) // tpb)
                 # Every group's load ends at the hit's end.
                 assert first + len(blocks) == end, (rid, g, computed, hit, per_group)
                 if isinstance(spec, SlidingWindowSpec):
@@ -610,7 +652,7 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
                     assert len(blocks) <= limit, (rid, g, per_group)
                 else:
                     # A full-attention group loads everything past the GPU hit.
-                    assert first == computed // TPB, (rid, g, computed, per_group)
+                    assert first == computed // tpb, (rid, g, computed, per_group)
 
 
 def test_vllm_keeps_its_hybrid_manager_on_for_kvoffload() -> None:

@@ -126,8 +126,9 @@ def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
         (23, "full+swa8", {"offload_prompt_only": False}, {}),
         (24, "local12+full", {"block_size": 2 * TPB}, {}),
         (23, "swa6+full", {}, {"world_size": 2, "async_scheduling": True}),
+        (23, "full+swa8b8", {"offload_prompt_only": False}, {}),
     ],
-    ids=["full+swa8", "local12+full-2blocks", "swa6+full-2workers-async"],
+    ids=["full+swa8", "local12+full-2blocks", "swa6+full-2workers-async", "full+swa8b8-block-sizes"],
 )
 def test_failed_and_late_transfers_with_groups_end_with_the_computed_bytes(
     seed: int, specs: str, extra: dict, opts: dict

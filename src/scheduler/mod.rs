@@ -291,8 +291,10 @@ impl Scheduler {
     }
 
     /// A scheduler for a model with several KV groups (vLLM's hybrid KV
-    /// cache manager: full-attention and sliding-window groups), each group
-    /// with `cfg`'s block size and `blocks_per_chunk`. Lookups, loads and
+    /// cache manager: full-attention and sliding-window groups), each group's
+    /// chunk `cfg`'s `blocks_per_chunk` of its blocks, each block a whole
+    /// number of `cfg`'s (the finest group's block, whose hashes the
+    /// requests carry). Lookups, loads and
     /// stores follow vLLM 0.33.0's `OffloadingConnector` over every group:
     /// [`Self::on_alloc_groups`] in place of [`Self::on_alloc`], and
     /// [`StepInput::group_block_ids`] in each step. One full-attention
@@ -309,9 +311,10 @@ impl Scheduler {
         let mut s = Self::new(cfg, clock)?;
         let single = groups.shapes.len() == 1
             && groups.shapes[0].is_full_attention()
-            && !groups.shapes[0].is_eagle_draft();
+            && !groups.shapes[0].is_eagle_draft()
+            && groups.shapes[0].tokens_per_chunk() == s.geo.tokens_per_chunk;
         let groups =
-            hybrid::SchedulerGroups::new(groups, s.geo.tokens_per_chunk, s.geo.blocks_per_chunk)
+            hybrid::SchedulerGroups::new(groups, s.geo.tokens_per_block, s.geo.blocks_per_chunk)
                 .map_err(|e| SchedulerError::Groups(e.to_string()))?;
         if !single {
             s.manager.set_position_groups(groups.len() as u32);

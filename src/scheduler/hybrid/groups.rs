@@ -9,8 +9,10 @@ use super::store::{Retention, StorePolicy, alignment_tokens};
 /// `KVCacheConfig.kv_cache_groups`), and which window tails are stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvGroups {
-    /// Each group's shape. Every group has the configuration's chunk size
-    /// (one block size and `blocks_per_chunk` for all groups).
+    /// Each group's shape. Every group's chunk is `blocks_per_chunk` of its
+    /// own blocks; a group's block is a whole number of the configuration's
+    /// blocks (vLLM gives a group of smaller pages larger blocks, so that
+    /// every group has one page size).
     pub shapes: Vec<GroupShape>,
     /// Which window tails sliding-window groups store (vLLM's
     /// `prefix_cache_retention_interval`; its default is
@@ -24,21 +26,20 @@ pub enum KvGroupsError {
     /// No group at all.
     #[error("no KV group given")]
     Empty,
-    /// A group's chunk size is not the configuration's.
+    /// A group's chunk is not `blocks_per_chunk` whole configuration blocks.
     #[error(
-        "group {group}: chunks of {tokens} tokens, the configuration's are {expected} (one block size for every group)"
+        "group {group}: chunks of {tokens} tokens are not {blocks_per_chunk} blocks of a whole number of the configuration's {tokens_per_block}-token blocks"
     )]
     ChunkSize {
         /// The group.
         group: usize,
         /// Its chunk size in tokens.
         tokens: u64,
-        /// The configuration's.
-        expected: u64,
+        /// The configuration's blocks in a chunk.
+        blocks_per_chunk: usize,
+        /// The configuration's block (the finest group block).
+        tokens_per_block: u64,
     },
-    /// Full-attention groups with different chunk sizes leave no alignment.
-    #[error("full-attention groups disagree on their chunk size")]
-    NoAlignment,
 }
 
 /// What the scheduler keeps of its groups.
@@ -52,29 +53,38 @@ pub(crate) struct SchedulerGroups {
     /// attention: vLLM frees its blocks behind the window while a request
     /// runs).
     pub windowed: Vec<bool>,
+    /// Per group, the request's block hashes (one per configuration block)
+    /// in one of its chunks: a chunk's key is the last of them.
+    pub hashes_per_chunk: Vec<usize>,
+    /// Per group, the configuration's chunks in one of its chunks.
+    pub chunk_factor: Vec<usize>,
 }
 
 impl SchedulerGroups {
-    /// Checks `groups` against the configuration's chunk (`tokens_per_chunk`
-    /// tokens, `blocks_per_chunk` blocks).
+    /// Checks `groups` against the configuration's block
+    /// (`tokens_per_block` tokens) and `blocks_per_chunk`.
     pub fn new(
         groups: KvGroups,
-        tokens_per_chunk: u64,
+        tokens_per_block: u64,
         blocks_per_chunk: usize,
     ) -> Result<Self, KvGroupsError> {
         if groups.shapes.is_empty() {
             return Err(KvGroupsError::Empty);
         }
+        let unit = tokens_per_block.max(1) * blocks_per_chunk.max(1) as u64;
+        let mut chunk_factor = Vec::with_capacity(groups.shapes.len());
         for (group, shape) in groups.shapes.iter().enumerate() {
-            if shape.tokens_per_chunk() != tokens_per_chunk {
+            let tokens = shape.tokens_per_chunk();
+            if !tokens.is_multiple_of(unit) {
                 return Err(KvGroupsError::ChunkSize {
                     group,
-                    tokens: shape.tokens_per_chunk(),
-                    expected: tokens_per_chunk,
+                    tokens,
+                    blocks_per_chunk,
+                    tokens_per_block,
                 });
             }
+            chunk_factor.push((tokens / unit) as usize);
         }
-        let alignment = alignment_tokens(&groups.shapes).ok_or(KvGroupsError::NoAlignment)?;
         Ok(Self {
             windowed: groups
                 .shapes
@@ -83,9 +93,16 @@ impl SchedulerGroups {
                 .collect(),
             policy: StorePolicy {
                 blocks_per_chunk,
-                alignment_tokens: Some(alignment),
+                // None where full-attention groups disagree on their chunk
+                // (vLLM's connector then aligns nothing).
+                alignment_tokens: alignment_tokens(&groups.shapes),
                 retention: groups.retention,
             },
+            hashes_per_chunk: chunk_factor
+                .iter()
+                .map(|f| f * blocks_per_chunk.max(1))
+                .collect(),
+            chunk_factor,
             shapes: groups.shapes,
         })
     }
@@ -95,12 +112,30 @@ impl SchedulerGroups {
         self.shapes.len()
     }
 
-    /// The host tier's position of chunk `chunk` of group `group`: chunks in
-    /// order, and at one chunk the groups as vLLM's LRU orders them
+    /// The hashes in one chunk of group `group`.
+    pub fn hashes_per_chunk(&self, group: usize) -> usize {
+        self.hashes_per_chunk.get(group).copied().unwrap_or(1)
+    }
+
+    /// Group `group`'s chunks `chunks` as the configuration's chunks (a
+    /// range of tokens in one unit for every group).
+    pub fn unit_chunks(
+        &self,
+        group: usize,
+        chunks: std::ops::Range<usize>,
+    ) -> std::ops::Range<usize> {
+        let f = self.chunk_factor.get(group).copied().unwrap_or(1);
+        chunks.start * f..chunks.end * f
+    }
+
+    /// The host tier's position of chunk `chunk` of group `group`: by the
+    /// token the chunk ends at (in the configuration's chunks; vLLM's key
+    /// position), and at one end the groups as vLLM's LRU orders them
     /// ([`crate::manager::OffloadManager`]'s position groups).
     pub fn position(&self, group: usize, chunk: usize) -> u64 {
         let n = self.len() as u64;
-        (chunk as u64 + 1) * n + (n - 1 - group as u64)
+        let end = self.unit_chunks(group, chunk..chunk + 1).end as u64;
+        end * n + (n - 1 - group as u64)
     }
 }
 
@@ -109,17 +144,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn groups_must_share_the_configured_chunk() {
+    fn groups_chunks_are_whole_configuration_chunks() {
         let full = GroupShape::full_attention(8).unwrap();
         let w16 = GroupShape::sliding_window(8, 16).unwrap();
         let other = GroupShape::sliding_window(4, 16).unwrap();
+        let larger = GroupShape::sliding_window(16, 16).unwrap();
         let make = |shapes: Vec<GroupShape>| {
             SchedulerGroups::new(
                 KvGroups {
                     shapes,
                     retention: Retention::Dense,
                 },
-                8,
+                4,
                 2,
             )
         };
@@ -127,13 +163,25 @@ mod tests {
         assert_eq!(ok.len(), 2);
         assert_eq!(ok.windowed, vec![false, true]);
         assert_eq!(ok.policy.alignment_tokens, Some(8));
+        assert_eq!(ok.hashes_per_chunk, vec![2, 2]);
+        // A group of twice the blocks: twice the hashes a chunk.
+        let mixed = make(vec![full, larger]).unwrap();
+        assert_eq!(mixed.hashes_per_chunk, vec![2, 4]);
+        assert_eq!(mixed.unit_chunks(1, 1..3), 2..6);
+        // Ordered by the token a chunk ends at, then by group: chunk 0 of
+        // group 1 ends with chunk 1 of group 0.
+        assert_eq!(mixed.position(0, 1), 2 * 2 + 1);
+        assert_eq!(mixed.position(1, 0), 2 * 2);
+        assert!(mixed.position(0, 0) < mixed.position(1, 0));
+        assert_eq!(mixed.policy.alignment_tokens, Some(8));
         assert_eq!(make(vec![]).unwrap_err(), KvGroupsError::Empty);
         assert_eq!(
             make(vec![full, other]).unwrap_err(),
             KvGroupsError::ChunkSize {
                 group: 1,
                 tokens: 4,
-                expected: 8
+                blocks_per_chunk: 2,
+                tokens_per_block: 4,
             }
         );
     }

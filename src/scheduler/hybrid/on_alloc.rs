@@ -99,8 +99,6 @@ impl Scheduler {
                         req,
                         what: e.to_string(),
                     })?;
-                let num_keys = rs.num_keys(bpc);
-                let (tpb, tpc) = (self.geo.tokens_per_block, self.geo.tokens_per_chunk);
                 let cached_end = computed.saturating_add(external_tokens);
                 let mut cover = Vec::with_capacity(loads.len());
                 let mut keys = Vec::new();
@@ -108,6 +106,10 @@ impl Scheduler {
                 let mut blocks = JobBlocks::new();
                 let mut spans = Vec::with_capacity(loads.len());
                 for (g, (load, alloc)) in loads.iter().zip(groups).enumerate() {
+                    let per_chunk = hybrid.hashes_per_chunk(g);
+                    let num_keys = rs.num_keys(per_chunk);
+                    let tpc = shapes[g].tokens_per_chunk();
+                    let tpb = tpc / bpc.max(1) as u64;
                     if load.chunks.end > num_keys {
                         return Err(SchedulerError::LoadOutOfRange {
                             req,
@@ -120,7 +122,7 @@ impl Scheduler {
                     let first = load.first_block;
                     blocks.extend_from_slice(&alloc.block_ids[first..first + load.num_blocks]);
                     for i in load.chunks.clone() {
-                        keys.push(rs.group_key(g, i, bpc));
+                        keys.push(rs.group_key(g, i, per_chunk));
                         positions.push(hybrid.position(g, i));
                     }
                     if !load.chunks.is_empty() {
@@ -137,9 +139,10 @@ impl Scheduler {
                     });
                 }
                 // vLLM marks every group's chunks up to the hit's end as offered.
-                let end_chunk = computed
-                    .saturating_add(external_tokens)
-                    .div_ceil(self.geo.tokens_per_chunk) as usize;
+                let end_chunk: Vec<usize> = shapes
+                    .iter()
+                    .map(|shape| cached_end.div_ceil(shape.tokens_per_chunk()) as usize)
+                    .collect();
                 Some((keys, positions, blocks, spans, end_chunk, sync, cover))
             };
         let plan = match plan {
@@ -164,9 +167,9 @@ impl Scheduler {
         if let Some(rs) = self.requests.get_mut(&req) {
             rs.jobs.push(job);
             rs.load_cover = cover;
-            for g in 0..shapes.len() {
+            for (g, &end) in end_chunk.iter().enumerate() {
                 if let Some((_, next)) = rs.group_mut(g) {
-                    *next = end_chunk;
+                    *next = end;
                 }
             }
         }

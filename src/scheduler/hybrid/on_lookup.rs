@@ -16,7 +16,8 @@ struct TierKeys<'a> {
     manager: &'a OffloadManager,
     being_loaded: &'a HashMap<ChunkKey, u32, KeyBuildHasher>,
     request: &'a RequestState,
-    blocks_per_chunk: usize,
+    /// Per group, the request's hashes in one of its chunks.
+    hashes_per_chunk: &'a [usize],
     /// Per group, whether it is windowed (else its hits are recorded).
     windowed: &'a [bool],
     /// The full-attention `(group, chunk)`s found, hit or pending.
@@ -24,12 +25,14 @@ struct TierKeys<'a> {
 }
 
 impl GroupKeys for TierKeys<'_> {
-    fn num_keys(&self, _group: usize) -> usize {
-        self.request.num_keys(self.blocks_per_chunk)
+    fn num_keys(&self, group: usize) -> usize {
+        self.request.num_keys(self.hashes_per_chunk[group])
     }
 
     fn state(&mut self, group: usize, chunk: usize) -> KeyState {
-        let key = self.request.group_key(group, chunk, self.blocks_per_chunk);
+        let key = self
+            .request
+            .group_key(group, chunk, self.hashes_per_chunk[group]);
         let state = match self.manager.lookup(key) {
             LookupResult::Hit => KeyState::Hit,
             LookupResult::HitPending => KeyState::HitPending,
@@ -46,7 +49,7 @@ impl GroupKeys for TierKeys<'_> {
             && self.being_loaded.contains_key(&self.request.group_key(
                 group,
                 chunk,
-                self.blocks_per_chunk,
+                self.hashes_per_chunk[group],
             ))
     }
 }
@@ -75,7 +78,7 @@ impl Scheduler {
             manager: &self.manager,
             being_loaded: &self.being_loaded,
             request,
-            blocks_per_chunk: self.geo.blocks_per_chunk,
+            hashes_per_chunk: &groups.hashes_per_chunk,
             windowed: &groups.windowed,
             found,
         };

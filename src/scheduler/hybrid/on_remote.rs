@@ -26,7 +26,8 @@ use super::lookup::{GroupKeys, HybridLookup, KeyState, load_chunks, lookup_compl
 struct WithRemote<'a> {
     scheduler: &'a Scheduler,
     request: RequestId,
-    num_keys: usize,
+    /// Per group, the request's keys.
+    num_keys: Vec<usize>,
     present: Option<&'a HashSet<(usize, usize)>>,
 }
 
@@ -48,8 +49,8 @@ impl WithRemote<'_> {
 }
 
 impl GroupKeys for WithRemote<'_> {
-    fn num_keys(&self, _group: usize) -> usize {
-        self.num_keys
+    fn num_keys(&self, group: usize) -> usize {
+        self.num_keys.get(group).copied().unwrap_or(0)
     }
 
     fn state(&mut self, group: usize, chunk: usize) -> KeyState {
@@ -147,7 +148,8 @@ impl Scheduler {
 
     fn group_key(&self, req: RequestId, group: usize, chunk: usize) -> Option<ChunkKey> {
         let rs = self.requests.get(&req)?;
-        Some(rs.group_key(group, chunk, self.geo.blocks_per_chunk))
+        let per_chunk = self.groups.as_deref()?.hashes_per_chunk(group);
+        Some(rs.group_key(group, chunk, per_chunk))
     }
 
     /// vLLM's lookup of `req` with `present` read as it were in the host
@@ -164,7 +166,9 @@ impl Scheduler {
         let mut keys = WithRemote {
             scheduler: self,
             request: req,
-            num_keys: rs.num_keys(self.geo.blocks_per_chunk),
+            num_keys: (0..groups.len())
+                .map(|g| rs.num_keys(groups.hashes_per_chunk(g)))
+                .collect(),
             present,
         };
         let lookup = HybridLookup {
@@ -195,15 +199,16 @@ impl Scheduler {
             return (asked, keys);
         }
         let end = computed.saturating_add(ceiling);
-        let num_keys = rs.num_keys(self.geo.blocks_per_chunk);
         for (g, shape) in groups.shapes.iter().enumerate() {
             let tpc = shape.tokens_per_chunk();
+            let per_chunk = groups.hashes_per_chunk(g);
+            let num_keys = rs.num_keys(per_chunk);
             let start = (computed / tpc) as usize;
             // A draft group's hit needs the chunk after its end too.
             let peek = usize::from(shape.is_eagle_draft());
             let stop = (end.div_ceil(tpc) as usize + peek).min(num_keys);
             for c in start..stop {
-                let key = rs.group_key(g, c, self.geo.blocks_per_chunk);
+                let key = rs.group_key(g, c, per_chunk);
                 if self.manager.lookup(key) == LookupResult::Miss {
                     asked.push((g, c));
                     keys.push(key);
@@ -234,21 +239,25 @@ impl Scheduler {
             return None;
         };
         let end = computed.saturating_add(hit);
-        let num_keys = rs.num_keys(self.geo.blocks_per_chunk);
         let mut keys = Vec::new();
         let mut key_groups = Vec::new();
         let (mut lo, mut hi) = (usize::MAX, 0);
         for (g, shape) in groups.shapes.iter().enumerate() {
+            let per_chunk = groups.hashes_per_chunk(g);
+            let num_keys = rs.num_keys(per_chunk);
             // A draft group's hit also needs the chunk after its end in the
             // host tier (not loaded).
             let after = end.div_ceil(shape.tokens_per_chunk()) as usize;
             let peek = (shape.is_eagle_draft() && after < num_keys).then_some(after);
             for c in load_chunks(shape, computed, end, num_keys).chain(peek) {
                 if present.contains(&(g, c)) {
-                    keys.push(rs.group_key(g, c, self.geo.blocks_per_chunk));
+                    keys.push(rs.group_key(g, c, per_chunk));
                     key_groups.push(g);
-                    lo = lo.min(c);
-                    hi = hi.max(c + 1);
+                    // In the configuration's chunks (one token unit for
+                    // every group).
+                    let unit = groups.unit_chunks(g, c..c + 1);
+                    lo = lo.min(unit.start);
+                    hi = hi.max(unit.end);
                 }
             }
         }

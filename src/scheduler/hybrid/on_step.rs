@@ -136,7 +136,7 @@ impl Scheduler {
         out: &mut Vec<TransferJob>,
     ) {
         let g = self.geo;
-        let (bpc, tpc) = (g.blocks_per_chunk, g.tokens_per_chunk);
+        let bpc = g.blocks_per_chunk;
         let Some(groups) = self.groups.as_deref() else {
             return;
         };
@@ -152,17 +152,17 @@ impl Scheduler {
             num_prompt_tokens: rs.prompt_tokens,
             shared_prefix_boundary: rs.shared_prefix_boundary,
         };
-        let num_keys = rs.num_keys(bpc);
         let n = groups.len();
         // A draft group's last chunk is volatile while the request decodes
         // (vLLM's `storable_chunks`): a rejected draft may rewrite it.
         let decoding = offloadable > rs.prompt_tokens && !finished;
         let storable_chunks = |rs: &crate::scheduler::request::RequestState, group: usize| {
-            let volatile = usize::from(decoding && groups.shapes[group].is_eagle_draft());
-            ((offloadable / tpc) as usize)
+            let shape = &groups.shapes[group];
+            let volatile = usize::from(decoding && shape.is_eagle_draft());
+            ((offloadable / shape.tokens_per_chunk()) as usize)
                 .saturating_sub(volatile)
                 .min(rs.group_blocks(group).len() / bpc)
-                .min(num_keys)
+                .min(rs.num_keys(groups.hashes_per_chunk(group)))
         };
         // A running request whose groups have no chunk past their cursors
         // offers nothing and moves no cursor (`store_candidates` starts at
@@ -185,12 +185,12 @@ impl Scheduler {
             let view = StoreView {
                 next_stored_chunk: rs.group_next_stored(group),
                 storable_chunks: chunks,
-                prompt_chunks: (prompt_offloadable / tpc) as usize,
+                prompt_chunks: (prompt_offloadable / shape.tokens_per_chunk()) as usize,
                 held: &held,
             };
             let chosen = store_candidates(shape, &groups.policy, &request, &view);
             for &c in &chosen {
-                keys.push(rs.group_key(group, c, bpc));
+                keys.push(rs.group_key(group, c, groups.hashes_per_chunk(group)));
                 positions.push(groups.position(group, c));
             }
             storable.push(chunks);
