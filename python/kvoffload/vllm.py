@@ -49,6 +49,7 @@ from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
     group_kernel_blocks,
 )
@@ -310,7 +311,11 @@ _DENSE_ATTENTION_SPECS = (FullAttentionSpec, MLAAttentionSpec)
 GroupWindow = int | tuple[str, int] | tuple[str, int, int] | None
 
 #: The windowed kinds of one KV group that take the hybrid path.
-_WINDOWED_SPECS = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
+_WINDOWED_SPECS = (SlidingWindowSpec, SlidingWindowMLASpec, ChunkedLocalAttentionSpec)
+
+#: Sliding windows: MLA's (DeepSeek V4's windowed latent layers) is one to
+#: vLLM's connector, where it is prefix-cacheable.
+_SLIDING_WINDOW_SPECS = (SlidingWindowSpec, SlidingWindowMLASpec)
 
 
 def kv_eagle_groups(kv_cache_config: KVCacheConfig) -> list[int]:
@@ -346,7 +351,14 @@ def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None
         if type(spec) in _DENSE_ATTENTION_SPECS:
             # Full attention, MLA's included (vLLM's connector: no window).
             windows.append(None)
-        elif type(spec) is SlidingWindowSpec:
+        elif type(spec) in _SLIDING_WINDOW_SPECS:
+            if not getattr(spec, "prefix_cacheable", True):
+                # vLLM's connector offloads the prefix-cacheable groups only
+                # (a bounded-replay window recomputes its window instead).
+                raise ValueError(
+                    f"KvOffloadConnector offloads every KV group; this model's {type(spec).__name__} group "
+                    "is not prefix-cacheable (bounded replay), which vLLM's connector leaves out"
+                )
             extra = int(getattr(spec, "extra_retained_tokens", 0))
             windows.append(("sliding_window", int(spec.sliding_window), extra) if extra else int(spec.sliding_window))
         elif type(spec) is ChunkedLocalAttentionSpec:

@@ -597,3 +597,16 @@ def test_a_chunk_size_in_tokens_needs_one_block_size_for_every_group():
         harness.build(extra={"num_cpu_chunks": 64, "block_size": 4 * TPB}, tpb=TPB, groups=SPECS["full+swa8b8"]())
     e = harness.build(extra={"num_cpu_chunks": 64, "blocks_per_chunk": 2}, tpb=TPB, groups=SPECS["full+swa8b8"]())
     assert e.connector._scheduler.group_chunk_tokens == [2 * TPB, 4 * TPB]
+
+
+def test_a_window_that_is_not_prefix_cacheable_is_refused_by_name():
+    # DeepSeek V4's bounded-replay windows are not prefix-cacheable: vLLM's
+    # connector leaves such a group out, kvoffload offloads every group.
+    import dataclasses
+
+    from test_hybrid_vllm import SPECS, mla, window_mla
+
+    assert SPECS["mla+swamla8"]()[1].prefix_cacheable
+    bounded = dataclasses.replace(window_mla(8), bounded_replay=True)
+    with pytest.raises(ValueError, match="SlidingWindowMLASpec group is not prefix-cacheable"):
+        harness.build(extra={"num_cpu_chunks": 64}, tpb=4, groups=[mla(), bounded])

@@ -40,7 +40,13 @@ import torch
 from harness import HEAD_SIZE, HEADS, build
 import kvoffload._native as native
 from test_differential import capture_events, kvoffload_worker, order_free, vllm_worker
-from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.request import RequestStatus
 
 TPB = 4
@@ -81,6 +87,15 @@ def local(tokens: int) -> ChunkedLocalAttentionSpec:
     )
 
 
+def window_mla(tokens: int) -> SlidingWindowMLASpec:
+    """A sliding window over MLA's latent vectors (DeepSeek V4's windowed
+    layers; prefix-cacheable: no bounded replay), its page the size of the
+    others'."""
+    return SlidingWindowMLASpec(
+        block_size=TPB, num_kv_heads=1, head_size=2 * HEADS * HEAD_SIZE, dtype=torch.float32, sliding_window=tokens
+    )
+
+
 def larger_blocks(spec: Any, block_size: int) -> Any:
     """`spec` with blocks of `block_size` tokens and its page size unchanged
     (fewer KV heads): vLLM grows a group of smaller pages to larger blocks,
@@ -113,6 +128,7 @@ SPECS = {
     "fullb8+swa13": lambda: [larger_blocks(full(), 2 * TPB), window(13)],
     "full+swa13b8+local16b8": lambda: [full(), larger_blocks(window(13), 2 * TPB), larger_blocks(local(16), 2 * TPB)],
     "full+fullb8+swa8": lambda: [full(), larger_blocks(full(), 2 * TPB), window(8)],
+    "mla+swamla8": lambda: [mla(), window_mla(8)],
 }
 CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}, 1),
@@ -195,6 +211,10 @@ CASES = [
     # aligns nothing (its alignment_tokens is None), and a window's stores
     # keep every chunk's tail.
     (32, "full+fullb8+swa8", {"offload_prompt_only": False}, {}, 1),
+    # A sliding window over MLA's latent vectors beside MLA (DeepSeek V4's
+    # windowed layers, prefix-cacheable): a window to vLLM's connector;
+    # chunks of two blocks, self-describing events (its placeholders).
+    (33, "mla+swamla8", {"blocks_per_chunk": 2, "self_describing_kv_events": True, "offload_prompt_only": False}, {}, 1),
 ]
 
 
