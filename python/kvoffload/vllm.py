@@ -19,6 +19,8 @@ made here.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -371,6 +373,16 @@ def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None
     return windows
 
 
+def kv_layer_spec(group_spec: Any, layer: str) -> Any:
+    """Layer `layer`'s spec in a KV group of spec `group_spec`: its own where
+    the group keeps one per layer (vLLM's ``UniformTypeKVCacheSpecs``, on the
+    workers), else the group's."""
+    per_layer = getattr(group_spec, "kv_cache_specs", None)
+    if isinstance(per_layer, dict):
+        return per_layer.get(layer, group_spec)
+    return group_spec
+
+
 def kv_group_block_tokens(kv_cache_config: KVCacheConfig) -> list[int]:
     """Each KV group's tokens a block. vLLM gives a group of smaller pages
     (fewer KV heads, say) larger blocks so that every group has one page
@@ -401,6 +413,26 @@ def kv_hashes_per_block(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig)
                 f"vLLM's block-hash unit (prefix_match_unit: {tokens_per_hash} tokens)"
             )
     return kv_unit_block_tokens(kv_cache_config) // tokens_per_hash
+
+
+def kv_scheduler_view(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
+    """The configuration as vLLM's scheduler sees it: a group of layers of
+    one kind and different page sizes (``UniformTypeKVCacheSpecs``, which
+    the workers' configuration keeps: DeepSeek V3.2's MLA and its indexer)
+    has its first layer's spec, as vLLM flattens it for the scheduler. Both
+    sides then derive the same engine configuration (the host chunk's bytes
+    come from the backing allocation either way)."""
+    groups = kv_cache_config.kv_cache_groups
+    if not any(isinstance(getattr(g.kv_cache_spec, "kv_cache_specs", None), dict) for g in groups):
+        return kv_cache_config
+    flat = copy.copy(kv_cache_config)
+    flat.kv_cache_groups = [
+        dataclasses.replace(g, kv_cache_spec=kv_layer_spec(g.kv_cache_spec, g.layer_names[0]))
+        if isinstance(getattr(g.kv_cache_spec, "kv_cache_specs", None), dict) and g.layer_names
+        else g
+        for g in groups
+    ]
+    return flat
 
 
 def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
@@ -534,6 +566,9 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     hash function, the attention backend, and the operator's ``deployment``."""
     from kvoffload._native import remote_namespace
 
+    # Both roles name it from the scheduler's view (a worker keeps one spec
+    # a layer in a group of layers of different page sizes).
+    kv_cache_config = kv_scheduler_view(kv_cache_config)
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
     mc = vllm_config.model_config
@@ -969,9 +1004,13 @@ class _WorkerSide:
         group_regions: list[list[int]] = []
         devices = set()
         for group in groups:
-            page = group.kv_cache_spec.page_size_bytes
             mine: list[int] = []
             for name in group.layer_names:
+                # A group of layers of one kind and different page sizes
+                # (DeepSeek V3.2's MLA and its indexer) keeps each layer's
+                # spec on the workers: its page is the layer's, not the
+                # group's (the sum over its layers), as vLLM's worker reads it.
+                page = kv_layer_spec(group.kv_cache_spec, name).page_size_bytes
                 t = group_kernel_blocks(kv_caches[name], num_blocks)
                 devices.add(t.device)
                 stride = t.stride(0) * t.element_size()
@@ -1149,7 +1188,7 @@ class KvOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         kv_cache_config: KVCacheConfig,
     ):
         super().__init__(vllm_config, role, kv_cache_config)
-        cfg = _engine_config(vllm_config, kv_cache_config)
+        cfg = _engine_config(vllm_config, kv_scheduler_view(kv_cache_config))
         self.engine_config = cfg
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None

@@ -323,6 +323,7 @@ def build(
     retention: int | None = 0,
     eagle_groups: tuple[int, ...] = (),
     hash_tokens: int | None = None,
+    layer_specs: list[Any] | None = None,
 ) -> Engine:
     """An engine with the connector `connector` (loaded from `module`);
     `spec`: the KV cache group's spec (full attention of `tpb` tokens a
@@ -341,7 +342,12 @@ def build(
     decoding whose draft KV depends on the next token): the connectors treat
     their last chunk as volatile; the scheduler runs without speculation.
     `hash_tokens`: vLLM's ``prefix_match_unit`` (block hashes every
-    `hash_tokens` tokens, finer than a block; several groups only)."""
+    `hash_tokens` tokens, finer than a block; several groups only).
+    `layer_specs`: in place of `spec`, one group of layers of one kind and
+    different page sizes (DeepSeek V3.2's MLA and its indexer: vLLM's
+    ``UniformTypeKVCacheSpecs``), one spec a layer: the workers get the
+    per-layer specs, the scheduler the first layer's (as vLLM flattens
+    them), each layer its own tensor in one backing allocation."""
     model_config = ModelConfig(model=MODEL, dtype="float32", seed=42)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -387,6 +393,11 @@ def build(
         spec = FullAttentionSpec(
             block_size=tpb, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32
         )
+    if layer_specs is not None:
+        names = [f"layer{i}" for i in range(len(layer_specs))]
+        per_layer = dict(zip(names, layer_specs))
+        return _build_uniform(vllm_config, per_layer, num_gpu_blocks, tpb, async_scheduling, world_size, fake_worker,
+                              extra, hash_block)
     if groups is None:
         specs = [spec]
         group_layers = [[f"layer{i}" for i in range(num_layers)]]
@@ -463,6 +474,75 @@ def build(
         fake_worker=fake_worker,
         remote="remote_tier" in extra,
         block_sizes=sizes if groups is not None else [],
+    )
+
+
+def _build_uniform(
+    vllm_config: Any,
+    per_layer: dict[str, Any],
+    num_gpu_blocks: int,
+    tpb: int,
+    async_scheduling: bool,
+    world_size: int,
+    fake_worker: Any,
+    extra: dict[str, Any],
+    hash_block: int,
+) -> Engine:
+    """`build` for one group of layers of one kind and different page
+    sizes (``UniformTypeKVCacheSpecs``): each layer's pages in its own
+    region of one backing allocation (layer-outermost); the scheduler's
+    configuration has the first layer's spec, the workers' every layer's."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    names = list(per_layer)
+    uniform = UniformTypeKVCacheSpecs(block_size=tpb, kv_cache_specs=per_layer)
+    total = uniform.page_size_bytes * num_gpu_blocks
+    tensors, offset = [], 0
+    for name in names:
+        page = per_layer[name].page_size_bytes
+        tensors.append(KVCacheTensor(size=total, layers=[name], layer_stride=page * num_gpu_blocks, block_stride=page,
+                                     offset=offset))
+        offset += page * num_gpu_blocks
+    worker_config = KVCacheConfig(
+        num_blocks=num_gpu_blocks, kv_cache_tensors=tensors, kv_cache_groups=[KVCacheGroupSpec(names, uniform)]
+    )
+    # vLLM's scheduler sees one layer's spec for the group.
+    sched_config = copy.deepcopy(worker_config)
+    sched_config.kv_cache_groups[0].kv_cache_spec = per_layer[names[0]]
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    with set_current_vllm_config(vllm_config):
+        scheduler = cls(
+            vllm_config=vllm_config,
+            kv_cache_config=sched_config,
+            log_stats=True,
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=tpb,
+            hash_block_size=hash_block,
+        )
+        workers, caches = [], []
+        for rank in range(0 if fake_worker is not None else world_size):
+            wc = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, worker_config)
+            cache = {
+                name: torch.zeros(num_gpu_blocks, 2, tpb, per_layer[name].num_kv_heads, HEAD_SIZE, dtype=torch.float32)
+                for name in names
+            }
+            with mock.patch("kvoffload.vllm._worker_rank", lambda _ws, r=rank: r):
+                wc.register_kv_caches(cache)
+            workers.append(wc)
+            caches.append(cache)
+    init_none_hash(sha256)
+    return Engine(
+        scheduler=scheduler,
+        workers=workers,
+        caches=caches,
+        group_layers=[names],
+        tpb=tpb,
+        async_scheduling=async_scheduling,
+        aggregator=KVOutputAggregator(world_size),
+        hasher=get_request_block_hasher(hash_block, sha256),
+        world=world_size,
+        fake_worker=fake_worker,
+        remote="remote_tier" in extra,
     )
 
 

@@ -610,3 +610,27 @@ def test_a_window_that_is_not_prefix_cacheable_is_refused_by_name():
     bounded = dataclasses.replace(window_mla(8), bounded_replay=True)
     with pytest.raises(ValueError, match="SlidingWindowMLASpec group is not prefix-cacheable"):
         harness.build(extra={"num_cpu_chunks": 64}, tpb=4, groups=[mla(), bounded])
+
+
+def test_a_group_of_layers_of_different_page_sizes_comes_back_with_each_layer_s_bytes():
+    # DeepSeek V3.2's MLA layers and their (smaller) indexer layers are one
+    # KV group of one kind (vLLM's UniformTypeKVCacheSpecs): its scheduler
+    # sees the first layer's spec, its workers each layer's. Each layer's
+    # page is its own (the group's page is the sum over its layers).
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    common = dict(block_size=4, head_size=harness.HEAD_SIZE, dtype=torch.float32)
+    layers = [FullAttentionSpec(num_kv_heads=harness.HEADS, **common), FullAttentionSpec(num_kv_heads=1, **common)]
+    assert layers[0].page_size_bytes != layers[1].page_size_bytes
+    e = harness.build(num_gpu_blocks=32, extra={"num_cpu_chunks": 64, "offload_prompt_only": False}, layer_specs=layers)
+    w = e.workers[0]._worker
+    assert w.core.pool_bytes >= 64 * sum(s.page_size_bytes for s in layers)
+    # Both roles name one remote namespace (the workers keep one spec a layer).
+    from kvoffload.vllm import _remote_namespace
+
+    sched_view = e.connector._kv_cache_config
+    assert type(sched_view.kv_cache_groups[0].kv_cache_spec) is FullAttentionSpec
+    assert _remote_namespace(w.vllm_config, w.kv_cache_config, w.cfg) == _remote_namespace(
+        w.vllm_config, sched_view, w.cfg
+    )
+    prefix_comes_back_from_the_host_tier(e)

@@ -146,22 +146,30 @@ def stored_by_group(e: harness.Engine) -> list:
     return stored
 
 
-def hybrid_node(remote: dict) -> harness.Engine:
+def hybrid_node(remote: dict, specs: str = "full+swa8") -> harness.Engine:
     extra = {"num_cpu_chunks": 64, "offload_prompt_only": False, "remote_tier": remote}
-    return harness.build(extra=extra, tpb=TPB, groups=SPECS["full+swa8"](), num_gpu_blocks=96)
+    return harness.build(extra=extra, tpb=TPB, groups=SPECS[specs](), num_gpu_blocks=96)
 
 
-@pytest.mark.parametrize("store", ["standalone", "cluster"])
-def test_the_remote_tier_gives_a_second_node_the_hit_the_host_tier_gives_the_first(store: str, request) -> None:
+@pytest.mark.parametrize(
+    "store,specs",
+    [("standalone", "full+swa8"), ("cluster", "full+swa8"), ("standalone", "full+swa8b8")],
+    ids=["standalone", "cluster", "standalone-block-sizes"],
+)
+def test_the_remote_tier_gives_a_second_node_the_hit_the_host_tier_gives_the_first(
+    store: str, specs: str, request
+) -> None:
     """Node A computes a prefix (full attention and an 8-token window),
     writes it through, then, its GPU prefix cache reset, finds a second
     prompt's hit in its host tier; node B, its host tier empty, finds the
     same hit in the remote tier: the same tokens, reported as a remote
     store, the same bytes, announced by the same blocks of the same groups.
-    On one server and on a Redis Cluster of three masters."""
+    On one server and on a Redis Cluster of three masters; and with the
+    window's blocks twice full attention's (its chunks span two of the
+    other group's: the split by source counts both in tokens)."""
     url = request.getfixturevalue("redis_url" if store == "standalone" else "redis_cluster")
     remote = {"url": url, "cluster": store == "cluster"}
-    a = hybrid_node(remote)
+    a = hybrid_node(remote, specs)
     stored_a = stored_by_group(a)
     a.add(PREFIX + [1, 2, 3], max_tokens=2)
     run_checked(a)
@@ -177,7 +185,7 @@ def test_the_remote_tier_gives_a_second_node_the_hit_the_host_tier_gives_the_fir
     assert host_hit > 0 and host_split == {"host": host_hit}, (host_sources, remote_stats(a))
     leak_free(a)
 
-    b = hybrid_node(remote)
+    b = hybrid_node(remote, specs)
     stored_b = stored_by_group(b)
     remote_sources = record_hit_sources(b)
     r = b.add(PREFIX + [7, 8, 9], max_tokens=3, req_id="again")

@@ -225,7 +225,7 @@ pub struct Scheduler {
     sync_bytes_per_token: u64,
     /// Several KV groups ([`Self::with_groups`]); `None`: one full-attention
     /// group, the single-group paths.
-    groups: Option<Box<hybrid::SchedulerGroups>>,
+    groups: Option<std::sync::Arc<hybrid::SchedulerGroups>>,
     /// Stores of a scheduler with sliding-window groups -> the window blocks
     /// they fence from their creation (vLLM fences those while the request
     /// runs: the window moves on and frees them); the rest of a store's
@@ -318,7 +318,7 @@ impl Scheduler {
                 .map_err(|e| SchedulerError::Groups(e.to_string()))?;
         if !single {
             s.manager.set_position_groups(groups.len() as u32);
-            s.groups = Some(Box::new(groups));
+            s.groups = Some(std::sync::Arc::new(groups));
         }
         Ok(s)
     }

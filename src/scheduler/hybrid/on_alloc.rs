@@ -35,7 +35,8 @@ impl Scheduler {
         groups: &[GroupAlloc<'_>],
         external_tokens: u64,
     ) -> Result<Option<JobId>, SchedulerError> {
-        let Some(hybrid) = self.groups.as_deref().cloned() else {
+        // Shared, not copied: the groups never change after construction.
+        let Some(hybrid) = self.groups.clone() else {
             return match groups {
                 [one] => self.on_alloc(req, one.block_ids, external_tokens),
                 _ => Err(SchedulerError::Groups(format!(
