@@ -129,6 +129,7 @@ SPECS = {
     "full+swa13b8+local16b8": lambda: [full(), larger_blocks(window(13), 2 * TPB), larger_blocks(local(16), 2 * TPB)],
     "full+fullb8+swa8": lambda: [full(), larger_blocks(full(), 2 * TPB), window(8)],
     "mla+swamla8": lambda: [mla(), window_mla(8)],
+    "swa6b8+full": lambda: [larger_blocks(window(6), 2 * TPB), full()],
 }
 CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}, 1),
@@ -215,6 +216,11 @@ CASES = [
     # windowed layers, prefix-cacheable): a window to vLLM's connector;
     # chunks of two blocks, self-describing events (its placeholders).
     (33, "mla+swamla8", {"blocks_per_chunk": 2, "self_describing_kv_events": True, "offload_prompt_only": False}, {}, 1),
+    # Groups of different block sizes with a draft group, a tail every 16
+    # tokens and sync loads (the budget counts each group's bytes a token
+    # over its own block); a window of 8-token blocks first, async.
+    (34, "full+swa8b8", {"sync_load_budget_bytes": 8192, "offload_prompt_only": False}, {"eagle_groups": [0], "retention": 16}, 1),
+    (35, "swa6b8+full", {}, {"async_scheduling": True, "max_num_batched_tokens": 16}, 0),
 ]
 
 
