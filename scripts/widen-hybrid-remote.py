@@ -19,7 +19,8 @@ With --cluster, the store is a Redis Cluster of three masters instead.
 (`--only local`: the chunked-local ones; `--only eagle`: those with
 EAGLE draft groups; `--only hash`: those whose block hashes are finer
 than the blocks; `--only sizes`: those whose groups have different block
-sizes), from seed 40,000.
+sizes; `--only left-out`: those with groups vLLM's connector leaves out),
+from seed 40,000.
 Exits 1 if a node moved a wrong byte, leaked, or a fetch failed.
 """
 

@@ -510,6 +510,36 @@ fn a_window_block_allocated_again_flushes_its_store_or_drops_out_of_the_table() 
 }
 
 #[test]
+fn a_block_allocated_to_a_group_left_out_flushes_the_store_still_reading_it() {
+    // vLLM's groups that are not prefix-cacheable (a circular buffer, a
+    // bounded-replay window) are left out of the scheduler's groups but
+    // share the GPU block pool: a finished request's store still reading
+    // block 2 must be flushed when vLLM gives block 2 to such a group, or
+    // the model overwrites it under the copy.
+    for noted in [false, true] {
+        let (mut s, _clock) = scheduler(Retention::Dense);
+        let plan = prefill(&mut s, 1, 5, &[1, 2, 3, 4], &[5, 6, 7, 8]);
+        let store = plan.stores[0].job;
+        s.request_finished(RequestId(1), &ids(&[1, 2, 3, 4]), false, 16)
+            .unwrap();
+        // Block 2 goes to a left-out group (of a new request with nothing
+        // to store), told to the scheduler before the step.
+        if noted {
+            s.note_allocated_elsewhere(&ids(&[0, 2]));
+        }
+        let plan2 = s
+            .build_step(&StepInput {
+                finished: vec![RequestId(1)],
+                ..StepInput::default()
+            })
+            .unwrap();
+        assert_eq!(plan2.flush.contains(&store), noted, "noted: {noted}");
+        s.on_worker_output(&all_done(&plan));
+        s.check_invariants().unwrap();
+    }
+}
+
+#[test]
 fn a_finished_request_fences_every_block_of_its_stores() {
     let (mut s, _clock) = scheduler(Retention::Dense);
     let plan = prefill(&mut s, 1, 5, &[1, 2, 3, 4], &[5, 6, 7, 8]);

@@ -320,47 +320,74 @@ _WINDOWED_SPECS = (SlidingWindowSpec, SlidingWindowMLASpec, ChunkedLocalAttentio
 _SLIDING_WINDOW_SPECS = (SlidingWindowSpec, SlidingWindowMLASpec)
 
 
+def kv_offloaded_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
+    """The KV groups offloaded, by their index in vLLM's configuration: the
+    prefix-cacheable ones (vLLM's ``prefix_cacheable_group_ids``, as its
+    ``OffloadingConnector`` selects them). A group that is not (a circular
+    buffer of keys still being compressed, a bounded-replay window, a group
+    outside external transfer) is per-request scratch to vLLM: recomputed,
+    never cached, so neither stored nor loaded. Raises ``ValueError`` where
+    no group is eligible, or for HiSparse (vLLM then offloads its indexer
+    groups only, which kvoffload does not)."""
+    if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
+        raise ValueError(
+            "KvOffloadConnector does not offload HiSparse KV caches (hisparse_host_num_blocks is set)"
+        )
+    groups = kv_cache_config.kv_cache_groups
+    ids = tuple(
+        i
+        for i, g in enumerate(groups)
+        if getattr(g, "enable_kv_transfer", True) and getattr(g.kv_cache_spec, "prefix_cacheable", True)
+    )
+    if not ids:
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+        raise ValueError(
+            f"KvOffloadConnector found no KV group to offload: none of this model's groups ({', '.join(kinds)}) "
+            "is prefix-cacheable, and vLLM caches (and offloads) only those"
+        )
+    return ids
+
+
+def kv_offloaded_groups(kv_cache_config: KVCacheConfig) -> list[Any]:
+    """The ``KVCacheGroupSpec`` of each offloaded group (`kv_offloaded_group_ids`),
+    in order: kvoffload's group ``i`` is vLLM's group ``kv_offloaded_group_ids()[i]``."""
+    groups = kv_cache_config.kv_cache_groups
+    return [groups[i] for i in kv_offloaded_group_ids(kv_cache_config)]
+
+
 def kv_eagle_groups(kv_cache_config: KVCacheConfig) -> list[int]:
     """The KV groups that hold an EAGLE/MTP drafter's layers (vLLM's
     ``is_eagle_group``, set with speculative decoding whose draft KV at a
     position depends on the next token): vLLM's connector treats their last
-    chunk as volatile."""
-    return [i for i, g in enumerate(kv_cache_config.kv_cache_groups) if getattr(g, "is_eagle_group", False)]
+    chunk as volatile. Indices among the offloaded groups."""
+    return [i for i, g in enumerate(kv_offloaded_groups(kv_cache_config)) if getattr(g, "is_eagle_group", False)]
 
 
 def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None:
-    """The KV groups of a hybrid ``KVCacheConfig`` (several groups, vLLM's
-    hybrid manager, or one sliding-window or chunked-local group) as the
-    scheduler core takes them (``GroupWindow``: ``None`` for full attention,
-    the sliding window in tokens, ``("chunked_local", n)``). ``None`` for one
-    group of another kind (the single-group path). Raises ``ValueError`` for
-    groups kvoffload cannot offload (other kinds of layers). The groups may
-    have different block sizes (``kv_group_block_tokens``)."""
+    """The offloaded KV groups (`kv_offloaded_groups`) of a hybrid
+    ``KVCacheConfig`` (several groups, vLLM's hybrid manager, or one
+    sliding-window or chunked-local group) as the scheduler core takes them
+    (``GroupWindow``: ``None`` for full attention, the sliding window in
+    tokens, ``("chunked_local", n)``). ``None`` for one group of another kind
+    (the single-group path). Raises ``ValueError`` for offloaded groups
+    kvoffload cannot offload (other kinds of layers). The groups may have
+    different block sizes (``kv_group_block_tokens``)."""
     groups = kv_cache_config.kv_cache_groups
+    offloaded = kv_offloaded_groups(kv_cache_config)
     if len(groups) < 2 and not (
-        groups
-        and (
-            type(groups[0].kv_cache_spec) in _WINDOWED_SPECS
-            # One full-attention (or MLA) group holding a drafter's layers:
-            # the groups' path follows its volatile last chunk.
-            or (type(groups[0].kv_cache_spec) in _DENSE_ATTENTION_SPECS and kv_eagle_groups(kv_cache_config))
-        )
+        type(offloaded[0].kv_cache_spec) in _WINDOWED_SPECS
+        # One full-attention (or MLA) group holding a drafter's layers:
+        # the groups' path follows its volatile last chunk.
+        or (type(offloaded[0].kv_cache_spec) in _DENSE_ATTENTION_SPECS and kv_eagle_groups(kv_cache_config))
     ):
         return None
     windows: list[GroupWindow] = []
-    for g in groups:
+    for g in offloaded:
         spec = g.kv_cache_spec
         if type(spec) in _DENSE_ATTENTION_SPECS:
             # Full attention, MLA's included (vLLM's connector: no window).
             windows.append(None)
         elif type(spec) in _SLIDING_WINDOW_SPECS:
-            if not getattr(spec, "prefix_cacheable", True):
-                # vLLM's connector offloads the prefix-cacheable groups only
-                # (a bounded-replay window recomputes its window instead).
-                raise ValueError(
-                    f"KvOffloadConnector offloads every KV group; this model's {type(spec).__name__} group "
-                    "is not prefix-cacheable (bounded replay), which vLLM's connector leaves out"
-                )
             extra = int(getattr(spec, "extra_retained_tokens", 0))
             windows.append(("sliding_window", int(spec.sliding_window), extra) if extra else int(spec.sliding_window))
         elif type(spec) is ChunkedLocalAttentionSpec:
@@ -387,8 +414,9 @@ def kv_group_block_tokens(kv_cache_config: KVCacheConfig) -> list[int]:
     """Each KV group's tokens a block. vLLM gives a group of smaller pages
     (fewer KV heads, say) larger blocks so that every group has one page
     size; the groups' chunks are then ``blocks_per_chunk`` of their own
-    blocks, of different token counts, as vLLM's connector makes them."""
-    return [int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups]
+    blocks, of different token counts, as vLLM's connector makes them.
+    The offloaded groups only."""
+    return [int(g.kv_cache_spec.block_size) for g in kv_offloaded_groups(kv_cache_config)]
 
 
 def kv_unit_block_tokens(kv_cache_config: KVCacheConfig) -> int:
@@ -492,8 +520,10 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
     """The engine configuration of a hybrid ``KVCacheConfig`` (vLLM's
     ``SchedulerOffloadConfig`` for several groups): a host chunk holds one
     group's blocks, sized as vLLM's (the backing allocation's bytes per
-    block); the sync-load budget counts every group's bytes per token."""
-    groups = kv_cache_config.kv_cache_groups
+    block); the sync-load budget counts every offloaded group's bytes per
+    token (vLLM's ``kv_bytes_per_token``, over the groups its connector
+    selects)."""
+    groups = kv_offloaded_groups(kv_cache_config)
     dcp = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1)
     if dcp > 1:
         raise ValueError(
@@ -569,7 +599,9 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     # Both roles name it from the scheduler's view (a worker keeps one spec
     # a layer in a group of layers of different page sizes).
     kv_cache_config = kv_scheduler_view(kv_cache_config)
-    group = kv_cache_config.kv_cache_groups[0]
+    # The offloaded groups' layouts (a group left out holds no chunk).
+    offloaded = kv_offloaded_groups(kv_cache_config)
+    group = offloaded[0]
     spec = group.kv_cache_spec
     mc = vllm_config.model_config
     model = f"{mc.model if mc else ''}@{(mc.revision if mc else None) or ''}|{cfg.remote_deployment}"
@@ -597,7 +629,7 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
         # Hybrid groups: a chunk holds one group's layers, keyed by its group.
         layout += "|groups:" + ";".join(
             f"{type(g.kv_cache_spec).__name__}/{_group_extent(g.kv_cache_spec)}/{len(g.layer_names)}"
-            for g in groups
+            for g in offloaded
         )
     return remote_namespace(
         model,
@@ -640,6 +672,19 @@ class _SchedulerSide:
         #: Whether the events carry each chunk's payload (and every
         #: ``BlockStored`` the KV group's kind and window).
         self.self_describing = publish and cfg.self_describing_kv_events
+        #: vLLM's index of each offloaded KV group (kvoffload's group ``i``
+        #: is vLLM's ``group_ids[i]``): the prefix-cacheable groups.
+        self.group_ids = kv_offloaded_group_ids(kv_cache_config)
+        #: The offloaded groups' indices where vLLM has groups left out
+        #: (its per-group block lists are narrowed to them), else ``None``.
+        self.selected = (
+            self.group_ids if len(self.group_ids) < len(kv_cache_config.kv_cache_groups) else None
+        )
+        #: vLLM's groups left out (their blocks share the GPU pool: a block
+        #: a store still reads may be allocated to one of them).
+        self.left_out = tuple(
+            i for i in range(len(kv_cache_config.kv_cache_groups)) if i not in self.group_ids
+        )
         #: Per KV group its window (``GroupWindow``; ``None``: full
         #: attention), or ``None`` for one full-attention group.
         self.windows = kv_group_windows(kv_cache_config)
@@ -671,7 +716,7 @@ class _SchedulerSide:
         )
         #: Per KV group, the kind and window its events carry (self-describing).
         self.event_specs = (
-            [get_offloading_event_group_spec(g) for g in kv_cache_config.kv_cache_groups]
+            [get_offloading_event_group_spec(g) for g in kv_offloaded_groups(kv_cache_config)]
             if self.self_describing
             else None
         )
@@ -787,15 +832,17 @@ class _SchedulerSide:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        if self.selected is not None:
+            self._note_left_out([[int(b.block_id) for b in group] for group in blocks.blocks])
         if self.windows:
             # Per group each block and whether it holds cached KV (a hash).
             groups = [
                 ([int(b.block_id) for b in group], [b.block_hash is not None for b in group])
-                for group in blocks.blocks
+                for group in self._offloaded(blocks.blocks)
             ]
             self.core.on_alloc_groups(request.request_id, groups, num_external_tokens)
             return
-        block_ids = [int(b) for b in blocks.get_block_ids()[0]]
+        block_ids = [int(b) for b in self._offloaded(blocks.get_block_ids())[0]]
         self.core.on_alloc(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self, so: SchedulerOutput) -> KvOffloadMetadata:
@@ -804,16 +851,24 @@ class _SchedulerSide:
         # the step itself.
         if self.scan_in_hooks:
             self.core.scan_if_due()
+        new_blocks = [self._offloaded(r.block_ids) if r.block_ids else [] for r in so.scheduled_new_reqs]
         new = [
-            (r.req_id, [int(b) for b in r.block_ids[0]] if r.block_ids else [], int(r.num_computed_tokens))
-            for r in so.scheduled_new_reqs
+            (r.req_id, [int(b) for b in ids[0]] if ids else [], int(r.num_computed_tokens))
+            for r, ids in zip(so.scheduled_new_reqs, new_blocks)
         ]
         cached = so.scheduled_cached_reqs
+        cached_blocks = cached.new_block_ids
+        if self.selected is not None:
+            for ids in [r.block_ids for r in so.scheduled_new_reqs if r.block_ids] + [
+                ids for ids in cached_blocks if ids is not None
+            ]:
+                self._note_left_out(ids)
+            cached_blocks = [None if ids is None else self._offloaded(ids) for ids in cached_blocks]
         preempted = sorted(r for r in (so.preempted_req_ids or ()) if r in self.requests)
         finished = [r for r in (so.finished_req_ids or ()) if r in self.requests]
         # Several KV groups: the new requests' blocks of groups 1, 2, ...
         new_groups = (
-            [[[int(b) for b in g] for g in r.block_ids[1:]] if r.block_ids else [] for r in so.scheduled_new_reqs]
+            [[[int(b) for b in g] for g in ids[1:]] if ids else [] for ids in new_blocks]
             if self.windows
             else []
         )
@@ -821,7 +876,7 @@ class _SchedulerSide:
             so.num_scheduled_tokens,
             new,
             cached.req_ids,
-            cached.new_block_ids,
+            cached_blocks,
             cached.num_computed_tokens,
             cached.resumed_req_ids,
             preempted,
@@ -866,7 +921,22 @@ class _SchedulerSide:
     ) -> tuple[bool, dict | None]:
         """``request_finished`` with several KV groups (vLLM's
         ``SupportsHMA``): the blocks freed are not what is stored."""
-        return self.request_finished(request, block_ids[0] if block_ids else [])
+        return self.request_finished(request, self._offloaded(block_ids)[0] if block_ids else [])
+
+    def _note_left_out(self, per_group: Any) -> None:
+        """Tells the core of the blocks vLLM allocated to the groups left out
+        (vLLM's per-group lists): a store still reading one is flushed before
+        the model writes it, as for any block allocated again."""
+        new = [int(b) for g in self.left_out for b in per_group[g]]
+        if new:
+            self.core.note_allocated(new)
+
+    def _offloaded(self, per_group: Any) -> Any:
+        """vLLM's per-group lists (one per KV group) narrowed to the
+        offloaded groups, in kvoffload's group order."""
+        if self.selected is None:
+            return per_group
+        return tuple(per_group[i] for i in self.selected)
 
     def take_events(self) -> list[KVCacheEvent]:
         """vLLM's KV events for the host tier: a ``BlockStored`` per stored
@@ -888,22 +958,24 @@ class _SchedulerSide:
             spec = specs[group] if specs is not None else None
             kind = spec.kv_cache_spec_kind if spec is not None else None
             window = spec.kv_cache_spec_sliding_window if spec is not None else None
+            # Events name vLLM's group index (a group left out shifts ours).
+            vllm_group = self.group_ids[group] if group < len(self.group_ids) else group
             if removed:
                 out.append(
                     BlockRemoved(
                         block_hashes=items if identity else [convert(h) for h in items],
                         medium="CPU",
-                        group_idx=group,
+                        group_idx=vllm_group,
                     )
                 )
             elif not self.self_describing:
                 out.extend(
-                    [_placeholder_stored(h if identity else convert(h), kind, window, group) for h in items]
+                    [_placeholder_stored(h if identity else convert(h), kind, window, vllm_group) for h in items]
                 )
             else:
                 # The group's own block (vLLM's events carry each group's).
                 tpb = self.group_chunk_tokens[group] // bpc if group < len(self.group_chunk_tokens) else 0
-                out.extend(self._stored_payloads(items, convert, kind, window, tpb, group))
+                out.extend(self._stored_payloads(items, convert, kind, window, tpb, vllm_group))
         return out
 
     @staticmethod
@@ -993,7 +1065,9 @@ class _WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
-        groups = self.kv_cache_config.kv_cache_groups
+        # The offloaded groups' layers (a group vLLM does not cache, such as
+        # a circular buffer, is never moved), as vLLM's worker selects them.
+        groups = kv_offloaded_groups(self.kv_cache_config)
         regions: list[tuple[int, int, int]] = []
         # Layers whose views start at one address with one block stride share
         # a region: vLLM overlays the KV groups' layers on the same tensors

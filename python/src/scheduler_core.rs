@@ -1009,6 +1009,14 @@ impl SchedulerCore {
             .map(|j| j.0))
     }
 
+    /// Blocks vLLM allocated in this step to KV groups the connector leaves
+    /// out (not prefix-cacheable; they share the GPU block pool): the next
+    /// `build_step` counts them as allocated, so a store still reading one
+    /// is flushed before the model writes it.
+    fn note_allocated(&mut self, block_ids: Vec<u32>) {
+        self.s.note_allocated_elsewhere(&blocks(&block_ids));
+    }
+
     /// Where the GPU prefix cache's shared prefix of the request ends
     /// (vLLM's `Request.shared_prefix_boundary`, read before its lookup).
     fn set_shared_prefix_boundary(&mut self, req: &str, tokens: u64) -> PyResult<()> {

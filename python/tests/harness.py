@@ -40,6 +40,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
+    CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -94,6 +95,18 @@ class Engine:
     remote: bool = False
     #: Per KV group, its tokens a block (empty: `tpb` for every group).
     block_sizes: list[int] = field(default_factory=list)
+    #: The KV groups that are not prefix-cacheable (vLLM's connector leaves
+    #: them out), each ``True`` for a circular buffer (one block a request,
+    #: token ``p`` at slot ``p % block_size``): per-request scratch, written
+    #: by the model and never restored. Their blocks are checked to hold
+    #: what the model last wrote there for the request (nothing else writes
+    #: them).
+    scratch_groups: dict[int, bool] = field(default_factory=dict)
+    #: What the model last wrote in scratch groups: ``(request, group,
+    #: index in its block table) -> (block, {slot: (token, position)})``.
+    scratch_written: dict[tuple[str, int, int], tuple[int, dict[int, tuple[int, int]]]] = field(
+        default_factory=dict
+    )
 
     @property
     def connector(self) -> Any:
@@ -169,6 +182,9 @@ class Engine:
             start = req.num_computed_tokens - n
             for g, layers in enumerate(self.group_layers):
                 table, tpb = tables[g], self.group_tpb(g)
+                if g in self.scratch_groups:
+                    self._compute_scratch(rid, req, g, layers, table, range(start, start + n))
+                    continue
                 for p in range(start, start + n):
                     block, slot = table[p // tpb], p % tpb
                     assert block != 0, f"{rid}: token {p} of group {g} computed into the null block"
@@ -177,6 +193,41 @@ class Engine:
                         for li, name in enumerate(layers):
                             v = kv_value(t, p, self._layer_ordinal(g, li)) + w
                             self.caches[w][name][block, :, slot] = v
+
+    def _scratch_slot(self, g: int, table: list[int], p: int) -> tuple[int, int] | None:
+        """Where token `p` of a scratch group lives: ``(index in the block
+        table, slot)``, or ``None`` where the group holds no block for it."""
+        tpb = self.group_tpb(g)
+        idx, slot = (0, p % tpb) if self.scratch_groups[g] else (p // tpb, p % tpb)
+        if idx >= len(table) or table[idx] == 0:
+            return None
+        return idx, slot
+
+    def _compute_scratch(self, rid: str, req: Request, g: int, layers: list[str], table: list[int], positions: range) -> None:
+        """The fake model's writes into a scratch group (see `scratch_groups`)."""
+        for p in positions:
+            at = self._scratch_slot(g, table, p)
+            if at is None:
+                continue
+            idx, slot = at
+            block, t = table[idx], self.token_at(req, p)
+            prev = self.scratch_written.get((rid, g, idx))
+            slots = prev[1] if prev is not None and prev[0] == block else {}
+            slots[slot] = (t, p)
+            self.scratch_written[(rid, g, idx)] = (block, slots)
+            for w in range(len(self.workers)):
+                for li, name in enumerate(layers):
+                    self.caches[w][name][block, :, slot] = kv_value(t, p, self._layer_ordinal(g, li)) + w
+
+    def _check_scratch(self, rid: str, g: int, layers: list[str], table: list[int]) -> None:
+        """A scratch group's blocks of the request hold what the model last
+        wrote there (kvoffload neither stores nor loads them)."""
+        for idx, block in enumerate(table):
+            written = self.scratch_written.get((rid, g, idx))
+            if block == 0 or written is None or written[0] != block:
+                continue
+            for slot, (t, p) in written[1].items():
+                self._check_slot(f"{rid}: scratch group {g}, token {p}", g, layers, block, slot, t, p)
 
     def check_kv(self, rid: str) -> int:
         """Compares the KV of every computed token of a request with what the
@@ -188,20 +239,26 @@ class Engine:
         n = req.num_computed_tokens
         for g, layers in enumerate(self.group_layers):
             table, tpb = tables[g], self.group_tpb(g)
+            if g in self.scratch_groups:
+                self._check_scratch(rid, g, layers, table)
+                continue
             for p in range(n):
                 block, slot = table[p // tpb], p % tpb
                 if block == 0:
                     continue
-                t = self.token_at(req, p)
-                for w in range(len(self.workers)):
-                    for li, name in enumerate(layers):
-                        got = self.caches[w][name][block, :, slot]
-                        want = kv_value(t, p, self._layer_ordinal(g, li)) + w
-                        assert torch.all(got == want), (
-                            f"{rid}: token {p} (block {block}) of layer {name} on worker {w}: "
-                            f"{got.flatten()[:4].tolist()} != {want}"
-                        )
+                self._check_slot(f"{rid}: token {p}", g, layers, block, slot, self.token_at(req, p), p)
         return n
+
+    def _check_slot(self, what: str, g: int, layers: list[str], block: int, slot: int, t: int, p: int) -> None:
+        """Block `block`'s slot `slot` holds token `t` at position `p` of
+        group `g`, in every layer on every worker (`what` names it)."""
+        for w in range(len(self.workers)):
+            for li, name in enumerate(layers):
+                got = self.caches[w][name][block, :, slot]
+                want = kv_value(t, p, self._layer_ordinal(g, li)) + w
+                assert torch.all(got == want), (
+                    f"{what} (block {block}) of layer {name} on worker {w}: {got.flatten()[:4].tolist()} != {want}"
+                )
 
     def step(self) -> Any:
         """One engine step; returns the scheduler output."""
@@ -365,11 +422,13 @@ def build(
         prefix_match_unit=hash_tokens,
     )
     # vLLM's scheduler block is the least common multiple of the groups'
-    # block sizes, its hash block their greatest common divisor (or
-    # `hash_tokens`); one group: `tpb` for both.
+    # block sizes, its hash block the greatest common divisor of the
+    # prefix-cacheable groups' (or `hash_tokens`; vLLM's
+    # `resolve_kv_cache_block_sizes`); one group: `tpb` for both.
     sizes = [s.block_size for s in groups] if groups is not None else [tpb]
+    hashing = [s.block_size for s in groups if s.prefix_cacheable] if groups is not None else []
     sched_block = math.lcm(*sizes)
-    hash_block = math.gcd(*sizes) if hash_tokens is None else hash_tokens
+    hash_block = math.gcd(*(hashing or sizes)) if hash_tokens is None else hash_tokens
     extra = {"num_cpu_chunks": 64, "offload_prompt_only": False} if extra is None else extra
     kv_transfer = KVTransferConfig(
         kv_connector=connector,
@@ -474,6 +533,11 @@ def build(
         fake_worker=fake_worker,
         remote="remote_tier" in extra,
         block_sizes=sizes if groups is not None else [],
+        scratch_groups={
+            g: isinstance(s, CircularBufferSpec) for g, s in enumerate(specs) if not s.prefix_cacheable
+        }
+        if groups is not None
+        else {},
     )
 
 

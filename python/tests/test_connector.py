@@ -4,6 +4,7 @@ model that writes deterministic KV bytes (``harness``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from typing import Any
@@ -599,17 +600,33 @@ def test_a_chunk_size_in_tokens_needs_one_block_size_for_every_group():
     assert e.connector._scheduler.group_chunk_tokens == [2 * TPB, 4 * TPB]
 
 
-def test_a_window_that_is_not_prefix_cacheable_is_refused_by_name():
-    # DeepSeek V4's bounded-replay windows are not prefix-cacheable: vLLM's
-    # connector leaves such a group out, kvoffload offloads every group.
-    import dataclasses
+def test_groups_that_are_not_prefix_cacheable_are_left_out_as_vllm_leaves_them():
+    # vLLM's connector offloads its prefix-cacheable groups only (DeepSeek
+    # V4.1's bounded-replay windows and GLM's circular buffers are
+    # per-request scratch): kvoffload too, naming vLLM's group indices.
+    from test_hybrid_vllm import SPECS, bounded_window_mla, mla
 
-    from test_hybrid_vllm import SPECS, mla, window_mla
+    import kvoffload.vllm as kv
 
-    assert SPECS["mla+swamla8"]()[1].prefix_cacheable
-    bounded = dataclasses.replace(window_mla(8), bounded_replay=True)
-    with pytest.raises(ValueError, match="SlidingWindowMLASpec group is not prefix-cacheable"):
-        harness.build(extra={"num_cpu_chunks": 64}, tpb=4, groups=[mla(), bounded])
+    e = harness.build(extra={"num_cpu_chunks": 64}, tpb=4, groups=[mla(), bounded_window_mla(8)])
+    sched = e.connector._scheduler
+    assert (sched.group_ids, sched.selected, sched.windows) == ((0,), (0,), [None])
+    e = harness.build(extra={"num_cpu_chunks": 64}, tpb=4, groups=SPECS["ring+swa8"]())
+    sched = e.connector._scheduler
+    assert (sched.group_ids, sched.windows) == ((1,), [8])
+    # Every group scratch: nothing to offload, said as such.
+    config = e.connector._kv_cache_config
+    only_ring = dataclasses.replace(config, kv_cache_groups=[config.kv_cache_groups[0]])
+    assert not only_ring.kv_cache_groups[0].kv_cache_spec.prefix_cacheable
+    with pytest.raises(ValueError, match="found no KV group to offload.*CircularBufferSpec"):
+        kv.kv_offloaded_group_ids(only_ring)
+    # HiSparse: vLLM offloads its indexer groups instead; refused by name.
+    with pytest.raises(ValueError, match="does not offload HiSparse"):
+        kv.kv_offloaded_group_ids(dataclasses.replace(config, hisparse_host_num_blocks=8))
+    # A group outside external transfer (enable_kv_transfer=False) is left out too.
+    off = dataclasses.replace(config.kv_cache_groups[1], enable_kv_transfer=False)
+    mixed = dataclasses.replace(config, kv_cache_groups=[config.kv_cache_groups[1], off])
+    assert kv.kv_offloaded_group_ids(mixed) == (0,)
 
 
 def test_a_group_of_layers_of_different_page_sizes_comes_back_with_each_layer_s_bytes():

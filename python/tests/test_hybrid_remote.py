@@ -60,6 +60,10 @@ REMOTE_CASES = [
     # another's, both fetched and loaded by their own keys.
     (29, "full+swa8b8", {"offload_prompt_only": False}, {}),
     (31, "full+swa13b8+local16b8", {"blocks_per_chunk": 2, "offload_prompt_only": False}, {"world_size": 2}),
+    # Groups vLLM's connector leaves out (not prefix-cacheable): only the
+    # others' chunks go to the tier; a circular buffer before a window.
+    (36, "full+ring", {"offload_prompt_only": False}, {}),
+    (38, "ring+swa8", {}, {"async_scheduling": True}),
 ]
 
 
@@ -100,7 +104,7 @@ def test_a_second_node_fetches_every_group_s_chunks_and_loads_the_computed_bytes
     assert st["fetches_failed"] == 0, st
     assert st["chunks_found"] >= st["chunks_fetched"], st
     assert seen["loads"] > 0 and seen["checked"] > 0, seen
-    assert seen["window_loads"] > 0 or specs in ("full", "mla"), seen
+    assert seen["window_loads"] > 0 or specs in ("full", "mla", "full+ring"), seen
     w = second["workers"]
     world = opts.get("world_size", 1)
     assert w["hits"] == st["chunks_fetched"] * world and w["misses"] == 0, (w, st)

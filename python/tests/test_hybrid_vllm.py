@@ -42,6 +42,7 @@ import kvoffload._native as native
 from test_differential import capture_events, kvoffload_worker, order_free, vllm_worker
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     FullAttentionSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
@@ -96,6 +97,26 @@ def window_mla(tokens: int) -> SlidingWindowMLASpec:
     )
 
 
+def bounded_window_mla(tokens: int) -> SlidingWindowMLASpec:
+    """A bounded-replay sliding window over MLA's latent vectors (DeepSeek
+    V4.1's windowed layers): not prefix-cacheable, vLLM replays its window
+    instead, and its connector leaves the group out."""
+    return dataclasses.replace(window_mla(tokens), bounded_replay=True)
+
+
+def ring() -> CircularBufferSpec:
+    """A circular buffer of the keys still being compressed (one block a
+    request, GLM-5.3-Flash's indexer tail): per-request scratch, not
+    prefix-cacheable, left out by vLLM's connector."""
+    return CircularBufferSpec(block_size=TPB, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
+
+
+def offloaded(specs: list[Any]) -> list[Any]:
+    """The groups vLLM's connector offloads (its ``prefix_cacheable_group_ids``):
+    the corpus's loads, stores, key states and shapes are theirs."""
+    return [s for s in specs if s.prefix_cacheable]
+
+
 def larger_blocks(spec: Any, block_size: int) -> Any:
     """`spec` with blocks of `block_size` tokens and its page size unchanged
     (fewer KV heads): vLLM grows a group of smaller pages to larger blocks,
@@ -130,6 +151,11 @@ SPECS = {
     "full+fullb8+swa8": lambda: [full(), larger_blocks(full(), 2 * TPB), window(8)],
     "mla+swamla8": lambda: [mla(), window_mla(8)],
     "swa6b8+full": lambda: [larger_blocks(window(6), 2 * TPB), full()],
+    # Groups vLLM's connector leaves out (not prefix-cacheable).
+    "full+ring": lambda: [full(), ring()],
+    "mla+swamla8r": lambda: [mla(), bounded_window_mla(8)],
+    "ring+swa8": lambda: [ring(), window(8)],
+    "fullb8+ring": lambda: [larger_blocks(full(), 2 * TPB), ring()],
 }
 CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}, 1),
@@ -221,6 +247,19 @@ CASES = [
     # over its own block); a window of 8-token blocks first, async.
     (34, "full+swa8b8", {"sync_load_budget_bytes": 8192, "offload_prompt_only": False}, {"eagle_groups": [0], "retention": 16}, 1),
     (35, "swa6b8+full", {}, {"async_scheduling": True, "max_num_batched_tokens": 16}, 0),
+    # Groups that are not prefix-cacheable, which vLLM's connector leaves
+    # out (neither stored nor loaded; its events name the others by their
+    # own group index): a circular buffer beside full attention; a
+    # bounded-replay MLA window beside MLA (vLLM replays the window),
+    # self-describing events, chunks of two blocks; a circular buffer
+    # first, before a window (group 1 is the only one offloaded), async.
+    (36, "full+ring", {"offload_prompt_only": False}, {}, 1),
+    (37, "mla+swamla8r", {"blocks_per_chunk": 2, "self_describing_kv_events": True, "offload_prompt_only": False}, {}, 1),
+    (38, "ring+swa8", {"self_describing_kv_events": True}, {"async_scheduling": True}, 1),
+    # Full attention of 8-token blocks beside a 4-token circular buffer:
+    # vLLM hashes every 8 tokens (the prefix-cacheable groups' blocks), two
+    # workers.
+    (39, "fullb8+ring", {"offload_prompt_only": False}, {"world_size": 2}, 1),
 ]
 
 
@@ -228,7 +267,8 @@ def select_cases(only: str | None) -> list[tuple]:
     """The cases the widening scripts cycle through: all, or those whose
     group names contain `only` (``eagle``: those with draft groups;
     ``hash``: those with block hashes finer than the blocks; ``sizes``: those
-    whose groups have different block sizes)."""
+    whose groups have different block sizes; ``left-out``: those with groups
+    vLLM's connector leaves out)."""
     if only is None:
         return list(CASES)
     if only == "eagle":
@@ -237,6 +277,8 @@ def select_cases(only: str | None) -> list[tuple]:
         return [c for c in CASES if c[3].get("hash_tokens")]
     if only == "sizes":
         return [c for c in CASES if len({s.block_size for s in SPECS[c[1]]()}) > 1]
+    if only == "left-out":
+        return [c for c in CASES if len(offloaded(SPECS[c[1]]())) < len(SPECS[c[1]]())]
     return [c for c in CASES if only in c[1]]
 
 
@@ -351,8 +393,9 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
                 sched._req_status[rid].num_locally_computed_tokens,
                 n,
                 rid in sched._current_batch_sync_loads,
-                ["".join("0" if b.is_null else "h" if b.block_hash is not None else "n" for b in group)
-                 for group in blocks.blocks],
+                ["".join("0" if b.is_null else "h" if b.block_hash is not None else "n"
+                         for b in blocks.blocks[gc.group_idx])
+                 for gc in sched.config.kv_group_configs],
             ])
         got = alloc(request, blocks, n)
         record_sources(e.connector, sources, request, n)
@@ -517,6 +560,7 @@ def write_case(
         | ({"extra_retained_tokens": s.extra_retained_tokens} if getattr(s, "extra_retained_tokens", 0) else {})
         | ({"eagle": True} if g in eagle else {})
         for g, s in enumerate(SPECS[specs]())
+        if s.prefix_cacheable
     ]
     text = json.dumps({"seed": seed, "groups": specs, "shapes": shapes, "blocks_per_chunk": bpc,
                        **derived, "extra": extra, "opts": opts, "delay": delay, "steps": steps},
@@ -593,19 +637,44 @@ def kvoffload_run(seed: int, specs: str, extra: dict, opts: dict, delay: int) ->
     return json.loads(json.dumps(steps, default=repr))
 
 
-def comparable(step: dict) -> dict:
+def single_group_path(specs: str, opts: dict) -> bool:
+    """Whether kvoffload plans the case with its single-group scheduler: one
+    offloaded group of full attention (or MLA), no draft group (vLLM has
+    other groups, which its connector leaves out)."""
+    groups = offloaded(SPECS[specs]())
+    windowed = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
+    return len(groups) == 1 and not isinstance(groups[0], windowed) and not opts.get("eagle_groups")
+
+
+def first_index_modulus(specs: str, extra: dict, opts: dict) -> int | None:
+    """`comparable`'s ``first_mod`` for a case: its blocks a chunk where
+    kvoffload plans it with its single-group scheduler, else ``None``."""
+    return case_blocks_per_chunk(extra) if single_group_path(specs, opts) else None
+
+
+def comparable(step: dict, first_mod: int | None = None) -> dict:
     """A recorded step of vLLM's as `kvoffload_run` records kvoffload's
     (lookups without the key states vLLM showed, stores without their
-    request: kvoffload's plan names a store's blocks, not its request)."""
+    request: kvoffload's plan names a store's blocks, not its request).
+    `first_mod`: kvoffload's single-group scheduler names a transfer's
+    start by its offset in its first chunk (all the workers read of vLLM's
+    first block index: that index modulo blocks a chunk), so vLLM's index is
+    taken modulo `first_mod`."""
     if step.get("idle"):
         return step
+
+    def spans(per_group: list[list[int]]) -> list[list[int]]:
+        if first_mod is None:
+            return per_group
+        return [[first % first_mod, *blocks] for first, *blocks in per_group]
+
     return {
         "scheduled": step["scheduled"],
         "preempted": step["preempted"],
         "lookups": [lk[:5] for lk in step["lookups"]],
         "sources": step["sources"],
-        "loads": step["loads"],
-        "stores": sorted(groups for _, groups in step["stores"]),
+        "loads": [[rid, spans(groups)] for rid, groups in step["loads"]],
+        "stores": sorted(spans(groups) for _, groups in step["stores"]),
         "events": step["events"],
     }
 
@@ -615,7 +684,7 @@ def test_kvoffload_answers_as_vllm_on_hybrid_configs(seed: int, specs: str, extr
     """Step for step, kvoffload's scheduler side does what vLLM's connector
     did on the recorded case: the same lookups answered, the same loads and
     stores of the same blocks in every group, the same KV events."""
-    want = [comparable(st) for st in read_corpus(seed, specs)["steps"]]
+    want = [comparable(st, first_index_modulus(specs, extra, opts)) for st in read_corpus(seed, specs)["steps"]]
     got = kvoffload_run(seed, specs, extra, opts, delay)
     for n, (w, g) in enumerate(zip(want, got)):
         assert g == w, f"step {n}: kvoffload {g} != vLLM {w}"
@@ -633,7 +702,7 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
 ) -> None:
     """docs/hybrid-groups.md's rules, checked on the corpus (vLLM's answers)."""
     steps = read_corpus(seed, specs)["steps"]
-    groups = SPECS[specs]()
+    groups = offloaded(SPECS[specs]())
     bpc = case_blocks_per_chunk(extra)
     # Each group's chunk is bpc of its own blocks; a hit ends where every
     # group's hit ends, on one group's chunk boundary (groups of different
@@ -647,8 +716,11 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
     for g in range(len(groups)):
         assert any(len(sd[1][g]) > 1 for sd in stores), f"group {g} never stored"
     for rid, computed, num_tokens, hit, *_ in hits:
-        # A sliding-window group makes the hit leave the last token to compute.
-        assert computed + hit <= num_tokens - 1, (rid, computed, num_tokens, hit)
+        # A sliding-window (or draft) group makes the hit leave the last
+        # token to compute; one full-attention group may hit every token.
+        assert computed + hit <= num_tokens - (0 if single_group_path(specs, opts) else 1), (
+            rid, computed, num_tokens, hit
+        )
         # On a chunk boundary (of the group of the smallest chunks), or at
         # that last token (not aligned).
         end = computed + hit
@@ -729,7 +801,7 @@ def test_corpus_has_windowed_loads() -> None:
     past the GPU's hit before it (what a full-attention group would load)."""
     windowed = 0
     for seed, specs, *_ in CASES:
-        groups = SPECS[specs]()
+        groups = offloaded(SPECS[specs]())
         sw = [g for g, s in enumerate(groups) if isinstance(s, SlidingWindowSpec)]
         for st in read_corpus(seed, specs)["steps"]:
             computed = {lk[0]: lk[1] // TPB for lk in st.get("lookups", ()) if lk[3]}

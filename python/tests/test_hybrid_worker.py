@@ -16,7 +16,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 import kvoffload._native as native
 from harness import build
-from test_hybrid_vllm import CASES, SPECS, TPB, drive, engine_options
+from test_hybrid_vllm import CASES, SPECS, TPB, drive, engine_options, offloaded
 
 #: The cases run with real workers: every kind of group mix, chunks of one,
 #: two and four blocks, async scheduling, two workers, sync loads, short
@@ -65,8 +65,9 @@ def worker_run(
     e = build(extra=cfg, tpb=TPB, groups=groups, **common)
     if on_start is not None:
         on_start(e)
-    # Sliding-window and chunked-local groups.
-    windowed = [g for g, s in enumerate(groups) if not isinstance(s, FullAttentionSpec)]
+    # Sliding-window and chunked-local groups, among those offloaded (a
+    # plan's per-group blocks are theirs).
+    windowed = [g for g, s in enumerate(offloaded(groups)) if not isinstance(s, FullAttentionSpec)]
     seen = {"checked": 0, "loads": 0, "sync_loads": 0, "window_loads": 0, "stores": 0, "holes": 0}
 
     def snapshot(so: Any) -> dict:
@@ -112,7 +113,7 @@ def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
     seed: int, specs: str, extra: dict, opts: dict, delay: int
 ) -> None:
     seen = worker_run(seed, specs, extra, opts)
-    windowed = any(not isinstance(s, FullAttentionSpec) for s in SPECS[specs]())
+    windowed = any(not isinstance(s, FullAttentionSpec) for s in offloaded(SPECS[specs]()))
     assert seen["loads"] > 0 and seen["stores"] > 0, seen
     assert seen["window_loads"] > 0 or not windowed, seen
     # Loads end as a request that resumes, or (synchronous) in their step.
@@ -198,3 +199,43 @@ def test_a_worker_given_groups_that_do_not_fit_its_tensors_says_which() -> None:
     with pytest.raises(ValueError, match="KV group 1 names no tensor"):
         native.WorkerCore.host(tensors, 8, 1, 4, False, groups=[[0], []])
     assert native.WorkerCore.host(tensors, 8, 1, 4, False, groups=[[0, 1], [1, 0]]).backend == "host"
+
+
+def test_a_block_vllm_gives_a_group_left_out_flushes_the_store_still_reading_it(monkeypatch: Any) -> None:
+    """vLLM's groups that are not prefix-cacheable share the GPU block pool
+    with the offloaded ones: a finished request's store may still be
+    reading a block vLLM gives to such a group, which the model then
+    writes. The connector tells the scheduler of those blocks, and the
+    store is flushed first. Without that, fewer stores are flushed, and
+    under CPU load (the host backend's copies running late) stored chunks
+    held the left-out group's bytes: a later load brought back wrong KV
+    (found by ``scripts/widen-hybrid.py --only left-out``, seeds 30001,
+    30007, 30052, 30055 and 30058, while CI ran beside it)."""
+    import kvoffload.vllm as kv
+
+    seed, specs, extra, opts, _ = next(c for c in CASES if c[1] == "mla+swamla8r")
+
+    def flushes() -> int:
+        n = [0]
+
+        def on_start(e: Any) -> None:
+            step = e.step
+
+            def counted() -> Any:
+                so = step()
+                n[0] += len(native.plan_jobs(so.kv_connector_metadata.plan)[2])
+                return so
+
+            e.step = counted
+
+        worker_run(seed, specs, extra, opts, on_start=on_start)
+        return n[0]
+
+    told = flushes()
+    monkeypatch.setattr(kv._SchedulerSide, "_note_left_out", lambda self, per_group: None)
+    try:
+        untold = flushes()
+    except AssertionError:
+        # The race itself showed (a wrong byte, copies running late).
+        untold = -1
+    assert told > untold, (told, untold)

@@ -380,6 +380,16 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Blocks the backend allocated in this step to KV groups this scheduler
+    /// does not offload (vLLM's groups that are not prefix-cacheable, which
+    /// share the GPU block pool with the offloaded ones): the next step
+    /// ([`Self::build_step`]) counts them as allocated like the offloaded groups'
+    /// new blocks, so a store still reading one of them is flushed before
+    /// the model writes it, and a window's table forgets it.
+    pub fn note_allocated_elsewhere(&mut self, blocks: &[GpuBlockId]) {
+        self.batch.allocated.extend_non_null(blocks);
+    }
+
     /// Where the GPU prefix cache's shared prefix of `req` ends (vLLM's
     /// `Request.shared_prefix_boundary`): with sliding-window groups and a
     /// retention other than [`hybrid::Retention::Dense`], the window ending
