@@ -260,6 +260,10 @@ CASES = [
     # vLLM hashes every 8 tokens (the prefix-cacheable groups' blocks), two
     # workers.
     (39, "fullb8+ring", {"offload_prompt_only": False}, {"world_size": 2}, 1),
+    # The same with block hashes every 4 tokens (vLLM's prefix_match_unit,
+    # allowed with several groups even when one is offloaded): the
+    # single-group scheduler keys each block by its last hash.
+    (40, "fullb8+ring", {"offload_prompt_only": False}, {"hash_tokens": 4}, 0),
 ]
 
 
