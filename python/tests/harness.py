@@ -484,16 +484,8 @@ def build(
             for g, (names, s) in enumerate(zip(group_layers, specs))
         ],
     )
-    cls = AsyncScheduler if async_scheduling else Scheduler
     with set_current_vllm_config(vllm_config):
-        scheduler = cls(
-            vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config,
-            log_stats=True,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=sched_block,
-            hash_block_size=hash_block,
-        )
+        scheduler = _scheduler(vllm_config, kv_cache_config, async_scheduling, sched_block, hash_block)
         workers = []
         caches = []
         # A scheduler-only engine has no worker connectors: `fake_worker`
@@ -541,6 +533,21 @@ def build(
     )
 
 
+def _scheduler(vllm_config: Any, kv_cache_config: Any, async_scheduling: bool, block: int, hash_block: int) -> Any:
+    """vLLM's core scheduler (the async one with `async_scheduling`) over
+    `kv_cache_config`, its blocks of `block` tokens hashed every `hash_block`
+    (inside ``set_current_vllm_config``)."""
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block,
+        hash_block_size=hash_block,
+    )
+
+
 def _build_uniform(
     vllm_config: Any,
     per_layer: dict[str, Any],
@@ -573,16 +580,8 @@ def _build_uniform(
     # vLLM's scheduler sees one layer's spec for the group.
     sched_config = copy.deepcopy(worker_config)
     sched_config.kv_cache_groups[0].kv_cache_spec = per_layer[names[0]]
-    cls = AsyncScheduler if async_scheduling else Scheduler
     with set_current_vllm_config(vllm_config):
-        scheduler = cls(
-            vllm_config=vllm_config,
-            kv_cache_config=sched_config,
-            log_stats=True,
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=tpb,
-            hash_block_size=hash_block,
-        )
+        scheduler = _scheduler(vllm_config, sched_config, async_scheduling, tpb, hash_block)
         workers, caches = [], []
         for rank in range(0 if fake_worker is not None else world_size):
             wc = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, worker_config)
