@@ -119,18 +119,7 @@ fn prefill(s: &mut Scheduler, req: u64, family: u64, g0: &[u32], g1: &[u32]) -> 
     s.add_request(r, 16, &hashes(family, 4)).unwrap();
     assert_eq!(s.lookup(r, 0).unwrap(), LookupOutcome::Hit(0));
     let (b0, b1) = (ids(g0), ids(g1));
-    let fresh = [false; 4];
-    let alloc = [
-        GroupAlloc {
-            block_ids: &b0,
-            cached: &fresh,
-        },
-        GroupAlloc {
-            block_ids: &b1,
-            cached: &fresh,
-        },
-    ];
-    assert_eq!(s.on_alloc_groups(r, &alloc, 0).unwrap(), None);
+    assert_eq!(alloc_groups(s, r, &[b0, b1], 0), None);
     s.build_step(&step_of(vec![entry(req, 0, 16, g0, g1)]))
         .unwrap()
 }
@@ -227,18 +216,7 @@ fn a_prompt_stored_in_both_groups_loads_the_full_prefix_and_the_window() {
     assert_eq!(s.last_lookup_hits(), None);
     // vLLM allocates the window group's blocks behind the window as null.
     let (b0, b1) = (ids(&[11, 12, 13, 14, 15]), ids(&[0, 0, 17, 18, 19]));
-    let fresh = [false; 5];
-    let alloc = [
-        GroupAlloc {
-            block_ids: &b0,
-            cached: &fresh,
-        },
-        GroupAlloc {
-            block_ids: &b1,
-            cached: &fresh,
-        },
-    ];
-    let job = s.on_alloc_groups(r2, &alloc, 16).unwrap().unwrap();
+    let job = alloc_groups(&mut s, r2, &[b0, b1], 16).unwrap();
     // A third request with the same prefix waits for the window's chunks.
     s.add_request(RequestId(3), 17, &h[..4]).unwrap();
     assert_eq!(s.lookup(RequestId(3), 0).unwrap(), LookupOutcome::Defer);
@@ -310,17 +288,7 @@ fn a_group_of_larger_blocks_keys_each_chunk_by_the_last_hash_in_it() {
     s.add_request(r1, 16, &hashes(7, 4)).unwrap();
     assert_eq!(s.lookup(r1, 0).unwrap(), LookupOutcome::Hit(0));
     let (b0, b1) = (ids(&[1, 2, 3, 4]), ids(&[5, 6]));
-    let alloc = [
-        GroupAlloc {
-            block_ids: &b0,
-            cached: &[false; 4],
-        },
-        GroupAlloc {
-            block_ids: &b1,
-            cached: &[false; 2],
-        },
-    ];
-    assert_eq!(s.on_alloc_groups(r1, &alloc, 0).unwrap(), None);
+    assert_eq!(alloc_groups(&mut s, r1, &[b0, b1], 0), None);
     let plan = s
         .build_step(&step_of(vec![entry(1, 0, 16, &[1, 2, 3, 4], &[5, 6])]))
         .unwrap();
@@ -348,17 +316,7 @@ fn a_group_of_larger_blocks_keys_each_chunk_by_the_last_hash_in_it() {
     s.add_request(r2, 17, &hashes(7, 4)).unwrap();
     assert_eq!(s.lookup(r2, 0).unwrap(), LookupOutcome::Hit(16));
     let (b0, b1) = (ids(&[11, 12, 13, 14, 15]), ids(&[16, 17, 18]));
-    let alloc = [
-        GroupAlloc {
-            block_ids: &b0,
-            cached: &[false; 5],
-        },
-        GroupAlloc {
-            block_ids: &b1,
-            cached: &[false; 3],
-        },
-    ];
-    let job = s.on_alloc_groups(r2, &alloc, 16).unwrap().unwrap();
+    let job = alloc_groups(&mut s, r2, &[b0, b1], 16).unwrap();
     let plan = s.build_step(&StepInput::default()).unwrap();
     let load = &plan.loads[0];
     assert_eq!(load.job, job);
@@ -415,18 +373,7 @@ fn with_windows_only_the_history_before_the_windows_is_not_from_the_host_tier() 
     assert_eq!(s.lookup(r2, 0).unwrap(), LookupOutcome::Hit(16));
     // The 8-token window loads blocks 2 and 3, the 4-token one block 3.
     let (b0, b1) = (ids(&[0, 0, 11, 12, 13]), ids(&[0, 0, 0, 14, 15]));
-    let fresh = [false; 5];
-    let alloc = [
-        GroupAlloc {
-            block_ids: &b0,
-            cached: &fresh,
-        },
-        GroupAlloc {
-            block_ids: &b1,
-            cached: &fresh,
-        },
-    ];
-    s.on_alloc_groups(r2, &alloc, 16).unwrap().unwrap();
+    alloc_groups(&mut s, r2, &[b0, b1], 16).unwrap();
     let plan = s.build_step(&StepInput::default()).unwrap();
     assert_eq!(
         plan.loads[0].groups,

@@ -13,7 +13,7 @@ import math
 import os
 from unittest import mock
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -484,46 +484,24 @@ def build(
             for g, (names, s) in enumerate(zip(group_layers, specs))
         ],
     )
-    with set_current_vllm_config(vllm_config):
-        scheduler = _scheduler(vllm_config, kv_cache_config, async_scheduling, sched_block, hash_block)
-        workers = []
-        caches = []
-        # A scheduler-only engine has no worker connectors: `fake_worker`
-        # answers for them.
-        for rank in range(0 if fake_worker is not None else world_size):
-            wc = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-            # Layer i of every group is one tensor: vLLM overlays the
-            # groups' layers from byte 0 of one allocation.
-            tensors = [
-                torch.zeros(num_gpu_blocks, 2, tpb, HEADS, HEAD_SIZE, dtype=torch.float32)
-                for _ in range(num_layers)
-            ]
-            # A group of larger blocks sees the same pages as fewer heads
-            # (vLLM grows a smaller page's block to the common page size).
-            cache = {
-                name: tensors[i].view(num_gpu_blocks, 2, bs, HEADS * tpb // bs, HEAD_SIZE)
-                for names, bs in zip(group_layers, sizes if groups is not None else [tpb])
-                for i, name in enumerate(names)
-            }
-            # vLLM's model-parallel groups do not exist in this process: each
-            # worker is told its rank (the share of a chunk it writes).
-            with mock.patch("kvoffload.vllm._worker_rank", lambda _ws, r=rank: r):
-                wc.register_kv_caches(cache)
-            workers.append(wc)
-            caches.append(cache)
-    init_none_hash(sha256)
-    return Engine(
-        scheduler=scheduler,
-        workers=workers,
-        caches=caches,
-        group_layers=group_layers,
-        tpb=tpb,
-        async_scheduling=async_scheduling,
-        aggregator=KVOutputAggregator(world_size),
-        hasher=get_request_block_hasher(hash_block, sha256),
-        world=world_size,
-        fake_worker=fake_worker,
-        remote="remote_tier" in extra,
+
+    def cache() -> dict[str, Any]:
+        # Layer i of every group is one tensor: vLLM overlays the groups'
+        # layers from byte 0 of one allocation.
+        tensors = [
+            torch.zeros(num_gpu_blocks, 2, tpb, HEADS, HEAD_SIZE, dtype=torch.float32) for _ in range(num_layers)
+        ]
+        # A group of larger blocks sees the same pages as fewer heads (vLLM
+        # grows a smaller page's block to the common page size).
+        return {
+            name: tensors[i].view(num_gpu_blocks, 2, bs, HEADS * tpb // bs, HEAD_SIZE)
+            for names, bs in zip(group_layers, sizes if groups is not None else [tpb])
+            for i, name in enumerate(names)
+        }
+
+    layout = Layout(kv_cache_config, kv_cache_config, sched_block, hash_block, cache)
+    return _engine(
+        vllm_config, layout, async_scheduling, world_size, fake_worker, extra, group_layers=group_layers, tpb=tpb,
         block_sizes=sizes if groups is not None else [],
         scratch_groups={
             g: isinstance(s, CircularBufferSpec) for g, s in enumerate(specs) if not s.prefix_cacheable
@@ -580,32 +558,83 @@ def _build_uniform(
     # vLLM's scheduler sees one layer's spec for the group.
     sched_config = copy.deepcopy(worker_config)
     sched_config.kv_cache_groups[0].kv_cache_spec = per_layer[names[0]]
+
+    def cache() -> dict[str, Any]:
+        return {
+            name: torch.zeros(num_gpu_blocks, 2, tpb, per_layer[name].num_kv_heads, HEAD_SIZE, dtype=torch.float32)
+            for name in names
+        }
+
+    layout = Layout(sched_config, worker_config, tpb, hash_block, cache)
+    return _engine(vllm_config, layout, async_scheduling, world_size, fake_worker, extra, group_layers=[names], tpb=tpb)
+
+
+def _workers(
+    vllm_config: Any, kv_cache_config: Any, count: int, cache: Callable[[], dict[str, Any]]
+) -> tuple[list[Any], list[dict[str, Any]]]:
+    """`count` worker connectors, each registering its own `cache()`
+    (inside ``set_current_vllm_config``). A scheduler-only engine has none:
+    `fake_worker` answers for them."""
+    workers, caches = [], []
+    for rank in range(count):
+        wc = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        layers = cache()
+        # vLLM's model-parallel groups do not exist in this process: each
+        # worker is told its rank (the share of a chunk it writes).
+        with mock.patch("kvoffload.vllm._worker_rank", lambda _ws, r=rank: r):
+            wc.register_kv_caches(layers)
+        workers.append(wc)
+        caches.append(layers)
+    return workers, caches
+
+
+@dataclass
+class Layout:
+    """What vLLM's scheduler and its workers are told about the KV cache:
+    the scheduler's and the workers' configurations, the scheduler's block
+    and hash block (tokens), and `cache`, which makes one worker's layer
+    tensors."""
+
+    scheduler_config: Any
+    worker_config: Any
+    block: int
+    hash_block: int
+    cache: Callable[[], dict[str, Any]]
+
+
+def _engine(
+    vllm_config: Any,
+    layout: Layout,
+    async_scheduling: bool,
+    world_size: int,
+    fake_worker: Any,
+    extra: dict[str, Any],
+    **shape: Any,
+) -> Engine:
+    """The `Engine` over vLLM's core scheduler and `world_size` workers
+    laid out as `layout` (none with a `fake_worker`), hashing requests as
+    vLLM's request hasher does, with a remote tier where the connector's
+    `extra` configuration names one; `shape` is the rest of `Engine`'s
+    fields."""
     with set_current_vllm_config(vllm_config):
-        scheduler = _scheduler(vllm_config, sched_config, async_scheduling, tpb, hash_block)
-        workers, caches = [], []
-        for rank in range(0 if fake_worker is not None else world_size):
-            wc = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, worker_config)
-            cache = {
-                name: torch.zeros(num_gpu_blocks, 2, tpb, per_layer[name].num_kv_heads, HEAD_SIZE, dtype=torch.float32)
-                for name in names
-            }
-            with mock.patch("kvoffload.vllm._worker_rank", lambda _ws, r=rank: r):
-                wc.register_kv_caches(cache)
-            workers.append(wc)
-            caches.append(cache)
+        scheduler = _scheduler(
+            vllm_config, layout.scheduler_config, async_scheduling, layout.block, layout.hash_block
+        )
+        workers, caches = _workers(
+            vllm_config, layout.worker_config, 0 if fake_worker is not None else world_size, layout.cache
+        )
     init_none_hash(sha256)
     return Engine(
         scheduler=scheduler,
         workers=workers,
         caches=caches,
-        group_layers=[names],
-        tpb=tpb,
         async_scheduling=async_scheduling,
         aggregator=KVOutputAggregator(world_size),
-        hasher=get_request_block_hasher(hash_block, sha256),
+        hasher=get_request_block_hasher(layout.hash_block, sha256),
         world=world_size,
         fake_worker=fake_worker,
         remote="remote_tier" in extra,
+        **shape,
     )
 
 
