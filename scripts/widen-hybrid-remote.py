@@ -21,6 +21,7 @@ EAGLE draft groups; `--only hash`: those whose block hashes are finer
 than the blocks; `--only sizes`: those whose groups have different block
 sizes; `--only left-out`: those with groups vLLM's connector leaves out),
 from seed 40,000.
+`--stress K` runs K busy processes beside it (`cpu_stress.py`).
 Exits 1 if a node moved a wrong byte, leaked, or a fetch failed.
 """
 
@@ -28,6 +29,8 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+
+import cpu_stress
 
 tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests")
 sys.path.insert(0, tests)
@@ -38,7 +41,16 @@ import test_remote as tr  # noqa: E402
 
 
 def main() -> int:
-    args = sys.argv[1:]
+    try:
+        stress, args = cpu_stress.parse(sys.argv[1:])
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    with cpu_stress.busy(stress):
+        return run(args)
+
+
+def run(args: list[str]) -> int:
     cluster = "--cluster" in args
     args = [a for a in args if a != "--cluster"]
     only = None

@@ -20,11 +20,16 @@ EAGLE draft groups; `--only hash`: those whose block hashes are finer
 than the blocks; `--only sizes`: those whose groups have different block
 sizes; `--only left-out`: those with groups vLLM's connector leaves out),
 from seed 30,000.
+`--stress K` runs K busy processes beside it (`cpu_stress.py`): races
+between the copies and the model's writes show only when the cores are
+busy.
 Exits 1 if kvoffload answered a step differently or moved a wrong byte.
 """
 
 import os
 import sys
+
+import cpu_stress
 
 tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests")
 sys.path.insert(0, tests)
@@ -35,7 +40,11 @@ from pathlib import Path  # noqa: E402
 
 
 def main() -> int:
-    args = sys.argv[1:]
+    try:
+        stress, args = cpu_stress.parse(sys.argv[1:])
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     only = None
     if len(args) == 4 and args[2] == "--only":
         only, args = args[3], args[:2]
@@ -48,6 +57,11 @@ def main() -> int:
         print(f"no configuration's groups contain {only!r}", file=sys.stderr)
         return 2
     base = 10_000 if only is None else 30_000
+    with cpu_stress.busy(stress):
+        return widen(n, out, cases, base)
+
+
+def widen(n: int, out: Path, cases: list, base: int) -> int:
     same = differ = wrong = stalled = 0
     moved = {"checked": 0, "loads": 0, "window_loads": 0, "stores": 0, "holes": 0}
     for k in range(n):

@@ -103,7 +103,10 @@ class Engine:
     #: them).
     scratch_groups: dict[int, bool] = field(default_factory=dict)
     #: What the model last wrote in scratch groups: ``(request, group,
-    #: index in its block table) -> (block, {slot: (token, position)})``.
+    #: index in its block table) -> (block, {slot: (token, position)})``,
+    #: since the request last got its blocks (a preempted request gives
+    #: them back: another request may write them before it resumes, even
+    #: if it gets the same block again).
     scratch_written: dict[tuple[str, int, int], tuple[int, dict[int, tuple[int, int]]]] = field(
         default_factory=dict
     )
@@ -175,6 +178,11 @@ class Engine:
     def _compute(self, so: Any) -> None:
         """The fake model: writes the KV of every scheduled token, in every
         KV group."""
+        if self.scratch_groups:
+            # A request scheduled afresh (new, or resumed after a
+            # preemption) has new blocks: what it wrote before is gone.
+            afresh = {r.req_id for r in so.scheduled_new_reqs} | so.scheduled_cached_reqs.resumed_req_ids
+            self.scratch_written = {k: v for k, v in self.scratch_written.items() if k[0] not in afresh}
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
             tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
