@@ -16,17 +16,6 @@ import sys
 from typing import Iterator
 
 
-def parse(args: list[str]) -> tuple[int, list[str]]:
-    """Takes `--stress K` out of `args`: (K, the rest); K is 0 without it.
-    Raises ValueError when K is missing or not a count."""
-    if "--stress" not in args:
-        return 0, args
-    at = args.index("--stress")
-    if at + 1 >= len(args) or not args[at + 1].isdigit():
-        raise ValueError("--stress needs a count of busy processes")
-    return int(args[at + 1]), args[:at] + args[at + 2 :]
-
-
 @contextlib.contextmanager
 def busy(k: int) -> Iterator[None]:
     """K spinning processes for the duration of the block, stopped after it

@@ -21,6 +21,7 @@ EAGLE draft groups; `--only hash`: those whose block hashes are finer
 than the blocks; `--only sizes`: those whose groups have different block
 sizes; `--only left-out`: those with groups vLLM's connector leaves out),
 from seed 40,000.
+`--from SEED` starts at SEED instead (each seed keeps its configuration).
 `--stress K` runs K busy processes beside it (`cpu_stress.py`).
 Exits 1 if a node moved a wrong byte, leaked, or a fetch failed.
 """
@@ -31,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 import cpu_stress
+import widen_options
 
 tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests")
 sys.path.insert(0, tests)
@@ -41,57 +43,40 @@ import test_remote as tr  # noqa: E402
 
 
 def main() -> int:
-    try:
-        stress, args = cpu_stress.parse(sys.argv[1:])
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
-    with cpu_stress.busy(stress):
-        return run(args)
-
-
-def run(args: list[str]) -> int:
-    cluster = "--cluster" in args
-    args = [a for a in args if a != "--cluster"]
-    only = None
-    if len(args) == 3 and args[1] == "--only":
-        only, args = args[2], args[:1]
-    if len(args) != 1 or not args[0].isdigit():
-        print(__doc__, file=sys.stderr)
-        return 2
-    cases = hy.select_cases(only)
+    p = widen_options.parser(__doc__, 20_000, 40_000)
+    p.add_argument("--cluster", action="store_true", help="a Redis Cluster of three masters")
+    args = p.parse_args()
+    cases = hy.select_cases(args.only)
     if not cases:
-        print(f"no configuration's groups contain {only!r}", file=sys.stderr)
-        return 2
+        p.error(f"no configuration's groups contain {args.only!r}")
     if not (tr.REDIS and tr.REDIS_CLI):
-        print("redis-server is not on PATH (scripts/setup-redis.sh installs it)", file=sys.stderr)
-        return 2
-    n = int(args[0])
-    with tempfile.TemporaryDirectory() as d:
-        if cluster:
+        p.error("redis-server is not on PATH (scripts/setup-redis.sh installs it)")
+    seeds = widen_options.seeds(args)
+    with cpu_stress.busy(args.stress), tempfile.TemporaryDirectory() as d:
+        if args.cluster:
             # The tests' fixture, driven by hand: three masters, torn down at the end.
             servers = tr.redis_cluster.__wrapped__(Path(d))
             url = next(servers)
             try:
-                return widen(n, {"url": str(url), "cluster": True}, cases, only is not None)
+                return widen(seeds, {"url": str(url), "cluster": True}, cases)
             finally:
                 next(servers, None)
         port = tr._free_port()
         proc = tr._start(Path(d), port)
         try:
-            return widen(n, {"url": f"redis://127.0.0.1:{port}"}, cases, only is not None)
+            return widen(seeds, {"url": f"redis://127.0.0.1:{port}"}, cases)
         finally:
             tr._stop([proc])
 
 
-def widen(n: int, remote: dict, cases: list, filtered: bool) -> int:
+def widen(seeds: widen_options.Seeds, remote: dict, cases: list) -> int:
     good = wrong = stalled = 0
     total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0,
              "partial_not_put": 0}
     moved = {"checked": 0, "loads": 0, "window_loads": 0}
-    for k in range(n):
-        _, specs, extra, opts, _ = cases[k % len(cases)]
-        seed = (40_000 if filtered else 20_000) + k
+    for k in range(seeds.count):
+        seed = seeds.seed(k)
+        _, specs, extra, opts, _ = cases[seeds.case_index(seed, len(cases))]
         cfg = {**extra, "remote_tier": {**remote, "deployment": f"seed{seed}"}}
         got: dict = {}
 

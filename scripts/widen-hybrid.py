@@ -20,6 +20,8 @@ EAGLE draft groups; `--only hash`: those whose block hashes are finer
 than the blocks; `--only sizes`: those whose groups have different block
 sizes; `--only left-out`: those with groups vLLM's connector leaves out),
 from seed 30,000.
+`--from SEED` starts at SEED instead (each seed keeps its configuration:
+`400 DIR` and then `400 DIR --from 10400` run seeds 10,000 to 10,799).
 `--stress K` runs K busy processes beside it (`cpu_stress.py`): races
 between the copies and the model's writes show only when the cores are
 busy.
@@ -30,6 +32,7 @@ import os
 import sys
 
 import cpu_stress
+import widen_options
 
 tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests")
 sys.path.insert(0, tests)
@@ -40,33 +43,22 @@ from pathlib import Path  # noqa: E402
 
 
 def main() -> int:
-    try:
-        stress, args = cpu_stress.parse(sys.argv[1:])
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 2
-    only = None
-    if len(args) == 4 and args[2] == "--only":
-        only, args = args[3], args[:2]
-    if len(args) != 2 or not args[0].isdigit():
-        print(__doc__, file=sys.stderr)
-        return 2
-    n, out = int(args[0]), Path(args[1])
-    cases = hy.select_cases(only)
+    p = widen_options.parser(__doc__, 10_000, 30_000)
+    p.add_argument("out", type=Path, help="the folder the recorded seeds go to")
+    args = p.parse_args()
+    cases = hy.select_cases(args.only)
     if not cases:
-        print(f"no configuration's groups contain {only!r}", file=sys.stderr)
-        return 2
-    base = 10_000 if only is None else 30_000
-    with cpu_stress.busy(stress):
-        return widen(n, out, cases, base)
+        p.error(f"no configuration's groups contain {args.only!r}")
+    with cpu_stress.busy(args.stress):
+        return widen(widen_options.seeds(args), args.out, cases)
 
 
-def widen(n: int, out: Path, cases: list, base: int) -> int:
+def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
     same = differ = wrong = stalled = 0
     moved = {"checked": 0, "loads": 0, "window_loads": 0, "stores": 0, "holes": 0}
-    for k in range(n):
-        _, specs, extra, opts, delay = cases[k % len(cases)]
-        seed = base + k
+    for k in range(seeds.count):
+        seed = seeds.seed(k)
+        _, specs, extra, opts, delay = cases[seeds.case_index(seed, len(cases))]
         try:
             steps, derived = hy.record(seed, specs, extra, opts, delay)
         except AssertionError as e:

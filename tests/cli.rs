@@ -7,6 +7,10 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+#[path = "common/scratch.rs"]
+mod scratch;
+use scratch::{ScratchPath, scratch};
+
 /// The binary under test: `KVOFFLOAD_BIN` where set (a carried test binary on
 /// another machine, `scripts/gpu-check.sh run`), else the one cargo built.
 fn kvoffload(args: &[&str]) -> Output {
@@ -20,10 +24,8 @@ fn kvoffload(args: &[&str]) -> Output {
         .expect("run kvoffload")
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvoffload-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+fn tmp(name: &str) -> ScratchPath {
+    scratch(name)
 }
 
 fn text(b: &[u8]) -> String {

@@ -131,16 +131,18 @@ const HEADER: &str =
     r#"{"kvoffload_trace": 1, "config": {"tokens_per_block": 4, "num_cpu_chunks": 4}}"#;
 
 fn run_bin(trace: &str) -> (i32, String, String) {
-    let dir = std::env::temp_dir().join(format!("kvoffload-replay-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("t{}.jsonl", trace.len()));
+    let dir = tempfile::Builder::new()
+        .prefix("kvoffload-replay-")
+        .tempdir()
+        .expect("create a temporary folder");
+    let path = dir.path().join("trace.jsonl");
     std::fs::write(&path, trace).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_kvoffload"))
         .arg("replay")
         .arg(&path)
         .output()
         .expect("run kvoffload");
-    let _ = std::fs::remove_file(&path);
+    drop(dir);
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -323,7 +323,7 @@ mod tests {
             },
             ..StrategyTable::always(Strategy::Kernel)
         };
-        let path = tmp("tuned.json");
+        let (_dir, path) = tmp("tuned.json");
         tuned.save(&path).unwrap();
         assert_eq!(StrategyTable::load(&path).unwrap(), tuned);
         let e = StrategyTable::from_json_str(
@@ -411,10 +411,12 @@ mod tests {
         assert_eq!(partial.choose(Direction::Store, 10, 9), Strategy::Kernel);
     }
 
-    fn tmp(name: &str) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("kvoffload-strategy-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        dir.join(name)
+    /// A path named `name` in a fresh temporary folder, removed when the
+    /// returned guard drops.
+    fn tmp(name: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(name);
+        (dir, path)
     }
 
     #[test]
@@ -432,7 +434,7 @@ mod tests {
                 strategy: Strategy::Kernel,
             },
         );
-        let path = tmp("round-trip.json");
+        let (_dir, path) = tmp("round-trip.json");
         t.save(&path).unwrap();
         assert_eq!(StrategyTable::load(&path).unwrap(), t);
         assert!(std::fs::read_to_string(&path).unwrap().ends_with("}\n"));
@@ -442,7 +444,7 @@ mod tests {
     #[test]
     #[cfg_attr(miri, ignore)]
     fn bad_files_are_typed_errors() {
-        let missing = tmp("missing.json");
+        let (_dir, missing) = tmp("missing.json");
         assert!(matches!(
             StrategyTable::load(&missing),
             Err(StrategyFileError::Io { .. })
@@ -471,14 +473,14 @@ mod tests {
                 "-1",
             ),
         ] {
-            let path = tmp(name);
+            let (_dir, path) = tmp(name);
             std::fs::write(&path, text).unwrap();
             let e = StrategyTable::load(&path).unwrap_err();
             assert!(matches!(e, StrategyFileError::Json { .. }), "{name}: {e}");
             let msg = e.to_string();
             assert!(msg.contains(name) && msg.contains(needle), "{name}: {msg}");
         }
-        let path = tmp("inverted.json");
+        let (_dir, path) = tmp("inverted.json");
         std::fs::write(
             &path,
             r#"{"rules":[{"strategy":"dma"},{"min_descriptors":9,"max_descriptors":3,"strategy":"kernel"}],"fallback":"dma"}"#,
@@ -515,7 +517,7 @@ mod tests {
             fallback: Strategy::Dma,
             tuning: BackendTuning::default(),
         };
-        let out = tmp("not-written.json");
+        let (_dir, out) = tmp("not-written.json");
         assert!(matches!(
             bad.save(&out),
             Err(StrategyFileError::Invalid {
