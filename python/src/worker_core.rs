@@ -241,10 +241,7 @@ impl WorkerCore {
     /// its compute): `[(job, [GPU block, ...])]`, the blocks vLLM must
     /// recompute if the load fails.
     fn sync_loads(&self) -> PyResult<Vec<(u64, Vec<u32>)>> {
-        let plan = self
-            .plan
-            .as_ref()
-            .ok_or_else(|| runtime_error("no plan bound"))?;
+        let plan = bound_plan(self.plan.as_ref())?;
         Ok(plan
             .loads
             .iter()
@@ -255,30 +252,21 @@ impl WorkerCore {
 
     /// Hook 1: flushed jobs are finished before the step reuses their blocks.
     fn handle_preemptions(&mut self) -> PyResult<()> {
-        let plan = self
-            .plan
-            .as_mut()
-            .ok_or_else(|| runtime_error("no plan bound"))?;
+        let plan = bound_plan(self.plan.as_mut())?;
         with_worker!(&mut self.worker, w => w.handle_preemptions(plan)).map_err(runtime_error)
     }
 
     /// Hook 2: stores queued last step, then this step's loads, start; the
     /// synchronous loads are waited for.
     fn start_transfers(&mut self) -> PyResult<()> {
-        let plan = self
-            .plan
-            .as_ref()
-            .ok_or_else(|| runtime_error("no plan bound"))?;
+        let plan = bound_plan(self.plan.as_ref())?;
         with_worker!(&mut self.worker, w => w.start_transfers(plan)).map_err(runtime_error)
     }
 
     /// Hook 3 (after the step's compute): this step's stores are queued for
     /// the next step.
     fn queue_stores(&mut self) -> PyResult<()> {
-        let plan = self
-            .plan
-            .as_mut()
-            .ok_or_else(|| runtime_error("no plan bound"))?;
+        let plan = bound_plan(self.plan.as_mut())?;
         with_worker!(&mut self.worker, w => w.queue_stores(plan));
         Ok(())
     }
@@ -429,4 +417,9 @@ impl WorkerCore {
             Worker::Cuda(w) => w.backend().in_flight(),
         }
     }
+}
+
+/// The plan `bind` gave, or the error a hook called before `bind` raises.
+fn bound_plan<P>(plan: Option<P>) -> PyResult<P> {
+    plan.ok_or_else(|| runtime_error("no plan bound"))
 }
