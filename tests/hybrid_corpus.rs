@@ -75,6 +75,16 @@ fn corpus_files() -> Vec<PathBuf> {
     files
 }
 
+/// The request's `max_load_tokens` as vLLM reads its `kv_transfer_params`
+/// (the corpus holds them by request): a non-negative integer; a bool, a
+/// float, a string or a negative number is ignored.
+fn load_cap(case: &Value, rid: &str) -> Option<u64> {
+    case.get("kv_transfer_params")?
+        .get(rid)?
+        .get("max_load_tokens")?
+        .as_u64()
+}
+
 fn name(path: &Path) -> String {
     path.file_name()
         .unwrap_or_default()
@@ -86,6 +96,8 @@ fn name(path: &Path) -> String {
 fn every_recorded_lookup_gets_vllms_answer() {
     let files = corpus_files();
     let (mut asked, mut hits, mut waits, mut unaligned) = (0, 0, 0, 0);
+    // Lookups whose answer the request's load cap changed.
+    let mut capped = 0;
     for path in &files {
         let case = read_case(path);
         let groups = shapes(&case);
@@ -104,17 +116,27 @@ fn every_recorded_lookup_gets_vllms_answer() {
                     .iter()
                     .map(|g| g.as_str().expect("a group's keys"))
                     .collect();
-                let mut keys = RecordedKeys::parse(&letters)
-                    .unwrap_or_else(|e| panic!("{} step {n}: {e}", name(path)));
+                let keys = || {
+                    RecordedKeys::parse(&letters)
+                        .unwrap_or_else(|e| panic!("{} step {n}: {e}", name(path)))
+                };
                 let req = HybridLookup {
                     computed: lk[1].as_u64().expect("computed"),
                     num_tokens: lk[2].as_u64().expect("num_tokens"),
-                    max_load_tokens: None,
+                    max_load_tokens: load_cap(&case, lk[0].as_str().expect("a request")),
                     max_new_tokens: None,
                 };
                 let want = lk[3].as_u64();
-                let got = lookup_complete_chunks(&groups, &mut keys, req);
+                let got = lookup_complete_chunks(&groups, &mut keys(), req);
                 assert_eq!(got, want, "{} step {n}: {lk:?}", name(path));
+                if req.max_load_tokens.is_some() {
+                    let uncapped = HybridLookup {
+                        max_load_tokens: None,
+                        ..req
+                    };
+                    capped +=
+                        usize::from(lookup_complete_chunks(&groups, &mut keys(), uncapped) != got);
+                }
                 asked += 1;
                 match want {
                     Some(h) if h > 0 => {
@@ -129,9 +151,13 @@ fn every_recorded_lookup_gets_vllms_answer() {
         }
     }
     // The corpus exercises what is compared.
-    eprintln!("{asked} lookups, {hits} hits, {waits} waits, {unaligned} ending on the last token");
+    eprintln!(
+        "{asked} lookups, {hits} hits, {waits} waits, {unaligned} ending on the last token, \
+         {capped} changed by the request's load cap"
+    );
     if committed() {
         assert!(asked >= 1000, "{asked} lookups");
+        assert!(capped >= 20, "{capped} lookups changed by a load cap");
         assert!(hits >= 100 && waits >= 100, "{hits} hits, {waits} waits");
         assert!(unaligned >= 1, "no hit ending on the last token");
     }

@@ -264,6 +264,16 @@ CASES = [
     # allowed with several groups even when one is offloaded): the
     # single-group scheduler keys each block by its last hash.
     (40, "fullb8+ring", {"offload_prompt_only": False}, {"hash_tokens": 4}, 0),
+    # Per-request `kv_transfer_params` (`request_params`): load caps
+    # (vLLM rounds each group's hit down to its chunk), store caps, both,
+    # and values both connectors ignore; over windows and full attention,
+    # chunks of two blocks, chunked-local groups with async scheduling,
+    # groups of different block sizes, an EAGLE draft group.
+    (41, "full+swa8", {"offload_prompt_only": False}, {"params": True}, 1),
+    (42, "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"params": True}, 0),
+    (43, "full+local12", {}, {"params": True, "async_scheduling": True}, 1),
+    (44, "fullb8+swa13", {"offload_prompt_only": False}, {"params": True, "hash_tokens": 2}, 1),
+    (46, "full+swa8", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"params": True, "eagle_groups": [0]}, 1),
 ]
 # The configurations the widening scripts cycle through (`select_cases`).
 _CONFIGS = list(CASES)
@@ -280,9 +290,12 @@ def select_cases(only: str | None) -> list[tuple]:
     group names contain `only` (``eagle``: those with draft groups;
     ``hash``: those with block hashes finer than the blocks; ``sizes``: those
     whose groups have different block sizes; ``left-out``: those with groups
-    vLLM's connector leaves out)."""
+    vLLM's connector leaves out; ``params``: those whose requests carry
+    ``kv_transfer_params``)."""
     if only is None:
         return list(_CONFIGS)
+    if only == "params":
+        return [c for c in _CONFIGS if c[3].get("params")]
     if only == "eagle":
         return [c for c in _CONFIGS if c[3].get("eagle_groups")]
     if only == "hash":
@@ -335,6 +348,42 @@ def workload(seed: int, n: int) -> list[tuple[int, list[int], int]]:
         if len(prompt) < 96:
             live.append((step, prompt + sampled(prompt, max_tokens)))
     return out
+
+
+def request_params(seed: int, n: int) -> list[dict | None]:
+    """The ``kv_transfer_params`` of the `n` requests of a case with
+    ``"params"`` (its own random stream: the workload stays the seed's):
+    none, a load cap (``max_load_tokens``), a store cap
+    (``max_offload_tokens``), both, each from 0 to past a prompt, or a
+    value both connectors ignore (negative, a bool, a float, a string)."""
+    rng = random.Random(seed * 7919 + 17)
+
+    def cap() -> int:
+        return rng.choice((0, rng.randrange(1, 40), rng.randrange(1, 40), rng.randrange(40, 120)))
+
+    out: list[dict | None] = []
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.4:
+            out.append(None)
+        elif r < 0.6:
+            out.append({"max_load_tokens": cap()})
+        elif r < 0.75:
+            out.append({"max_offload_tokens": cap()})
+        elif r < 0.9:
+            out.append({"max_load_tokens": cap(), "max_offload_tokens": cap()})
+        else:
+            name = rng.choice(("max_load_tokens", "max_offload_tokens"))
+            out.append({name: rng.choice((-1, True, 8.0, "8"))})
+    return out
+
+
+def case_params(seed: int, opts: dict) -> dict[str, dict]:
+    """A case's ``kv_transfer_params`` by request id (none without
+    ``"params"``), as the corpus holds them."""
+    if not opts.get("params"):
+        return {}
+    return {f"q{i}": p for i, p in enumerate(request_params(seed, REQUESTS)) if p is not None}
 
 
 def spec_blocks(spec: Any) -> list[list[int]]:
@@ -489,7 +538,7 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
             log.clear()
         return got
 
-    steps = drive(e, seed, snapshot)
+    steps = drive(e, seed, snapshot, opts)
     # JSON's view of the record (tuples as lists), as the corpus holds it.
     derived = {
         "alignment_tokens": sched.config.alignment_tokens,
@@ -507,17 +556,19 @@ def record_sources(connector: Any, sources: list[list], request: Any, n: int) ->
         sources.append([request.request_id, n, {str(k.value): v for k, v in sorted(split.items(), key=str)}])
 
 
-def drive(e: Any, seed: int, snapshot: Any) -> list[dict]:
-    """Runs the seed's workload on engine `e` to its end: per step
+def drive(e: Any, seed: int, snapshot: Any, opts: dict) -> list[dict]:
+    """Runs the seed's workload on engine `e` to its end (with the case's
+    `kv_transfer_params`, `case_params`): per step
     `snapshot(scheduler_output)` (``{"idle": True}`` for a step with
     nothing to schedule)."""
     arrivals = workload(seed, REQUESTS)
+    params = case_params(seed, opts)
     steps: list[dict] = []
     i = 0
     for step in range(600):
         while i < len(arrivals) and arrivals[i][0] <= step:
             _, prompt, max_tokens = arrivals[i]
-            e.add(prompt, max_tokens=max_tokens, req_id=f"q{i}")
+            e.add(prompt, max_tokens=max_tokens, req_id=f"q{i}", kv_transfer_params=params.get(f"q{i}"))
             i += 1
         if i == len(arrivals) and not e.scheduler.has_requests() and e.pending is None:
             break
@@ -540,7 +591,7 @@ def engine_options(specs: str, extra: dict, opts: dict) -> tuple[dict, dict]:
         "num_gpu_blocks": GPU_BLOCKS * len(SPECS[specs]()),
         "max_num_seqs": 6,
         "max_num_batched_tokens": 64,
-        **opts,
+        **{k: v for k, v in opts.items() if k != "params"},
     }
     groups = SPECS[specs]()
     chunk_bytes = groups[0].page_size_bytes * 2 * case_blocks_per_chunk(extra)
@@ -574,8 +625,9 @@ def write_case(
         for g, s in enumerate(SPECS[specs]())
         if s.prefix_cacheable
     ]
+    params = {"kv_transfer_params": case_params(seed, opts)} if opts.get("params") else {}
     text = json.dumps({"seed": seed, "groups": specs, "shapes": shapes, "blocks_per_chunk": bpc,
-                       **derived, "extra": extra, "opts": opts, "delay": delay, "steps": steps},
+                       **derived, "extra": extra, "opts": opts, "delay": delay, **params, "steps": steps},
                       separators=(",", ":")) + "\n"
     path.write_bytes(gzip.compress(text.encode(), mtime=0))
 
@@ -644,7 +696,7 @@ def kvoffload_run(seed: int, specs: str, extra: dict, opts: dict, delay: int) ->
         events.clear()
         return got
 
-    steps = drive(e, seed, snapshot)
+    steps = drive(e, seed, snapshot, opts)
     assert e.connector.scheduler_state()["invariants"] is None
     return json.loads(json.dumps(steps, default=repr))
 
@@ -821,6 +873,46 @@ def test_corpus_has_windowed_loads() -> None:
                 1 for rid, per_group in st.get("loads", ()) for g in sw if per_group[g][0] > computed[rid]
             )
     assert windowed >= 10, windowed
+
+
+def valid_cap(params: dict | None, name: str) -> int | None:
+    """A `kv_transfer_params` cap as vLLM reads it (a non-negative int)."""
+    raw = (params or {}).get(name)
+    return raw if type(raw) is int and raw >= 0 else None
+
+
+def test_corpus_requests_keep_within_their_kv_transfer_params() -> None:
+    """In the cases with ``kv_transfer_params``, vLLM keeps every request
+    within its caps, and the caps bind (the comparison above checks
+    kvoffload against these runs): a hit loads at most ``max_load_tokens``
+    past the GPU's hit, and no group stores a chunk past
+    ``max_offload_tokens``."""
+    loads_capped = stores_capped = ignored = 0
+    for seed, specs, extra, opts, _ in CASES:
+        if not opts.get("params"):
+            continue
+        case = read_corpus(seed, specs)
+        params = case["kv_transfer_params"]
+        assert params == case_params(seed, opts), "the params changed: record again"
+        tpcs = [shape["tokens_per_chunk"] for shape in case["shapes"]]
+        ignored += sum(
+            1 for p in params.values() for k in ("max_load_tokens", "max_offload_tokens")
+            if k in p and valid_cap(p, k) is None
+        )
+        for st in case["steps"]:
+            for rid, computed, _, hit, *_ in st.get("lookups", ()):
+                cap = valid_cap(params.get(rid), "max_load_tokens")
+                if cap is not None and hit is not None:
+                    assert hit <= cap, (seed, rid, computed, hit, cap)
+                    loads_capped += 1
+            for rid, _, prompt, _, groups in st.get("store_inputs", ()):
+                cap = valid_cap(params.get(rid), "max_offload_tokens")
+                if cap is None:
+                    continue
+                for tpc, (_, storable, _, _) in zip(tpcs, groups):
+                    assert storable <= cap // tpc, (seed, rid, storable, cap, tpc)
+                stores_capped += cap < prompt
+    assert loads_capped >= 100 and stores_capped >= 100 and ignored >= 10, (loads_capped, stores_capped, ignored)
 
 
 def test_corpus_holds_every_case_and_nothing_else() -> None:

@@ -87,7 +87,7 @@ def worker_run(
         return {}
 
     try:
-        drive(e, seed, snapshot)
+        drive(e, seed, snapshot, opts)
     except AssertionError as err:
         sched = e.scheduler
         st = e.connector.scheduler_state()
