@@ -19,6 +19,7 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(kvoffload_redis)");
     gpu_tests_cfg();
     redis_tests_cfg();
+    cxx_cfg();
     println!("cargo::rerun-if-changed=kernels");
     println!("cargo::rerun-if-changed=build.rs");
     for var in [
@@ -31,6 +32,7 @@ fn main() {
         "PATH",
         "KVOFFLOAD_REQUIRE_NVCC",
         "KVOFFLOAD_NO_NVCC",
+        "CXX",
     ] {
         println!("cargo::rerun-if-env-changed={var}");
     }
@@ -153,6 +155,21 @@ fn redis_tests_cfg() {
     }
     if let Some(p) = find_on_path("redis-server") {
         println!("cargo::rerun-if-changed={}", p.display());
+    }
+}
+
+/// `cfg(kvoffload_cxx)` where a C++ compiler runs (`$CXX`, else `c++`):
+/// `tests/kernel_emulation.rs` builds the copy kernels for the CPU with it;
+/// without one those tests are ignored, with their reason.
+fn cxx_cfg() {
+    println!("cargo::rustc-check-cfg=cfg(kvoffload_cxx)");
+    let cxx = env::var("CXX").unwrap_or_else(|_| "c++".to_owned());
+    let runs = Command::new(&cxx)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if runs {
+        println!("cargo:rustc-cfg=kvoffload_cxx");
     }
 }
 

@@ -17,7 +17,7 @@ use crate::worker::{BackendError, TransferBackend, TransferResult, TransferSpec,
 use super::context::guarded;
 use super::dma::{self, BatchCopy};
 use super::error::{CudaError, driver};
-use super::kernel::{CopyKernels, LaunchShape, TableRing, piece_bytes, split_descs, table_bytes};
+use super::kernel::{CopyKernels, LaunchShape, TableRing, kernel_pieces, table_bytes};
 use super::shared_table::SharedStrategyTable;
 use super::strategy::{Strategy, StrategyTable};
 
@@ -344,10 +344,12 @@ impl CudaBackend {
                 if let Some(k) = &self.kernels {
                     self.split.clear();
                     let shape = self.options.shape;
-                    let warps = u64::from(shape.ctas) * u64::from(shape.threads / 32);
-                    let piece =
-                        piece_bytes(self.table.bytes, warps, self.options.kernel_split_bytes);
-                    split_descs(&self.table.descs, piece, &mut self.split);
+                    kernel_pieces(
+                        &self.table,
+                        shape,
+                        self.options.kernel_split_bytes,
+                        &mut self.split,
+                    );
                     let n = self.split.len();
                     if let Some(slot) = self.rings.get_mut(dir.index()).and_then(|r| r.acquire(n)) {
                         if slot.fill(&self.split)? {

@@ -11,7 +11,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-use crate::worker::CopyDesc;
+use crate::worker::{CopyDesc, DescriptorTable};
 
 use super::error::{CudaError, check, driver};
 use super::memory::{DeviceBuffer, PinnedBuffer};
@@ -28,6 +28,20 @@ pub struct LaunchShape {
     pub ctas: u32,
     /// Threads per CTA (a multiple of 32, at most 256).
     pub threads: u32,
+}
+
+impl LaunchShape {
+    /// The grid and block sizes a launch uses: at least one CTA, threads
+    /// clamped to 32..=256 and rounded down to whole warps.
+    pub fn dims(self) -> (u32, u32) {
+        (self.ctas.max(1), self.threads.clamp(32, 256) & !31)
+    }
+
+    /// Warps in the grid.
+    pub fn warps(self) -> u64 {
+        let (ctas, threads) = self.dims();
+        u64::from(ctas) * u64::from(threads / 32)
+    }
 }
 
 impl Default for LaunchShape {
@@ -82,9 +96,10 @@ pub fn launch_table(
     capacity: u32,
     shape: LaunchShape,
 ) -> Result<(), CudaError> {
+    let (ctas, threads) = shape.dims();
     let cfg = LaunchConfig {
-        grid_dim: (shape.ctas.max(1), 1, 1),
-        block_dim: (shape.threads.clamp(32, 256) & !31, 1, 1),
+        grid_dim: (ctas, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut b = stream.launch_builder(f);
@@ -129,6 +144,29 @@ pub fn piece_bytes(total: u64, warps: u64, max: u64) -> u64 {
     let max = (max & !15).max(16);
     let target = total.div_ceil(2 * warps.max(1)).next_multiple_of(16);
     target.clamp(MIN_PIECE_BYTES.min(max), max)
+}
+
+/// The pieces a kernel job copies, appended to `out`: the job's descriptors
+/// split for a launch of `shape` ([`piece_bytes`], at most `max_piece`
+/// bytes a piece), as the kernel strategies split them.
+pub fn kernel_pieces(
+    table: &DescriptorTable,
+    shape: LaunchShape,
+    max_piece: u64,
+    out: &mut Vec<CopyDesc>,
+) {
+    let piece = piece_bytes(table.bytes, shape.warps(), max_piece);
+    split_descs(&table.descs, piece, out);
+}
+
+/// A table's header entry: the table kernels read the count of the
+/// descriptors that follow it from its `bytes`.
+pub fn table_header(count: usize) -> CopyDesc {
+    CopyDesc {
+        src: 0,
+        dst: 0,
+        bytes: count as u64,
+    }
 }
 
 /// A captured graph, owned by one slot of one backend: the exec, and its
@@ -248,11 +286,7 @@ impl TableSlot {
                 .map_err(driver("cuEventSynchronize"))?;
             waited = true;
         }
-        let header = CopyDesc {
-            src: 0,
-            dst: 0,
-            bytes: n as u64,
-        };
+        let header = table_header(n);
         // SAFETY: the staging is not read by the device any more (the `consumed`
         // event of its previous use has completed, checked above), and both writes
         // are within `table_bytes(capacity)`.

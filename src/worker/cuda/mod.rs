@@ -17,7 +17,7 @@ mod tuning;
 pub use backend::{CudaBackend, CudaBackendOptions, CudaBackendStats};
 pub use context::{borrowed_stream, driver_present, open_context};
 pub use error::CudaError;
-pub use kernel::LaunchShape;
+pub use kernel::{LaunchShape, kernel_pieces, table_header};
 pub use memory::{DeviceBuffer, PinnedBuffer, PinnedKind};
 pub use shared_table::SharedStrategyTable;
 pub use strategy::{Strategy, StrategyFileError, StrategyRule, StrategyTable, StrategyTableError};
