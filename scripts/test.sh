@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test command: sets up everything a fresh machine needs (the pinned nvcc;
+# The test command: sets up everything a fresh machine needs (a C++ compiler
+# and the pinned nvcc;
 # Debian's redis-server for the remote tier's tests; the pinned vLLM in a
 # cached venv), builds with the CUDA kernels really
 # compiled, runs the whole Rust test suite, then the vLLM connector's tests
@@ -10,6 +11,7 @@
 # tests out (they print as not run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+scripts/setup-cxx.sh
 NVCC=$(scripts/setup-nvcc.sh)
 export NVCC
 export KVOFFLOAD_REQUIRE_NVCC=1
