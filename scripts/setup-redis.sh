@@ -8,23 +8,11 @@ set -euo pipefail
 if command -v redis-server >/dev/null && command -v redis-cli >/dev/null; then
     exit 0
 fi
-if ! command -v apt-get >/dev/null; then
-    echo "setup-redis: no apt-get here: install redis-server (>= 7) by hand; the Redis tests show as ignored" >&2
-    exit 0
-fi
-sudo=""
-if [ "$(id -u)" != 0 ]; then
-    if command -v sudo >/dev/null; then sudo=sudo; else
-        echo "setup-redis: not root and no sudo: the Redis tests show as ignored" >&2
-        exit 0
-    fi
-fi
-echo "setup-redis: installing redis-server and redis-tools (Debian)" >&2
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -q >&2 || true
-$sudo apt-get install -y -q --no-install-recommends redis-server redis-tools >&2
+# Where they cannot be installed the Redis tests show as ignored.
+# Exit 3: cannot be installed here (said why); any other failure fails.
+"$(dirname "$0")/apt-install.sh" setup-redis redis-server redis-tools || { rc=$?; [ "$rc" = 3 ] && exit 0; exit "$rc"; }
 # The package's own service is not needed: the tests start their servers.
 if command -v systemctl >/dev/null && systemctl is-active --quiet redis-server 2>/dev/null; then
-    $sudo systemctl stop redis-server >&2 || true
+    if [ "$(id -u)" = 0 ]; then systemctl stop redis-server >&2 || true; else sudo systemctl stop redis-server >&2 || true; fi
 fi
 redis-server --version >&2
