@@ -147,7 +147,7 @@ pub fn piece_bytes(total: u64, warps: u64, max: u64) -> u64 {
 }
 
 /// The pieces a kernel job copies, appended to `out`: the job's descriptors
-/// split for a launch of `shape` ([`piece_bytes`], at most `max_piece`
+/// split for a launch of `shape` (`piece_bytes`, at most `max_piece`
 /// bytes a piece), as the kernel strategies split them.
 pub fn kernel_pieces(
     table: &DescriptorTable,
