@@ -363,6 +363,16 @@ def kv_eagle_groups(kv_cache_config: KVCacheConfig) -> list[int]:
     return [i for i, g in enumerate(kv_offloaded_groups(kv_cache_config)) if getattr(g, "is_eagle_group", False)]
 
 
+def _mamba_hint(spec: Any) -> str:
+    """Where a Mamba group's state can be offloaded instead: vLLM's own
+    connector offloads it in ``mamba_cache_mode="align"``, through
+    partial-tail jobs that kvoffload does not plan (docs/vllm-connector.md).
+    Empty for other kinds of groups."""
+    if "Mamba" not in type(spec).__name__:
+        return ""
+    return " (vLLM's own OffloadingConnector offloads Mamba state, with mamba_cache_mode='align')"
+
+
 def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None:
     """The offloaded KV groups (`kv_offloaded_groups`) of a hybrid
     ``KVCacheConfig`` (several groups, vLLM's hybrid manager, or one
@@ -396,6 +406,7 @@ def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None
             raise ValueError(
                 "KvOffloadConnector offloads hybrid models of full-attention (or MLA), sliding-window "
                 f"and chunked-local attention KV groups; this model has a {type(spec).__name__} group"
+                f"{_mamba_hint(spec)}"
             )
     return windows
 
@@ -471,9 +482,10 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
     if kv_group_windows(kv_cache_config) is not None:
         return _hybrid_engine_config(vllm_config, kv_cache_config)
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
         raise ValueError(
             "KvOffloadConnector supports models with one full-attention KV cache group "
-            f"(this model has {len(groups)} groups)"
+            f"(this model's groups: {kinds}){''.join(_mamba_hint(g.kv_cache_spec) for g in groups[:1])}"
         )
     spec = groups[0].kv_cache_spec
     if type(spec) not in _DENSE_ATTENTION_SPECS:

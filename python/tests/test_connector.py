@@ -629,6 +629,33 @@ def test_groups_that_are_not_prefix_cacheable_are_left_out_as_vllm_leaves_them()
     assert kv.kv_offloaded_group_ids(mixed) == (0,)
 
 
+def test_a_mamba_group_stops_startup_with_the_reason():
+    # vLLM's connector offloads Mamba state (mamba_cache_mode="align") only
+    # through partial-tail jobs kvoffload does not plan: a hybrid model
+    # with a Mamba group (Qwen3-Next, Nemotron-H, Jamba) is refused by
+    # name, in either cache mode, pointing at vLLM's own connector.
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    import kvoffload.vllm as kv
+    from test_hybrid_vllm import SPECS
+
+    e = harness.build(extra={"num_cpu_chunks": 64}, tpb=4, groups=SPECS["full+swa8"]())
+    config = e.connector._kv_cache_config
+    for mode in ("align", "none"):
+        mamba = MambaSpec(block_size=4, shapes=((2, 8),), dtypes=(torch.float32,), mamba_cache_mode=mode)
+        assert mamba.prefix_cacheable, "vLLM's connector would offload the group"
+        group = dataclasses.replace(config.kv_cache_groups[1], kv_cache_spec=mamba)
+        hybrid = dataclasses.replace(config, kv_cache_groups=[config.kv_cache_groups[0], group])
+        with pytest.raises(ValueError, match="has a MambaSpec group .vLLM's own OffloadingConnector"):
+            kv.kv_group_windows(hybrid)
+        # A model of Mamba layers only takes the single-group path, which
+        # refuses it too.
+        alone = dataclasses.replace(config, kv_cache_groups=[group])
+        assert kv.kv_group_windows(alone) is None
+        with pytest.raises(ValueError, match="groups: MambaSpec. .vLLM's own OffloadingConnector"):
+            kv._engine_config(e.connector._vllm_config, alone)
+
+
 def test_a_group_of_layers_of_different_page_sizes_comes_back_with_each_layer_s_bytes():
     # DeepSeek V3.2's MLA layers and their (smaller) indexer layers are one
     # KV group of one kind (vLLM's UniformTypeKVCacheSpecs): its scheduler
