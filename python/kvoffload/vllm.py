@@ -500,15 +500,12 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
             f"MLAAttentionSpec); this model's KV cache group is {type(spec).__name__}, "
             "whose blocks vLLM frees behind the window while a request runs"
         )
-    dcp = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1)
-    if dcp > 1 and getattr(spec, "dcp_sharded", False):
-        # vLLM's block then spans block_size x dcp tokens (its block hashes
-        # too): not what kvoffload's chunk keys assume, and not tested.
-        raise ValueError(
-            "KvOffloadConnector does not support decode context parallelism "
-            f"(decode_context_parallel_size={dcp}): a KV block then spans "
-            f"{spec.block_size} x {dcp} tokens"
-        )
+    # Decode context parallelism: each of the dcp ranks holds every dcp-th
+    # token of a block, so a block (and its hash) spans block_size x dcp
+    # tokens while each worker's page is its own share; the workers move
+    # their pages whole, the scheduler counts the block's tokens (vLLM's
+    # `resolve_dcp_kv_block_size`).
+    block_tokens = _dcp_block_tokens(vllm_config, spec)
     num_blocks = kv_cache_config.num_blocks
     if kv_cache_config.kv_cache_tensors and num_blocks > 0:
         # As vLLM's offloading: every KVCacheTensor describes placement in the
@@ -520,12 +517,21 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
     _warn_if_replicated(vllm_config, kv_cache_config)
     return EngineConfig.from_extra(
         extra,
-        tokens_per_block=spec.block_size,
+        tokens_per_block=block_tokens,
         world_size=vllm_config.parallel_config.world_size,
         worker_bytes_per_block=per_block,
-        # As vLLM counts a hit against sync_load_budget_bytes.
-        kv_bytes_per_token=spec.page_size_bytes * len(groups[0].layer_names) // spec.block_size,
+        # As vLLM counts a hit against sync_load_budget_bytes: a worker's
+        # bytes of a block over the block's tokens.
+        kv_bytes_per_token=spec.page_size_bytes * len(groups[0].layer_names) // block_tokens,
     )
+
+
+def _dcp_block_tokens(vllm_config: VllmConfig, spec: Any) -> int:
+    """The tokens a KV block of `spec` spans: ``block_size``, times
+    ``decode_context_parallel_size`` for a spec DCP shards (vLLM's
+    ``resolve_dcp_kv_block_size``)."""
+    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+    return int(spec.block_size) * (dcp if getattr(spec, "dcp_sharded", False) else 1)
 
 
 def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
@@ -535,12 +541,16 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
     block); the sync-load budget counts every offloaded group's bytes per
     token (vLLM's ``kv_bytes_per_token``, over the groups its connector
     selects)."""
-    groups = kv_offloaded_groups(kv_cache_config)
     dcp = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1)
     if dcp > 1:
+        # vLLM runs DCP with full-attention groups only; kvoffload follows
+        # it with one KV group (the single-group path), not yet with
+        # several (full attention of two block sizes, EAGLE draft groups).
         raise ValueError(
-            f"KvOffloadConnector does not support decode context parallelism (decode_context_parallel_size={dcp})"
+            "KvOffloadConnector supports decode context parallelism with one KV group only "
+            f"(decode_context_parallel_size={dcp}, {len(kv_cache_config.kv_cache_groups)} groups)"
         )
+    groups = kv_offloaded_groups(kv_cache_config)
     num_blocks = kv_cache_config.num_blocks
     page_bytes = [g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups]
     if kv_cache_config.kv_cache_tensors and num_blocks > 0:

@@ -95,6 +95,10 @@ class Engine:
     remote: bool = False
     #: Per KV group, its tokens a block (empty: `tpb` for every group).
     block_sizes: list[int] = field(default_factory=list)
+    #: vLLM's ``decode_context_parallel_size``: worker `w` (DCP rank
+    #: ``w % dcp``) holds the tokens ``p`` with ``p % dcp`` its rank, in
+    #: blocks of ``tpb * dcp`` tokens (one group only).
+    dcp: int = 1
     #: The KV groups that are not prefix-cacheable (vLLM's connector leaves
     #: them out), each ``True`` for a circular buffer (one block a request,
     #: token ``p`` at slot ``p % block_size``): per-request scratch, written
@@ -194,13 +198,23 @@ class Engine:
                     self._compute_scratch(rid, req, g, layers, table, range(start, start + n))
                     continue
                 for p in range(start, start + n):
-                    block, slot = table[p // tpb], p % tpb
-                    assert block != 0, f"{rid}: token {p} of group {g} computed into the null block"
                     t = self.token_at(req, p)
-                    for w in range(len(self.workers)):
+                    for w, block, slot in self._places(table, tpb, p):
+                        assert block != 0, f"{rid}: token {p} of group {g} computed into the null block"
                         for li, name in enumerate(layers):
                             v = kv_value(t, p, self._layer_ordinal(g, li)) + w
                             self.caches[w][name][block, :, slot] = v
+
+    def _places(self, table: list[int], tpb: int, p: int) -> list[tuple[int, int, int]]:
+        """Where token `p` lives: ``(worker, block, slot)`` on each worker
+        that holds it (every worker, but for decode context parallelism:
+        the workers of its DCP rank, in blocks of ``tpb * dcp`` tokens)."""
+        if self.dcp == 1:
+            block, slot = table[p // tpb], p % tpb
+            return [(w, block, slot) for w in range(len(self.workers))]
+        span = tpb * self.dcp
+        block, slot = table[p // span], (p % span) // self.dcp
+        return [(w, block, slot) for w in range(len(self.workers)) if w % self.dcp == p % self.dcp]
 
     def _scratch_slot(self, g: int, table: list[int], p: int) -> tuple[int, int] | None:
         """Where token `p` of a scratch group lives: ``(index in the block
@@ -235,7 +249,8 @@ class Engine:
             if block == 0 or written is None or written[0] != block:
                 continue
             for slot, (t, p) in written[1].items():
-                self._check_slot(f"{rid}: scratch group {g}, token {p}", g, layers, block, slot, t, p)
+                places = [(w, block, slot) for w in range(len(self.workers))]
+                self._check_slot(f"{rid}: scratch group {g}, token {p}", g, layers, places, t, p)
 
     def check_kv(self, rid: str) -> int:
         """Compares the KV of every computed token of a request with what the
@@ -251,16 +266,16 @@ class Engine:
                 self._check_scratch(rid, g, layers, table)
                 continue
             for p in range(n):
-                block, slot = table[p // tpb], p % tpb
-                if block == 0:
-                    continue
-                self._check_slot(f"{rid}: token {p}", g, layers, block, slot, self.token_at(req, p), p)
+                places = [place for place in self._places(table, tpb, p) if place[1] != 0]
+                self._check_slot(f"{rid}: token {p}", g, layers, places, self.token_at(req, p), p)
         return n
 
-    def _check_slot(self, what: str, g: int, layers: list[str], block: int, slot: int, t: int, p: int) -> None:
-        """Block `block`'s slot `slot` holds token `t` at position `p` of
-        group `g`, in every layer on every worker (`what` names it)."""
-        for w in range(len(self.workers)):
+    def _check_slot(
+        self, what: str, g: int, layers: list[str], places: list[tuple[int, int, int]], t: int, p: int
+    ) -> None:
+        """Each ``(worker, block, slot)`` of `places` holds token `t` at
+        position `p` of group `g`, in every layer (`what` names it)."""
+        for w, block, slot in places:
             for li, name in enumerate(layers):
                 got = self.caches[w][name][block, :, slot]
                 want = kv_value(t, p, self._layer_ordinal(g, li)) + w
@@ -389,6 +404,7 @@ def build(
     eagle_groups: tuple[int, ...] = (),
     hash_tokens: int | None = None,
     layer_specs: list[Any] | None = None,
+    dcp: int = 1,
 ) -> Engine:
     """An engine with the connector `connector` (loaded from `module`);
     `spec`: the KV cache group's spec (full attention of `tpb` tokens a
@@ -412,7 +428,10 @@ def build(
     different page sizes (DeepSeek V3.2's MLA and its indexer: vLLM's
     ``UniformTypeKVCacheSpecs``), one spec a layer: the workers get the
     per-layer specs, the scheduler the first layer's (as vLLM flattens
-    them), each layer its own tensor in one backing allocation."""
+    them), each layer its own tensor in one backing allocation.
+    `dcp`: vLLM's ``decode_context_parallel_size`` (one group): a block
+    spans ``tpb * dcp`` tokens, hashed as one, each worker holding its DCP
+    rank's share (`Engine.dcp`)."""
     model_config = ModelConfig(model=MODEL, dtype="float32", seed=42)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -435,8 +454,9 @@ def build(
     # `resolve_kv_cache_block_sizes`); one group: `tpb` for both.
     sizes = [s.block_size for s in groups] if groups is not None else [tpb]
     hashing = [s.block_size for s in groups if s.prefix_cacheable] if groups is not None else []
-    sched_block = math.lcm(*sizes)
-    hash_block = math.gcd(*(hashing or sizes)) if hash_tokens is None else hash_tokens
+    # A DCP-sharded block spans its tokens over every DCP rank.
+    sched_block = math.lcm(*sizes) * dcp
+    hash_block = (math.gcd(*(hashing or sizes)) if hash_tokens is None else hash_tokens) * dcp
     extra = {"num_cpu_chunks": 64, "offload_prompt_only": False} if extra is None else extra
     kv_transfer = KVTransferConfig(
         kv_connector=connector,
@@ -453,6 +473,8 @@ def build(
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.parallel_config.world_size = world_size
+    vllm_config.parallel_config.decode_context_parallel_size = dcp
+    assert dcp == 1 or (groups is None and layer_specs is None), "DCP with one KV group only"
     if kv_events:
         vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
@@ -511,6 +533,7 @@ def build(
     return _engine(
         vllm_config, layout, async_scheduling, world_size, fake_worker, extra, group_layers=group_layers, tpb=tpb,
         block_sizes=sizes if groups is not None else [],
+        dcp=dcp,
         scratch_groups={
             g: isinstance(s, CircularBufferSpec) for g, s in enumerate(specs) if not s.prefix_cacheable
         }

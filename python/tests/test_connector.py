@@ -86,6 +86,27 @@ def test_prefix_evicted_from_the_gpu_is_loaded_back_with_the_computed_bytes(asyn
     assert len(info) == 1 and info[0].labels["cpu_num_chunks"] == "256", info
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_decode_context_parallel_ranks_each_get_their_own_tokens_back(async_scheduling):
+    # DCP over two ranks: each worker holds every other token of a block of
+    # 2 x 4 tokens (harness.Engine.dcp), its page its own share. A chunk
+    # keeps each rank's share; a load brings each rank its own tokens
+    # (checked per rank, token by token).
+    e = harness.build(
+        num_gpu_blocks=32, world_size=2, dcp=2, async_scheduling=async_scheduling,
+        extra={"num_cpu_chunks": 256, "offload_prompt_only": False},
+    )
+    assert e.connector._scheduler.block_size == 8
+    e.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(e)
+    evict_gpu_prefix(e)
+    b = e.add(PREFIX + [7, 8, 9], max_tokens=3)
+    checked = run_checked(e)
+    assert b in e.loaded, "the prefix came back from the host tier"
+    assert checked > 0
+    leak_free(e)
+
+
 def test_preemption_with_stores_in_flight_and_reset_with_requests_running():
     # A GPU pool too small for the batch: vLLM preempts while stores are in
     # flight (submitted one step after their planning). Resets of the prefix
@@ -315,19 +336,34 @@ def test_one_group_holding_a_drafters_layers_takes_the_groups_path():
         assert kv.kv_group_windows(config(spec, False)) is None, type(spec).__name__
 
 
-def test_decode_context_parallelism_stops_startup():
-    """With DCP a KV block spans block_size x dcp tokens: refused, not mis-keyed."""
+def test_decode_context_parallelism_counts_a_block_as_its_tokens_over_every_rank():
+    """With DCP each rank holds every dcp-th token of a block: the scheduler
+    counts block_size x dcp tokens a block (vLLM's
+    ``resolve_dcp_kv_block_size``), the workers move their own pages, and the
+    sync-load budget counts a worker's bytes over the block's tokens. A
+    spec DCP does not shard keeps its block. Several groups: refused."""
     from types import SimpleNamespace
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     import kvoffload.vllm as kv
 
-    spec = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=4, dtype=torch.float32, dcp_sharded=True)
-    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=2))
-    kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0"])])
-    with pytest.raises(ValueError, match="decode_context_parallel_size=2"):
-        kv._engine_config(vllm_config, kv_cache_config)
+    extra = {"num_cpu_chunks": 16, "offload_prompt_only": False}
+    for sharded, tokens in ((True, 8), (False, 4)):
+        spec = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=4, dtype=torch.float32, dcp_sharded=sharded)
+        vllm_config = SimpleNamespace(
+            parallel_config=SimpleNamespace(decode_context_parallel_size=2, world_size=2, tensor_parallel_size=2),
+            kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+            model_config=None,
+        )
+        group = SimpleNamespace(kv_cache_spec=spec, layer_names=["l0"])
+        kv_cache_config = SimpleNamespace(kv_cache_groups=[group], kv_cache_tensors=[], num_blocks=8)
+        cfg = kv._engine_config(vllm_config, kv_cache_config)
+        assert cfg.tokens_per_block == tokens
+        assert cfg.kv_bytes_per_token == spec.page_size_bytes // tokens
+    two = SimpleNamespace(kv_cache_groups=[group, group], kv_cache_tensors=[], num_blocks=8)
+    with pytest.raises(ValueError, match="decode context parallelism with one KV group only"):
+        kv._hybrid_engine_config(vllm_config, two)
 
 
 def _sync_engine(world_size: int) -> tuple[harness.Engine, list]:

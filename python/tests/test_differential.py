@@ -360,6 +360,14 @@ CASES = [
     # steps, loads landing mid-prefill), more requests at once.
     (28, {}, {"max_num_batched_tokens": 16}),
     (29, {"block_size": 2 * TPB}, {"max_num_batched_tokens": 24, "max_num_seqs": 12, "num_gpu_blocks": 48}),
+    # Decode context parallelism over two ranks: a block spans 2 x TPB
+    # tokens, hashed as one; chunks of two such blocks, ARC, async; sync
+    # loads, self-describing events and per-request limits.
+    (30, {}, {"dcp": 2, "world_size": 2}),
+    (31, {"block_size": 4 * TPB, "eviction_policy": "arc", "offload_prompt_only": False},
+     {"dcp": 2, "world_size": 2, "async_scheduling": True}),
+    (32, {"sync_load_budget_bytes": 4096, "self_describing_kv_events": True},
+     {"dcp": 2, "world_size": 2, "params_share": 0.5}),
 ]
 # KVOFFLOAD_DIFF_SEEDS=N adds N more seeds, cycling through the cases' configurations.
 _CONFIGS = [c for c in CASES if c[0] != 88]
