@@ -421,20 +421,33 @@ def kv_layer_spec(group_spec: Any, layer: str) -> Any:
     return group_spec
 
 
-def kv_group_block_tokens(kv_cache_config: KVCacheConfig) -> list[int]:
+def kv_group_block_tokens(kv_cache_config: KVCacheConfig, dcp: int = 1) -> list[int]:
     """Each KV group's tokens a block. vLLM gives a group of smaller pages
     (fewer KV heads, say) larger blocks so that every group has one page
     size; the groups' chunks are then ``blocks_per_chunk`` of their own
     blocks, of different token counts, as vLLM's connector makes them.
-    The offloaded groups only."""
-    return [int(g.kv_cache_spec.block_size) for g in kv_offloaded_groups(kv_cache_config)]
+    Under decode context parallelism (`dcp` ranks) a block of a spec DCP
+    shards spans ``block_size x dcp`` tokens (vLLM's
+    ``resolve_dcp_kv_block_size``). The offloaded groups only."""
+    return [_sharded_block_tokens(g.kv_cache_spec, dcp) for g in kv_offloaded_groups(kv_cache_config)]
 
 
-def kv_unit_block_tokens(kv_cache_config: KVCacheConfig) -> int:
+def kv_unit_block_tokens(kv_cache_config: KVCacheConfig, dcp: int = 1) -> int:
     """The engine's block: the greatest common divisor of the groups'
     blocks (every group's block a whole number of it); the scheduler core
     takes a request's block hashes one per such block."""
-    return math.gcd(*kv_group_block_tokens(kv_cache_config))
+    return math.gcd(*kv_group_block_tokens(kv_cache_config, dcp))
+
+
+def _dcp(vllm_config: VllmConfig) -> int:
+    """vLLM's ``decode_context_parallel_size`` (1 without DCP)."""
+    return int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+
+
+def _sharded_block_tokens(spec: Any, dcp: int) -> int:
+    """The tokens a KV block of `spec` spans over `dcp` DCP ranks: each
+    rank holds every dcp-th token of a block of a spec DCP shards."""
+    return int(spec.block_size) * (dcp if getattr(spec, "dcp_sharded", False) else 1)
 
 
 def kv_hashes_per_block(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
@@ -445,13 +458,14 @@ def kv_hashes_per_block(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig)
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 
     _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    for block in kv_group_block_tokens(kv_cache_config):
+    dcp = _dcp(vllm_config)
+    for block in kv_group_block_tokens(kv_cache_config, dcp):
         if tokens_per_hash <= 0 or block % tokens_per_hash:
             raise ValueError(
                 f"KvOffloadConnector needs every KV block ({block} tokens) to be a multiple of "
                 f"vLLM's block-hash unit (prefix_match_unit: {tokens_per_hash} tokens)"
             )
-    return kv_unit_block_tokens(kv_cache_config) // tokens_per_hash
+    return kv_unit_block_tokens(kv_cache_config, dcp) // tokens_per_hash
 
 
 def kv_scheduler_view(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
@@ -505,7 +519,7 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
     # tokens while each worker's page is its own share; the workers move
     # their pages whole, the scheduler counts the block's tokens (vLLM's
     # `resolve_dcp_kv_block_size`).
-    block_tokens = _dcp_block_tokens(vllm_config, spec)
+    block_tokens = _sharded_block_tokens(spec, _dcp(vllm_config))
     num_blocks = kv_cache_config.num_blocks
     if kv_cache_config.kv_cache_tensors and num_blocks > 0:
         # As vLLM's offloading: every KVCacheTensor describes placement in the
@@ -526,14 +540,6 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
     )
 
 
-def _dcp_block_tokens(vllm_config: VllmConfig, spec: Any) -> int:
-    """The tokens a KV block of `spec` spans: ``block_size``, times
-    ``decode_context_parallel_size`` for a spec DCP shards (vLLM's
-    ``resolve_dcp_kv_block_size``)."""
-    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
-    return int(spec.block_size) * (dcp if getattr(spec, "dcp_sharded", False) else 1)
-
-
 def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
     """The engine configuration of a hybrid ``KVCacheConfig`` (vLLM's
     ``SchedulerOffloadConfig`` for several groups): a host chunk holds one
@@ -541,15 +547,7 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
     block); the sync-load budget counts every offloaded group's bytes per
     token (vLLM's ``kv_bytes_per_token``, over the groups its connector
     selects)."""
-    dcp = getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1)
-    if dcp > 1:
-        # vLLM runs DCP with full-attention groups only; kvoffload follows
-        # it with one KV group (the single-group path), not yet with
-        # several (full attention of two block sizes, EAGLE draft groups).
-        raise ValueError(
-            "KvOffloadConnector supports decode context parallelism with one KV group only "
-            f"(decode_context_parallel_size={dcp}, {len(kv_cache_config.kv_cache_groups)} groups)"
-        )
+    dcp = _dcp(vllm_config)
     groups = kv_offloaded_groups(kv_cache_config)
     num_blocks = kv_cache_config.num_blocks
     page_bytes = [g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups]
@@ -558,7 +556,7 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
     else:
         per_block = sum(page_bytes)
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    block_tokens = kv_group_block_tokens(kv_cache_config)
+    block_tokens = kv_group_block_tokens(kv_cache_config, dcp)
     if len(set(block_tokens)) > 1 and extra.get("block_size") is not None:
         # vLLM's own check: a chunk in tokens fits one block size only.
         raise ValueError(
@@ -568,7 +566,7 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
     _warn_if_replicated(vllm_config, kv_cache_config)
     cfg = EngineConfig.from_extra(
         extra,
-        tokens_per_block=kv_unit_block_tokens(kv_cache_config),
+        tokens_per_block=kv_unit_block_tokens(kv_cache_config, dcp),
         world_size=vllm_config.parallel_config.world_size,
         worker_bytes_per_block=per_block,
         kv_bytes_per_token=sum(b // t for b, t in zip(page_bytes, block_tokens)),
@@ -713,7 +711,7 @@ class _SchedulerSide:
         #: Per KV group its chunk in tokens (``blocks_per_chunk`` of its
         #: blocks); one entry for one full-attention group.
         self.group_chunk_tokens = (
-            [t * cfg.blocks_per_chunk for t in kv_group_block_tokens(kv_cache_config)]
+            [t * cfg.blocks_per_chunk for t in kv_group_block_tokens(kv_cache_config, _dcp(vllm_config))]
             if self.windows
             else [cfg.tokens_per_block * cfg.blocks_per_chunk]
         )
@@ -734,7 +732,7 @@ class _SchedulerSide:
             retention_interval=retention,
             eagle_groups=kv_eagle_groups(kv_cache_config) if self.windows else [],
             hashes_per_block=kv_hashes_per_block(vllm_config, kv_cache_config) if self.windows else 1,
-            block_tokens=kv_group_block_tokens(kv_cache_config) if self.windows else [],
+            block_tokens=kv_group_block_tokens(kv_cache_config, _dcp(vllm_config)) if self.windows else [],
         )
         #: Per KV group, the kind and window its events carry (self-describing).
         self.event_specs = (

@@ -474,7 +474,7 @@ def build(
     )
     vllm_config.parallel_config.world_size = world_size
     vllm_config.parallel_config.decode_context_parallel_size = dcp
-    assert dcp == 1 or (groups is None and layer_specs is None), "DCP with one KV group only"
+    assert dcp == 1 or layer_specs is None, "DCP with layer_specs: not built"
     if kv_events:
         vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks

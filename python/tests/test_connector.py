@@ -341,7 +341,8 @@ def test_decode_context_parallelism_counts_a_block_as_its_tokens_over_every_rank
     counts block_size x dcp tokens a block (vLLM's
     ``resolve_dcp_kv_block_size``), the workers move their own pages, and the
     sync-load budget counts a worker's bytes over the block's tokens. A
-    spec DCP does not shard keeps its block. Several groups: refused."""
+    spec DCP does not shard keeps its block (several groups:
+    ``test_hybrid_vllm.py``'s DCP cases)."""
     from types import SimpleNamespace
 
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -361,9 +362,6 @@ def test_decode_context_parallelism_counts_a_block_as_its_tokens_over_every_rank
         cfg = kv._engine_config(vllm_config, kv_cache_config)
         assert cfg.tokens_per_block == tokens
         assert cfg.kv_bytes_per_token == spec.page_size_bytes // tokens
-    two = SimpleNamespace(kv_cache_groups=[group, group], kv_cache_tensors=[], num_blocks=8)
-    with pytest.raises(ValueError, match="decode context parallelism with one KV group only"):
-        kv._hybrid_engine_config(vllm_config, two)
 
 
 def _sync_engine(world_size: int) -> tuple[harness.Engine, list]:

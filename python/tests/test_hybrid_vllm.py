@@ -149,6 +149,7 @@ SPECS = {
     "fullb8+swa13": lambda: [larger_blocks(full(), 2 * TPB), window(13)],
     "full+swa13b8+local16b8": lambda: [full(), larger_blocks(window(13), 2 * TPB), larger_blocks(local(16), 2 * TPB)],
     "full+fullb8+swa8": lambda: [full(), larger_blocks(full(), 2 * TPB), window(8)],
+    "full+fullb8": lambda: [full(), larger_blocks(full(), 2 * TPB)],
     "mla+swamla8": lambda: [mla(), window_mla(8)],
     "swa6b8+full": lambda: [larger_blocks(window(6), 2 * TPB), full()],
     # Groups vLLM's connector leaves out (not prefix-cacheable).
@@ -274,6 +275,14 @@ CASES = [
     (43, "full+local12", {}, {"params": True, "async_scheduling": True}, 1),
     (44, "fullb8+swa13", {"offload_prompt_only": False}, {"params": True, "hash_tokens": 2}, 1),
     (46, "full+swa8", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"params": True, "eagle_groups": [0]}, 1),
+    # Decode context parallelism over two ranks (vLLM runs it with
+    # full-attention groups only): a block spans block_size x 2 tokens,
+    # each worker holding every other token. One group holding an
+    # EAGLE/MTP drafter's layers (DeepSeek's MTP with DCP), chunks of two
+    # blocks; full attention of two block sizes, async, with requests'
+    # kv_transfer_params.
+    (47, "full", {"blocks_per_chunk": 2, "offload_prompt_only": False}, {"eagle_groups": [0], "dcp": 2, "world_size": 2}, 1),
+    (48, "full+fullb8", {"offload_prompt_only": False}, {"dcp": 2, "world_size": 2, "async_scheduling": True, "params": True}, 1),
 ]
 # The configurations the widening scripts cycle through (`select_cases`).
 _CONFIGS = list(CASES)
@@ -599,6 +608,13 @@ def engine_options(specs: str, extra: dict, opts: dict) -> tuple[dict, dict]:
     return common, cfg
 
 
+def block_tokens(spec: Any, opts: dict) -> int:
+    """The tokens a block of `spec` spans in a case: its block size, times
+    the case's DCP ranks for a spec DCP shards (vLLM's
+    ``resolve_dcp_kv_block_size``)."""
+    return spec.block_size * (opts.get("dcp", 1) if spec.dcp_sharded else 1)
+
+
 def case_blocks_per_chunk(extra: dict) -> int:
     """A case's GPU blocks a host chunk (its ``blocks_per_chunk``, or its
     ``block_size`` in `TPB`-token blocks)."""
@@ -618,7 +634,7 @@ def write_case(
     bpc = case_blocks_per_chunk(extra)
     eagle = opts.get("eagle_groups", [])
     shapes = [
-        {"tokens_per_chunk": s.block_size * bpc, "sliding_window": getattr(s, "sliding_window", None)}
+        {"tokens_per_chunk": block_tokens(s, opts) * bpc, "sliding_window": getattr(s, "sliding_window", None)}
         | ({"attention_chunk_size": s.attention_chunk_size} if isinstance(s, ChunkedLocalAttentionSpec) else {})
         | ({"extra_retained_tokens": s.extra_retained_tokens} if getattr(s, "extra_retained_tokens", 0) else {})
         | ({"eagle": True} if g in eagle else {})
@@ -771,7 +787,7 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
     # Each group's chunk is bpc of its own blocks; a hit ends where every
     # group's hit ends, on one group's chunk boundary (groups of different
     # block sizes: not always the full-attention group's).
-    align = math.gcd(*(s.block_size * bpc for s in groups))
+    align = math.gcd(*(block_tokens(s, opts) * bpc for s in groups))
     hits = [lk for st in steps for lk in st.get("lookups", ()) if lk[3]]
     loads = [ld for st in steps for ld in st.get("loads", ())]
     stores = [sd for st in steps for sd in st.get("stores", ())]
@@ -779,12 +795,13 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
     assert hits and loads, "no hit or load in the workload"
     for g in range(len(groups)):
         assert any(len(sd[1][g]) > 1 for sd in stores), f"group {g} never stored"
+    # A sliding-window (or chunked-local, or draft) group makes the hit
+    # leave the last token to compute; full-attention groups alone may hit
+    # every token.
+    windowed = any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) for s in groups)
+    last = 1 if windowed or opts.get("eagle_groups") else 0
     for rid, computed, num_tokens, hit, *_ in hits:
-        # A sliding-window (or draft) group makes the hit leave the last
-        # token to compute; one full-attention group may hit every token.
-        assert computed + hit <= num_tokens - (0 if single_group_path(specs, opts) else 1), (
-            rid, computed, num_tokens, hit
-        )
+        assert computed + hit <= num_tokens - last, (rid, computed, num_tokens, hit)
         # On a chunk boundary (of the group of the smallest chunks), or at
         # that last token (not aligned).
         end = computed + hit
@@ -797,7 +814,7 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
             computed, hit = hit_of[rid]
             for g, (first, *blocks) in enumerate(per_group):
                 spec = groups[g]
-                tpb = spec.block_size
+                tpb = block_tokens(spec, opts)
                 tpc = tpb * bpc
                 end = -(-(computed + hit) // tpb)
                 # Every group's load ends at the hit's end.
