@@ -20,7 +20,8 @@ With --cluster, the store is a Redis Cluster of three masters instead.
 EAGLE draft groups; `--only hash`: those whose block hashes are finer
 than the blocks; `--only sizes`: those whose groups have different block
 sizes; `--only left-out`: those with groups vLLM's connector leaves out;
-`--only params`: those whose requests carry `kv_transfer_params`),
+`--only params`: those whose requests carry `kv_transfer_params`;
+`--only dcp`: those with decode context parallelism),
 from seed 40,000.
 `--from SEED` starts at SEED instead (each seed keeps its configuration).
 `--stress K` runs K busy processes beside it (`cpu_stress.py`).

@@ -19,7 +19,8 @@ kvoffload package installed in it (scripts/test-python.sh does):
 EAGLE draft groups; `--only hash`: those whose block hashes are finer
 than the blocks; `--only sizes`: those whose groups have different block
 sizes; `--only left-out`: those with groups vLLM's connector leaves out;
-`--only params`: those whose requests carry `kv_transfer_params`),
+`--only params`: those whose requests carry `kv_transfer_params`;
+`--only dcp`: those with decode context parallelism),
 from seed 30,000.
 `--from SEED` starts at SEED instead (each seed keeps its configuration:
 `400 DIR` and then `400 DIR --from 10400` run seeds 10,000 to 10,799).

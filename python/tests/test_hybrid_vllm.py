@@ -300,11 +300,14 @@ def select_cases(only: str | None) -> list[tuple]:
     ``hash``: those with block hashes finer than the blocks; ``sizes``: those
     whose groups have different block sizes; ``left-out``: those with groups
     vLLM's connector leaves out; ``params``: those whose requests carry
-    ``kv_transfer_params``)."""
+    ``kv_transfer_params``; ``dcp``: those with decode context
+    parallelism)."""
     if only is None:
         return list(_CONFIGS)
     if only == "params":
         return [c for c in _CONFIGS if c[3].get("params")]
+    if only == "dcp":
+        return [c for c in _CONFIGS if c[3].get("dcp")]
     if only == "eagle":
         return [c for c in _CONFIGS if c[3].get("eagle_groups")]
     if only == "hash":
