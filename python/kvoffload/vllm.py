@@ -612,8 +612,9 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     """The deployment's namespace in the remote store: the same on every node
     (and in both roles) exactly when their chunks' bytes are interchangeable:
     model and revision, the KV spec (dtype, heads, head size, layers), the
-    block and chunk sizes, the bytes per block, the world size, the block
-    hash function, the attention backend, and the operator's ``deployment``."""
+    block and chunk sizes, the bytes per block, the world size, decode
+    context parallelism, the block hash function, the attention backend,
+    and the operator's ``deployment``."""
     from kvoffload._native import remote_namespace
 
     # Both roles name it from the scheduler's view (a worker keeps one spec
@@ -651,6 +652,15 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
             f"{type(g.kv_cache_spec).__name__}/{_group_extent(g.kv_cache_spec)}/{len(g.layer_names)}"
             for g in offloaded
         )
+    dcp = _dcp(vllm_config)
+    if dcp > 1:
+        # Decode context parallelism: a rank's share of a block is every
+        # dcp-th token (in runs of the interleave size), not a share of the
+        # heads; a deployment without it of the same block tokens and world
+        # size must not read these chunks (namespaces without DCP stay as
+        # they were).
+        interleave = getattr(vllm_config.parallel_config, "cp_kv_cache_interleave_size", 1)
+        layout += f"|dcp:{dcp}/{interleave}"
     return remote_namespace(
         model,
         layout,

@@ -14,8 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from vllm.distributed.kv_events import BlockStored
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 import harness
 from test_connector import PREFIX, leak_free, run_checked
@@ -216,7 +218,7 @@ def test_the_namespace_names_every_group() -> None:
 
     def namespace(**kw: Any) -> int:
         extra = {"cpu_bytes_to_use": 1 << 20, "remote_tier": {"url": "redis://127.0.0.1:1"}}
-        w = harness.build(extra=extra, tpb=TPB, **kw).workers[0]._worker
+        w = harness.build(extra=extra, **{"tpb": TPB, **kw}).workers[0]._worker
         return _remote_namespace(w.vllm_config, w.kv_cache_config, w.cfg)
 
     hybrid = namespace(groups=[full(), window(8)])
@@ -227,3 +229,16 @@ def test_the_namespace_names_every_group() -> None:
     # Chunked-local attention over 8-token chunks is not an 8-token window.
     assert hybrid != namespace(groups=[full(), local(8)])
     assert namespace(groups=[full(), local(8)]) != namespace(groups=[full(), local(16)])
+    # Decode context parallelism over two ranks: blocks of 2 x 4 tokens,
+    # each rank every other token (or every other run of the interleave
+    # size: other bytes under the same sizes, so another namespace); a
+    # deployment of 8-token blocks without DCP is another too.
+    extra = {"cpu_bytes_to_use": 1 << 20, "remote_tier": {"url": "redis://127.0.0.1:1"}}
+    w = harness.build(extra=extra, tpb=TPB, spec=full(), world_size=2, dcp=2).workers[0]._worker
+    dcp = _remote_namespace(w.vllm_config, w.kv_cache_config, w.cfg)
+    assert dcp == namespace(spec=full(), world_size=2, dcp=2), "deterministic"
+    w.vllm_config.parallel_config.cp_kv_cache_interleave_size = 2
+    assert _remote_namespace(w.vllm_config, w.kv_cache_config, w.cfg) != dcp
+    wide = FullAttentionSpec(block_size=2 * TPB, num_kv_heads=harness.HEADS, head_size=harness.HEAD_SIZE,
+                             dtype=torch.float32)
+    assert dcp != namespace(spec=wide, world_size=2, tpb=2 * TPB)
