@@ -612,8 +612,8 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     """The deployment's namespace in the remote store: the same on every node
     (and in both roles) exactly when their chunks' bytes are interchangeable:
     model and revision, the KV spec (dtype, heads, head size, layers), the
-    block and chunk sizes, the bytes per block, the world size, decode
-    context parallelism, the block hash function, the attention backend,
+    block and chunk sizes, the bytes per block, the world size, pipeline
+    stages, decode context parallelism, the block hash function, the attention backend,
     and the operator's ``deployment``."""
     from kvoffload._native import remote_namespace
 
@@ -652,6 +652,12 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
             f"{type(g.kv_cache_spec).__name__}/{_group_extent(g.kv_cache_spec)}/{len(g.layer_names)}"
             for g in offloaded
         )
+    pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp > 1:
+        # A rank's share is its stage's layers, not a tensor-parallel
+        # share of every layer: named apart from a tensor-parallel split of
+        # the same world size (namespaces without stages stay as they were).
+        layout += f"|pp:{pp}"
     dcp = _dcp(vllm_config)
     if dcp > 1:
         # Decode context parallelism: a rank's share of a block is every

@@ -239,6 +239,12 @@ def test_the_namespace_names_every_group() -> None:
     assert dcp == namespace(spec=full(), world_size=2, dcp=2), "deterministic"
     w.vllm_config.parallel_config.cp_kv_cache_interleave_size = 2
     assert _remote_namespace(w.vllm_config, w.kv_cache_config, w.cfg) != dcp
+    # Two pipeline stages of the same world size: each rank holds its
+    # stage's layers, not a tensor-parallel share of every layer.
+    w = harness.build(extra=extra, tpb=TPB, spec=full(), world_size=2).workers[0]._worker
+    tensor = _remote_namespace(w.vllm_config, w.kv_cache_config, w.cfg)
+    w.vllm_config.parallel_config.pipeline_parallel_size = 2
+    assert _remote_namespace(w.vllm_config, w.kv_cache_config, w.cfg) != tensor
     wide = FullAttentionSpec(block_size=2 * TPB, num_kv_heads=harness.HEADS, head_size=harness.HEAD_SIZE,
                              dtype=torch.float32)
     assert dcp != namespace(spec=wide, world_size=2, tpb=2 * TPB)
