@@ -97,7 +97,8 @@ class Engine:
     block_sizes: list[int] = field(default_factory=list)
     #: vLLM's ``decode_context_parallel_size``: worker `w` (DCP rank
     #: ``w % dcp``) holds the tokens ``p`` with ``p % dcp`` its rank, in
-    #: blocks of ``tpb * dcp`` tokens (one group only).
+    #: blocks of the group's ``tpb * dcp`` tokens (full-attention groups:
+    #: vLLM runs DCP with those only).
     dcp: int = 1
     #: The KV groups that are not prefix-cacheable (vLLM's connector leaves
     #: them out), each ``True`` for a circular buffer (one block a request,
@@ -429,9 +430,10 @@ def build(
     ``UniformTypeKVCacheSpecs``), one spec a layer: the workers get the
     per-layer specs, the scheduler the first layer's (as vLLM flattens
     them), each layer its own tensor in one backing allocation.
-    `dcp`: vLLM's ``decode_context_parallel_size`` (one group): a block
-    spans ``tpb * dcp`` tokens, hashed as one, each worker holding its DCP
-    rank's share (`Engine.dcp`)."""
+    `dcp`: vLLM's ``decode_context_parallel_size`` (full-attention groups,
+    as vLLM runs it): a block spans its block size times `dcp` tokens,
+    hashed as one, each worker holding its DCP rank's share
+    (`Engine.dcp`)."""
     model_config = ModelConfig(model=MODEL, dtype="float32", seed=42)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
