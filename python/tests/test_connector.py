@@ -58,14 +58,10 @@ def evict_gpu_prefix(e: harness.Engine, n: int = 6) -> None:
     run_checked(e)
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_prefix_evicted_from_the_gpu_is_loaded_back_with_the_computed_bytes(async_scheduling, world_size):
-    e = harness.build(
-        num_gpu_blocks=32, world_size=world_size, async_scheduling=async_scheduling,
-        extra={"num_cpu_chunks": 256, "offload_prompt_only": False},
-    )
-    prom = harness.PromRecorder(e)
+def prefix_comes_back(e: harness.Engine) -> None:
+    """A request computes a prefix, other requests evict it from the GPU,
+    and a request sharing it loads it back from the host tier: every
+    running request's KV checked after every step, nothing leaked."""
     e.add(PREFIX + [1, 2, 3], max_tokens=2)
     run_checked(e)
     evict_gpu_prefix(e)
@@ -74,6 +70,17 @@ def test_prefix_evicted_from_the_gpu_is_loaded_back_with_the_computed_bytes(asyn
     assert b in e.loaded, "the prefix came back from the host tier"
     assert checked > 0
     leak_free(e)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_prefix_evicted_from_the_gpu_is_loaded_back_with_the_computed_bytes(async_scheduling, world_size):
+    e = harness.build(
+        num_gpu_blocks=32, world_size=world_size, async_scheduling=async_scheduling,
+        extra={"num_cpu_chunks": 256, "offload_prompt_only": False},
+    )
+    prom = harness.PromRecorder(e)
+    prefix_comes_back(e)
     # vLLM's kv_offload metrics, through vLLM's own stats path and exporter:
     # the bytes moved (summed over the workers), the lookups, the tier's facts.
     page = 2 * harness.HEADS * harness.HEAD_SIZE * 4 * 4  # K,V x heads x head x tpb x float32
@@ -97,14 +104,7 @@ def test_decode_context_parallel_ranks_each_get_their_own_tokens_back(async_sche
         extra={"num_cpu_chunks": 256, "offload_prompt_only": False},
     )
     assert e.connector._scheduler.block_size == 8
-    e.add(PREFIX + [1, 2, 3], max_tokens=2)
-    run_checked(e)
-    evict_gpu_prefix(e)
-    b = e.add(PREFIX + [7, 8, 9], max_tokens=3)
-    checked = run_checked(e)
-    assert b in e.loaded, "the prefix came back from the host tier"
-    assert checked > 0
-    leak_free(e)
+    prefix_comes_back(e)
 
 
 def test_preemption_with_stores_in_flight_and_reset_with_requests_running():
