@@ -72,7 +72,7 @@ def main() -> int:
 
 
 def widen(seeds: widen_options.Seeds, remote: dict, cases: list) -> int:
-    good = wrong = stalled = 0
+    good = wrong = stalled = pool = 0
     total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0,
              "partial_not_put": 0}
     moved = {"checked": 0, "loads": 0, "window_loads": 0}
@@ -96,6 +96,10 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list) -> int:
             stalled += 1
             print(f"seed {seed} {specs}: {e}", flush=True)
             continue
+        except hw.VllmPoolError as e:
+            pool += 1
+            print(f"seed {seed} {specs}: {e}", flush=True)
+            continue
         except AssertionError as e:
             wrong += 1
             print(f"seed {seed} {specs}: {str(e)[:300]}", flush=True)
@@ -114,7 +118,8 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list) -> int:
             flush=True,
         )
     print(
-        f"{good} seeds right, {wrong} wrong, {stalled} stalled in vLLM's scheduler; node B: "
+        f"{good} seeds right, {wrong} wrong, {stalled} stalled in vLLM's scheduler, {pool} failed in vLLM's "
+        f"block pool; node B: "
         f"{total['lookups']} remote lookups, {total['chunks_found']} chunks found, {total['fetch_jobs']} fetch "
         f"jobs, {total['chunks_fetched']} chunks fetched, {total['fetches_failed']} failed; node A kept "
         f"{total['partial_not_put']} chunks stored in part out of the store; {moved['loads']} loads "

@@ -50,6 +50,9 @@ fn shapes(case: &Value) -> Vec<GroupShape> {
         .map(|s| {
             let tpc = s["tokens_per_chunk"].as_u64().expect("tokens_per_chunk");
             let shape = match s["attention_chunk_size"].as_u64() {
+                _ if s["recurrent_state"].as_bool() == Some(true) => {
+                    GroupShape::recurrent_state(tpc)
+                }
                 Some(local) => GroupShape::chunked_local(tpc, local),
                 None => GroupShape::new(tpc, s["sliding_window"].as_u64()),
             }

@@ -4,11 +4,12 @@
 //! each group's chunks, the sliding-window fences and stale blocks, and the
 //! errors of calls that do not match the groups; a proptest of a random
 //! backend (a sliding-window or chunked-local group) with failed and
-//! stalled jobs, preemptions and resets. Which chunks each group
+//! stalled jobs, preemptions and resets; a Mamba group's states stored
+//! from vLLM's hand-offs and loaded at a hit's end. Which chunks each group
 //! offers and loads is vLLM's (checked against its recorded answers in
 //! `hybrid_corpus.rs`); these tests check how the scheduler wires them.
 
-use kvoffload::scheduler::hybrid::{GroupAlloc, GroupShape, KvGroups, Retention};
+use kvoffload::scheduler::hybrid::{BoundaryState, GroupAlloc, GroupShape, KvGroups, Retention};
 use kvoffload::scheduler::{
     CompletionReport, GroupSpan, LookupOutcome, ScheduledRequest, Scheduler, SchedulerError,
     StepInput, StepPlan, TransferJob,
@@ -53,6 +54,21 @@ fn scheduler_with_chunks(retention: Retention, chunks: u64) -> (Scheduler, Manua
     (s, clock)
 }
 
+/// Group 0: full attention; group 1: a Mamba group in vLLM's align mode
+/// (its state at each 4-token boundary).
+fn full_and_state() -> (Scheduler, ManualClock) {
+    let clock = ManualClock::new();
+    let groups = KvGroups {
+        shapes: vec![
+            GroupShape::full_attention(4).unwrap(),
+            GroupShape::recurrent_state(4).unwrap(),
+        ],
+        retention: Retention::BoundariesOnly,
+    };
+    let s = Scheduler::with_groups(&config(), groups, clock.shared()).unwrap();
+    (s, clock)
+}
+
 fn ids(v: &[u32]) -> Vec<GpuBlockId> {
     v.iter().map(|&b| GpuBlockId(b)).collect()
 }
@@ -90,6 +106,17 @@ fn step_of(entries: Vec<Entry>) -> StepInput {
     }
 }
 
+/// Request `req` finishes with group 0's blocks `g0` and `computed` tokens,
+/// and a step lists it (its last stores).
+fn finish(s: &mut Scheduler, req: RequestId, g0: &[u32], computed: u64) {
+    s.request_finished(req, &ids(g0), false, computed).unwrap();
+    s.build_step(&StepInput {
+        finished: vec![req],
+        ..StepInput::default()
+    })
+    .unwrap();
+}
+
 /// Every job of `plan` reported done by the one worker.
 fn all_done(plan: &StepPlan) -> CompletionReport {
     CompletionReport {
@@ -100,6 +127,15 @@ fn all_done(plan: &StepPlan) -> CompletionReport {
             .map(|j| (j.job, 1))
             .collect(),
         failed: vec![],
+    }
+}
+
+/// A group's span of `n` chunks of one block each, from block `first`.
+fn span(n: u32, first: u32) -> GroupSpan {
+    GroupSpan {
+        num_keys: n,
+        num_blocks: n,
+        first_block_index: first,
     }
 }
 
@@ -191,13 +227,7 @@ fn a_prompt_stored_in_both_groups_loads_the_full_prefix_and_the_window() {
     s.check_invariants().unwrap();
     s.on_worker_output(&all_done(&plan));
     assert!(s.fenced_jobs(GpuBlockId(5)).is_empty());
-    s.request_finished(RequestId(1), &ids(&[1, 2, 3, 4]), false, 16)
-        .unwrap();
-    s.build_step(&StepInput {
-        finished: vec![RequestId(1)],
-        ..StepInput::default()
-    })
-    .unwrap();
+    finish(&mut s, RequestId(1), &[1, 2, 3, 4], 16);
 
     // Request 2: the same 16 tokens and one more. The hit leaves the last
     // token to compute: 16 tokens, both groups ending at chunk 4.
@@ -271,6 +301,122 @@ fn a_prompt_stored_in_both_groups_loads_the_full_prefix_and_the_window() {
 }
 
 #[test]
+fn a_mamba_state_is_stored_from_its_hand_off_and_loaded_at_the_hits_end() {
+    let (mut s, _clock) = full_and_state();
+    let r1 = RequestId(1);
+    s.add_request(r1, 16, &hashes(7, 4)).unwrap();
+    assert_eq!(s.lookup(r1, 0).unwrap(), LookupOutcome::Hit(0));
+    // vLLM's align mode keeps only the running state's block.
+    let (g0, g1) = (ids(&[1, 2, 3, 4]), ids(&[0, 0, 0, 5]));
+    assert_eq!(alloc_groups(&mut s, r1, &[g0, g1], 0), None);
+    let state = |req: u64, group: usize, block: u32, boundary: u64| BoundaryState {
+        req: RequestId(req),
+        group,
+        block: GpuBlockId(block),
+        boundary,
+    };
+    let mut step = step_of(vec![entry(1, 0, 16, &[1, 2, 3, 4], &[0, 0, 0, 5])]);
+    step.boundary_states = vec![
+        // Skipped: an unknown request, a group that is not Mamba's, the
+        // null block, a boundary inside a chunk, one past the request's
+        // tokens.
+        state(9, 1, 5, 16),
+        state(1, 0, 4, 16),
+        state(1, 1, 0, 16),
+        state(1, 1, 5, 14),
+        state(1, 1, 5, 20),
+        // The state after 16 tokens, in block 5.
+        state(1, 1, 5, 16),
+    ];
+    let plan = s.build_step(&step).unwrap();
+    assert_eq!(plan.stores.len(), 2, "{:?}", plan.stores);
+    // The hand-off's store comes first (vLLM plans it before the others):
+    // group 1's chunk 3 from block 5, its only block.
+    let handed = &plan.stores[0];
+    assert_spans_cover(handed);
+    assert_eq!(handed.keys.to_vec(), vec![key(7, 3, 1)]);
+    assert_eq!(handed.block_ids.to_vec(), ids(&[5]));
+    assert_eq!(handed.groups, vec![span(0, 0), span(1, 3)]);
+    // The block table's store offers only the full-attention chunks.
+    let table = &plan.stores[1];
+    assert_eq!(
+        table.keys.to_vec(),
+        (0..4).map(|c| key(7, c, 0)).collect::<Vec<_>>()
+    );
+    assert_eq!(table.groups[1].num_keys, 0);
+    // The state's block is fenced from the store's creation.
+    assert_eq!(s.fenced_jobs(GpuBlockId(5)), vec![handed.job]);
+    s.check_invariants().unwrap();
+    // A hand-off of a chunk already stored (or being stored) is no store.
+    let again = StepInput {
+        boundary_states: vec![state(1, 1, 5, 16)],
+        ..StepInput::default()
+    };
+    assert!(s.build_step(&again).unwrap().stores.is_empty());
+    s.on_worker_output(&all_done(&plan));
+    assert!(s.fenced_jobs(GpuBlockId(5)).is_empty());
+    finish(&mut s, r1, &[1, 2, 3, 4], 16);
+
+    // Request 2: the 16 tokens and one more. The hit ends on the state's
+    // boundary (16), and the Mamba group loads that one state.
+    let r2 = RequestId(2);
+    let mut h = hashes(7, 4);
+    h.push(BlockHash(99));
+    s.add_request(r2, 17, &h[..4]).unwrap();
+    assert_eq!(s.lookup(r2, 0).unwrap(), LookupOutcome::Hit(16));
+    let (b0, b1) = (ids(&[11, 12, 13, 14, 15]), ids(&[0, 0, 0, 18, 19]));
+    let job = alloc_groups(&mut s, r2, &[b0, b1], 16).unwrap();
+    let plan = s.build_step(&StepInput::default()).unwrap();
+    let load = plan.loads.iter().find(|l| l.job == job).expect("the load");
+    assert_spans_cover(load);
+    // Group 0's four chunks, and the state after them.
+    let want: Vec<ChunkKey> = (0..4).map(|c| key(7, c, 0)).chain([key(7, 3, 1)]).collect();
+    assert_eq!(load.keys.to_vec(), want);
+    assert_eq!(load.block_ids.to_vec(), ids(&[11, 12, 13, 14, 18]));
+    assert_eq!(load.groups[1], span(1, 3));
+    // The state stands for the whole prefix: every token from the host tier.
+    let sources = s.hit_sources(r2, 16).unwrap();
+    assert_eq!((sources.host_tokens, sources.uncovered_tokens), (16, 0));
+    s.check_invariants().unwrap();
+
+    // Request 3: 15 tokens of the prefix. Its hit would end at 14 (the last
+    // token is computed again), which is no state boundary: it ends at 12,
+    // where no state was stored, so there is none.
+    let r3 = RequestId(3);
+    s.add_request(r3, 15, &h[..3]).unwrap();
+    assert_eq!(s.lookup(r3, 0).unwrap(), LookupOutcome::Hit(0));
+}
+
+#[test]
+fn a_block_holding_a_handed_over_state_flushes_its_store_when_allocated_again() {
+    let (mut s, _clock) = full_and_state();
+    let r1 = RequestId(1);
+    s.add_request(r1, 8, &hashes(3, 2)).unwrap();
+    assert_eq!(s.lookup(r1, 0).unwrap(), LookupOutcome::Hit(0));
+    assert_eq!(
+        alloc_groups(&mut s, r1, &[ids(&[1, 2]), ids(&[0, 5])], 0),
+        None
+    );
+    let mut step = step_of(vec![entry(1, 0, 8, &[1, 2], &[0, 5])]);
+    step.boundary_states = vec![BoundaryState {
+        req: r1,
+        group: 1,
+        block: GpuBlockId(5),
+        boundary: 8,
+    }];
+    let plan = s.build_step(&step).unwrap();
+    let handed = plan.stores[0].job;
+    assert_eq!(plan.stores[0].block_ids.to_vec(), ids(&[5]));
+    // vLLM moves the state on (align mode frees the block behind it), and
+    // gives block 5 to another request while the store still reads it: the
+    // store is flushed before the model writes there.
+    s.note_allocated_elsewhere(&ids(&[5]));
+    let next = s.build_step(&StepInput::default()).unwrap();
+    assert_eq!(next.flush, vec![handed]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
 fn a_group_of_larger_blocks_keys_each_chunk_by_the_last_hash_in_it() {
     // Group 0: full attention over 4-token blocks; group 1: a 16-token
     // window over 8-token blocks (vLLM grows a group of smaller pages to
@@ -302,13 +448,7 @@ fn a_group_of_larger_blocks_keys_each_chunk_by_the_last_hash_in_it() {
     assert_eq!(store.keys.to_vec(), want);
     assert_eq!(store.block_ids.to_vec(), ids(&[1, 2, 3, 4, 5, 6]));
     s.on_worker_output(&all_done(&plan));
-    s.request_finished(r1, &ids(&[1, 2, 3, 4]), false, 16)
-        .unwrap();
-    s.build_step(&StepInput {
-        finished: vec![r1],
-        ..StepInput::default()
-    })
-    .unwrap();
+    finish(&mut s, r1, &[1, 2, 3, 4], 16);
 
     // The same 16 tokens and one more: both groups hit 16 tokens (group
     // 1's two chunks end at tokens 8 and 16).
@@ -636,12 +776,16 @@ struct Running {
 /// group is chunk `c` of the request's prefix (`family`), and block `j` is
 /// the request's block `c` in that group, as the worker copies it. Group
 /// `g`'s blocks span `factors[g]` of the requests' hashes (its chunk's key
-/// is the last of them).
+/// is the last of them). `held`: for a Mamba group 1, the request's blocks
+/// in it as the backend holds them (a state's store reads the block the
+/// backend handed over, which the scheduler's table need not hold: a reset
+/// forgets the window blocks behind the store cursor).
 fn blocks_in_place(
     s: &Scheduler,
     job: &TransferJob,
     family: u64,
     factors: [u64; 2],
+    held: Option<&[GpuBlockId]>,
 ) -> Result<(), TestCaseError> {
     let (mut at, mut key_at) = (0, 0);
     for (g, span) in job.groups.iter().enumerate() {
@@ -652,7 +796,10 @@ fn blocks_in_place(
             job.job,
             g
         );
-        let table = s.request_group_blocks(job.req, g).unwrap_or_default();
+        let table = match (g, held) {
+            (1, Some(held)) => held.to_vec(),
+            _ => s.request_group_blocks(job.req, g).unwrap_or_default(),
+        };
         let f = factors[g];
         for j in 0..span.num_keys as usize {
             let k = job.keys[key_at + j];
@@ -680,12 +827,15 @@ fn blocks_in_place(
     Ok(())
 }
 
-/// Group 1's attention in the random backend: an 8-token sliding window or
-/// chunked-local attention over 8-token chunks.
+/// Group 1's attention in the random backend: an 8-token sliding window,
+/// chunked-local attention over 8-token chunks, or a Mamba state (vLLM's
+/// align mode: the state at each block boundary, stored from the backend's
+/// hand-offs).
 #[derive(Debug, Clone, Copy)]
 enum Attention {
     Sliding,
     ChunkedLocal,
+    State,
 }
 
 /// Group 1 in the random backend: its attention, over blocks of 4 tokens
@@ -702,6 +852,7 @@ impl Window {
         match self.attention {
             Attention::Sliding => GroupShape::sliding_window(t, 8).unwrap(),
             Attention::ChunkedLocal => GroupShape::chunked_local(t, 8).unwrap(),
+            Attention::State => GroupShape::recurrent_state(t).unwrap(),
         }
     }
 
@@ -713,11 +864,13 @@ impl Window {
     /// Whether group 1's block `block` is wholly behind what the token at
     /// `end` attends to (vLLM frees it): a sliding window holds the 7
     /// tokens before `end`; chunked-local attention its own 8-token chunk
-    /// (vLLM's `get_num_skipped_tokens`).
+    /// (vLLM's `get_num_skipped_tokens`); a Mamba state only the block of
+    /// the token before `end`.
     fn behind(self, block: usize, end: u64) -> bool {
         let skipped = match self.attention {
             Attention::Sliding => end.saturating_sub(7),
             Attention::ChunkedLocal => end / 8 * 8,
+            Attention::State => end.saturating_sub(1),
         };
         (block as u64 + 1) * self.block_tokens <= skipped
     }
@@ -810,7 +963,8 @@ proptest! {
     /// invariant holds after every operation, a new store reads no block
     /// another request holds, and a pending store whose block is handed to
     /// a new request is in that step's flush. Group 1's blocks are group
-    /// 0's or twice as long (groups of different block sizes).
+    /// 0's or twice as long (groups of different block sizes); group 1 may
+    /// be a Mamba state, stored from the blocks the backend hands over.
     #[test]
     fn random_hybrid_serving_keeps_every_invariant(
         ops in proptest::collection::vec(op(), 1..100),
@@ -820,12 +974,18 @@ proptest! {
             Just(Retention::Every(8)),
         ],
         host_chunks in prop_oneof![Just(3u64), Just(8), Just(64)],
-        attention in prop_oneof![Just(Attention::Sliding), Just(Attention::ChunkedLocal)],
+        attention in prop_oneof![
+            Just(Attention::Sliding),
+            Just(Attention::ChunkedLocal),
+            Just(Attention::State),
+        ],
         larger_blocks in any::<bool>(),
         eagle in any::<bool>(),
     ) {
         // Group 1's blocks may be twice group 0's (vLLM's larger blocks
         // for a group of smaller pages): its chunk's key is every other hash.
+        // (vLLM keeps a Mamba state's block at the hash block's size.)
+        let larger_blocks = larger_blocks && !matches!(attention, Attention::State);
         let window = Window { attention, block_tokens: if larger_blocks { 8 } else { 4 } };
         let factors = [1, window.block_tokens / 4];
         // A small host tier refuses stores while others are in flight: their
@@ -912,7 +1072,17 @@ proptest! {
                         }
                         input.scheduled.push(e);
                         input.group_block_ids.push(others);
+                        let before = r.computed;
                         r.computed += n;
+                        // A Mamba group: the backend hands over the block
+                        // holding the state at the last boundary this step
+                        // reached (vLLM's align mode caches it).
+                        let bt = window.block_tokens;
+                        let boundary = r.computed / bt * bt;
+                        if let (Attention::State, true) = (window.attention, boundary > before) {
+                            let block = r.blocks[1][(boundary / bt - 1) as usize];
+                            input.boundary_states.push(BoundaryState { req: r.id, group: 1, block, boundary });
+                        }
                     }
                     let plan = s.build_step(&input).unwrap();
                     for job in plan.loads.iter().chain(&plan.stores) {
@@ -926,7 +1096,11 @@ proptest! {
                             .filter(|b| b.0 != 0)
                             .find(|b| job.block_ids.contains(b));
                         prop_assert!(theirs.is_none(), "{} reads {theirs:?}, another request's", job.job);
-                        blocks_in_place(&s, job, families[&job.req], factors)?;
+                        let held = running
+                            .iter()
+                            .find(|r| r.id == job.req && matches!(window.attention, Attention::State))
+                            .map(|r| r.blocks[1].as_slice());
+                        blocks_in_place(&s, job, families[&job.req], factors, held)?;
                     }
                     // A preempted request's stores are flushed in the step
                     // that lists it (its blocks may go to others from then on).
@@ -994,7 +1168,7 @@ proptest! {
                         assert_spans_cover(job);
                     }
                     for job in &plan.stores {
-                        blocks_in_place(&s, job, families[&job.req], factors)?;
+                        blocks_in_place(&s, job, families[&job.req], factors, None)?;
                     }
                     flushed.extend(plan.flush.iter().copied());
                     pending.extend(plan.stores.iter().map(|j| (j.job, j.block_ids.to_vec())));

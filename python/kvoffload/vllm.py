@@ -50,6 +50,7 @@ from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
@@ -269,6 +270,9 @@ def _window_chunks(window: int | tuple, chunk_tokens: int) -> int:
     ``window`` tokens spans (with the tokens it retains behind it; a
     chunked-local group's: its attention chunk's)."""
     extra = 0
+    if window == RECURRENT_STATE:
+        # A Mamba group depends on a single state.
+        return 1
     if isinstance(window, tuple):
         if window[0] == "chunked_local":
             return -(-window[1] // chunk_tokens)
@@ -309,8 +313,12 @@ _DENSE_ATTENTION_SPECS = (FullAttentionSpec, MLAAttentionSpec)
 #: int a sliding window in tokens, ``("chunked_local", n)`` chunked-local
 #: attention over aligned chunks of ``n`` tokens, ``("sliding_window", w,
 #: extra)`` a sliding window retaining ``extra`` tokens behind it
-#: (multi-module MTP).
-GroupWindow = int | tuple[str, int] | tuple[str, int, int] | None
+#: (multi-module MTP), ``RECURRENT_STATE`` a Mamba group in vLLM's align
+#: mode.
+GroupWindow = int | tuple[str, int] | tuple[str, int, int] | str | None
+
+#: The scheduler core's name for a recurrent-state (Mamba) group.
+RECURRENT_STATE = "recurrent_state"
 
 #: The windowed kinds of one KV group that take the hybrid path.
 _WINDOWED_SPECS = (SlidingWindowSpec, SlidingWindowMLASpec, ChunkedLocalAttentionSpec)
@@ -363,22 +371,60 @@ def kv_eagle_groups(kv_cache_config: KVCacheConfig) -> list[int]:
     return [i for i, g in enumerate(kv_offloaded_groups(kv_cache_config)) if getattr(g, "is_eagle_group", False)]
 
 
-def _mamba_hint(spec: Any) -> str:
-    """Where a Mamba group's state can be offloaded instead: vLLM's own
-    connector offloads it in ``mamba_cache_mode="align"``, through
-    partial-tail jobs that kvoffload does not plan (docs/vllm-connector.md).
-    Empty for other kinds of groups."""
-    if "Mamba" not in type(spec).__name__:
-        return ""
-    return " (vLLM's own OffloadingConnector offloads Mamba state, with mamba_cache_mode='align')"
+def check_mamba_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """Refuses, with the reason, the Mamba configurations kvoffload does not
+    offload: a Mamba group outside ``mamba_cache_mode="align"`` (its state
+    is then not kept at block boundaries, and vLLM caches none of it);
+    speculative or prefill-checkpoint state blocks; decode context
+    parallelism; block hashes finer than a Mamba block (vLLM's
+    ``prefix_match_unit``, which makes vLLM offload partial-block
+    "partial tail" states through copy-on-write jobs that kvoffload does
+    not plan). With all groups of one block size and no
+    ``prefix_match_unit`` (vLLM's defaults for hybrid Mamba models),
+    none of these applies."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    mamba = [g for g in kv_offloaded_groups(kv_cache_config) if isinstance(g.kv_cache_spec, MambaSpec)]
+    if not mamba:
+        return
+    for g in mamba:
+        spec = g.kv_cache_spec
+        mode = getattr(spec, "mamba_cache_mode", "none")
+        if mode != "align":
+            raise ValueError(
+                f"KvOffloadConnector offloads Mamba state in mamba_cache_mode='align' only; this model's "
+                f"Mamba group is in mode {mode!r} (set mamba_cache_mode='align')"
+            )
+        for field_name, what in (
+            ("num_speculative_blocks", "speculative decoding's state blocks"),
+            ("num_prefill_checkpoint_blocks", "prefill checkpoint blocks"),
+        ):
+            if int(getattr(spec, field_name, 0) or 0) > 0:
+                raise ValueError(
+                    f"KvOffloadConnector does not offload Mamba groups with {what} ({field_name}="
+                    f"{getattr(spec, field_name)}); vLLM's own OffloadingConnector does"
+                )
+    if _dcp(vllm_config) > 1:
+        raise ValueError(
+            "KvOffloadConnector does not offload Mamba groups under decode context parallelism"
+        )
+    _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    for g in mamba:
+        if int(g.kv_cache_spec.block_size) != tokens_per_hash:
+            raise ValueError(
+                f"KvOffloadConnector offloads Mamba state at its blocks' boundaries: vLLM hashes every "
+                f"{tokens_per_hash} tokens (prefix_match_unit), finer than the Mamba block of "
+                f"{g.kv_cache_spec.block_size}, which needs vLLM's partial-tail states (not built); "
+                f"leave prefix_match_unit unset or set it to {g.kv_cache_spec.block_size}"
+            )
 
 
 def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None:
     """The offloaded KV groups (`kv_offloaded_groups`) of a hybrid
     ``KVCacheConfig`` (several groups, vLLM's hybrid manager, or one
-    sliding-window or chunked-local group) as the scheduler core takes them
-    (``GroupWindow``: ``None`` for full attention, the sliding window in
-    tokens, ``("chunked_local", n)``). ``None`` for one group of another kind
+    sliding-window, chunked-local or Mamba group) as the scheduler core takes
+    them (``GroupWindow``: ``None`` for full attention, the sliding window in
+    tokens, ``("chunked_local", n)``, ``RECURRENT_STATE``). ``None`` for one group of another kind
     (the single-group path). Raises ``ValueError`` for offloaded groups
     kvoffload cannot offload (other kinds of layers). The groups may have
     different block sizes (``kv_group_block_tokens``)."""
@@ -386,6 +432,7 @@ def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None
     offloaded = kv_offloaded_groups(kv_cache_config)
     if len(groups) < 2 and not (
         type(offloaded[0].kv_cache_spec) in _WINDOWED_SPECS
+        or isinstance(offloaded[0].kv_cache_spec, MambaSpec)
         # One full-attention (or MLA) group holding a drafter's layers:
         # the groups' path follows its volatile last chunk.
         or (type(offloaded[0].kv_cache_spec) in _DENSE_ATTENTION_SPECS and kv_eagle_groups(kv_cache_config))
@@ -402,11 +449,13 @@ def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None
             windows.append(("sliding_window", int(spec.sliding_window), extra) if extra else int(spec.sliding_window))
         elif type(spec) is ChunkedLocalAttentionSpec:
             windows.append(("chunked_local", int(spec.attention_chunk_size)))
+        elif isinstance(spec, MambaSpec):
+            # Its state at a block boundary (align mode: `check_mamba_groups`).
+            windows.append(RECURRENT_STATE)
         else:
             raise ValueError(
-                "KvOffloadConnector offloads hybrid models of full-attention (or MLA), sliding-window "
-                f"and chunked-local attention KV groups; this model has a {type(spec).__name__} group"
-                f"{_mamba_hint(spec)}"
+                "KvOffloadConnector offloads hybrid models of full-attention (or MLA), sliding-window, "
+                f"chunked-local attention and Mamba KV groups; this model has a {type(spec).__name__} group"
             )
     return windows
 
@@ -490,16 +539,17 @@ def kv_scheduler_view(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
 
 def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineConfig:
     """The engine configuration from vLLM's: one full-attention KV group, or
-    (`kv_group_windows`) full-attention, sliding-window and chunked-local
-    attention groups."""
+    (`kv_group_windows`) full-attention, sliding-window, chunked-local
+    attention and Mamba groups (`check_mamba_groups`)."""
     groups = kv_cache_config.kv_cache_groups
+    check_mamba_groups(vllm_config, kv_cache_config)
     if kv_group_windows(kv_cache_config) is not None:
         return _hybrid_engine_config(vllm_config, kv_cache_config)
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
         kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups) or "none"
         raise ValueError(
             "KvOffloadConnector supports models with one full-attention KV cache group "
-            f"(this model's groups: {kinds}){''.join(_mamba_hint(g.kv_cache_spec) for g in groups[:1])}"
+            f"(this model's groups: {kinds})"
         )
     spec = groups[0].kv_cache_spec
     if type(spec) not in _DENSE_ATTENTION_SPECS:
@@ -601,10 +651,14 @@ def _warn_if_replicated(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig)
 
 def _group_extent(spec: Any) -> Any:
     """A group's window in the remote namespace: the local-attention chunk,
-    else the spec's ``sliding_window`` (as namespaces were named before
-    chunked-local groups)."""
+    a Mamba group's state shapes and dtypes, else the spec's
+    ``sliding_window`` (as namespaces were named before chunked-local
+    groups)."""
     if isinstance(spec, ChunkedLocalAttentionSpec):
         return spec.attention_chunk_size
+    if isinstance(spec, MambaSpec):
+        # A Mamba layer's page: its states' shapes and dtypes.
+        return f"{tuple(tuple(x) for x in spec.shapes)}:{','.join(str(d) for d in spec.dtypes)}"
     return getattr(spec, "sliding_window", "")
 
 
@@ -645,7 +699,7 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     if (
         len(groups) > 1
         or getattr(spec, "sliding_window", None) is not None
-        or isinstance(spec, ChunkedLocalAttentionSpec)
+        or isinstance(spec, (ChunkedLocalAttentionSpec, MambaSpec))
     ):
         # Hybrid groups: a chunk holds one group's layers, keyed by its group.
         layout += "|groups:" + ";".join(
@@ -908,6 +962,12 @@ class _SchedulerSide:
             if self.windows
             else []
         )
+        copies = getattr(so, "kv_cache_block_copies", None)
+        if copies:
+            # Blocks vLLM's model runner overwrites with a copy in this step
+            # (Mamba's copy-on-write): a store still reading one is flushed
+            # first, as vLLM counts them allocated.
+            self.core.note_allocated([int(c.dst_block_id) for c in copies])
         plan, load_requests, failed = self.core.build_step(
             so.num_scheduled_tokens,
             new,
@@ -918,9 +978,28 @@ class _SchedulerSide:
             preempted,
             finished,
             new_groups,
+            self._boundary_states(so),
         )
         self.requests.difference_update(finished)
         return KvOffloadMetadata(plan=plan, load_requests=load_requests, failed_loads=failed)
+
+    def _boundary_states(self, so: SchedulerOutput) -> list[tuple[str, int, int, int]]:
+        """The Mamba states vLLM's core hands over in this step (its
+        ``boundary_state_offloads``: per request ``(group, block, boundary
+        tokens)``), as the scheduler core takes them: the requests this
+        connector tracks, the offloaded groups in kvoffload's numbering."""
+        block_state = getattr(so, "kv_connector_block_state", None)
+        handoffs = getattr(block_state, "boundary_state_offloads", None) if block_state is not None else None
+        if not handoffs or not self.windows:
+            return []
+        ours = {g: i for i, g in enumerate(self.group_ids)}
+        return [
+            (rid, ours[g], int(block), int(boundary))
+            for rid, entries in handoffs.items()
+            if rid in self.requests
+            for g, block, boundary in entries
+            if g in ours
+        ]
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         meta = out.kv_connector_worker_meta
@@ -1120,10 +1199,15 @@ class _WorkerSide:
                 # (DeepSeek V3.2's MLA and its indexer) keeps each layer's
                 # spec on the workers: its page is the layer's, not the
                 # group's (the sum over its layers), as vLLM's worker reads it.
-                page = kv_layer_spec(group.kv_cache_spec, name).page_size_bytes
+                layer_spec = kv_layer_spec(group.kv_cache_spec, name)
+                page = layer_spec.page_size_bytes
                 t = group_kernel_blocks(kv_caches[name], num_blocks)
                 devices.add(t.device)
-                stride = t.stride(0) * t.element_size()
+                # A Mamba layer's states fill its page, block after block
+                # (vLLM's worker takes its page as the block stride).
+                stride = (
+                    t.stride(0) * t.element_size() if isinstance(layer_spec, AttentionSpec) else page
+                )
                 base = t.data_ptr()
                 r = region_of.get((base, stride))
                 if r is None:

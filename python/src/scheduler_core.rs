@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 
 use kvoffload::adapter::encode_worker_plan;
-use kvoffload::scheduler::hybrid::{Attention, GroupAlloc, GroupShape, KvGroups, Retention};
+use kvoffload::scheduler::hybrid::{
+    Attention, BoundaryState, GroupAlloc, GroupShape, KvGroups, Retention,
+};
 use kvoffload::scheduler::{
     CompletionReport, GroupSpan, LookupOutcome, ScheduledRequest, Scheduler, StepInput,
 };
@@ -613,7 +615,8 @@ fn group_block_factors(
 /// One KV group as the connector names it: `None` full attention, an int a
 /// sliding window in tokens, `("chunked_local", n)` chunked-local attention
 /// over aligned chunks of `n` tokens, `("sliding_window", w, extra)` a
-/// sliding window retaining `extra` tokens behind it.
+/// sliding window retaining `extra` tokens behind it, `"recurrent_state"` a
+/// Mamba group in vLLM's align mode.
 #[derive(FromPyObject)]
 enum GroupArg {
     /// Full attention (`None`) or a sliding window.
@@ -622,6 +625,9 @@ enum GroupArg {
     Kind(String, u64),
     /// A kind of attention by name, its size and the tokens it retains.
     Retaining(String, u64, u64),
+    /// A kind of group by name alone: `"recurrent_state"` (Mamba in
+    /// vLLM's align mode).
+    Named(String),
 }
 
 impl GroupArg {
@@ -638,9 +644,10 @@ impl GroupArg {
                     .and_then(|s| s.retaining(extra))
                     .map_err(value_error);
             }
-            Self::Kind(kind, _) | Self::Retaining(kind, _, _) => {
+            Self::Named(kind) if kind == "recurrent_state" => Attention::State,
+            Self::Kind(kind, _) | Self::Retaining(kind, _, _) | Self::Named(kind) => {
                 return Err(value_error(format!(
-                    "unknown KV group kind {kind:?} (expected \"chunked_local\" or \"sliding_window\" with retained tokens)"
+                    "unknown KV group kind {kind:?} (expected (\"chunked_local\", n), (\"sliding_window\", n, retained) or \"recurrent_state\")"
                 )));
             }
         };
@@ -666,7 +673,7 @@ impl SchedulerCore {
     /// `kv_events`; with several groups, the full-attention groups' chunks:
     /// sliding-window chunks keep the placeholder, as vLLM's).
     /// `groups`: per KV group (vLLM's hybrid manager) `None` for full
-    /// attention, a sliding window in tokens, or `("chunked_local", n)`;
+    /// attention, a sliding window in tokens, `("chunked_local", n)`, or `"recurrent_state"`;
     /// `None` for one full-attention group. `retention_interval`: vLLM's
     /// `prefix_cache_retention_interval`. `eagle_groups`: the groups (of
     /// `groups`) that hold an EAGLE/MTP drafter's layers (vLLM's
@@ -1038,13 +1045,16 @@ impl SchedulerCore {
     /// request the block ids of groups 1, 2, ...), the cached requests' `cached_ids`, `cached_blocks` (each
     /// `None` or a tuple of per-group block lists: this step's additions),
     /// `cached_computed` and `resumed` (ids whose list is the whole table),
-    /// then the preempted and finished requests. Requests the connector does
+    /// then the preempted and finished requests, and the recurrent states
+    /// vLLM's core hands over (`boundary_states`: `[(request, group of the
+    /// scheduler's, block id, boundary tokens)]`, its
+    /// `boundary_state_offloads`). Requests the connector does
     /// not track are skipped. Returns `(plan, load_requests, failed_loads)`:
     /// the workers' plan as compact bytes, the request of every load job in
     /// it (`{job: request}`), and the requests whose load failed or stalled
     /// (they must recompute).
     #[allow(clippy::type_complexity, clippy::too_many_arguments)]
-    #[pyo3(signature = (num_scheduled, new_requests, cached_ids, cached_blocks, cached_computed, resumed, preempted, finished, new_group_blocks = Vec::new()))]
+    #[pyo3(signature = (num_scheduled, new_requests, cached_ids, cached_blocks, cached_computed, resumed, preempted, finished, new_group_blocks = Vec::new(), boundary_states = Vec::new()))]
     fn build_step<'py>(
         &mut self,
         py: Python<'py>,
@@ -1057,6 +1067,7 @@ impl SchedulerCore {
         preempted: Vec<String>,
         finished: Vec<String>,
         new_group_blocks: Vec<Vec<Vec<u32>>>,
+        boundary_states: Vec<(String, usize, u32, u64)>,
     ) -> PyResult<(Bound<'py, PyBytes>, HashMap<u64, String>, Vec<String>)> {
         // Each scheduled request's part: the cached requests in their order
         // (the running ones come in the order `num_scheduled` lists them),
@@ -1068,7 +1079,26 @@ impl SchedulerCore {
         input.preempted.clear();
         input.finished.clear();
         input.group_block_ids.clear();
+        input.boundary_states.clear();
         self.listed.clear();
+        // Recurrent states handed over (requests the connector tracks), with
+        // their requests' hashes up to date.
+        for (name, group, block, boundary) in boundary_states {
+            let Some(&req) = self.names.ids.get(name.as_str()) else {
+                continue;
+            };
+            if let Err(e) = self.sync(py, req, true) {
+                self.parts = parts;
+                self.input = input;
+                return Err(e);
+            }
+            input.boundary_states.push(BoundaryState {
+                req,
+                group,
+                block: GpuBlockId(block),
+                boundary,
+            });
+        }
         let result = self.build_step_with(
             py,
             &mut parts,

@@ -43,6 +43,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     CircularBufferSpec,
     FullAttentionSpec,
     KVCacheConfig,
+    MambaSpec,
     KVCacheGroupSpec,
     KVCacheTensor,
 )
@@ -59,6 +60,17 @@ HEAD_SIZE = 4
 def kv_value(token: int, position: int, layer: int) -> float:
     """The KV value the fake model writes for a token (exact in float32)."""
     return float((token * 7919 + position * 104729 + layer * 1299709) % (1 << 20)) / 16.0
+
+
+def state_value(req: Request, p: int, layer: int) -> float:
+    """The recurrent state the fake model keeps after position `p` of a
+    request in a Mamba layer: a function of every token up to `p` (so a
+    state of another prefix, or of another position, differs), exact in
+    float32."""
+    h = 0
+    for i in range(p + 1):
+        h = (h * 31 + Engine.token_at(req, i) * 7 + 1) % (1 << 20)
+    return float((h + layer * 1299709 + p * 104729) % (1 << 20)) / 16.0
 
 
 @dataclass
@@ -115,6 +127,22 @@ class Engine:
     scratch_written: dict[tuple[str, int, int], tuple[int, dict[int, tuple[int, int]]]] = field(
         default_factory=dict
     )
+    #: The Mamba groups (vLLM's ``MambaSpec`` in align mode): per request
+    #: one recurrent state, which the fake model reads at the start of each
+    #: step from the block holding the state after the tokens computed so
+    #: far (index ``(computed - 1) // block_size``; restored from the host
+    #: tier or the GPU prefix cache, or written by the previous step), checks
+    #: it, and writes the state after its last token into the block of that
+    #: token (vLLM's align mode), its whole page.
+    state_groups: frozenset[int] = frozenset()
+    #: States the fake model read and found right.
+    states_checked: int = 0
+    #: Of those, the states it had not written itself for the request (the
+    #: host tier's loads and the GPU prefix cache's hits).
+    states_restored: int = 0
+    #: Per request and Mamba group, the tokens after which the fake model
+    #: last wrote its state.
+    state_ends: dict[tuple[str, int], int] = field(default_factory=dict)
 
     @property
     def connector(self) -> Any:
@@ -198,6 +226,9 @@ class Engine:
                 if g in self.scratch_groups:
                     self._compute_scratch(rid, req, g, layers, table, range(start, start + n))
                     continue
+                if g in self.state_groups:
+                    self._compute_state(rid, req, g, layers, table, start, start + n)
+                    continue
                 for p in range(start, start + n):
                     t = self.token_at(req, p)
                     for w, block, slot in self._places(table, tpb, p):
@@ -205,6 +236,41 @@ class Engine:
                         for li, name in enumerate(layers):
                             v = kv_value(t, p, self._layer_ordinal(g, li)) + w
                             self.caches[w][name][block, :, slot] = v
+
+    def _state_block(self, g: int, table: list[int], end: int) -> int:
+        """The block of a Mamba group holding the state after `end` tokens
+        (0 where the table has none there)."""
+        idx = (end - 1) // self.group_tpb(g)
+        return table[idx] if idx < len(table) else 0
+
+    def _check_state(self, what: str, req: Request, g: int, layers: list[str], block: int, end: int) -> None:
+        """`block` holds the state after the first `end` tokens of `req`
+        in every layer of Mamba group `g`, on every worker."""
+        for w in range(len(self.workers)):
+            for li, name in enumerate(layers):
+                got = self.caches[w][name][block]
+                want = state_value(req, end - 1, self._layer_ordinal(g, li)) + w
+                assert torch.all(got == want), (
+                    f"{what}: Mamba state after {end} tokens (block {block}) of layer {name} on worker {w}: "
+                    f"{got.flatten()[:4].tolist()} != {want}"
+                )
+
+    def _compute_state(self, rid: str, req: Request, g: int, layers: list[str], table: list[int], start: int, end: int) -> None:
+        """The fake model in a Mamba group (see `state_groups`): reads the
+        state after `start` tokens, checks it, and writes the state after
+        `end` tokens."""
+        if start > 0:
+            block = self._state_block(g, table, start)
+            assert block != 0, f"{rid}: no block holds its Mamba state after {start} tokens in group {g}"
+            self._check_state(f"{rid}: step from {start}", req, g, layers, block, start)
+            self.states_checked += 1
+            self.states_restored += self.state_ends.get((rid, g)) != start
+        self.state_ends[(rid, g)] = end
+        block = self._state_block(g, table, end)
+        assert block != 0, f"{rid}: Mamba state after {end} tokens of group {g} computed into the null block"
+        for w in range(len(self.workers)):
+            for li, name in enumerate(layers):
+                self.caches[w][name][block] = state_value(req, end - 1, self._layer_ordinal(g, li)) + w
 
     def _places(self, table: list[int], tpb: int, p: int) -> list[tuple[int, int, int]]:
         """Where token `p` lives: ``(worker, block, slot)`` on each worker
@@ -265,6 +331,11 @@ class Engine:
             table, tpb = tables[g], self.group_tpb(g)
             if g in self.scratch_groups:
                 self._check_scratch(rid, g, layers, table)
+                continue
+            if g in self.state_groups:
+                block = self._state_block(g, table, n) if n else 0
+                if block:
+                    self._check_state(f"{rid}: after the step", req, g, layers, block, n)
                 continue
             for p in range(n):
                 places = [place for place in self._places(table, tpb, p) if place[1] != 0]
@@ -414,7 +485,9 @@ def build(
     manager: `num_layers` layers each, ``g{group}.layer{i}``, their tensors
     overlaid as vLLM overlays them; the specs must have one page size,
     and may have different block sizes: a group of larger blocks sees the
-    same pages as fewer heads).
+    same pages as fewer heads; a Mamba group, ``MambaSpec``, turns on
+    vLLM's align mode and the fake model's recurrent state, see
+    `Engine.state_groups`).
     The fake model writes every group's KV (each group's layers apart).
     `retention`: vLLM's
     ``prefix_cache_retention_interval`` (which sliding-window blocks are kept
@@ -450,6 +523,10 @@ def build(
         prefix_cache_retention_interval=retention,
         prefix_match_unit=hash_tokens,
     )
+    if groups is not None and any(isinstance(s, MambaSpec) for s in groups):
+        # Mamba groups: vLLM's align mode (states kept at block boundaries,
+        # prefill chunks split there), as vLLM runs Mamba with prefix caching.
+        cache_config.mamba_cache_mode = "align"
     # vLLM's scheduler block is the least common multiple of the groups'
     # block sizes, its hash block the greatest common divisor of the
     # prefix-cacheable groups' (or `hash_tokens`; vLLM's
@@ -541,6 +618,7 @@ def build(
         }
         if groups is not None
         else {},
+        state_groups=frozenset(g for g, s in enumerate(specs) if isinstance(s, MambaSpec)),
     )
 
 

@@ -4,6 +4,7 @@ model that writes deterministic KV bytes (``harness``)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import random
@@ -663,31 +664,47 @@ def test_groups_that_are_not_prefix_cacheable_are_left_out_as_vllm_leaves_them()
     assert kv.kv_offloaded_group_ids(mixed) == (0,)
 
 
-def test_a_mamba_group_stops_startup_with_the_reason():
-    # vLLM's connector offloads Mamba state (mamba_cache_mode="align") only
-    # through partial-tail jobs kvoffload does not plan: a hybrid model
-    # with a Mamba group (Qwen3-Next, Nemotron-H, Jamba) is refused by
-    # name, in either cache mode, pointing at vLLM's own connector.
+def test_the_mamba_configurations_kvoffload_does_not_offload_stop_startup_with_the_reason():
+    # Mamba groups are offloaded in vLLM's align mode with a state kept at
+    # each block boundary (test_hybrid_vllm.py's Mamba cases); the other
+    # Mamba configurations are refused by name, with what to change.
     from vllm.v1.kv_cache_interface import MambaSpec
 
     import kvoffload.vllm as kv
-    from test_hybrid_vllm import SPECS
+    from test_hybrid_vllm import SPECS, mamba
 
-    e = harness.build(extra={"num_cpu_chunks": 64}, tpb=4, groups=SPECS["full+swa8"]())
-    config = e.connector._kv_cache_config
-    for mode in ("align", "none"):
-        mamba = MambaSpec(block_size=4, shapes=((2, 8),), dtypes=(torch.float32,), mamba_cache_mode=mode)
-        assert mamba.prefix_cacheable, "vLLM's connector would offload the group"
-        group = dataclasses.replace(config.kv_cache_groups[1], kv_cache_spec=mamba)
-        hybrid = dataclasses.replace(config, kv_cache_groups=[config.kv_cache_groups[0], group])
-        with pytest.raises(ValueError, match="has a MambaSpec group .vLLM's own OffloadingConnector"):
-            kv.kv_group_windows(hybrid)
-        # A model of Mamba layers only takes the single-group path, which
-        # refuses it too.
-        alone = dataclasses.replace(config, kv_cache_groups=[group])
-        assert kv.kv_group_windows(alone) is None
-        with pytest.raises(ValueError, match="groups: MambaSpec. .vLLM's own OffloadingConnector"):
-            kv._engine_config(e.connector._vllm_config, alone)
+    e = harness.build(extra={"num_cpu_chunks": 64}, tpb=4, groups=SPECS["full+mamba"]())
+    vllm_config, config = e.connector._vllm_config, e.connector._kv_cache_config
+    kv.check_mamba_groups(vllm_config, config)
+    assert kv.kv_group_windows(config) == [None, kv.RECURRENT_STATE]
+
+    def with_mamba(spec: Any) -> Any:
+        group = dataclasses.replace(config.kv_cache_groups[1], kv_cache_spec=spec)
+        return dataclasses.replace(config, kv_cache_groups=[config.kv_cache_groups[0], group])
+
+    refused = [
+        (dataclasses.replace(mamba(), mamba_cache_mode="none"), "in mode 'none' .set mamba_cache_mode='align'"),
+        (dataclasses.replace(mamba(), num_speculative_blocks=2), "speculative decoding's state blocks"),
+        (dataclasses.replace(mamba(), num_prefill_checkpoint_blocks=1), "prefill checkpoint blocks"),
+    ]
+    for spec, reason in refused:
+        with pytest.raises(ValueError, match=reason):
+            kv._engine_config(vllm_config, with_mamba(spec))
+    # Block hashes finer than the Mamba block (prefix_match_unit): vLLM's
+    # partial-tail states, not built.
+    fine = copy.copy(vllm_config)
+    fine.cache_config = dataclasses.replace(vllm_config.cache_config, prefix_match_unit=2)
+    with pytest.raises(ValueError, match="hashes every 2 tokens .prefix_match_unit., finer than the Mamba block of 4"):
+        kv._engine_config(fine, config)
+    # Decode context parallelism.
+    dcp = copy.copy(vllm_config)
+    dcp.parallel_config = copy.copy(vllm_config.parallel_config)
+    dcp.parallel_config.decode_context_parallel_size = 2
+    with pytest.raises(ValueError, match="Mamba groups under decode context parallelism"):
+        kv._engine_config(dcp, config)
+    # A model of Mamba layers only takes the groups' path.
+    alone = dataclasses.replace(config, kv_cache_groups=[config.kv_cache_groups[1]])
+    assert kv.kv_group_windows(alone) == [kv.RECURRENT_STATE]
 
 
 def test_a_group_of_layers_of_different_page_sizes_comes_back_with_each_layer_s_bytes():

@@ -11,6 +11,7 @@ the reason where ``redis-server`` is missing (failing instead with
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 import harness
 from test_connector import PREFIX, leak_free, run_checked
-from test_hybrid_vllm import SPECS, TPB, engine_options, full, local, window
+from test_hybrid_vllm import SPECS, TPB, engine_options, full, local, mamba, window
 from test_hybrid_worker import worker_run
 from test_remote import (  # noqa: F401  (redis_url, redis_cluster: fixtures)
     record_hit_sources,
@@ -66,6 +67,11 @@ REMOTE_CASES = [
     # others' chunks go to the tier; a circular buffer before a window.
     (36, "full+ring", {"offload_prompt_only": False}, {}),
     (38, "ring+swa8", {}, {"async_scheduling": True}),
+    # Mamba states (vLLM's align mode): each fetched and loaded as the
+    # state at a hit's end; beside a window, async; alone, two workers.
+    (49, "full+mamba", {"offload_prompt_only": False}, {}),
+    (50, "mamba+swa8", {}, {"async_scheduling": True}),
+    (51, "mamba", {"offload_prompt_only": False}, {"world_size": 2}),
 ]
 
 
@@ -229,6 +235,12 @@ def test_the_namespace_names_every_group() -> None:
     # Chunked-local attention over 8-token chunks is not an 8-token window.
     assert hybrid != namespace(groups=[full(), local(8)])
     assert namespace(groups=[full(), local(8)]) != namespace(groups=[full(), local(16)])
+    # Mamba groups are named with their states' shapes and dtypes, alone too.
+    with_mamba = namespace(groups=[full(), mamba()])
+    assert with_mamba not in (hybrid, namespace(groups=[full(), window(8)]))
+    other_state = dataclasses.replace(mamba(), shapes=((8, 2), (6, 8)))
+    assert with_mamba != namespace(groups=[full(), other_state])
+    assert namespace(groups=[mamba()]) != namespace(groups=[other_state])
     # Decode context parallelism over two ranks: blocks of 2 x 4 tokens,
     # each rank every other token (or every other run of the interleave
     # size: other bytes under the same sizes, so another namespace); a

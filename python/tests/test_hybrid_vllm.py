@@ -44,6 +44,7 @@ from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
     FullAttentionSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
@@ -130,6 +131,18 @@ def mla() -> MLAAttentionSpec:
 
 
 # (seed, group specs by name, extra config, engine options, fake worker delay)
+def mamba() -> MambaSpec:
+    """A Mamba layer's recurrent state in vLLM's align mode (kept at block
+    boundaries, as vLLM keeps it with prefix caching), its page the size of
+    the others' (a conv state and an SSM state, 64 floats)."""
+    return MambaSpec(
+        block_size=TPB,
+        shapes=((4, 4), (6, 8)),
+        dtypes=(torch.float32, torch.float32),
+        mamba_cache_mode="align",
+    )
+
+
 SPECS = {
     "full+swa8": lambda: [full(), window(8)],
     "full+swa8+swa13": lambda: [full(), window(8), window(13)],
@@ -157,6 +170,13 @@ SPECS = {
     "mla+swamla8r": lambda: [mla(), bounded_window_mla(8)],
     "ring+swa8": lambda: [ring(), window(8)],
     "fullb8+ring": lambda: [larger_blocks(full(), 2 * TPB), ring()],
+    # Mamba: a hybrid model of attention and Mamba layers (Jamba,
+    # Nemotron-H, Qwen3-Next's linear attention is another spec), with a
+    # sliding window too, and Mamba alone.
+    "full+mamba": lambda: [full(), mamba()],
+    "mamba+swa8": lambda: [mamba(), window(8)],
+    "mamba": lambda: [mamba()],
+    "full+mamba+swa8": lambda: [full(), mamba(), window(8)],
 }
 CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}, 1),
@@ -283,6 +303,18 @@ CASES = [
     # kv_transfer_params.
     (47, "full", {"blocks_per_chunk": 2, "offload_prompt_only": False}, {"eagle_groups": [0], "dcp": 2, "world_size": 2}, 1),
     (48, "full+fullb8", {"offload_prompt_only": False}, {"dcp": 2, "world_size": 2, "async_scheduling": True, "params": True}, 1),
+    # Mamba groups in vLLM's align mode (a state kept at each block
+    # boundary): vLLM's core hands the connector the block holding a
+    # request's state at each boundary it caches, which becomes a store of
+    # that one block; a hit ends on a state boundary and loads the state
+    # there. Beside full attention; first, beside a window, async; alone,
+    # two workers; chunks of two blocks with requests' kv_transfer_params;
+    # with a window too, sync loads.
+    (49, "full+mamba", {"offload_prompt_only": False}, {}, 1),
+    (50, "mamba+swa8", {}, {"async_scheduling": True}, 1),
+    (51, "mamba", {"offload_prompt_only": False}, {"world_size": 2}, 0),
+    (52, "full+mamba", {"blocks_per_chunk": 2, "offload_prompt_only": False}, {"params": True}, 1),
+    (53, "full+mamba+swa8", {"sync_load_budget_bytes": 8192, "offload_prompt_only": False}, {}, 0),
 ]
 # The configurations the widening scripts cycle through (`select_cases`).
 _CONFIGS = list(CASES)
@@ -530,6 +562,25 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
         return prepare_store(keys, req_context)
 
     sched.manager.prepare_store = offered
+    # Mamba: the boundary states vLLM's core hands over, and the chunks
+    # their stores offer the tier (vLLM plans them before the others).
+    mamba_case = any(isinstance(s, MambaSpec) for s in SPECS[specs]())
+    handoffs: list[list] = []
+    boundary_offers: list[list] = []
+    build_boundary = sched._build_partial_tail_store_jobs
+
+    def build_boundary_stores(so: Any) -> Any:
+        block_state = so.kv_connector_block_state
+        for rid, entries in sorted((block_state.boundary_state_offloads or {}).items() if block_state else ()):
+            handoffs.append([rid, [list(e) for e in entries]])
+        at = len(candidates)
+        try:
+            return build_boundary(so)
+        finally:
+            boundary_offers.extend(candidates[at:])
+            del candidates[at:]
+
+    sched._build_partial_tail_store_jobs = build_boundary_stores
     events = capture_events(e.connector)
 
     def snapshot(so: Any) -> dict:
@@ -546,7 +597,10 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
             "stores": sorted([j.req_id, spec_blocks(j.src_spec)] for j in meta.store_jobs.values()),
             "events": [list(ev) for ev in order_free(events)],
         }
-        for log in (lookups, allocs, sources, store_inputs, candidates, events):
+        if mamba_case:
+            got["handoffs"] = handoffs[:]
+            got["boundary_offers"] = boundary_offers[:]
+        for log in (lookups, allocs, sources, store_inputs, candidates, events, handoffs, boundary_offers):
             log.clear()
         return got
 
@@ -641,6 +695,7 @@ def write_case(
         | ({"attention_chunk_size": s.attention_chunk_size} if isinstance(s, ChunkedLocalAttentionSpec) else {})
         | ({"extra_retained_tokens": s.extra_retained_tokens} if getattr(s, "extra_retained_tokens", 0) else {})
         | ({"eagle": True} if g in eagle else {})
+        | ({"recurrent_state": True} if isinstance(s, MambaSpec) else {})
         for g, s in enumerate(SPECS[specs]())
         if s.prefix_cacheable
     ]
@@ -725,7 +780,7 @@ def single_group_path(specs: str, opts: dict) -> bool:
     offloaded group of full attention (or MLA), no draft group (vLLM has
     other groups, which its connector leaves out)."""
     groups = offloaded(SPECS[specs]())
-    windowed = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
+    windowed = (SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec)
     return len(groups) == 1 and not isinstance(groups[0], windowed) and not opts.get("eagle_groups")
 
 
@@ -798,10 +853,10 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
     assert hits and loads, "no hit or load in the workload"
     for g in range(len(groups)):
         assert any(len(sd[1][g]) > 1 for sd in stores), f"group {g} never stored"
-    # A sliding-window (or chunked-local, or draft) group makes the hit
-    # leave the last token to compute; full-attention groups alone may hit
-    # every token.
-    windowed = any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec)) for s in groups)
+    # A sliding-window (or chunked-local, Mamba or draft) group makes the
+    # hit leave the last token to compute; full-attention groups alone may
+    # hit every token.
+    windowed = any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec)) for s in groups)
     last = 1 if windowed or opts.get("eagle_groups") else 0
     for rid, computed, num_tokens, hit, *_ in hits:
         assert computed + hit <= num_tokens - last, (rid, computed, num_tokens, hit)
@@ -832,6 +887,10 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
                     # A chunked-local group loads its attention chunk's worth.
                     limit = -(-spec.attention_chunk_size // tpc) * bpc + 1
                     assert len(blocks) <= limit, (rid, g, per_group)
+                elif isinstance(spec, MambaSpec):
+                    # A Mamba group loads one block: the state at the hit's
+                    # end, which is on one of its chunks.
+                    assert len(blocks) == 1 and (computed + hit) % tpc == 0, (rid, g, computed, hit, per_group)
                 else:
                     # A full-attention group loads everything past the GPU hit.
                     assert first == computed // tpb, (rid, g, computed, per_group)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import pytest
 from vllm.v1.request import RequestStatus
-from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 import kvoffload._native as native
 from harness import build
@@ -40,6 +40,15 @@ class VllmStalled(Exception):
     hold KV blocks cannot be allocated, and the requests behind it (a
     finished load among them) are never reached. vLLM's own connector
     reaches it too (``scripts/widen-hybrid.py`` notes the seeds)."""
+
+
+class VllmPoolError(Exception):
+    """vLLM's core scheduler raised its block pool's "Cannot get N free
+    blocks from the pool" (``allocate_slots`` allocating more blocks than
+    its own count admitted): seen with Mamba groups in align mode beside
+    other groups, with vLLM's own connector too (recording seed 53's
+    configuration with dense retention), so not kvoffload's. The widening
+    scripts count these seeds apart."""
 
 
 def worker_run(
@@ -88,6 +97,10 @@ def worker_run(
 
     try:
         drive(e, seed, snapshot, opts)
+    except ValueError as err:
+        if "free blocks from the pool" in str(err):
+            raise VllmPoolError(f"seed {seed}: vLLM's block pool: {err}") from err
+        raise
     except AssertionError as err:
         sched = e.scheduler
         st = e.connector.scheduler_state()
@@ -103,6 +116,9 @@ def worker_run(
     seen["failed_loads"] = len(e.failed)
     leak_free(e)
     seen["loaded"] = len(e.loaded)
+    # Mamba groups: the states the fake model read that it had not written
+    # itself for the request (loaded or a GPU prefix-cache hit), each checked.
+    seen["states_restored"] = e.states_restored
     if on_done is not None:
         on_done(e)
     return seen
@@ -119,6 +135,8 @@ def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
     # Loads end as a request that resumes, or (synchronous) in their step.
     assert seen["loaded"] or seen["sync_loads"], "no request came back from the host tier"
     assert seen["checked"] > 0
+    mamba = any(isinstance(s, MambaSpec) for s in offloaded(SPECS[specs]()))
+    assert seen["states_restored"] > 0 or not mamba, seen
 
 
 @pytest.mark.parametrize(
@@ -128,8 +146,9 @@ def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
         (24, "local12+full", {"block_size": 2 * TPB}, {}),
         (23, "swa6+full", {}, {"world_size": 2, "async_scheduling": True}),
         (23, "full+swa8b8", {"offload_prompt_only": False}, {}),
+        (23, "full+mamba", {"offload_prompt_only": False}, {}),
     ],
-    ids=["full+swa8", "local12+full-2blocks", "swa6+full-2workers-async", "full+swa8b8-block-sizes"],
+    ids=["full+swa8", "local12+full-2blocks", "swa6+full-2workers-async", "full+swa8b8-block-sizes", "full+mamba"],
 )
 def test_failed_and_late_transfers_with_groups_end_with_the_computed_bytes(
     seed: int, specs: str, extra: dict, opts: dict

@@ -50,6 +50,8 @@ impl Scheduler {
             // 2 to 4 over several KV groups.
             self.update_group_blocks(input, &slots);
             self.fence_flush();
+            // Recurrent states handed over, before the other stores (vLLM).
+            self.plan_boundary_stores(&input.boundary_states, &mut stores);
             for (s, &slot) in input.scheduled.iter().zip(&slots) {
                 let reach = StoreReach::Running {
                     computed: s.computed_tokens,

@@ -49,6 +49,10 @@ pub struct StepInput {
     /// past group 0, and always with one group. Kept out of
     /// [`ScheduledRequest`] so that a single-group step's list stays small.
     pub group_block_ids: Vec<Vec<Vec<GpuBlockId>>>,
+    /// A scheduler with a recurrent-state (Mamba) group: the blocks
+    /// holding requests' states at cached boundaries that vLLM's core hands
+    /// over in this step (its `boundary_state_offloads`), in its order.
+    pub boundary_states: Vec<super::hybrid::BoundaryState>,
 }
 
 /// A job's chunk keys: inline up to two (a store of one or two chunks needs

@@ -147,7 +147,7 @@ impl H {
                 .collect(),
             preempted: preempted.iter().map(|&i| r(i)).collect(),
             finished: finished.iter().map(|&i| r(i)).collect(),
-            group_block_ids: Vec::new(),
+            ..StepInput::default()
         })
     }
 

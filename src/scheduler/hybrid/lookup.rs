@@ -1,5 +1,5 @@
 //! A request's hit over several KV groups: vLLM 0.33.0's
-//! `_lookup_complete_chunks` (its `OffloadingConnectorScheduler`), without
+//! `_lookup_complete_chunks` (its `OffloadingConnectorScheduler`), with its
 //! Mamba alignment.
 //!
 //! Full-attention groups first, a prefix lookup each (consecutive hits from
@@ -83,6 +83,15 @@ pub fn lookup_complete_chunks(
     if !windowed.is_empty() {
         // The last prompt token is computed again for its logits.
         max_hit = max_hit.saturating_sub(1);
+        // A recurrent state is kept at its chunks' boundaries only (vLLM's
+        // `_mamba_align_size`: the state groups' chunk, one for all).
+        if let Some(align) = groups
+            .iter()
+            .find(|g| g.is_recurrent_state())
+            .map(GroupShape::tokens_per_chunk)
+        {
+            max_hit -= max_hit % align;
+        }
     }
     let order: Vec<usize> = full.iter().chain(&windowed).copied().collect();
 
@@ -317,6 +326,20 @@ mod tests {
         );
         // No run of the window and none at the start: no hit.
         assert_eq!(ask(&[full(), window(8)], &["HHHH", "MHMH"], 0, 17), Some(0));
+    }
+
+    #[test]
+    fn a_recurrent_state_needs_the_state_at_a_chunk_boundary() {
+        let state = GroupShape::recurrent_state(4).unwrap();
+        // 16 tokens: the last is computed again (15), and the hit ends on
+        // the state's chunk boundary (12), where its state is held.
+        assert_eq!(ask(&[full(), state], &["HHHH", "MMHH"], 0, 16), Some(12));
+        // Only the state at the hit's end is needed.
+        assert_eq!(ask(&[full(), state], &["HHHH", "MMMH"], 0, 17), Some(16));
+        // No state at 16: the hit falls back to the last state held (12)...
+        assert_eq!(ask(&[full(), state], &["HHHH", "MMHM"], 0, 17), Some(12));
+        // ...and without one past the GPU's hit there is none.
+        assert_eq!(ask(&[full(), state], &["HHHH", "MMMM"], 0, 17), Some(0));
     }
 
     #[test]

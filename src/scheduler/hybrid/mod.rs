@@ -1,5 +1,6 @@
 //! Several KV cache groups (vLLM's hybrid manager: full-attention,
-//! sliding-window and chunked-local attention groups side by side), built
+//! sliding-window, chunked-local attention and recurrent-state (Mamba)
+//! groups side by side), built
 //! step by step after `docs/hybrid-groups.md`'s plan.
 //!
 //! The pure functions: the groups' shapes ([`GroupShape`]), the lookup of a
@@ -18,6 +19,7 @@
 //! over that group's tensors
 //! ([`WorkerLayout::with_groups`](crate::worker::WorkerLayout::with_groups)).
 
+mod boundary_store;
 mod groups;
 mod load;
 mod lookup;
@@ -30,6 +32,7 @@ mod shape;
 mod store;
 mod window_index;
 
+pub use boundary_store::BoundaryState;
 pub(crate) use groups::SchedulerGroups;
 pub use groups::{KvGroups, KvGroupsError};
 pub use load::{GpuBlock, GroupLoad, LoadPlanError, plan_load};

@@ -128,8 +128,14 @@ impl Scheduler {
                     }
                     if !load.chunks.is_empty() {
                         // vLLM's key ranges of this group, merged: from its
-                        // first loaded block (or chunk) to the hit's end.
-                        let lo = (first as u64 * tpb).max(load.chunks.start as u64 * tpc);
+                        // first loaded block (or chunk) to the hit's end; a
+                        // recurrent state covers the whole prefix it
+                        // stands for, from the GPU's hit.
+                        let lo = if shapes[g].is_recurrent_state() {
+                            computed
+                        } else {
+                            (first as u64 * tpb).max(load.chunks.start as u64 * tpc)
+                        };
                         let hi = cached_end.min(load.chunks.end as u64 * tpc);
                         cover.push((lo, hi));
                     }

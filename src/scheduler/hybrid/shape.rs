@@ -1,6 +1,6 @@
 //! One KV cache group's shape as lookups, loads and stores see it: the
 //! tokens of a host chunk and the group's kind of attention (full, a
-//! sliding window, or chunked-local attention).
+//! sliding window, chunked-local attention, or a recurrent state).
 
 use thiserror::Error;
 
@@ -39,6 +39,13 @@ pub enum Attention {
         /// The attention chunk in tokens.
         chunk_tokens: u64,
     },
+    /// A recurrent state per block (vLLM's `MambaSpec` in
+    /// `mamba_cache_mode="align"`): the block at a boundary holds the
+    /// state after the tokens up to it, so a hit needs one chunk (vLLM's
+    /// window of one chunk) and hits end on the group's chunks. Its chunks
+    /// are stored only from the boundary states vLLM hands over
+    /// (copy-on-write sources), never from the block table.
+    State,
 }
 
 /// A KV cache group's shape: its chunk size in tokens, its attention,
@@ -73,6 +80,11 @@ impl GroupShape {
         chunk_tokens: u64,
     ) -> Result<Self, GroupShapeError> {
         Self::with_attention(tokens_per_chunk, Attention::ChunkedLocal { chunk_tokens })
+    }
+
+    /// A recurrent-state group (see [`Attention::State`]).
+    pub fn recurrent_state(tokens_per_chunk: u64) -> Result<Self, GroupShapeError> {
+        Self::with_attention(tokens_per_chunk, Attention::State)
     }
 
     /// Full attention (`window_tokens: None`) or a sliding window.
@@ -159,6 +171,12 @@ impl GroupShape {
         self.attention == Attention::Full
     }
 
+    /// Whether this group holds a recurrent state (Mamba): stored only from
+    /// vLLM's boundary-state hand-offs (vLLM's `requires_cow_source`).
+    pub fn is_recurrent_state(&self) -> bool {
+        self.attention == Attention::State
+    }
+
     /// The sliding window in tokens; `None` for full and chunked-local
     /// attention.
     pub fn window_tokens(&self) -> Option<u64> {
@@ -171,7 +189,8 @@ impl GroupShape {
     /// The window in chunks (vLLM's `get_sliding_window_size_in_chunks`):
     /// the chunks a lookup needs in a row before the hit's end; `None` for
     /// full attention. A chunked-local group needs its attention chunk's
-    /// worth (vLLM's bound: attention never reaches back past one chunk).
+    /// worth (vLLM's bound: attention never reaches back past one chunk); a
+    /// recurrent state one chunk (it depends on a single state).
     pub fn window_chunks(&self) -> Option<u64> {
         let tpc = self.tokens_per_chunk;
         match self.attention {
@@ -181,6 +200,7 @@ impl GroupShape {
                 Some(w.div_ceil(tpc).max((w - 1 + extra).div_ceil(tpc)))
             }
             Attention::ChunkedLocal { chunk_tokens } => Some(chunk_tokens.div_ceil(tpc)),
+            Attention::State => Some(1),
         }
     }
 
@@ -289,6 +309,22 @@ mod tests {
         assert_eq!(
             local8.attention(),
             Attention::ChunkedLocal { chunk_tokens: 8 }
+        );
+    }
+
+    #[test]
+    fn a_recurrent_state_needs_one_chunk_and_loads_one() {
+        let state = GroupShape::recurrent_state(4).unwrap();
+        assert!(state.is_recurrent_state());
+        assert!(!state.is_full_attention());
+        assert_eq!(state.window_tokens(), None);
+        assert_eq!(state.window_chunks(), Some(1));
+        assert_eq!(state.load_window_chunks(13), Some(1));
+        assert_eq!(state.load_window_chunks(16), Some(1));
+        assert!(!GroupShape::full_attention(4).unwrap().is_recurrent_state());
+        assert_eq!(
+            GroupShape::recurrent_state(0),
+            Err(GroupShapeError::EmptyChunk)
         );
     }
 

@@ -1,7 +1,9 @@
 //! Which of a request's chunks a store offers the host tier, group by group:
 //! the candidate selection of vLLM 0.33.0's `_build_store_jobs`, with its
-//! sliding-window `reachable_block_mask` (an EAGLE draft window's too),
-//! without Mamba and decode context parallelism.
+//! sliding-window `reachable_block_mask` (an EAGLE draft window's too).
+//! A recurrent-state (Mamba) group offers nothing here: vLLM stores its
+//! chunks only from the boundary states its core hands over
+//! (`Scheduler::plan_boundary_stores`).
 //!
 //! A full-attention group offers every chunk from its next unstored one to
 //! its last storable one. A sliding-window group offers only chunks a later
@@ -96,6 +98,9 @@ pub fn store_candidates(
     req: &StoreRequest,
     view: &StoreView<'_>,
 ) -> Vec<usize> {
+    if shape.is_recurrent_state() {
+        return Vec::new();
+    }
     let bpc = policy.blocks_per_chunk.max(1);
     let tpb = (shape.tokens_per_chunk() / bpc as u64).max(1);
     let num_chunks = view.storable_chunks;

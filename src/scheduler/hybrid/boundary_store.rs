@@ -1,0 +1,117 @@
+//! Stores of recurrent states (Mamba groups in vLLM's
+//! `mamba_cache_mode="align"`): vLLM 0.33.0's
+//! `_build_aligned_boundary_store_jobs`.
+//!
+//! A recurrent group's block table cannot say which block holds the state
+//! at a boundary (vLLM copies states between blocks as a request runs), so
+//! its chunks are never stored from the table. vLLM's core hands over, in
+//! each step, the blocks holding a request's state at a cached boundary
+//! ([`BoundaryState`], its `boundary_state_offloads`); each boundary on one
+//! of the group's chunks, within what the request may store, becomes a
+//! store job of that one block, fenced from its creation. They are planned
+//! before the step's other stores, as vLLM plans them.
+
+use crate::ids::{GpuBlockId, RequestId};
+use crate::scheduler::Scheduler;
+use crate::scheduler::types::{GroupSpan, JobBlocks, JobKeys, JobSlots, TransferJob, copy_small};
+
+/// A block holding a request's recurrent state after its first `boundary`
+/// tokens, handed over by vLLM's core in one step (an entry of its
+/// `boundary_state_offloads`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BoundaryState {
+    /// The request.
+    pub req: RequestId,
+    /// The KV group (of the scheduler's groups).
+    pub group: usize,
+    /// The block holding the state.
+    pub block: GpuBlockId,
+    /// The tokens the state has consumed.
+    pub boundary: u64,
+}
+
+impl Scheduler {
+    /// Plans one store job per usable hand-off of `states`, in order, into
+    /// `out`. A hand-off is skipped when its request is unknown, its group
+    /// is not a recurrent-state group, its block is the null block, its
+    /// boundary is not on one of the group's chunks or lies past what the
+    /// request may store (its tokens, `max_offload_tokens`, the prompt with
+    /// `offload_prompt_only`), its chunk is already stored, or the host
+    /// tier cannot allocate (counted as an allocation failure).
+    pub(crate) fn plan_boundary_stores(
+        &mut self,
+        states: &[BoundaryState],
+        out: &mut Vec<TransferJob>,
+    ) {
+        let g = self.geo;
+        let bpc = g.blocks_per_chunk.max(1) as u64;
+        for s in states {
+            let Some(groups) = self.groups.as_deref() else {
+                return;
+            };
+            let Some(shape) = groups.shapes.get(s.group) else {
+                continue;
+            };
+            let tpc = shape.tokens_per_chunk();
+            let per_chunk = groups.hashes_per_chunk(s.group);
+            let num_groups = groups.len();
+            if !shape.is_recurrent_state()
+                || s.block.0 == 0
+                || s.boundary == 0
+                || !s.boundary.is_multiple_of(tpc)
+            {
+                continue;
+            }
+            let chunk = (s.boundary / tpc - 1) as usize;
+            let position = groups.position(s.group, chunk);
+            let Some(rs) = self.requests.get_mut(&s.req) else {
+                continue;
+            };
+            let limit = rs.offload_limit(g.offload_prompt_only).min(rs.num_tokens);
+            if s.boundary > limit || chunk >= rs.num_keys(per_chunk) {
+                continue;
+            }
+            let key = rs.group_key(s.group, chunk, per_chunk);
+            let prepared = self
+                .manager
+                .prepare_store_for_job(&[key], &[position], &mut rs.access)
+                .map(|(k, c)| -> (JobKeys, JobSlots) { (copy_small(k), copy_small(c)) });
+            let Some((stored, chunk_ids)) = prepared else {
+                self.counters.allocation_failures += 1;
+                continue;
+            };
+            if stored.is_empty() {
+                continue;
+            }
+            let job = self.new_job_id();
+            if let Some(rs) = self.requests.get_mut(&s.req) {
+                rs.jobs.push(job);
+            }
+            let tpb = (tpc / bpc).max(1);
+            let empty = GroupSpan {
+                num_keys: 0,
+                num_blocks: 0,
+                first_block_index: 0,
+            };
+            let mut spans = vec![empty; num_groups];
+            spans[s.group] = GroupSpan {
+                num_keys: 1,
+                num_blocks: 1,
+                first_block_index: (s.boundary / tpb - 1) as u32,
+            };
+            let blocks: JobBlocks = JobBlocks::from_slice(&[s.block]);
+            // vLLM fences the block from the store's creation.
+            self.fences.add(job, &blocks);
+            let now = self.step_now_ns();
+            let transfer = TransferJob {
+                job,
+                req: s.req,
+                block_ids: blocks,
+                chunk_ids,
+                keys: stored,
+                groups: spans,
+            };
+            self.enter_store(transfer, now, true, out);
+        }
+    }
+}
