@@ -375,7 +375,7 @@ def check_mamba_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
     """Refuses, with the reason, the Mamba configurations kvoffload does not
     offload: a Mamba group outside ``mamba_cache_mode="align"`` (its state
     is then not kept at block boundaries, and vLLM caches none of it);
-    speculative or prefill-checkpoint state blocks; decode context
+    speculative decoding's state blocks; decode context
     parallelism; block hashes finer than a Mamba block (vLLM's
     ``prefix_match_unit``, which makes vLLM offload partial-block
     "partial tail" states through copy-on-write jobs that kvoffload does
@@ -395,15 +395,11 @@ def check_mamba_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
                 f"KvOffloadConnector offloads Mamba state in mamba_cache_mode='align' only; this model's "
                 f"Mamba group is in mode {mode!r} (set mamba_cache_mode='align')"
             )
-        for field_name, what in (
-            ("num_speculative_blocks", "speculative decoding's state blocks"),
-            ("num_prefill_checkpoint_blocks", "prefill checkpoint blocks"),
-        ):
-            if int(getattr(spec, field_name, 0) or 0) > 0:
-                raise ValueError(
-                    f"KvOffloadConnector does not offload Mamba groups with {what} ({field_name}="
-                    f"{getattr(spec, field_name)}); vLLM's own OffloadingConnector does"
-                )
+        if int(getattr(spec, "num_speculative_blocks", 0) or 0) > 0:
+            raise ValueError(
+                "KvOffloadConnector does not offload Mamba groups with speculative decoding's state blocks "
+                f"(num_speculative_blocks={spec.num_speculative_blocks}); vLLM's own OffloadingConnector does"
+            )
     if _dcp(vllm_config) > 1:
         raise ValueError(
             "KvOffloadConnector does not offload Mamba groups under decode context parallelism"

@@ -135,11 +135,20 @@ class Engine:
     #: it, and writes the state after its last token into the block of that
     #: token (vLLM's align mode), its whole page.
     state_groups: frozenset[int] = frozenset()
+    #: The Mamba groups whose layers export a prefill checkpoint (vLLM's
+    #: ``num_prefill_checkpoint_blocks``, set by Mamba2 and GDN layers):
+    #: their ``(prefill_checkpoint_alignment, hash block, cache-hit
+    #: alignment)``. In a step that reaches the checkpoint, the fake model
+    #: also writes the state there, into the block vLLM's own rule names
+    #: (its ``compute_mamba_prefill_checkpoints``, as a backend calls it).
+    checkpoints: dict[int, tuple[int | None, int, int]] = field(default_factory=dict)
     #: States the fake model read and found right.
     states_checked: int = 0
     #: Of those, the states it had not written itself for the request (the
     #: host tier's loads and the GPU prefix cache's hits).
     states_restored: int = 0
+    #: Prefill checkpoints the fake model wrote.
+    checkpoints_written: int = 0
     #: Per request and Mamba group, the tokens after which the fake model
     #: last wrote its state.
     state_ends: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -268,9 +277,23 @@ class Engine:
         self.state_ends[(rid, g)] = end
         block = self._state_block(g, table, end)
         assert block != 0, f"{rid}: Mamba state after {end} tokens of group {g} computed into the null block"
-        for w in range(len(self.workers)):
-            for li, name in enumerate(layers):
-                self.caches[w][name][block] = state_value(req, end - 1, self._layer_ordinal(g, li)) + w
+        writes = [(block, end)]
+        if g in self.checkpoints:
+            from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
+
+            alignment, hash_block, hit_alignment = self.checkpoints[g]
+            offsets, cols = compute_mamba_prefill_checkpoints(
+                [end], [end - start], hash_block, self.group_tpb(g), alignment, False, hit_alignment
+            )
+            if cols[0] >= 0:
+                at = start + offsets[0]
+                assert cols[0] == (at - 1) // self.group_tpb(g) and table[cols[0]] != 0, (rid, start, end, cols, table)
+                writes.append((table[cols[0]], at))
+                self.checkpoints_written += 1
+        for block, at in writes:
+            for w in range(len(self.workers)):
+                for li, name in enumerate(layers):
+                    self.caches[w][name][block] = state_value(req, at - 1, self._layer_ordinal(g, li)) + w
 
     def _places(self, table: list[int], tpb: int, p: int) -> list[tuple[int, int, int]]:
         """Where token `p` lives: ``(worker, block, slot)`` on each worker
@@ -608,6 +631,16 @@ def build(
             for i, name in enumerate(names)
         }
 
+    state_groups = frozenset(g for g, s in enumerate(specs) if isinstance(s, MambaSpec))
+    if state_groups:
+        # Where prefix-cache hits land, as vLLM's engine resolves it for its
+        # scheduler and workers (a Mamba layer's prefill checkpoint reads it).
+        from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens
+
+        kv_cache_config.hash_block_size = hash_block
+        kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+            kv_cache_config, vllm_config, sched_block, hash_block
+        )
     layout = Layout(kv_cache_config, kv_cache_config, sched_block, hash_block, cache)
     return _engine(
         vllm_config, layout, async_scheduling, world_size, fake_worker, extra, group_layers=group_layers, tpb=tpb,
@@ -618,7 +651,12 @@ def build(
         }
         if groups is not None
         else {},
-        state_groups=frozenset(g for g, s in enumerate(specs) if isinstance(s, MambaSpec)),
+        state_groups=state_groups,
+        checkpoints={
+            g: (s.prefill_checkpoint_alignment, hash_block, kv_cache_config.cache_hit_alignment_tokens)
+            for g, s in enumerate(specs)
+            if g in state_groups and s.num_prefill_checkpoint_blocks > 0
+        },
     )
 
 

@@ -685,7 +685,6 @@ def test_the_mamba_configurations_kvoffload_does_not_offload_stop_startup_with_t
     refused = [
         (dataclasses.replace(mamba(), mamba_cache_mode="none"), "in mode 'none' .set mamba_cache_mode='align'"),
         (dataclasses.replace(mamba(), num_speculative_blocks=2), "speculative decoding's state blocks"),
-        (dataclasses.replace(mamba(), num_prefill_checkpoint_blocks=1), "prefill checkpoint blocks"),
     ]
     for spec, reason in refused:
         with pytest.raises(ValueError, match=reason):

@@ -68,10 +68,12 @@ REMOTE_CASES = [
     (36, "full+ring", {"offload_prompt_only": False}, {}),
     (38, "ring+swa8", {}, {"async_scheduling": True}),
     # Mamba states (vLLM's align mode): each fetched and loaded as the
-    # state at a hit's end; beside a window, async; alone, two workers.
+    # state at a hit's end; beside a window, async; alone, two workers;
+    # Mamba2's prefill checkpoints.
     (49, "full+mamba", {"offload_prompt_only": False}, {}),
     (50, "mamba+swa8", {}, {"async_scheduling": True}),
     (51, "mamba", {"offload_prompt_only": False}, {"world_size": 2}),
+    (55, "full+mamba2", {"offload_prompt_only": False}, {}),
 ]
 
 

@@ -143,6 +143,14 @@ def mamba() -> MambaSpec:
     )
 
 
+def mamba2() -> MambaSpec:
+    """A Mamba2 layer's state (Nemotron-H, Granite 4, Falcon-H1; vLLM's
+    ``MambaMixer2``), which also exports the state at a prefill checkpoint
+    inside its forward pass (one checkpoint block, any position), so
+    vLLM's scheduler need not split a prefill at block boundaries."""
+    return dataclasses.replace(mamba(), num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
+
+
 SPECS = {
     "full+swa8": lambda: [full(), window(8)],
     "full+swa8+swa13": lambda: [full(), window(8), window(13)],
@@ -177,6 +185,8 @@ SPECS = {
     "mamba+swa8": lambda: [mamba(), window(8)],
     "mamba": lambda: [mamba()],
     "full+mamba+swa8": lambda: [full(), mamba(), window(8)],
+    "full+mamba2": lambda: [full(), mamba2()],
+    "mamba2+swa8": lambda: [mamba2(), window(8)],
 }
 CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}, 1),
@@ -309,12 +319,22 @@ CASES = [
     # that one block; a hit ends on a state boundary and loads the state
     # there. Beside full attention; first, beside a window, async; alone,
     # two workers; chunks of two blocks with requests' kv_transfer_params;
-    # with a window too, sync loads.
+    # with a window too, sync loads; self-describing events.
     (49, "full+mamba", {"offload_prompt_only": False}, {}, 1),
     (50, "mamba+swa8", {}, {"async_scheduling": True}, 1),
     (51, "mamba", {"offload_prompt_only": False}, {"world_size": 2}, 0),
     (52, "full+mamba", {"blocks_per_chunk": 2, "offload_prompt_only": False}, {"params": True}, 1),
     (53, "full+mamba+swa8", {"sync_load_budget_bytes": 8192, "offload_prompt_only": False}, {}, 0),
+    # Self-describing KV events beside a Mamba group (its chunks keep
+    # vLLM's placeholder, named by their group's kind), two workers, async.
+    (54, "full+mamba", {"self_describing_kv_events": True, "offload_prompt_only": False}, {"world_size": 2, "async_scheduling": True}, 1),
+    # Mamba2 layers (Nemotron-H, Granite 4), which export the state at a
+    # prefill checkpoint inside a forward pass (vLLM then splits no
+    # prefill at block boundaries, and hands the checkpoint's block over):
+    # beside full attention; beside a window, chunks of two blocks, async,
+    # with requests' kv_transfer_params.
+    (55, "full+mamba2", {"offload_prompt_only": False}, {}, 1),
+    (56, "mamba2+swa8", {"blocks_per_chunk": 2}, {"async_scheduling": True, "params": True}, 0),
 ]
 # The configurations the widening scripts cycle through (`select_cases`).
 _CONFIGS = list(CASES)

@@ -119,6 +119,7 @@ def worker_run(
     # Mamba groups: the states the fake model read that it had not written
     # itself for the request (loaded or a GPU prefix-cache hit), each checked.
     seen["states_restored"] = e.states_restored
+    seen["checkpoints"] = e.checkpoints_written
     if on_done is not None:
         on_done(e)
     return seen
@@ -137,6 +138,9 @@ def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
     assert seen["checked"] > 0
     mamba = any(isinstance(s, MambaSpec) for s in offloaded(SPECS[specs]()))
     assert seen["states_restored"] > 0 or not mamba, seen
+    # Mamba2 layers export prefill checkpoints, which vLLM hands over.
+    checkpointing = any(getattr(s, "num_prefill_checkpoint_blocks", 0) for s in offloaded(SPECS[specs]()))
+    assert seen["checkpoints"] > 0 or not checkpointing, seen
 
 
 @pytest.mark.parametrize(
