@@ -105,9 +105,9 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
             moved[k2] += seen[k2]
     print(f"{same} seeds the same as vLLM, {differ} different", flush=True)
     print(
-        f"with workers: {wrong} seeds with a wrong byte or a leak, {stalled} stalled in vLLM's scheduler, "
-        f"{pool} failed in vLLM's block pool "
-        f"with kvoffload idle; {moved['checked']} tokens checked, "
+        f"with workers: {wrong} seeds with a wrong byte or a leak, {stalled} stalled in vLLM's scheduler "
+        f"with kvoffload idle, {pool} failed in vLLM's block pool; "
+        f"{moved['checked']} tokens checked, "
         f"{moved['loads']} loads ({moved['window_loads']} into windowed groups), {moved['stores']} stores "
         f"({moved['holes']} holes kept in place); {moved['states_restored']} Mamba states read back and checked",
         flush=True,
