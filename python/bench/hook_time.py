@@ -21,7 +21,10 @@ take_events is drained inside its timing (vLLM's is a generator).
 manager: a full-attention group and a sliding-window group of
 `WINDOW` tokens, both connectors declaring ``SupportsHMA``): every block
 is stored or offered in both groups, and a decoding request's window
-blocks are freed behind it.
+blocks are freed behind it. ``--groups full+mamba`` runs a hybrid
+Mamba model (a full-attention group and a Mamba group in vLLM's align
+mode): a decoding request's Mamba state is handed over, and stored, at
+each block boundary it reaches.
 
 Usage (the project's vLLM venv, kvoffload installed in it):
     scripts/bench-vllm-hooks.sh [--requests 64,256,1024] [--steps 64] [--json out.json]
@@ -106,7 +109,7 @@ def measure(
     steps: int,
     kv_events: bool = False,
     self_describing: bool = False,
-    hybrid: bool = False,
+    hybrid: str | None = None,
 ) -> dict[str, Any]:
     batched = max(8192, n)
     # Every request decodes through the prefill of the last one and the timed steps.
@@ -116,10 +119,17 @@ def measure(
     groups = None
     if hybrid:
         import torch
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
         common = dict(block_size=TPB, num_kv_heads=2, head_size=4, dtype=torch.float32)
-        groups = [FullAttentionSpec(**common), SlidingWindowSpec(sliding_window=WINDOW, **common)]
+        if hybrid == "full+mamba":
+            # A state of 256 floats: the attention block's page.
+            state = MambaSpec(
+                block_size=TPB, shapes=((16, 4), (12, 16)), dtypes=(torch.float32,) * 2, mamba_cache_mode="align"
+            )
+            groups = [FullAttentionSpec(**common), state]
+        else:
+            groups = [FullAttentionSpec(**common), SlidingWindowSpec(sliding_window=WINDOW, **common)]
     ngroups = len(groups) if groups else 1
     num_gpu_blocks = ngroups * n * blocks_per_req + 64
     # Room for every block in the host tier (2 layers x K,V x 16 tokens x 2 heads x 4 floats).
@@ -205,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--groups",
         default="one",
-        choices=("one", "full+swa"),
+        choices=("one", "full+swa", "full+mamba"),
         help="one full-attention KV group, or a hybrid model (a full-attention and a "
-        f"{WINDOW}-token sliding-window group, vLLM's hybrid manager)",
+        f"{WINDOW}-token sliding-window group, or a Mamba group, vLLM's hybrid manager)",
     )
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
@@ -219,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     for ev in args.kv_events.split(","):
         for n in (int(x) for x in args.requests.split(",")):
             on, sd = ev in ("on", "self-describing"), ev == "self-describing"
-            hy = args.groups == "full+swa"
+            hy = None if args.groups == "one" else args.groups
             vs, ks = [], []
             for _ in range(max(1, args.repeat)):
                 vs.append(measure("OffloadingConnector", None, vllm_worker, n, args.steps, on, sd, hy))
