@@ -20,6 +20,7 @@ EAGLE draft groups; `--only hash`: those whose block hashes are finer
 than the blocks; `--only sizes`: those whose groups have different block
 sizes; `--only left-out`: those with groups vLLM's connector leaves out;
 `--only params`: those whose requests carry `kv_transfer_params`;
+`--only partial`: those with Mamba states inside a block;
 `--only dcp`: those with decode context parallelism),
 from seed 30,000.
 `--from SEED` starts at SEED instead (each seed keeps its configuration:
@@ -57,7 +58,15 @@ def main() -> int:
 
 def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
     same = differ = wrong = stalled = pool = 0
-    moved = {"checked": 0, "loads": 0, "window_loads": 0, "stores": 0, "holes": 0, "states_restored": 0}
+    moved = {
+        "checked": 0,
+        "loads": 0,
+        "window_loads": 0,
+        "stores": 0,
+        "holes": 0,
+        "states_restored": 0,
+        "states_restored_inside_block": 0,
+    }
     for k in range(seeds.count):
         seed = seeds.seed(k)
         _, specs, extra, opts, delay = cases[seeds.case_index(seed, len(cases))]
@@ -109,7 +118,8 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
         f"with kvoffload idle, {pool} failed in vLLM's block pool; "
         f"{moved['checked']} tokens checked, "
         f"{moved['loads']} loads ({moved['window_loads']} into windowed groups), {moved['stores']} stores "
-        f"({moved['holes']} holes kept in place); {moved['states_restored']} Mamba states read back and checked",
+        f"({moved['holes']} holes kept in place); {moved['states_restored']} Mamba states read back and checked "
+        f"({moved['states_restored_inside_block']} inside a block)",
         flush=True,
     )
     return 1 if differ or wrong else 0

@@ -13,8 +13,9 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use kvoffload::scheduler::hybrid::{
-    GpuBlock, GroupShape, HybridLookup, RecordedKeys, Retention, StorePolicy, StoreRequest,
-    StoreView, alignment_tokens, lookup_complete_chunks, plan_load, store_candidates,
+    GpuBlock, GroupShape, HybridLookup, KeyState, PartialAnswer, PartialLookup, RecordedKeys,
+    Retention, StorePolicy, StoreRequest, StoreView, alignment_tokens, lookup_complete_chunks,
+    lookup_partial_tail, plan_load, store_candidates,
 };
 use serde_json::Value;
 
@@ -78,6 +79,60 @@ fn corpus_files() -> Vec<PathBuf> {
     files
 }
 
+/// vLLM's partial tails in a case: `(tokens a hash, tokens a block)`.
+fn partial_tail(case: &Value) -> Option<(u64, u64)> {
+    let pt = case.get("partial_tail")?;
+    Some((
+        pt["tokens_per_hash"].as_u64().expect("tokens_per_hash"),
+        pt["block_tokens"].as_u64().expect("block_tokens"),
+    ))
+}
+
+/// The partial-tail lookup past a `complete` hit, answered by the key
+/// states recorded for the lookup (`[prompt tokens, [[boundary, letters],
+/// ...]]`; a boundary not listed misses in every group).
+fn ask_partial_tail(
+    (tokens_per_hash, block_tokens): (u64, u64),
+    req: HybridLookup,
+    complete: u64,
+    num_groups: usize,
+    recorded: Option<&Value>,
+) -> Option<u64> {
+    let recorded = recorded.expect("a partial-tail case records its boundaries' keys");
+    let prompt_tokens = recorded[0].as_u64().expect("prompt tokens");
+    let boundaries: std::collections::HashMap<u64, Vec<u8>> = recorded[1]
+        .as_array()
+        .expect("boundaries")
+        .iter()
+        .map(|b| {
+            (
+                b[0].as_u64().expect("a boundary"),
+                b[1].as_str().expect("letters").as_bytes().to_vec(),
+            )
+        })
+        .collect();
+    let lookup = PartialLookup {
+        computed: req.computed,
+        complete_hit: complete,
+        prompt_tokens,
+        max_load_tokens: req.max_load_tokens,
+        block_tokens,
+        tokens_per_hash,
+        num_groups,
+    };
+    let state = |boundary: u64, g: usize| match boundaries.get(&boundary).map(|l| l[g]) {
+        Some(b'H') => KeyState::Hit,
+        Some(b'P') => KeyState::HitPending,
+        Some(b'R') => KeyState::Retry,
+        _ => KeyState::Miss,
+    };
+    match lookup_partial_tail(lookup, state) {
+        PartialAnswer::Complete => Some(complete),
+        PartialAnswer::Tail(boundary) => Some(boundary - req.computed),
+        PartialAnswer::Defer => None,
+    }
+}
+
 /// The request's `max_load_tokens` as vLLM reads its `kv_transfer_params`
 /// (the corpus holds them by request): a non-negative integer; a bool, a
 /// float, a string or a negative number is ignored.
@@ -99,6 +154,8 @@ fn name(path: &Path) -> String {
 fn every_recorded_lookup_gets_vllms_answer() {
     let files = corpus_files();
     let (mut asked, mut hits, mut waits, mut unaligned) = (0, 0, 0, 0);
+    // Hits ending on a partial tail (inside a block).
+    let mut partial_hits = 0u64;
     // Lookups whose answer the request's load cap changed.
     let mut capped = 0;
     for path in &files {
@@ -130,9 +187,14 @@ fn every_recorded_lookup_gets_vllms_answer() {
                     max_new_tokens: None,
                 };
                 let want = lk[3].as_u64();
-                let got = lookup_complete_chunks(&groups, &mut keys(), req);
+                let mut got = lookup_complete_chunks(&groups, &mut keys(), req);
+                if let (Some(pt), Some(complete)) = (partial_tail(&case), got) {
+                    got = ask_partial_tail(pt, req, complete, groups.len(), lk.get(6));
+                    partial_hits +=
+                        u64::from(got.is_some_and(|h| !(req.computed + h).is_multiple_of(pt.1)));
+                }
                 assert_eq!(got, want, "{} step {n}: {lk:?}", name(path));
-                if req.max_load_tokens.is_some() {
+                if req.max_load_tokens.is_some() && partial_tail(&case).is_none() {
                     let uncapped = HybridLookup {
                         max_load_tokens: None,
                         ..req
@@ -145,7 +207,10 @@ fn every_recorded_lookup_gets_vllms_answer() {
                     Some(h) if h > 0 => {
                         hits += 1;
                         let end = req.computed + h;
-                        unaligned += usize::from(!end.is_multiple_of(groups[0].tokens_per_chunk()));
+                        unaligned += usize::from(
+                            !end.is_multiple_of(groups[0].tokens_per_chunk())
+                                && end + 1 == req.num_tokens,
+                        );
                     }
                     None => waits += 1,
                     Some(_) => {}
@@ -156,13 +221,14 @@ fn every_recorded_lookup_gets_vllms_answer() {
     // The corpus exercises what is compared.
     eprintln!(
         "{asked} lookups, {hits} hits, {waits} waits, {unaligned} ending on the last token, \
-         {capped} changed by the request's load cap"
+         {capped} changed by the request's load cap, {partial_hits} ending on a partial tail"
     );
     if committed() {
         assert!(asked >= 1000, "{asked} lookups");
         assert!(capped >= 20, "{capped} lookups changed by a load cap");
         assert!(hits >= 100 && waits >= 100, "{hits} hits, {waits} waits");
         assert!(unaligned >= 1, "no hit ending on the last token");
+        assert!(partial_hits >= 1, "no hit ending on a partial tail");
     }
 }
 

@@ -11,8 +11,8 @@
 
 use kvoffload::scheduler::hybrid::{BoundaryState, GroupAlloc, GroupShape, KvGroups, Retention};
 use kvoffload::scheduler::{
-    CompletionReport, GroupSpan, LookupOutcome, ScheduledRequest, Scheduler, SchedulerError,
-    StepInput, StepPlan, TransferJob,
+    CompletionReport, GroupSpan, LookupOutcome, RequestCaps, ScheduledRequest, Scheduler,
+    SchedulerError, StepInput, StepPlan, TransferJob,
 };
 use kvoffload::{BlockHash, ChunkKey, GpuBlockId, JobId, ManualClock, OffloadConfig, RequestId};
 use proptest::prelude::*;
@@ -385,6 +385,206 @@ fn a_mamba_state_is_stored_from_its_hand_off_and_loaded_at_the_hits_end() {
     let r3 = RequestId(3);
     s.add_request(r3, 15, &h[..3]).unwrap();
     assert_eq!(s.lookup(r3, 0).unwrap(), LookupOutcome::Hit(0));
+}
+
+/// Hashes every 2 tokens (vLLM's `prefix_match_unit` finer than the
+/// 4-token blocks): `n` of `family`'s.
+fn hash_units(family: u64, n: u64) -> Vec<BlockHash> {
+    (0..n).map(|i| BlockHash(family * 1000 + 100 + i)).collect()
+}
+
+/// The block hashes of `units` (each block's last: every second one).
+fn blocks_of(units: &[BlockHash]) -> Vec<BlockHash> {
+    units.iter().skip(1).step_by(2).copied().collect()
+}
+
+/// `family`'s first `n` hashes every 2 tokens, whose every second one is
+/// its block hash (`hashes`).
+fn units_of(family: u64, n: u64) -> Vec<BlockHash> {
+    (0..n)
+        .map(|i| {
+            if i % 2 == 1 {
+                BlockHash(family * 1000 + i / 2)
+            } else {
+                BlockHash(family * 1000 + 500 + i / 2)
+            }
+        })
+        .collect()
+}
+
+/// The partial-tail key of `group` at `boundary` tokens over `units`.
+fn tail_key(units: &[BlockHash], boundary: usize, group: u32) -> ChunkKey {
+    ChunkKey::for_group(units[boundary / 2 - 1], group)
+}
+
+#[test]
+fn partial_tails_need_vllms_conditions() {
+    // Windows beside the state, chunks of several blocks, hashes not finer
+    // than the block, no recurrent state: vLLM builds no partial tails.
+    let clock = ManualClock::new();
+    let mut windowed = Scheduler::with_groups(
+        &config(),
+        KvGroups {
+            shapes: vec![
+                GroupShape::recurrent_state(4).unwrap(),
+                GroupShape::sliding_window(4, 8).unwrap(),
+            ],
+            retention: Retention::BoundariesOnly,
+        },
+        clock.shared(),
+    )
+    .unwrap();
+    let err = windowed.enable_partial_tails(2).unwrap_err().to_string();
+    assert!(err.contains("group 1 is windowed"), "{err}");
+    let (mut s, _c) = scheduler(Retention::BoundariesOnly);
+    let err = s.enable_partial_tails(2).unwrap_err().to_string();
+    assert!(err.contains("no recurrent-state group"), "{err}");
+    let wide = OffloadConfig {
+        blocks_per_chunk: 2,
+        ..config()
+    };
+    let mut two = Scheduler::with_groups(
+        &wide,
+        KvGroups {
+            shapes: vec![
+                GroupShape::full_attention(8).unwrap(),
+                GroupShape::recurrent_state(8).unwrap(),
+            ],
+            retention: Retention::BoundariesOnly,
+        },
+        clock.shared(),
+    )
+    .unwrap();
+    let err = two.enable_partial_tails(2).unwrap_err().to_string();
+    assert!(err.contains("chunks of 2 blocks"), "{err}");
+    let (mut s, _c) = full_and_state();
+    for tph in [0, 3, 4, 8] {
+        assert!(s.enable_partial_tails(tph).is_err(), "{tph} tokens a hash");
+    }
+    assert!(!s.partial_tails_enabled());
+    s.enable_partial_tails(2).unwrap();
+    assert!(s.partial_tails_enabled());
+}
+
+#[test]
+fn a_mamba_state_inside_a_block_is_stored_with_its_attention_block_and_loaded_as_the_hits_tail() {
+    let (mut s, _clock) = full_and_state();
+    s.enable_partial_tails(2).unwrap();
+    // Request 1: an 11-token prompt, hashed every 2 tokens (5 hashes: the
+    // last at 10). vLLM computes the prompt to its last hash boundary.
+    let r1 = RequestId(1);
+    let u1 = hash_units(7, 5);
+    s.add_request(r1, 11, &blocks_of(&u1)).unwrap();
+    s.add_hash_units(r1, &u1).unwrap();
+    assert_eq!(s.num_hash_units(r1), 5);
+    assert_eq!(s.lookup(r1, 0).unwrap(), LookupOutcome::Hit(0));
+    let (g0, g1) = (ids(&[1, 2, 3]), ids(&[0, 0, 5]));
+    assert_eq!(alloc_groups(&mut s, r1, &[g0, g1], 0), None);
+    let plan = s
+        .build_step(&step_of(vec![entry(1, 0, 10, &[1, 2, 3], &[0, 0, 5])]))
+        .unwrap();
+    s.on_worker_output(&all_done(&plan));
+    let state = |block: u32, boundary: u64| BoundaryState {
+        req: r1,
+        group: 1,
+        block: GpuBlockId(block),
+        boundary,
+    };
+    // vLLM's core hands over the state at 8 (a block boundary) and, copied
+    // out of the running block 5 into block 6, the state at 10. Skipped:
+    // a boundary off the hash unit, one past the prompt.
+    let step = StepInput {
+        boundary_states: vec![state(4, 8), state(6, 10)],
+        ..StepInput::default()
+    };
+    let plan = s.build_step(&step).unwrap();
+    assert_eq!(plan.stores.len(), 2, "{:?}", plan.stores);
+    let tail = &plan.stores[1];
+    assert_spans_cover(tail);
+    // One job: the full-attention block holding tokens 8..10 (block 3, at
+    // index 2) and the handed state, each under its key at 10.
+    assert_eq!(
+        tail.keys.to_vec(),
+        vec![tail_key(&u1, 10, 0), tail_key(&u1, 10, 1)]
+    );
+    assert_eq!(tail.block_ids.to_vec(), ids(&[3, 6]));
+    assert_eq!(tail.groups, vec![span(1, 2), span(1, 2)]);
+    // Both blocks fenced from the store's creation.
+    assert_eq!(s.fenced_jobs(GpuBlockId(3)), vec![tail.job]);
+    assert_eq!(s.fenced_jobs(GpuBlockId(6)), vec![tail.job]);
+    let named: Vec<(usize, u64)> = s
+        .last_partial_tails()
+        .iter()
+        .map(|t| (t.group, t.boundary))
+        .collect();
+    assert_eq!(named, vec![(0, 10), (1, 10)]);
+    s.check_invariants().unwrap();
+    // Held already, offered again: no store. Off the hash unit, or past
+    // the prompt: skipped.
+    let again = StepInput {
+        boundary_states: vec![state(6, 10)],
+        ..StepInput::default()
+    };
+    let odd = StepInput {
+        boundary_states: vec![state(6, 9)],
+        ..StepInput::default()
+    };
+    let past = StepInput {
+        boundary_states: vec![state(6, 14)],
+        ..StepInput::default()
+    };
+    for input in [again, odd, past] {
+        assert!(s.build_step(&input).unwrap().stores.is_empty());
+    }
+    s.on_worker_output(&all_done(&plan));
+    assert!(s.fenced_jobs(GpuBlockId(6)).is_empty());
+    finish(&mut s, r1, &[1, 2, 3], 10);
+
+    // Request 2 shares the first 10 tokens (13 in all). The complete
+    // chunks hit to 8 (the state there), the partial tail at 10 in both
+    // groups ends the hit there.
+    let r2 = RequestId(2);
+    let mut u2 = u1.clone();
+    u2.push(BlockHash(99));
+    s.add_request(r2, 13, &blocks_of(&u2)).unwrap();
+    s.add_hash_units(r2, &u2).unwrap();
+    assert_eq!(s.lookup(r2, 0).unwrap(), LookupOutcome::Hit(10));
+    let (b0, b1) = (ids(&[11, 12, 13, 14]), ids(&[0, 0, 17, 18]));
+    let job = alloc_groups(&mut s, r2, &[b0, b1], 10).unwrap();
+    let plan = s.build_step(&StepInput::default()).unwrap();
+    let load = plan.loads.iter().find(|l| l.job == job).expect("the load");
+    assert_spans_cover(load);
+    // Group 0: its two chunks, then the tail into block 13; group 1: the
+    // state after 10 tokens into block 17 (index 2).
+    let want = vec![
+        key(7, 101, 0),
+        key(7, 103, 0),
+        tail_key(&u1, 10, 0),
+        tail_key(&u1, 10, 1),
+    ];
+    assert_eq!(load.keys.to_vec(), want);
+    assert_eq!(load.block_ids.to_vec(), ids(&[11, 12, 13, 17]));
+    assert_eq!(load.groups, vec![span(3, 0), span(1, 2)]);
+    let sources = s.hit_sources(r2, 10).unwrap();
+    assert_eq!((sources.host_tokens, sources.uncovered_tokens), (10, 0));
+    s.check_invariants().unwrap();
+    s.on_worker_output(&all_done(&plan));
+
+    // Request 3 has 11 tokens of that prefix but its load may take 9: the
+    // tail at 10 is past the cap, and no state is stored at the other
+    // boundaries past 8.
+    let r3 = RequestId(3);
+    s.add_request(r3, 11, &blocks_of(&u1)).unwrap();
+    s.add_hash_units(r3, &u1).unwrap();
+    s.set_request_caps(
+        r3,
+        RequestCaps {
+            max_load_tokens: Some(9),
+            ..RequestCaps::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(s.lookup(r3, 0).unwrap(), LookupOutcome::Hit(8));
 }
 
 #[test]
@@ -981,6 +1181,7 @@ proptest! {
         ],
         larger_blocks in any::<bool>(),
         eagle in any::<bool>(),
+        partial in any::<bool>(),
     ) {
         // Group 1's blocks may be twice group 0's (vLLM's larger blocks
         // for a group of smaller pages): its chunk's key is every other hash.
@@ -1000,6 +1201,13 @@ proptest! {
         let cfg = config_with_chunks(host_chunks);
         let past_the_stall_timeout = std::time::Duration::from_millis(cfg.stall_timeout_ms + 1);
         let mut s = Scheduler::with_groups(&cfg, groups, clock.shared()).unwrap();
+        // A Mamba group with hashes every 2 tokens: states inside a block
+        // too (vLLM's partial tails), handed over in blocks copied out of
+        // the running state (never given back to the pool here).
+        let partial = partial && matches!(attention, Attention::State) && !larger_blocks && !eagle;
+        if partial {
+            s.enable_partial_tails(2).unwrap();
+        }
         let mut pool = Pool::default();
         let mut running: Vec<Running> = Vec::new();
         // Preempted, to be looked up again at a later step.
@@ -1023,6 +1231,9 @@ proptest! {
                     let tokens = u64::from(blocks) * 4 + u64::from(extra);
                     let h = hashes(u64::from(family), tokens / 4);
                     s.add_request(id, tokens, &h).unwrap();
+                    if partial {
+                        s.add_hash_units(id, &units_of(u64::from(family), tokens / 2)).unwrap();
+                    }
                     let hit = match s.lookup(id, 0).unwrap() {
                         LookupOutcome::Hit(n) => n,
                         LookupOutcome::Defer => continue,
@@ -1052,6 +1263,8 @@ proptest! {
                         ..StepInput::default()
                     };
                     let mut handed: Vec<GpuBlockId> = Vec::new();
+                    // Partial tails handed over: (request, boundary, block).
+                    let mut tails: Vec<(RequestId, u64, GpuBlockId)> = Vec::new();
                     for r in running.iter_mut().filter(|r| r.load.is_none()) {
                         let n = u64::from(tokens).min(r.tokens.saturating_sub(r.computed));
                         let mut e = ScheduledRequest {
@@ -1083,6 +1296,14 @@ proptest! {
                             let block = r.blocks[1][(boundary / bt - 1) as usize];
                             input.boundary_states.push(BoundaryState { req: r.id, group: 1, block, boundary });
                         }
+                        // A prompt's step ending on a hash inside a block:
+                        // vLLM copies the state there into a new block.
+                        if partial && r.computed > before && r.computed % 4 == 2 && r.computed <= r.tokens {
+                            let block = pool.take();
+                            let boundary = r.computed;
+                            input.boundary_states.push(BoundaryState { req: r.id, group: 1, block, boundary });
+                            tails.push((r.id, boundary, block));
+                        }
                     }
                     let plan = s.build_step(&input).unwrap();
                     for job in plan.loads.iter().chain(&plan.stores) {
@@ -1096,6 +1317,21 @@ proptest! {
                             .filter(|b| b.0 != 0)
                             .find(|b| job.block_ids.contains(b));
                         prop_assert!(theirs.is_none(), "{} reads {theirs:?}, another request's", job.job);
+                        if let Some(&(_, boundary, cow)) = tails.iter().find(|t| t.0 == job.req)
+                            && job.keys.contains(&tail_key(&units_of(families[&job.req], boundary / 2), boundary as usize, 1))
+                        {
+                            // A partial tail: group 0's block holding its
+                            // last token, group 1's the handed block.
+                            let idx = (boundary / 4) as usize;
+                            let table = s.request_group_blocks(job.req, 0).unwrap_or_default();
+                            let mut want = Vec::new();
+                            if job.groups[0].num_keys == 1 {
+                                want.push(table[idx]);
+                            }
+                            want.push(cow);
+                            prop_assert_eq!(job.block_ids.to_vec(), want, "{} partial tail at {}", job.job, boundary);
+                            continue;
+                        }
                         let held = running
                             .iter()
                             .find(|r| r.id == job.req && matches!(window.attention, Attention::State))

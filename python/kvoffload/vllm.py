@@ -375,15 +375,9 @@ def check_mamba_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
     """Refuses, with the reason, the Mamba configurations kvoffload does not
     offload: a Mamba group outside ``mamba_cache_mode="align"`` (its state
     is then not kept at block boundaries, and vLLM caches none of it);
-    speculative decoding's state blocks; decode context
-    parallelism; block hashes finer than a Mamba block (vLLM's
-    ``prefix_match_unit``, which makes vLLM offload partial-block
-    "partial tail" states through copy-on-write jobs that kvoffload does
-    not plan). With all groups of one block size and no
-    ``prefix_match_unit`` (vLLM's defaults for hybrid Mamba models),
-    none of these applies."""
-    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
-
+    speculative decoding's state blocks; decode context parallelism. Block
+    hashes finer than a Mamba block (vLLM's ``prefix_match_unit``) are
+    checked with the chunk size (`kv_partial_tails`)."""
     mamba = [g for g in kv_offloaded_groups(kv_cache_config) if isinstance(g.kv_cache_spec, MambaSpec)]
     if not mamba:
         return
@@ -404,15 +398,62 @@ def check_mamba_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
         raise ValueError(
             "KvOffloadConnector does not offload Mamba groups under decode context parallelism"
         )
+
+
+def kv_partial_tails(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, blocks_per_chunk: int) -> bool:
+    """Whether Mamba states are offloaded at hash boundaries inside a block
+    ("partial tails"): vLLM hashes finer than a Mamba block (its
+    ``prefix_match_unit``), and vLLM's connector builds them
+    (``supports_partial_tail``): chunks of one block, every offloaded group
+    of one block size, no windowed group but Mamba's. Refuses, with the
+    reason, finer hashes where vLLM builds none (kvoffload was not checked
+    against vLLM there), beside an EAGLE/MTP draft group, and with Mamba
+    layers that export prefill checkpoints (Mamba2, GDN), where vLLM
+    0.33.0's own prefix cache serves wrong states."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    groups = kv_offloaded_groups(kv_cache_config)
+    mamba = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    if not mamba:
+        return False
     _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
-    for g in mamba:
-        if int(g.kv_cache_spec.block_size) != tokens_per_hash:
-            raise ValueError(
-                f"KvOffloadConnector offloads Mamba state at its blocks' boundaries: vLLM hashes every "
-                f"{tokens_per_hash} tokens (prefix_match_unit), finer than the Mamba block of "
-                f"{g.kv_cache_spec.block_size}, which needs vLLM's partial-tail states (not built); "
-                f"leave prefix_match_unit unset or set it to {g.kv_cache_spec.block_size}"
-            )
+    if all(int(g.kv_cache_spec.block_size) <= tokens_per_hash for g in mamba):
+        return False
+    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    windowed = [
+        type(g.kv_cache_spec).__name__
+        for g in groups
+        if isinstance(g.kv_cache_spec, _WINDOWED_SPECS)
+    ]
+    why = (
+        f"chunks of {blocks_per_chunk} blocks" if blocks_per_chunk != 1
+        else f"KV groups of block sizes {sorted(sizes)}" if len(sizes) != 1
+        else f"a windowed group ({windowed[0]})" if windowed
+        else "an EAGLE/MTP draft group" if kv_eagle_groups(kv_cache_config)
+        else None
+    )
+    if why is not None:
+        raise ValueError(
+            f"KvOffloadConnector offloads Mamba states inside a block (vLLM hashes every {tokens_per_hash} "
+            f"tokens, prefix_match_unit, finer than the Mamba block of {mamba[0].kv_cache_spec.block_size}) "
+            f"only as vLLM's connector does: chunks of one block, one block size, no windowed or draft group; "
+            f"this configuration has {why}. Leave prefix_match_unit unset, or set it to the Mamba block"
+        )
+    if any(int(getattr(g.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) or 0) > 0 for g in mamba):
+        # vLLM 0.33.0's Mamba manager, with a prefill checkpoint instead of
+        # block-split prefills (Mamba2, GDN), caches the block of a hit
+        # inside a block under the next block boundary's hash while it
+        # holds the state at the hit: later hits there read a wrong state
+        # (docs/hybrid-groups.md, step 22). Offloading would carry it to
+        # the host tier and to other nodes.
+        raise ValueError(
+            f"KvOffloadConnector does not offload Mamba states inside a block (prefix_match_unit "
+            f"{tokens_per_hash}, finer than the Mamba block of {mamba[0].kv_cache_spec.block_size}) for Mamba "
+            "layers with prefill checkpoints (Mamba2, GDN): vLLM 0.33.0's prefix cache then keys a block "
+            "holding the state at a hit inside a block as the state at the next block boundary, and the "
+            "offload tiers would spread that state. Leave prefix_match_unit unset, or set it to the Mamba block"
+        )
+    return True
 
 
 def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None:
@@ -799,6 +840,7 @@ class _SchedulerSide:
             eagle_groups=kv_eagle_groups(kv_cache_config) if self.windows else [],
             hashes_per_block=kv_hashes_per_block(vllm_config, kv_cache_config) if self.windows else 1,
             block_tokens=kv_group_block_tokens(kv_cache_config, _dcp(vllm_config)) if self.windows else [],
+            partial_tails=bool(self.windows) and kv_partial_tails(vllm_config, kv_cache_config, cfg.blocks_per_chunk),
         )
         #: Per KV group, the kind and window its events carry (self-describing).
         self.event_specs = (
@@ -1097,12 +1139,15 @@ class _SchedulerSide:
         a placeholder for a chunk without one."""
         for item in items:
             if isinstance(item, tuple):
-                hashes, parent, tokens, lora_id, lora_name = item
+                hashes, parent, tokens, lora_id, lora_name = item[:5]
+                # A partial tail's payload carries its own block size (the
+                # hash unit: its hashes end inside the block).
+                block_size = item[5] if len(item) > 5 else tpb
                 yield BlockStored(
                     block_hashes=[convert(h) for h in hashes],
                     parent_block_hash=convert(parent) if parent is not None else None,
                     token_ids=tokens,
-                    block_size=tpb,
+                    block_size=block_size,
                     lora_id=lora_id,
                     medium="CPU",
                     lora_name=lora_name,

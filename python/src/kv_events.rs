@@ -13,6 +13,7 @@
 
 use kvoffload::manager::LookupResult;
 use kvoffload::scheduler::Scheduler;
+use kvoffload::scheduler::hybrid::PartialTailKey;
 use kvoffload::{BlockHash, ChunkKey};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -68,6 +69,21 @@ fn block_hash_at(
     Ok(block_hashes
         .get_item(block_hash_index(b, per_block))?
         .unbind())
+}
+
+/// A request's LoRA as an event names it: `(lora_id, lora_name)`, both
+/// `None` without one.
+fn lora_of(request: &Bound<'_, PyAny>) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    let py = request.py();
+    let lora = request.getattr(intern!(py, "lora_request"))?;
+    Ok(if lora.is_none() {
+        (py.None(), py.None())
+    } else {
+        (
+            lora.getattr(intern!(py, "adapter_id"))?.unbind(),
+            lora.getattr(intern!(py, "name"))?.unbind(),
+        )
+    })
 }
 
 /// One translated event: `(removed, group, items)`, the items of one KV
@@ -264,6 +280,111 @@ impl EventTracker {
         Ok(())
     }
 
+    /// Records partial tails (recurrent states inside a block, vLLM's
+    /// `record_partial_store` / `record_partial_lookup`) of `request`:
+    /// `stored`, a store job writes them (their hash, vLLM's at the
+    /// boundary, names them; a payload replaces any held); else a lookup
+    /// found them (a payload only where none is held). Payloads are
+    /// full-attention groups' only, and cover the block's valid hashes and
+    /// tokens up to the boundary, `tokens_per_hash` tokens a hash.
+    pub(crate) fn record_partial_tails(
+        &mut self,
+        request: &Bound<'_, PyAny>,
+        tails: &[PartialTailKey],
+        tokens_per_hash: usize,
+        stored: bool,
+    ) -> PyResult<()> {
+        if tails.is_empty() || tokens_per_hash == 0 {
+            return Ok(());
+        }
+        let py = request.py();
+        let list = request.getattr(intern!(py, "block_hashes"))?;
+        let list = list.cast::<PyList>()?;
+        for t in tails {
+            let boundary = t.boundary as usize;
+            let Some(idx) = (boundary / tokens_per_hash).checked_sub(1) else {
+                continue;
+            };
+            if idx >= list.len() {
+                continue;
+            }
+            let group = t.group as u32;
+            if stored {
+                if let std::collections::hash_map::Entry::Vacant(e) = self.key_bytes.entry(t.key.0)
+                {
+                    e.insert(list.get_item(idx)?.unbind());
+                }
+                if group != 0 {
+                    self.key_group.insert(t.key.0, group);
+                }
+            }
+            if !self.describes(group) {
+                continue;
+            }
+            let held = self
+                .payloads
+                .as_ref()
+                .is_some_and(|p| p.contains_key(&t.key.0));
+            if self.payloads.is_none() || (!stored && held) {
+                continue;
+            }
+            let payload = self.partial_payload(request, list, boundary, tokens_per_hash)?;
+            if let Some(p) = &mut self.payloads {
+                p.insert(t.key.0, payload);
+            }
+        }
+        Ok(())
+    }
+
+    /// A partial tail's payload (vLLM's `_record_partial_tail`): the hashes
+    /// and tokens from its block's start to `boundary`, the hash before
+    /// them, the request's LoRA, and `tokens_per_hash` as its block size
+    /// (a sixth field).
+    fn partial_payload(
+        &self,
+        request: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyList>,
+        boundary: usize,
+        tokens_per_hash: usize,
+    ) -> PyResult<Payload> {
+        let py = request.py();
+        let start = ((boundary - 1) / self.tokens_per_chunk) * self.tokens_per_chunk;
+        let first = start / tokens_per_hash;
+        let last = boundary / tokens_per_hash;
+        let hashes = PyList::new(
+            py,
+            (first..last)
+                .map(|i| Ok(block_hashes.get_item(i)?.unbind()))
+                .collect::<PyResult<Vec<_>>>()?,
+        )?;
+        let parent = if first == 0 {
+            py.None()
+        } else {
+            block_hashes.get_item(first - 1)?.unbind()
+        };
+        let tokens = request.getattr(intern!(py, "all_token_ids"))?;
+        let tokens = tokens.get_item(PySlice::new(py, start as isize, boundary as isize, 1))?;
+        let tokens = PyList::new(py, tokens.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
+        let (lora_id, lora_name) = lora_of(request)?;
+        let block_hashes = hashes.into_any().unbind();
+        let fields = PyTuple::new(
+            py,
+            [
+                block_hashes.clone_ref(py),
+                parent,
+                tokens.into_any().unbind(),
+                lora_id,
+                lora_name,
+                tokens_per_hash.into_pyobject(py)?.into_any().unbind(),
+            ],
+        )?;
+        Ok(Payload {
+            fields: fields.unbind(),
+            block_hashes,
+            resident: true,
+        })
+    }
+
     /// Chunk `c`'s payload in a group of `factor` configuration blocks a
     /// block, read from the request: its block hashes, the hash before
     /// them, its tokens and the request's LoRA.
@@ -299,15 +420,7 @@ impl EventTracker {
             1,
         ))?;
         let tokens = PyList::new(py, tokens.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
-        let lora = request.getattr(intern!(py, "lora_request"))?;
-        let (lora_id, lora_name) = if lora.is_none() {
-            (py.None(), py.None())
-        } else {
-            (
-                lora.getattr(intern!(py, "adapter_id"))?.unbind(),
-                lora.getattr(intern!(py, "name"))?.unbind(),
-            )
-        };
+        let (lora_id, lora_name) = lora_of(request)?;
         let block_hashes = hashes.into_any().unbind();
         let fields = PyTuple::new(
             py,
@@ -469,6 +582,53 @@ mod tests {
 
     fn text(py: Python<'_>, v: &Py<PyAny>) -> String {
         v.bind(py).repr().unwrap().to_string()
+    }
+
+    #[test]
+    fn a_partial_tail_is_named_by_the_hash_at_its_boundary_and_described_up_to_it() {
+        with_python(|py| {
+            // Chunks of one 4-token block, a hash every token (the 4 hashes
+            // of the request's first block), two groups: 1 a Mamba state.
+            let cfg = OffloadConfig::from_json_str(
+                r#"{"tokens_per_block": 4, "blocks_per_chunk": 1, "num_cpu_chunks": 8, "world_size": 1}"#,
+            )
+            .unwrap();
+            let mut s = Scheduler::new(&cfg, ManualClock::new().shared()).unwrap();
+            let (req, hashes) = request(py, "p");
+            let tail = |group: usize| PartialTailKey {
+                req: kvoffload::RequestId(1),
+                group,
+                boundary: 3,
+                key: ChunkKey::for_group(hashes[2], group as u32),
+            };
+            for self_describing in [false, true] {
+                let mut t =
+                    EventTracker::new(1, 4, self_describing, vec![false, true], 4, Vec::new());
+                // A lookup only describes (and only self-describing).
+                t.record_partial_tails(&req, &[tail(0)], 1, false).unwrap();
+                assert_eq!(t.held_hashes(), 0);
+                assert_eq!(t.held_payloads(), usize::from(self_describing));
+                t.record_partial_tails(&req, &[tail(0), tail(1)], 1, true)
+                    .unwrap();
+                let keys = [tail(0).key, tail(1).key];
+                store(&mut s, &keys, StoreOutcome::Success);
+                let ev = t.take(py, &mut s).unwrap();
+                let items: Vec<(u32, String)> = ev
+                    .iter()
+                    .flat_map(|(_, g, items)| items.iter().map(|i| (*g, text(py, i))))
+                    .collect();
+                // The hash of the first 3 tokens names both; full attention's
+                // payload covers its block's 3 valid tokens, a hash a token.
+                let first = if self_describing {
+                    "([b'p0', b'p1', b'p2'], None, [100, 101, 102], None, None, 1)"
+                } else {
+                    "b'p2'"
+                };
+                assert_eq!(items, [(0, first.to_string()), (1, "b'p2'".to_string())]);
+                s.manager_mut().reset();
+                t.reset();
+            }
+        });
     }
 
     #[test]

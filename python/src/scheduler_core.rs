@@ -207,8 +207,20 @@ impl SchedulerCore {
         let sent = t.hashes.len();
         let per_block = self.hashes_per_block;
         let blocks = list.len() / per_block;
-        if blocks == sent && !force {
+        // Partial tails need every hash, not only each block's last.
+        let units_sent = if self.s.partial_tails_enabled() {
+            self.s.num_hash_units(id)
+        } else {
+            list.len()
+        };
+        if blocks == sent && units_sent == list.len() && !force {
             return Ok(sent);
+        }
+        if units_sent < list.len() {
+            let units = (units_sent..list.len())
+                .map(|i| Ok(block_hash(list.get_item(i)?.cast::<PyBytes>()?.as_bytes())))
+                .collect::<PyResult<Vec<_>>>()?;
+            self.s.add_hash_units(id, &units).map_err(value_error)?;
         }
         for b in sent..blocks {
             let item = list.get_item(block_hash_index(b, per_block))?;
@@ -223,6 +235,11 @@ impl SchedulerCore {
             .update_request(id, num_tokens, &t.hashes[sent..])
             .map_err(value_error)?;
         Ok(t.hashes.len())
+    }
+
+    /// vLLM's tokens a block hash (its `prefix_match_unit`).
+    fn tokens_per_hash(&self) -> usize {
+        self.cfg.tokens_per_block as usize / self.hashes_per_block.max(1)
     }
 
     /// The request a scheduler-output key names: by the key object's
@@ -558,6 +575,19 @@ impl SchedulerCore {
             for st in plan.stores.iter().chain(&plan.fetches) {
                 self.remember_store_keys(py, st.req, &st.keys, &st.groups)?;
             }
+            // Partial tails' stores, named by vLLM's hash at their boundary.
+            let tph = self.tokens_per_hash();
+            for t in self.s.last_partial_tails() {
+                if let Some(tracked) = self.tracked.get(&t.req) {
+                    let request = tracked.request.bind(py);
+                    self.events.record_partial_tails(
+                        request,
+                        std::slice::from_ref(t),
+                        tph,
+                        true,
+                    )?;
+                }
+            }
         }
         encode_worker_plan(&plan, self.cfg.blocks_per_chunk, &mut self.wire);
         let load_requests: HashMap<u64, String> = plan
@@ -685,8 +715,12 @@ impl SchedulerCore {
     /// group of smaller pages larger blocks; empty: the configuration's for
     /// every group). The request's hashes are then taken one per
     /// configuration block, and a group's chunk key is the last in it.
+    /// `partial_tails`: recurrent-state groups keep states at hash
+    /// boundaries inside a block (vLLM's partial tails, with
+    /// `hashes_per_block` > 1 and a `"recurrent_state"` group); every hash
+    /// of a request is then given to the scheduler too.
     #[new]
-    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false, groups = None, retention_interval = None, eagle_groups = Vec::new(), hashes_per_block = 1, block_tokens = Vec::new()))]
+    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false, groups = None, retention_interval = None, eagle_groups = Vec::new(), hashes_per_block = 1, block_tokens = Vec::new(), partial_tails = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         config_json: &str,
@@ -699,6 +733,7 @@ impl SchedulerCore {
         eagle_groups: Vec<usize>,
         hashes_per_block: usize,
         block_tokens: Vec<u64>,
+        partial_tails: bool,
     ) -> PyResult<Self> {
         let cfg = OffloadConfig::from_json_str(config_json).map_err(value_error)?;
         if hashes_per_block == 0
@@ -758,6 +793,11 @@ impl SchedulerCore {
             }
         }
         .map_err(value_error)?;
+        if partial_tails {
+            let tokens_per_hash = u64::from(cfg.tokens_per_block) / hashes_per_block as u64;
+            s.enable_partial_tails(tokens_per_hash)
+                .map_err(value_error)?;
+        }
         // No events published: the host tier logs none (nothing to drain).
         s.manager_mut().set_events_logged(kv_events);
         let events = EventTracker::new(
@@ -919,6 +959,9 @@ impl SchedulerCore {
             }
             self.events
                 .record_group_lookup(&src, self.s.last_lookup_group_hits())?;
+            let tph = self.tokens_per_hash();
+            self.events
+                .record_partial_tails(request, self.s.last_partial_tails(), tph, false)?;
         }
         match outcome {
             LookupOutcome::Hit(n) => Ok(Some(n)),

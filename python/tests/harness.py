@@ -147,8 +147,13 @@ class Engine:
     #: Of those, the states it had not written itself for the request (the
     #: host tier's loads and the GPU prefix cache's hits).
     states_restored: int = 0
+    #: Of those, the states after a number of tokens inside a block (vLLM's
+    #: partial tails, with block hashes finer than the blocks).
+    states_restored_inside_block: int = 0
     #: Prefill checkpoints the fake model wrote.
     checkpoints_written: int = 0
+    #: Blocks copied as vLLM's scheduler asked (``kv_cache_block_copies``).
+    block_copies: int = 0
     #: Per request and Mamba group, the tokens after which the fake model
     #: last wrote its state.
     state_ends: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -273,7 +278,9 @@ class Engine:
             assert block != 0, f"{rid}: no block holds its Mamba state after {start} tokens in group {g}"
             self._check_state(f"{rid}: step from {start}", req, g, layers, block, start)
             self.states_checked += 1
-            self.states_restored += self.state_ends.get((rid, g)) != start
+            restored = self.state_ends.get((rid, g)) != start
+            self.states_restored += restored
+            self.states_restored_inside_block += restored and start % self.group_tpb(g) != 0
         self.state_ends[(rid, g)] = end
         block = self._state_block(g, table, end)
         assert block != 0, f"{rid}: Mamba state after {end} tokens of group {g} computed into the null block"
@@ -287,9 +294,15 @@ class Engine:
             )
             if cols[0] >= 0:
                 at = start + offsets[0]
-                assert cols[0] == (at - 1) // self.group_tpb(g) and table[cols[0]] != 0, (rid, start, end, cols, table)
-                writes.append((table[cols[0]], at))
-                self.checkpoints_written += 1
+                # At a block boundary, the block ending there; with hashes
+                # finer than the blocks, a block vLLM reserves (and keys at
+                # the checkpoint) where the prefill ends, elsewhere the null
+                # block, where vLLM's model runner writes it
+                # (`_gather_checkpoint_state_indices`): nothing kept.
+                assert at % self.group_tpb(g) or cols[0] == (at - 1) // self.group_tpb(g), (rid, start, end, cols)
+                if table[cols[0]] != 0:
+                    writes.append((table[cols[0]], at))
+                    self.checkpoints_written += 1
         for block, at in writes:
             for w in range(len(self.workers)):
                 for li, name in enumerate(layers):
@@ -387,11 +400,19 @@ class Engine:
         meta = so.kv_connector_metadata
         outs = []
         ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+        metas = []
         for w, wc in enumerate(self.workers):
             m = copy.deepcopy(meta)
             if self.on_worker_meta is not None:
                 self.on_worker_meta(w, m)
             wc.handle_preemptions(m)
+            metas.append(m)
+        if self.workers:
+            # vLLM's model runner: the connector's preemption handling (its
+            # flush of stores still reading reallocated blocks) first, then
+            # the block copies, then the loads.
+            self._copy_blocks(so)
+        for wc, m in zip(self.workers, metas):
             wc.bind_connector_metadata(m)
             wc.start_load_kv(ctx)
         if self.workers:
@@ -429,6 +450,18 @@ class Engine:
         else:
             self.scheduler.update_from_output(so, mro)
         return so
+
+    def _copy_blocks(self, so: Any) -> None:
+        """vLLM's model runner's block copies (``kv_cache_block_copies``,
+        before the connector's loads and the forward pass): the Mamba
+        manager copies a state it caches inside a block out of the running
+        block (copy-on-write), in every layer on every worker."""
+        for src, dst in getattr(so, "kv_cache_block_copies", None) or ():
+            for cache in self.caches:
+                for layers in self.group_layers:
+                    for name in layers:
+                        cache[name][dst] = cache[name][src]
+            self.block_copies += 1
 
     def _output(self, so: Any, kv: KVConnectorOutput) -> ModelRunnerOutput:
         """One worker's model output for the step: a sampled token for every

@@ -690,11 +690,31 @@ def test_the_mamba_configurations_kvoffload_does_not_offload_stop_startup_with_t
         with pytest.raises(ValueError, match=reason):
             kv._engine_config(vllm_config, with_mamba(spec))
     # Block hashes finer than the Mamba block (prefix_match_unit): vLLM's
-    # partial-tail states, not built.
+    # partial tails (test_hybrid_vllm.py's cases 57 to 61) where vLLM's
+    # connector builds them; refused by name where it does not.
     fine = copy.copy(vllm_config)
     fine.cache_config = dataclasses.replace(vllm_config.cache_config, prefix_match_unit=2)
-    with pytest.raises(ValueError, match="hashes every 2 tokens .prefix_match_unit., finer than the Mamba block of 4"):
-        kv._engine_config(fine, config)
+    kv._engine_config(fine, config)
+    assert kv.kv_partial_tails(fine, config, 1)
+    assert not kv.kv_partial_tails(vllm_config, config, 1)
+    with pytest.raises(ValueError, match="hashes every 2 tokens, prefix_match_unit, finer than the Mamba block of 4.*chunks of 2 blocks"):
+        kv.kv_partial_tails(fine, config, 2)
+    draft = dataclasses.replace(config.kv_cache_groups[0], is_eagle_group=True)
+    with pytest.raises(ValueError, match="an EAGLE/MTP draft group"):
+        kv.kv_partial_tails(fine, dataclasses.replace(config, kv_cache_groups=[draft, config.kv_cache_groups[1]]), 1)
+    w = harness.build(extra={"num_cpu_chunks": 64}, tpb=4, groups=SPECS["full+mamba+swa8"]())
+    windowed = copy.copy(w.connector._vllm_config)
+    windowed.cache_config = dataclasses.replace(windowed.cache_config, prefix_match_unit=2)
+    with pytest.raises(ValueError, match="a windowed group .SlidingWindowSpec."):
+        kv.kv_partial_tails(windowed, w.connector._kv_cache_config, 1)
+    # Mamba2 (and GDN) layers export prefill checkpoints, where vLLM's own
+    # prefix cache serves wrong states inside a block
+    # (test_hybrid_worker.py's test_vllm_serves_a_wrong_mamba2_state_inside_a_block_on_its_own).
+    m2 = harness.build(extra={"num_cpu_chunks": 64}, tpb=4, groups=SPECS["full+mamba2"]())
+    m2_config = copy.copy(m2.connector._vllm_config)
+    m2_config.cache_config = dataclasses.replace(m2_config.cache_config, prefix_match_unit=2)
+    with pytest.raises(ValueError, match="Mamba layers with prefill checkpoints .Mamba2, GDN."):
+        kv.kv_partial_tails(m2_config, m2.connector._kv_cache_config, 1)
     # Decode context parallelism.
     dcp = copy.copy(vllm_config)
     dcp.parallel_config = copy.copy(vllm_config.parallel_config)

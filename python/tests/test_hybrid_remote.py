@@ -74,6 +74,9 @@ REMOTE_CASES = [
     (50, "mamba+swa8", {}, {"async_scheduling": True}),
     (51, "mamba", {"offload_prompt_only": False}, {"world_size": 2}),
     (55, "full+mamba2", {"offload_prompt_only": False}, {}),
+    # Mamba states inside a block (hashes finer than the blocks): node B
+    # fetches the complete chunks; partial tails are its host tier's only.
+    (57, "full+mamba", {"offload_prompt_only": False}, {"hash_tokens": 2}),
 ]
 
 

@@ -49,6 +49,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
+from vllm.v1.kv_offload.base import make_offload_key
 from vllm.v1.request import RequestStatus
 
 TPB = 4
@@ -335,6 +336,20 @@ CASES = [
     # with requests' kv_transfer_params.
     (55, "full+mamba2", {"offload_prompt_only": False}, {}, 1),
     (56, "mamba2+swa8", {"blocks_per_chunk": 2}, {"async_scheduling": True, "params": True}, 0),
+    # Mamba states inside a block: block hashes finer than the blocks
+    # (prefix_match_unit), which vLLM's core keys and caches a state at
+    # (its "partial tails": the state at the prompt's last hash boundary,
+    # copied out of the running block), and its connector stores and loads
+    # with the attention groups' block there. Two and four hashes a block;
+    # self-describing events, two workers, async; sync loads. (Not Mamba2:
+    # `test_hybrid_worker.py`'s
+    # `test_vllm_serves_a_wrong_mamba2_state_inside_a_block_on_its_own`.)
+    (57, "full+mamba", {"offload_prompt_only": False}, {"hash_tokens": 2}, 1),
+    (58, "full+mamba", {"self_describing_kv_events": True, "offload_prompt_only": False},
+     {"hash_tokens": 1, "world_size": 2, "async_scheduling": True}, 1),
+    # (Not with requests' max_offload_tokens: vLLM's connector then asserts
+    # a hand-off past the cap, `test_partial_tails_past_a_store_cap`.)
+    (61, "full+mamba", {"sync_load_budget_bytes": 8192}, {"hash_tokens": 2}, 0),
 ]
 # The configurations the widening scripts cycle through (`select_cases`).
 _CONFIGS = list(CASES)
@@ -349,7 +364,8 @@ CASES += [(10395, "full+ring", {"offload_prompt_only": False}, {}, 1)]
 def select_cases(only: str | None) -> list[tuple]:
     """The cases the widening scripts cycle through: all, or those whose
     group names contain `only` (``eagle``: those with draft groups;
-    ``hash``: those with block hashes finer than the blocks; ``sizes``: those
+    ``hash``: those with block hashes finer than the blocks; ``partial``:
+    those with Mamba states inside a block; ``sizes``: those
     whose groups have different block sizes; ``left-out``: those with groups
     vLLM's connector leaves out; ``params``: those whose requests carry
     ``kv_transfer_params``; ``dcp``: those with decode context
@@ -364,6 +380,8 @@ def select_cases(only: str | None) -> list[tuple]:
         return [c for c in _CONFIGS if c[3].get("eagle_groups")]
     if only == "hash":
         return [c for c in _CONFIGS if c[3].get("hash_tokens")]
+    if only == "partial":
+        return [c for c in _CONFIGS if partial_tail_case(c[1], c[3])]
     if only == "sizes":
         return [c for c in _CONFIGS if len({s.block_size for s in SPECS[c[1]]()}) > 1]
     if only == "left-out":
@@ -472,6 +490,28 @@ def key_state(sched: Any, key: Any, req_context: Any) -> str:
     return letter.lower() if key in (sched._chunks_being_loaded or ()) else letter
 
 
+def partial_key_states(sched: Any, request: Any, req_context: Any) -> list:
+    """What a partial-tail lookup of `request` could ask vLLM's manager:
+    ``[prompt tokens, [[boundary, letters], ...]]``, per hash boundary
+    inside a block before the prompt's end where a key is known, a letter
+    per group (`key_state`, upper case: a partial tail's lookup does not
+    look at loads in flight)."""
+    tph = sched.config.tokens_per_hash
+    block = sched._partial_tail_block_size
+    out = []
+    for boundary in range(tph, request.num_prompt_tokens, tph):
+        if boundary % block == 0:
+            continue
+        key_hash = request.block_hashes[boundary // tph - 1]
+        letters = "".join(
+            key_state(sched, make_offload_key(key_hash, gc.group_idx), req_context).upper()
+            for gc in sched.config.kv_group_configs
+        )
+        if letters.strip("M"):
+            out.append([boundary, letters])
+    return [request.num_prompt_tokens, out]
+
+
 def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[list[dict], dict]:
     """vLLM's connector on the seed's workload, step by step, and what vLLM
     derived from the configuration (the hit alignment, the retention
@@ -499,6 +539,10 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
             st = sched._req_status[request.request_id]
             rec.append(["".join(key_state(sched, key, st.req_context) for key in gs.offload_keys)
                         for gs in st.group_states])
+            if sched.config.supports_partial_tail:
+                # Partial tails: per hash boundary inside a block (up to the
+                # prompt's end), each group's key there, as above.
+                rec.append(partial_key_states(sched, request, st.req_context))
         lookups.append(rec)
         return got
 
@@ -630,6 +674,11 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
         "alignment_tokens": sched.config.alignment_tokens,
         "retention_interval": sched.config.retention_interval,
     }
+    if sched.config.supports_partial_tail:
+        derived["partial_tail"] = {
+            "tokens_per_hash": sched.config.tokens_per_hash,
+            "block_tokens": sched._partial_tail_block_size,
+        }
     return json.loads(json.dumps(steps, default=repr)), derived
 
 
@@ -849,6 +898,15 @@ def test_kvoffload_answers_as_vllm_on_hybrid_configs(seed: int, specs: str, extr
     assert len(got) == len(want), f"{len(got)} steps != vLLM's {len(want)}"
 
 
+def partial_tail_case(specs: str, opts: dict) -> bool:
+    """Whether a case has vLLM's partial tails: a Mamba group, and block
+    hashes finer than its blocks."""
+    groups = SPECS[specs]()
+    return bool(opts.get("hash_tokens")) and any(
+        isinstance(s, MambaSpec) and s.block_size > opts["hash_tokens"] for s in groups
+    )
+
+
 def window_chunks(tokens: int, tokens_per_chunk: int) -> int:
     """vLLM's ``get_sliding_window_size_in_chunks`` (no extra retained tokens)."""
     return -(-(tokens - 1) // tokens_per_chunk) if tokens > 1 else 1
@@ -878,11 +936,18 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
     # hit every token.
     windowed = any(isinstance(s, (SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec)) for s in groups)
     last = 1 if windowed or opts.get("eagle_groups") else 0
+    # Mamba states inside a block (vLLM's partial tails, with hashes finer
+    # than the blocks): a hit may also end on a hash boundary inside the
+    # block after its complete chunks.
+    partial = partial_tail_case(specs, opts)
     for rid, computed, num_tokens, hit, *_ in hits:
         assert computed + hit <= num_tokens - last, (rid, computed, num_tokens, hit)
         # On a chunk boundary (of the group of the smallest chunks), or at
         # that last token (not aligned).
         end = computed + hit
+        if partial and end % align:
+            assert end % opts["hash_tokens"] == 0, (rid, computed, num_tokens, hit)
+            continue
         assert end % align == 0 or end == num_tokens - 1, (rid, computed, num_tokens, hit)
         assert hit >= align, "a hit is at least one chunk"
     for st in steps:
@@ -909,8 +974,10 @@ def test_recorded_hybrid_runs_follow_the_documented_rules(
                     assert len(blocks) <= limit, (rid, g, per_group)
                 elif isinstance(spec, MambaSpec):
                     # A Mamba group loads one block: the state at the hit's
-                    # end, which is on one of its chunks.
-                    assert len(blocks) == 1 and (computed + hit) % tpc == 0, (rid, g, computed, hit, per_group)
+                    # end, which is on one of its chunks (or, a partial
+                    # tail, on a hash boundary inside one).
+                    unit = opts["hash_tokens"] if partial else tpc
+                    assert len(blocks) == 1 and (computed + hit) % unit == 0, (rid, g, computed, hit, per_group)
                 else:
                     # A full-attention group loads everything past the GPU hit.
                     assert first == computed // tpb, (rid, g, computed, per_group)

@@ -16,7 +16,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 import kvoffload._native as native
 from harness import build
-from test_hybrid_vllm import CASES, SPECS, TPB, drive, engine_options, offloaded
+from test_hybrid_vllm import CASES, SPECS, TPB, drive, engine_options, offloaded, partial_tail_case
 
 #: The cases run with real workers: every kind of group mix, chunks of one,
 #: two and four blocks, async scheduling, two workers, sync loads, short
@@ -120,6 +120,8 @@ def worker_run(
     # itself for the request (loaded or a GPU prefix-cache hit), each checked.
     seen["states_restored"] = e.states_restored
     seen["checkpoints"] = e.checkpoints_written
+    seen["states_restored_inside_block"] = e.states_restored_inside_block
+    seen["block_copies"] = e.block_copies
     if on_done is not None:
         on_done(e)
     return seen
@@ -141,6 +143,10 @@ def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
     # Mamba2 layers export prefill checkpoints, which vLLM hands over.
     checkpointing = any(getattr(s, "num_prefill_checkpoint_blocks", 0) for s in offloaded(SPECS[specs]()))
     assert seen["checkpoints"] > 0 or not checkpointing, seen
+    # Hashes finer than a Mamba block: states inside a block (vLLM's
+    # partial tails, copied out of the running block) come back too.
+    if partial_tail_case(specs, opts):
+        assert seen["states_restored_inside_block"] > 0 and seen["block_copies"] > 0, seen
 
 
 @pytest.mark.parametrize(
@@ -262,3 +268,25 @@ def test_a_block_vllm_gives_a_group_left_out_flushes_the_store_still_reading_it(
         # The race itself showed (a wrong byte, copies running late).
         untold = -1
     assert told > untold, (told, untold)
+
+
+def test_vllm_serves_a_wrong_mamba2_state_inside_a_block_on_its_own(monkeypatch: Any) -> None:
+    """Why kvoffload refuses Mamba states inside a block for Mamba2 (and
+    GDN) layers (`kv_partial_tails`): vLLM 0.33.0's own prefix cache serves
+    a wrong state there, with kvoffload loading nothing. A request hitting
+    a state at 18 tokens (inside a 4-token block, hashes every 2 tokens)
+    gets it copied into the block covering tokens 16 to 20 and prefills past
+    20 in one step (a Mamba2 layer exports one checkpoint, so vLLM does not
+    split prefills at block boundaries); vLLM then caches that block under
+    the hash of the first 20 tokens while it still holds the state at 18,
+    and a later request's hit at 20 reads it. When this test fails, vLLM
+    has fixed it: lift the refusal and record Mamba2 cases."""
+    import kvoffload.vllm as kv
+
+    monkeypatch.setattr(kv, "kv_partial_tails", lambda *a: True)
+
+    def no_loads(e: Any) -> None:
+        e.connector.get_num_new_matched_tokens = lambda req, n, *a, **k: (0, False)
+
+    with pytest.raises(AssertionError, match=r"q62: step from 20: Mamba state after 20 tokens"):
+        worker_run(50127, "full+mamba2", {"offload_prompt_only": False}, {"hash_tokens": 2}, on_start=no_loads)

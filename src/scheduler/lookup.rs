@@ -195,6 +195,7 @@ impl Scheduler {
     ) -> Result<(LookupOutcome, bool), SchedulerError> {
         self.last_lookup_hits = None;
         self.last_lookup_group_hits.clear();
+        self.last_partial_tails.clear();
         self.apply_stalls();
         let g = self.geo;
         let rs = self
@@ -223,7 +224,9 @@ impl Scheduler {
             {
                 return Ok((remote, true));
             }
-            return Ok((outcome?, true));
+            // A hit may end on a partial tail past the complete chunks.
+            let outcome = self.lookup_partial_tail(req, computed_tokens, outcome?);
+            return Ok((outcome, true));
         }
         // As vLLM: no hit past the request's last full chunk, and the
         // less-than-a-chunk answer (zero) comes before any key is looked up,

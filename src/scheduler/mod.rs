@@ -231,6 +231,11 @@ pub struct Scheduler {
     /// runs: the window moves on and frees them); the rest of a store's
     /// blocks are fenced when its request finishes.
     window_fences: HashMap<JobId, JobBlocks, KeyBuildHasher>,
+    /// Partial tails of recurrent states ([`Self::enable_partial_tails`]).
+    partial_tails: Option<hybrid::PartialTails>,
+    /// The partial tails the last lookup or step named
+    /// ([`Self::last_partial_tails`]).
+    last_partial_tails: Vec<hybrid::PartialTailKey>,
 }
 
 impl Scheduler {
@@ -287,6 +292,8 @@ impl Scheduler {
             sync_bytes_per_token: cfg.sync_load_bytes_per_token().unwrap_or(0),
             groups: None,
             window_fences: HashMap::default(),
+            partial_tails: None,
+            last_partial_tails: Vec::new(),
         }
     }
 

@@ -65,6 +65,12 @@ pub(crate) struct RequestState {
     /// With several KV groups: the token spans its last load covers, one
     /// per group that loads (vLLM's `load_key_ranges`, merged per group).
     pub load_cover: Vec<(u64, u64)>,
+    /// Every hash of the request, one per vLLM hash unit, where partial
+    /// tails are on (`hybrid/partial_tail.rs`); empty otherwise.
+    pub hash_units: Vec<BlockHash>,
+    /// The partial tail the last lookup's hit ends on (vLLM's
+    /// `partial_tail_boundary`), until the allocation that loads it.
+    pub partial_tail: Option<u64>,
 }
 
 /// One KV group's part of a request (groups past the first).
@@ -136,6 +142,7 @@ impl RequestState {
 
     /// Restart: forget the block lists and re-offer every chunk for storing.
     pub fn restart(&mut self) {
+        self.partial_tail = None;
         self.block_ids.clear();
         self.next_stored_chunk = 0;
         for g in &mut self.other_groups {

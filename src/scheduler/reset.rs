@@ -132,6 +132,7 @@ impl Scheduler {
                 g.next_stored_chunk = 0;
             }
             rs.jobs.clear();
+            rs.partial_tail = None;
             // The tier forgot every access (as its own map is cleared).
             rs.access = Default::default();
         }

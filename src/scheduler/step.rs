@@ -14,6 +14,7 @@ impl Scheduler {
     /// preemption-flush invariant) and returns an error with nothing changed.
     pub fn build_step(&mut self, input: &StepInput) -> Result<StepPlan, SchedulerError> {
         self.apply_stalls();
+        self.last_partial_tails.clear();
         // A scheduled request that is already finished (abnormal) needs the
         // two-pass order; otherwise each request is updated and planned in one
         // map lookup, which gives the same result.
@@ -52,6 +53,7 @@ impl Scheduler {
             self.fence_flush();
             // Recurrent states handed over, before the other stores (vLLM).
             self.plan_boundary_stores(&input.boundary_states, &mut stores);
+            self.plan_partial_tail_stores(&input.boundary_states, &mut stores);
             for (s, &slot) in input.scheduled.iter().zip(&slots) {
                 let reach = StoreReach::Running {
                     computed: s.computed_tokens,

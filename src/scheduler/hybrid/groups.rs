@@ -58,6 +58,8 @@ pub(crate) struct SchedulerGroups {
     pub hashes_per_chunk: Vec<usize>,
     /// Per group, the configuration's chunks in one of its chunks.
     pub chunk_factor: Vec<usize>,
+    /// The configuration's chunk in tokens (positions are in tokens).
+    pub unit_tokens: u64,
 }
 
 impl SchedulerGroups {
@@ -103,6 +105,7 @@ impl SchedulerGroups {
                 .map(|f| f * blocks_per_chunk.max(1))
                 .collect(),
             chunk_factor,
+            unit_tokens: unit,
             shapes: groups.shapes,
         })
     }
@@ -133,8 +136,14 @@ impl SchedulerGroups {
     /// position), and at one end the groups as vLLM's LRU orders them
     /// ([`crate::manager::OffloadManager`]'s position groups).
     pub fn position(&self, group: usize, chunk: usize) -> u64 {
-        let n = self.len() as u64;
         let end = self.unit_chunks(group, chunk..chunk + 1).end as u64;
+        self.token_position(group, end * self.unit_tokens)
+    }
+
+    /// The position of a key of group `group` ending at token `end` (a
+    /// partial tail's boundary; a chunk's end for [`Self::position`]).
+    pub fn token_position(&self, group: usize, end: u64) -> u64 {
+        let n = self.len() as u64;
         end * n + (n - 1 - group as u64)
     }
 }
@@ -170,8 +179,9 @@ mod tests {
         assert_eq!(mixed.unit_chunks(1, 1..3), 2..6);
         // Ordered by the token a chunk ends at, then by group: chunk 0 of
         // group 1 ends with chunk 1 of group 0.
-        assert_eq!(mixed.position(0, 1), 2 * 2 + 1);
-        assert_eq!(mixed.position(1, 0), 2 * 2);
+        assert_eq!(mixed.position(0, 1), 16 * 2 + 1);
+        assert_eq!(mixed.position(1, 0), 16 * 2);
+        assert_eq!(mixed.token_position(1, 12), 12 * 2);
         assert!(mixed.position(0, 0) < mixed.position(1, 0));
         assert_eq!(mixed.policy.alignment_tokens, Some(8));
         assert_eq!(make(vec![]).unwrap_err(), KvGroupsError::Empty);

@@ -27,6 +27,7 @@ mod on_alloc;
 mod on_lookup;
 mod on_remote;
 mod on_step;
+mod partial_tail;
 mod recorded_keys;
 mod shape;
 mod store;
@@ -38,6 +39,8 @@ pub use groups::{KvGroups, KvGroupsError};
 pub use load::{GpuBlock, GroupLoad, LoadPlanError, plan_load};
 pub use lookup::{GroupKeys, HybridLookup, KeyState, lookup_complete_chunks};
 pub use on_alloc::GroupAlloc;
+pub(crate) use partial_tail::PartialTails;
+pub use partial_tail::{PartialAnswer, PartialLookup, PartialTailKey, lookup_partial_tail};
 pub use recorded_keys::{RecordedKeys, UnknownKeyLetter};
 pub use shape::{Attention, GroupShape, GroupShapeError};
 pub use store::{

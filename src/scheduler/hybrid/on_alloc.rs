@@ -71,87 +71,121 @@ impl Scheduler {
             .get(&req)
             .ok_or(SchedulerError::UnknownRequest(req))?;
         // Validate everything before changing anything.
-        let plan =
-            if external_tokens == 0 {
-                None
-            } else {
-                let computed = rs.lookup_computed.ok_or(SchedulerError::NoLookup(req))?;
-                if !rs.jobs.is_empty() {
-                    return Err(SchedulerError::JobsInFlight(req));
-                }
-                let states: Vec<Vec<GpuBlock>> = groups
-                    .iter()
-                    .map(|a| {
-                        a.block_ids
-                            .iter()
-                            .zip(a.cached)
-                            .map(|(b, &cached)| match (b.0, cached) {
-                                (0, _) => GpuBlock::Null,
-                                (_, true) => GpuBlock::Cached,
-                                (_, false) => GpuBlock::Fresh,
-                            })
-                            .collect()
-                    })
-                    .collect();
-                let views: Vec<&[GpuBlock]> = states.iter().map(Vec::as_slice).collect();
-                let sync = self.batch.sync_reserved.contains(&req);
-                let loads = plan_load(shapes, bpc, computed, external_tokens, sync, &views)
-                    .map_err(|e| SchedulerError::LoadOutOfRange {
+        let plan = if external_tokens == 0 {
+            None
+        } else {
+            let computed = rs.lookup_computed.ok_or(SchedulerError::NoLookup(req))?;
+            if !rs.jobs.is_empty() {
+                return Err(SchedulerError::JobsInFlight(req));
+            }
+            let states: Vec<Vec<GpuBlock>> = groups
+                .iter()
+                .map(|a| {
+                    a.block_ids
+                        .iter()
+                        .zip(a.cached)
+                        .map(|(b, &cached)| match (b.0, cached) {
+                            (0, _) => GpuBlock::Null,
+                            (_, true) => GpuBlock::Cached,
+                            (_, false) => GpuBlock::Fresh,
+                        })
+                        .collect()
+                })
+                .collect();
+            let views: Vec<&[GpuBlock]> = states.iter().map(Vec::as_slice).collect();
+            let sync = self.batch.sync_reserved.contains(&req);
+            let loads =
+                plan_load(shapes, bpc, computed, external_tokens, sync, &views).map_err(|e| {
+                    SchedulerError::LoadOutOfRange {
                         req,
                         what: e.to_string(),
-                    })?;
-                let cached_end = computed.saturating_add(external_tokens);
-                let mut cover = Vec::with_capacity(loads.len());
-                let mut keys = Vec::new();
-                let mut positions = Vec::new();
-                let mut blocks = JobBlocks::new();
-                let mut spans = Vec::with_capacity(loads.len());
-                for (g, (load, alloc)) in loads.iter().zip(groups).enumerate() {
-                    let per_chunk = hybrid.hashes_per_chunk(g);
-                    let num_keys = rs.num_keys(per_chunk);
-                    let tpc = shapes[g].tokens_per_chunk();
-                    let tpb = tpc / bpc.max(1) as u64;
-                    if load.chunks.end > num_keys {
+                    }
+                })?;
+            let cached_end = computed.saturating_add(external_tokens);
+            // A hit ending on a partial tail reads its last chunk from
+            // the partial key (vLLM asserts the hit is the lookup's).
+            let partial = match (rs.partial_tail, self.partial_tails) {
+                (Some(boundary), Some(pt)) => {
+                    if boundary != cached_end {
                         return Err(SchedulerError::LoadOutOfRange {
                             req,
                             what: format!(
-                                "group {g} needs {} chunk keys, the request has {num_keys}",
-                                load.chunks.end
+                                "the lookup's hit ends on a partial tail at {boundary} tokens, the load at {cached_end}"
                             ),
                         });
                     }
-                    let first = load.first_block;
-                    blocks.extend_from_slice(&alloc.block_ids[first..first + load.num_blocks]);
-                    for i in load.chunks.clone() {
-                        keys.push(rs.group_key(g, i, per_chunk));
-                        positions.push(hybrid.position(g, i));
-                    }
-                    if !load.chunks.is_empty() {
-                        // vLLM's key ranges of this group, merged: from its
-                        // first loaded block (or chunk) to the hit's end; a
-                        // recurrent state covers the whole prefix it
-                        // stands for, from the GPU's hit.
-                        let lo = if shapes[g].is_recurrent_state() {
-                            computed
-                        } else {
-                            (first as u64 * tpb).max(load.chunks.start as u64 * tpc)
-                        };
-                        let hi = cached_end.min(load.chunks.end as u64 * tpc);
-                        cover.push((lo, hi));
-                    }
-                    spans.push(GroupSpan {
-                        num_keys: load.chunks.len() as u32,
-                        num_blocks: load.num_blocks as u32,
-                        first_block_index: first as u32,
+                    Some((boundary, pt.tokens_per_hash))
+                }
+                _ => None,
+            };
+            let mut cover = Vec::with_capacity(loads.len());
+            let mut keys = Vec::new();
+            let mut positions = Vec::new();
+            let mut blocks = JobBlocks::new();
+            let mut spans = Vec::with_capacity(loads.len());
+            for (g, (load, alloc)) in loads.iter().zip(groups).enumerate() {
+                let per_chunk = hybrid.hashes_per_chunk(g);
+                let num_keys = rs.num_keys(per_chunk);
+                let tpc = shapes[g].tokens_per_chunk();
+                let tpb = tpc / bpc.max(1) as u64;
+                // The partial tail's chunk has no complete key.
+                let tail_chunk = partial.and(load.chunks.end.checked_sub(1));
+                let keyed_end = tail_chunk.unwrap_or(load.chunks.end);
+                if keyed_end > num_keys {
+                    return Err(SchedulerError::LoadOutOfRange {
+                        req,
+                        what: format!(
+                            "group {g} needs {} chunk keys, the request has {num_keys}",
+                            load.chunks.end
+                        ),
                     });
                 }
-                // vLLM marks every group's chunks up to the hit's end as offered.
-                let end_chunk: Vec<usize> = shapes
-                    .iter()
-                    .map(|shape| cached_end.div_ceil(shape.tokens_per_chunk()) as usize)
-                    .collect();
-                Some((keys, positions, blocks, spans, end_chunk, sync, cover))
-            };
+                let first = load.first_block;
+                blocks.extend_from_slice(&alloc.block_ids[first..first + load.num_blocks]);
+                for i in load.chunks.start..keyed_end.max(load.chunks.start) {
+                    keys.push(rs.group_key(g, i, per_chunk));
+                    positions.push(hybrid.position(g, i));
+                }
+                if let (Some(_), Some((boundary, tph))) = (tail_chunk, partial)
+                    && !load.chunks.is_empty()
+                {
+                    let key = rs.boundary_key(g, boundary, tph).ok_or_else(|| {
+                            SchedulerError::LoadOutOfRange {
+                                req,
+                                what: format!(
+                                    "group {g}: no hash of the request at its partial tail ({boundary} tokens)"
+                                ),
+                            }
+                        })?;
+                    keys.push(key);
+                    positions.push(hybrid.token_position(g, boundary));
+                }
+                if !load.chunks.is_empty() {
+                    // vLLM's key ranges of this group, merged: from its
+                    // first loaded block (or chunk) to the hit's end; a
+                    // recurrent state covers the whole prefix it
+                    // stands for, from the GPU's hit.
+                    let lo = if shapes[g].is_recurrent_state() {
+                        computed
+                    } else {
+                        (first as u64 * tpb).max(load.chunks.start as u64 * tpc)
+                    };
+                    let hi = cached_end.min(load.chunks.end as u64 * tpc);
+                    cover.push((lo, hi));
+                }
+                spans.push(GroupSpan {
+                    num_keys: load.chunks.len() as u32,
+                    num_blocks: load.num_blocks as u32,
+                    first_block_index: first as u32,
+                });
+            }
+            // vLLM marks every group's chunks up to the hit's end as offered.
+            let end_chunk: Vec<usize> = shapes
+                .iter()
+                .map(|shape| cached_end.div_ceil(shape.tokens_per_chunk()) as usize)
+                .collect();
+            Some((keys, positions, blocks, spans, end_chunk, sync, cover))
+        };
         let plan = match plan {
             None => None,
             Some((keys, positions, blocks, spans, end_chunk, sync, cover)) => {
@@ -173,6 +207,7 @@ impl Scheduler {
         let job = self.create_load(req, keys, chunk_ids, blocks, spans, sync);
         if let Some(rs) = self.requests.get_mut(&req) {
             rs.jobs.push(job);
+            rs.partial_tail = None;
             rs.load_cover = cover;
             for (g, &end) in end_chunk.iter().enumerate() {
                 if let Some((_, next)) = rs.group_mut(g) {
