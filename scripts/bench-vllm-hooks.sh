@@ -3,7 +3,8 @@
 # against vLLM 0.33.0's OffloadingConnector, same workload, same run
 # (python/bench/hook_time.py). Sets up the pinned vLLM venv and installs
 # ./python into it first. Arguments go to hook_time.py
-# (--requests 64,256,1024 --steps 64 --groups one|full+swa|full+mamba --json FILE).
+# (--requests 64,256,1024 --steps 64 --groups one|full+swa|full+mamba
+# [--hash-tokens N] --json FILE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)

@@ -4,7 +4,8 @@
 //! (recorded by `python/tests/test_hybrid_vllm.py`), with, for every
 //! lookup, what each of the request's chunk keys answered in each group, for
 //! every load, the request's blocks it was planned from, and for every
-//! store, the request's state it was planned from. Every such lookup is
+//! store, the request's state it was planned from (with Mamba partial
+//! tails, also each hash boundary's keys inside a block). Every such lookup is
 //! asked again here and must get vLLM's answer (the tokens to load, or a
 //! wait), every load must fill the blocks vLLM's did, and every store must
 //! offer the chunks vLLM's offered.

@@ -5,7 +5,8 @@
 //! errors of calls that do not match the groups; a proptest of a random
 //! backend (a sliding-window or chunked-local group) with failed and
 //! stalled jobs, preemptions and resets; a Mamba group's states stored
-//! from vLLM's hand-offs and loaded at a hit's end. Which chunks each group
+//! from vLLM's hand-offs and loaded at a hit's end, inside a block too
+//! (partial tails, with hashes finer than the blocks). Which chunks each group
 //! offers and loads is vLLM's (checked against its recorded answers in
 //! `hybrid_corpus.rs`); these tests check how the scheduler wires them.
 

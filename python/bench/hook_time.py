@@ -110,6 +110,7 @@ def measure(
     kv_events: bool = False,
     self_describing: bool = False,
     hybrid: str | None = None,
+    hash_tokens: int | None = None,
 ) -> dict[str, Any]:
     batched = max(8192, n)
     # Every request decodes through the prefill of the last one and the timed steps.
@@ -149,6 +150,7 @@ def measure(
         fake_worker=worker(1),
         kv_events=kv_events,
         groups=groups,
+        hash_tokens=hash_tokens,
     )
     timer = HookTimer(e.connector)
     for i in range(n):
@@ -219,6 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         help="one full-attention KV group, or a hybrid model (a full-attention and a "
         f"{WINDOW}-token sliding-window group, or a Mamba group, vLLM's hybrid manager)",
     )
+    ap.add_argument(
+        "--hash-tokens",
+        type=int,
+        default=None,
+        help="vLLM's prefix_match_unit (block hashes every N tokens, finer than the "
+        f"{TPB}-token blocks; several groups only): with --groups full+mamba, Mamba states "
+        "inside a block (partial tails) too",
+    )
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     rows = []
@@ -232,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
             hy = None if args.groups == "one" else args.groups
             vs, ks = [], []
             for _ in range(max(1, args.repeat)):
-                vs.append(measure("OffloadingConnector", None, vllm_worker, n, args.steps, on, sd, hy))
+                ht = args.hash_tokens
+                vs.append(measure("OffloadingConnector", None, vllm_worker, n, args.steps, on, sd, hy, ht))
                 ks.append(
-                    measure("KvOffloadConnector", "kvoffload.vllm", kvoffload_worker, n, args.steps, on, sd, hy)
+                    measure("KvOffloadConnector", "kvoffload.vllm", kvoffload_worker, n, args.steps, on, sd, hy, ht)
                 )
             v = sorted(vs, key=lambda r: r["median_us"])[len(vs) // 2]
             k = sorted(ks, key=lambda r: r["median_us"])[len(ks) // 2]
@@ -242,7 +253,15 @@ def main(argv: list[str] | None = None) -> int:
             k["runs_median_us"] = [r["median_us"] for r in ks]
             ratio = v["median_us"] / k["median_us"]
             rows.append(
-                {"requests": n, "kv_events": ev, "groups": args.groups, "vllm": v, "kvoffload": k, "ratio": ratio}
+                {
+                    "requests": n,
+                    "kv_events": ev,
+                    "groups": args.groups,
+                    "hash_tokens": args.hash_tokens,
+                    "vllm": v,
+                    "kvoffload": k,
+                    "ratio": ratio,
+                }
             )
             print(
                 f"{n:>8} {ev:>9} {k['stores_per_step']:>11.1f} {v['median_us']:>15.0f}"

@@ -1,6 +1,7 @@
 //! Which of a request's GPU blocks a hybrid load fills, group by group:
-//! vLLM 0.33.0's `update_state_after_alloc` (its `OffloadingConnectorScheduler`),
-//! without partial tails.
+//! vLLM 0.33.0's `update_state_after_alloc` (its `OffloadingConnectorScheduler`).
+//! A hit ending inside a block (a partial tail, `partial_tail.rs`) fills
+//! that block too: its chunk is the last of the load's.
 //!
 //! A full-attention group loads every block past the GPU's hit up to the
 //! hit's end. A sliding-window group holds null blocks behind its window:

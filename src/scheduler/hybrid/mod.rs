@@ -14,7 +14,9 @@
 //! [`with_groups`](super::Scheduler::with_groups) uses them
 //! (`on_lookup.rs`, `on_alloc.rs`, `on_step.rs`): per-group block tables and
 //! store cursors, one load or store job carrying every group's part
-//! ([`GroupSpan`](super::GroupSpan)), sliding-window fences from a store's
+//! ([`GroupSpan`](super::GroupSpan)), recurrent states handed over by
+//! vLLM's core (`boundary_store.rs`) and inside a block (partial tails,
+//! `partial_tail.rs`), sliding-window fences from a store's
 //! creation, stale window blocks dropped. A worker moves each group's part
 //! over that group's tensors
 //! ([`WorkerLayout::with_groups`](crate::worker::WorkerLayout::with_groups)).
