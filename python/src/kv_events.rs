@@ -71,6 +71,41 @@ fn block_hash_at(
         .unbind())
 }
 
+/// A payload of `request`: `(hashes, parent, its tokens in `tokens`, its
+/// LoRA id and name)`, and `block_size` where given (a partial tail's).
+fn payload_of(
+    request: &Bound<'_, PyAny>,
+    hashes: Bound<'_, PyList>,
+    parent: Py<PyAny>,
+    tokens: std::ops::Range<usize>,
+    block_size: Option<Py<PyAny>>,
+) -> PyResult<Payload> {
+    let py = request.py();
+    let all = request.getattr(intern!(py, "all_token_ids"))?;
+    let slice = all.get_item(PySlice::new(
+        py,
+        tokens.start as isize,
+        tokens.end as isize,
+        1,
+    ))?;
+    let tokens = PyList::new(py, slice.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
+    let (lora_id, lora_name) = lora_of(request)?;
+    let block_hashes = hashes.into_any().unbind();
+    let mut fields = vec![
+        block_hashes.clone_ref(py),
+        parent,
+        tokens.into_any().unbind(),
+        lora_id,
+        lora_name,
+    ];
+    fields.extend(block_size);
+    Ok(Payload {
+        fields: PyTuple::new(py, fields)?.unbind(),
+        block_hashes,
+        resident: true,
+    })
+}
+
 /// A request's LoRA as an event names it: `(lora_id, lora_name)`, both
 /// `None` without one.
 fn lora_of(request: &Bound<'_, PyAny>) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
@@ -362,27 +397,8 @@ impl EventTracker {
         } else {
             block_hashes.get_item(first - 1)?.unbind()
         };
-        let tokens = request.getattr(intern!(py, "all_token_ids"))?;
-        let tokens = tokens.get_item(PySlice::new(py, start as isize, boundary as isize, 1))?;
-        let tokens = PyList::new(py, tokens.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
-        let (lora_id, lora_name) = lora_of(request)?;
-        let block_hashes = hashes.into_any().unbind();
-        let fields = PyTuple::new(
-            py,
-            [
-                block_hashes.clone_ref(py),
-                parent,
-                tokens.into_any().unbind(),
-                lora_id,
-                lora_name,
-                tokens_per_hash.into_pyobject(py)?.into_any().unbind(),
-            ],
-        )?;
-        Ok(Payload {
-            fields: fields.unbind(),
-            block_hashes,
-            resident: true,
-        })
+        let block_size = tokens_per_hash.into_pyobject(py)?.into_any().unbind();
+        payload_of(request, hashes, parent, start..boundary, Some(block_size))
     }
 
     /// Chunk `c`'s payload in a group of `factor` configuration blocks a
@@ -411,32 +427,14 @@ impl EventTracker {
         } else {
             block_hash_at(block_hashes, per_block, first - 1)?
         };
-        let tokens = request.getattr(intern!(py, "all_token_ids"))?;
-        let start = (c * tokens_per_chunk) as isize;
-        let tokens = tokens.get_item(PySlice::new(
-            py,
-            start,
-            start + tokens_per_chunk as isize,
-            1,
-        ))?;
-        let tokens = PyList::new(py, tokens.try_iter()?.collect::<PyResult<Vec<_>>>()?)?;
-        let (lora_id, lora_name) = lora_of(request)?;
-        let block_hashes = hashes.into_any().unbind();
-        let fields = PyTuple::new(
-            py,
-            [
-                block_hashes.clone_ref(py),
-                parent,
-                tokens.into_any().unbind(),
-                lora_id,
-                lora_name,
-            ],
-        )?;
-        Ok(Payload {
-            fields: fields.unbind(),
-            block_hashes,
-            resident: true,
-        })
+        let start = c * tokens_per_chunk;
+        payload_of(
+            request,
+            hashes,
+            parent,
+            start..start + tokens_per_chunk,
+            None,
+        )
     }
 
     /// The scheduler's pending events, translated (vLLM's `take_events`):

@@ -12,6 +12,7 @@
 //! before the step's other stores, as vLLM plans them.
 
 use crate::ids::{GpuBlockId, RequestId};
+use crate::key::ChunkKey;
 use crate::scheduler::Scheduler;
 use crate::scheduler::types::{GroupSpan, JobBlocks, JobKeys, JobSlots, TransferJob, copy_small};
 
@@ -72,21 +73,10 @@ impl Scheduler {
                 continue;
             }
             let key = rs.group_key(s.group, chunk, per_chunk);
-            let prepared = self
-                .manager
-                .prepare_store_for_job(&[key], &[position], &mut rs.access)
-                .map(|(k, c)| -> (JobKeys, JobSlots) { (copy_small(k), copy_small(c)) });
-            let Some((stored, chunk_ids)) = prepared else {
-                self.counters.allocation_failures += 1;
+            let Some((stored, chunk_ids)) = self.prepare_fenced_store(s.req, &[key], &[position])
+            else {
                 continue;
             };
-            if stored.is_empty() {
-                continue;
-            }
-            let job = self.new_job_id();
-            if let Some(rs) = self.requests.get_mut(&s.req) {
-                rs.jobs.push(job);
-            }
             let tpb = (tpc / bpc).max(1);
             let empty = GroupSpan {
                 num_keys: 0,
@@ -100,18 +90,57 @@ impl Scheduler {
                 first_block_index: (s.boundary / tpb - 1) as u32,
             };
             let blocks: JobBlocks = JobBlocks::from_slice(&[s.block]);
-            // vLLM fences the block from the store's creation.
-            self.fences.add(job, &blocks);
-            let now = self.step_now_ns();
-            let transfer = TransferJob {
-                job,
-                req: s.req,
-                block_ids: blocks,
-                chunk_ids,
-                keys: stored,
-                groups: spans,
-            };
-            self.enter_store(transfer, now, true, out);
+            self.enter_fenced_store(s.req, blocks, (stored, chunk_ids), spans, out);
         }
+    }
+
+    /// Offers `keys` of request `req` (at `positions`) to the host tier for
+    /// a hand-off's store: the keys to store and their slots, or `None`
+    /// when the tier holds them all or cannot allocate (counted as an
+    /// allocation failure), or the request is unknown.
+    pub(super) fn prepare_fenced_store(
+        &mut self,
+        req: RequestId,
+        keys: &[ChunkKey],
+        positions: &[u64],
+    ) -> Option<(JobKeys, JobSlots)> {
+        let rs = self.requests.get_mut(&req)?;
+        let prepared = self
+            .manager
+            .prepare_store_for_job(keys, positions, &mut rs.access)
+            .map(|(k, c)| -> (JobKeys, JobSlots) { (copy_small(k), copy_small(c)) });
+        let Some((stored, chunk_ids)) = prepared else {
+            self.counters.allocation_failures += 1;
+            return None;
+        };
+        (!stored.is_empty()).then_some((stored, chunk_ids))
+    }
+
+    /// Creates request `req`'s store job of `blocks` (the keys and slots of
+    /// [`Self::prepare_fenced_store`], cut by `spans`) into `out`, its
+    /// blocks fenced from its creation, as vLLM fences a hand-off's.
+    pub(super) fn enter_fenced_store(
+        &mut self,
+        req: RequestId,
+        blocks: JobBlocks,
+        (keys, chunk_ids): (JobKeys, JobSlots),
+        spans: Vec<GroupSpan>,
+        out: &mut Vec<TransferJob>,
+    ) {
+        let job = self.new_job_id();
+        if let Some(rs) = self.requests.get_mut(&req) {
+            rs.jobs.push(job);
+        }
+        self.fences.add(job, &blocks);
+        let now = self.step_now_ns();
+        let transfer = TransferJob {
+            job,
+            req,
+            block_ids: blocks,
+            chunk_ids,
+            keys,
+            groups: spans,
+        };
+        self.enter_store(transfer, now, true, out);
     }
 }

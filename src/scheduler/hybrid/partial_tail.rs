@@ -29,7 +29,7 @@ use crate::ids::{GpuBlockId, RequestId};
 use crate::key::{BlockHash, ChunkKey};
 use crate::manager::LookupResult;
 use crate::scheduler::request::RequestState;
-use crate::scheduler::types::{GroupSpan, JobBlocks, JobKeys, JobSlots, TransferJob, copy_small};
+use crate::scheduler::types::{GroupSpan, JobBlocks, TransferJob};
 use crate::scheduler::{LookupOutcome, Scheduler, SchedulerError};
 
 use super::BoundaryState;
@@ -383,20 +383,10 @@ impl Scheduler {
             let positions: Vec<u64> = (0..num_groups)
                 .map(|g| groups.token_position(g, boundary))
                 .collect();
-            let Some(rs) = self.requests.get_mut(&req) else {
+            let Some((stored, chunk_ids)) = self.prepare_fenced_store(req, &keys, &positions)
+            else {
                 continue;
             };
-            let prepared = self
-                .manager
-                .prepare_store_for_job(&keys, &positions, &mut rs.access)
-                .map(|(k, c)| -> (JobKeys, JobSlots) { (copy_small(k), copy_small(c)) });
-            let Some((stored, chunk_ids)) = prepared else {
-                self.counters.allocation_failures += 1;
-                continue;
-            };
-            if stored.is_empty() {
-                continue;
-            }
             let mut spans = Vec::with_capacity(num_groups);
             let mut blocks = JobBlocks::new();
             for (g, key) in keys.iter().enumerate() {
@@ -416,22 +406,8 @@ impl Scheduler {
                     first_block_index: if accepted { block_idx as u32 } else { 0 },
                 });
             }
-            let job = self.new_job_id();
-            if let Some(rs) = self.requests.get_mut(&req) {
-                rs.jobs.push(job);
-            }
             // vLLM fences every source block from the store's creation.
-            self.fences.add(job, &blocks);
-            let now = self.step_now_ns();
-            let transfer = TransferJob {
-                job,
-                req,
-                block_ids: blocks,
-                chunk_ids,
-                keys: stored,
-                groups: spans,
-            };
-            self.enter_store(transfer, now, true, out);
+            self.enter_fenced_store(req, blocks, (stored, chunk_ids), spans, out);
         }
     }
 }
