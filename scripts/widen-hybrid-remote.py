@@ -21,7 +21,8 @@ EAGLE draft groups; `--only hash`: those whose block hashes are finer
 than the blocks; `--only sizes`: those whose groups have different block
 sizes; `--only left-out`: those with groups vLLM's connector leaves out;
 `--only params`: those whose requests carry `kv_transfer_params`;
-`--only dcp`: those with decode context parallelism),
+`--only dcp`: those with decode context parallelism; `--only partial`:
+Mamba states inside a block, which node B fetches as partial tails),
 from seed 40,000.
 `--from SEED` starts at SEED instead (each seed keeps its configuration).
 `--stress K` runs K busy processes beside it (`cpu_stress.py`).
@@ -74,8 +75,8 @@ def main() -> int:
 def widen(seeds: widen_options.Seeds, remote: dict, cases: list) -> int:
     good = wrong = stalled = pool = 0
     total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0,
-             "partial_not_put": 0}
-    moved = {"checked": 0, "loads": 0, "window_loads": 0}
+             "partial_tails_fetched": 0, "partial_not_put": 0}
+    moved = {"checked": 0, "loads": 0, "window_loads": 0, "states_restored_inside_block": 0}
     for k in range(seeds.count):
         seed = seeds.seed(k)
         _, specs, extra, opts, _ = cases[seeds.case_index(seed, len(cases))]
@@ -113,17 +114,19 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list) -> int:
         else:
             good += 1
         print(
-            f"seed {seed} {specs}: node B fetched {got['chunks_fetched']} chunks in {got['fetch_jobs']} jobs, "
-            f"{seen['loads']} loads, every byte right",
+            f"seed {seed} {specs}: node B fetched {got['chunks_fetched']} chunks in {got['fetch_jobs']} jobs "
+            f"({got['partial_tails_fetched']} partial tails), {seen['loads']} loads, every byte right",
             flush=True,
         )
     print(
         f"{good} seeds right, {wrong} wrong, {stalled} stalled in vLLM's scheduler, {pool} failed in vLLM's "
         f"block pool; node B: "
         f"{total['lookups']} remote lookups, {total['chunks_found']} chunks found, {total['fetch_jobs']} fetch "
-        f"jobs, {total['chunks_fetched']} chunks fetched, {total['fetches_failed']} failed; node A kept "
+        f"jobs, {total['chunks_fetched']} chunks fetched ({total['partial_tails_fetched']} partial tails), "
+        f"{total['fetches_failed']} failed; node A kept "
         f"{total['partial_not_put']} chunks stored in part out of the store; {moved['loads']} loads "
-        f"({moved['window_loads']} into windowed groups), {moved['checked']} tokens checked",
+        f"({moved['window_loads']} into groups other than full attention, {moved['states_restored_inside_block']} Mamba "
+        f"states inside a block), {moved['checked']} tokens checked",
         flush=True,
     )
     return 1 if wrong else 0

@@ -4,6 +4,8 @@
 //! about every group's chunks, fetches what the hit over both tiers reads,
 //! and then answers the hit vLLM's lookup gives over those chunks; a fetch
 //! that fails leaves the request to the host tier without asking again;
+//! with hashes finer than the blocks, a Mamba state inside a block (a
+//! partial tail) is asked about and fetched after the complete chunks;
 //! nothing is held once the requests are gone. Manual clocks; no test
 //! sleeps.
 
@@ -15,12 +17,13 @@ use std::time::Duration;
 use common::memory_tier::MemoryStore;
 use kvoffload::remote::WritePolicy;
 use kvoffload::scheduler::hybrid::{
-    GroupKeys, GroupShape, HybridLookup, KeyState, KvGroups, Retention, lookup_complete_chunks,
+    GroupAlloc, GroupKeys, GroupShape, HybridLookup, KeyState, KvGroups, PartialAnswer,
+    PartialLookup, Retention, lookup_complete_chunks, lookup_partial_tail,
 };
 use kvoffload::scheduler::{
     CompletionReport, LookupOutcome, RequestCaps, Scheduler, StepInput, StepPlan,
 };
-use kvoffload::{BlockHash, ChunkKey, JobId, ManualClock, OffloadConfig, RequestId};
+use kvoffload::{BlockHash, ChunkKey, GpuBlockId, JobId, ManualClock, OffloadConfig, RequestId};
 use proptest::prelude::*;
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -122,7 +125,7 @@ impl Rig {
     /// the answer and the keys fetched.
     fn settle(&mut self, req: RequestId, fail_fetches: bool) -> (u64, Vec<ChunkKey>) {
         let mut fetched = Vec::new();
-        for _ in 0..6 {
+        for _ in 0..10 {
             match self.s.lookup(req, 0).expect("lookup") {
                 LookupOutcome::Hit(h) => return (h, fetched),
                 LookupOutcome::Defer => {}
@@ -400,6 +403,304 @@ proptest! {
             prop_assert!(fail || !fetched.contains(k), "fetched {k:?} again, which the host tier holds");
         }
         t.s.request_finished(second, &[], true, 0).unwrap();
+        t.step();
+        prop_assert_eq!(t.s.remote_probes(), 0);
+        prop_assert!(t.s.check_invariants().is_ok());
+    }
+}
+
+/// Full attention and a Mamba state, 4-token blocks, a hash every `tph`
+/// tokens: partial tails on.
+fn full_and_state_with_tails(tph: u64) -> Rig {
+    let shapes = vec![
+        GroupShape::full_attention(TPB).unwrap(),
+        GroupShape::recurrent_state(TPB).unwrap(),
+    ];
+    let mut t = rig(shapes, 1);
+    t.s.enable_partial_tails(tph).unwrap();
+    t
+}
+
+/// A request of `family` over `tokens` tokens with a hash every `tph`
+/// tokens: its hashes, and its block hashes (every block's last).
+fn units(family: u64, tokens: u64, tph: u64) -> (Vec<BlockHash>, Vec<BlockHash>) {
+    let units: Vec<BlockHash> = (0..tokens / tph)
+        .map(|i| BlockHash(family * 1000 + 100 + i))
+        .collect();
+    let per_block = (TPB / tph) as usize;
+    let blocks = units
+        .iter()
+        .skip(per_block - 1)
+        .step_by(per_block)
+        .copied()
+        .collect();
+    (units, blocks)
+}
+
+impl Rig {
+    /// Puts both groups' keys at hash units `range` of `units`.
+    fn put_units(&self, units: &[BlockHash], range: std::ops::Range<usize>) {
+        for unit in range {
+            for g in 0..2 {
+                self.put(unit_key(units, unit, g));
+            }
+        }
+    }
+
+    /// Adds request `req` over `units` (partial tails on).
+    fn add_with_units(
+        &mut self,
+        req: RequestId,
+        tokens: u64,
+        units: &(Vec<BlockHash>, Vec<BlockHash>),
+    ) {
+        self.s.add_request(req, tokens, &units.1).unwrap();
+        self.s.add_hash_units(req, &units.0).unwrap();
+    }
+}
+
+/// Group `group`'s key of the chunk ending on hash unit `unit` (a block's
+/// chunk or a partial tail: vLLM's key at that boundary).
+fn unit_key(units: &[BlockHash], unit: usize, group: u32) -> ChunkKey {
+    ChunkKey::for_group(units[unit], group)
+}
+
+#[test]
+fn a_mamba_state_inside_a_block_is_fetched_after_the_complete_chunks() {
+    // A 23-token prompt, a hash every 2 tokens: complete chunks to 20, and
+    // the partial tail at 22 (the prompt's last token is computed).
+    let mut t = full_and_state_with_tails(2);
+    let u = units(1, 23, 2);
+    t.put_units(&u.0, 0..u.0.len());
+    let req = RequestId(1);
+    t.add_with_units(req, 23, &u);
+    let (hit, fetched) = t.settle(req, false);
+    assert_eq!(hit, 22);
+    // The full-attention chunks and the state at 20; then both groups'
+    // keys at 22.
+    let mut want: Vec<ChunkKey> = [1, 3, 5, 7, 9]
+        .iter()
+        .map(|&i| unit_key(&u.0, i, 0))
+        .collect();
+    want.push(unit_key(&u.0, 9, 1));
+    want.extend([unit_key(&u.0, 10, 0), unit_key(&u.0, 10, 1)]);
+    assert_eq!(fetched, want);
+    let st = t.s.remote_lookup_stats().unwrap();
+    assert_eq!(
+        (
+            st.lookups,
+            st.fetch_jobs,
+            st.chunks_fetched,
+            st.partial_tails_fetched
+        ),
+        (2, 2, 8, 1)
+    );
+    // The load reads the full-attention chunks, then the tail into block
+    // 6 and the state at 22 into the Mamba group's block at index 5; its
+    // tokens count as the remote tier's.
+    let (b0, b1): (Vec<GpuBlockId>, Vec<GpuBlockId>) = (
+        (1..=6).map(GpuBlockId).collect(),
+        [0, 0, 0, 0, 0, 17].into_iter().map(GpuBlockId).collect(),
+    );
+    let (cached0, cached1) = (vec![false; 6], vec![false; 6]);
+    let groups = [
+        GroupAlloc {
+            block_ids: &b0,
+            cached: &cached0,
+        },
+        GroupAlloc {
+            block_ids: &b1,
+            cached: &cached1,
+        },
+    ];
+    let job =
+        t.s.on_alloc_groups(req, &groups, 22)
+            .unwrap()
+            .expect("a load");
+    let plan = t.step();
+    let load = plan.loads.iter().find(|l| l.job == job).expect("the load");
+    let mut keys: Vec<ChunkKey> = [1, 3, 5, 7, 9, 10]
+        .iter()
+        .map(|&i| unit_key(&u.0, i, 0))
+        .collect();
+    keys.push(unit_key(&u.0, 10, 1));
+    assert_eq!(load.keys.to_vec(), keys);
+    assert_eq!(
+        load.block_ids.to_vec(),
+        [1, 2, 3, 4, 5, 6, 17].map(GpuBlockId).to_vec()
+    );
+    let sources = t.s.hit_sources(req, 22).unwrap();
+    assert_eq!((sources.remote_tokens, sources.host_tokens), (22, 0));
+    t.report(job, false);
+    // A second request over the same prompt finds it all in the host tier.
+    t.add_with_units(RequestId(2), 23, &u);
+    assert_eq!(t.s.lookup(RequestId(2), 0).unwrap(), LookupOutcome::Hit(22));
+    assert_eq!(t.s.remote_lookup_stats().unwrap().lookups, 2);
+    t.finish(&[1, 2]);
+}
+
+#[test]
+fn a_partial_tail_one_group_lacks_or_a_failed_fetch_leaves_the_complete_hit() {
+    let mut t = full_and_state_with_tails(1);
+    // A 15-token prompt, a hash every token: complete chunks to 12; the
+    // Mamba state at 13 without its attention block, the attention block
+    // at 14 without its state: no boundary has both, the hit ends at 12.
+    let u = units(1, 15, 1);
+    t.put_units(&u.0, 0..12);
+    t.put(unit_key(&u.0, 12, 1));
+    t.put(unit_key(&u.0, 13, 0));
+    t.add_with_units(RequestId(1), 15, &u);
+    let (hit, _) = t.settle(RequestId(1), false);
+    assert_eq!(hit, 12);
+    let st = t.s.remote_lookup_stats().unwrap();
+    assert_eq!(
+        (st.lookups, st.fetch_jobs, st.partial_tails_fetched),
+        (2, 1, 0)
+    );
+    // Both groups at 13 now, but the tail's fetch fails: the complete hit
+    // stands, and the request does not ask again.
+    t.put(unit_key(&u.0, 12, 0));
+    t.add_with_units(RequestId(2), 15, &u);
+    let mut fetched_tail = false;
+    for _ in 0..6 {
+        match t.s.lookup(RequestId(2), 0).unwrap() {
+            LookupOutcome::Hit(h) => {
+                assert_eq!(h, 12);
+                break;
+            }
+            LookupOutcome::Defer => {}
+        }
+        t.s.wait_remote_lookups(WAIT);
+        let plan = t.step();
+        for f in &plan.fetches {
+            assert_eq!(
+                f.keys.to_vec(),
+                vec![unit_key(&u.0, 12, 0), unit_key(&u.0, 12, 1)]
+            );
+            fetched_tail = true;
+            t.report(f.job, true);
+        }
+    }
+    assert!(fetched_tail);
+    let st = t.s.remote_lookup_stats().unwrap();
+    assert_eq!(
+        (st.lookups, st.fetches_failed, st.partial_tails_fetched),
+        (3, 1, 0)
+    );
+    assert_eq!(t.s.lookup(RequestId(2), 0).unwrap(), LookupOutcome::Hit(12));
+    assert_eq!(t.s.remote_lookup_stats().unwrap().lookups, 3);
+    t.finish(&[1, 2]);
+}
+
+#[test]
+fn a_request_gone_with_a_partial_tail_lookup_in_flight_leaks_nothing() {
+    let mut t = full_and_state_with_tails(2);
+    let u = units(1, 11, 2);
+    t.put_units(&u.0, 0..u.0.len());
+    // Request 1's complete chunks are in the host tier already (fetched by
+    // request 2); its partial-tail lookup is in flight when it leaves.
+    t.add_with_units(RequestId(2), 11, &u);
+    assert_eq!(t.settle(RequestId(2), false).0, 10);
+    t.finish(&[2]);
+    let v = units(1, 9, 2);
+    let w = (
+        v.0.iter()
+            .copied()
+            .chain([BlockHash(7)])
+            .collect::<Vec<_>>(),
+        v.1.clone(),
+    );
+    t.put(unit_key(&w.0, 4, 0));
+    t.put(unit_key(&w.0, 4, 1));
+    t.add_with_units(RequestId(1), 11, &w);
+    assert_eq!(t.s.lookup(RequestId(1), 0).unwrap(), LookupOutcome::Defer);
+    t.s.request_finished(RequestId(1), &[], true, 0).unwrap();
+    t.finish(&[]);
+    // A reset with a partial-tail lookup in flight forgets it.
+    t.add_with_units(RequestId(3), 11, &w);
+    assert_eq!(t.s.lookup(RequestId(3), 0).unwrap(), LookupOutcome::Defer);
+    assert!(t.s.reset().is_ok());
+    assert_eq!(t.s.remote_probes(), 0);
+    t.finish(&[3]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Whatever complete chunks and partial tails the remote tier holds, a
+    /// request whose host tier is empty ends with the hit vLLM's lookup
+    /// gives over them (complete chunks, then the rightmost partial tail
+    /// every group holds), within its `max_load_tokens`, fetching only keys
+    /// the remote tier holds; a failed fetch ends where the host tier's
+    /// hit is. Nothing is held once it is gone.
+    #[test]
+    fn the_hit_over_both_tiers_ends_on_vllm_s_partial_tail(
+        tph in prop::sample::select(vec![1u64, 2]),
+        tokens in 1u64..=30,
+        held in prop::collection::vec(any::<bool>(), 2 * 30),
+        fail in any::<bool>(),
+        cap in prop::option::of(0u64..32),
+    ) {
+        let mut t = full_and_state_with_tails(tph);
+        let u = units(1, tokens, tph);
+        let per_block = (TPB / tph) as usize;
+        let num_keys = u.1.len();
+        let mut chunks = HashSet::new();
+        let mut tails = HashSet::new();
+        for unit in 0..u.0.len() {
+            for g in 0..2 {
+                if held[g * 30 + unit] {
+                    t.put(unit_key(&u.0, unit, g as u32));
+                    let boundary = (unit as u64 + 1) * tph;
+                    if (unit + 1) % per_block == 0 {
+                        chunks.insert((g, unit / per_block));
+                    } else {
+                        tails.insert((boundary, g));
+                    }
+                }
+            }
+        }
+        let req = RequestId(1);
+        t.add_with_units(req, tokens, &u);
+        let caps = RequestCaps { max_load_tokens: cap, ..Default::default() };
+        t.s.set_request_caps(req, caps).unwrap();
+        let complete = oracle(&t.shapes, tokens, num_keys, cap, &chunks);
+        let lookup = PartialLookup {
+            computed: 0,
+            complete_hit: complete,
+            prompt_tokens: tokens,
+            max_load_tokens: cap,
+            block_tokens: TPB,
+            tokens_per_hash: tph,
+            num_groups: 2,
+        };
+        let want = match lookup_partial_tail(lookup, |b, g| {
+            if tails.contains(&(b, g)) { KeyState::Hit } else { KeyState::Miss }
+        }) {
+            PartialAnswer::Tail(b) => b,
+            _ => complete,
+        };
+        let (hit, fetched) = t.settle(req, fail);
+        let all: HashSet<ChunkKey> = (0..u.0.len())
+            .flat_map(|unit| (0..2).map(move |g| (unit, g)))
+            .filter(|&(unit, g)| held[g * 30 + unit])
+            .map(|(unit, g)| unit_key(&u.0, unit, g as u32))
+            .collect();
+        for k in &fetched {
+            prop_assert!(all.contains(k), "fetched {:?}, which the remote tier lacks", k);
+        }
+        let st = t.s.remote_lookup_stats().unwrap();
+        if fail {
+            // Only complete chunks reach a tail lookup; a failed fetch of
+            // either leaves less.
+            prop_assert!(hit <= want, "{} > {}", hit, want);
+            prop_assert_eq!(st.partial_tails_fetched, 0);
+        } else {
+            prop_assert_eq!(hit, want, "{:?}", st);
+            prop_assert_eq!(st.partial_tails_fetched, u64::from(want > complete));
+        }
+        prop_assert!(st.lookups <= 2 && st.fetch_jobs <= 2, "{:?}", st);
+        t.s.request_finished(req, &[], true, 0).unwrap();
         t.step();
         prop_assert_eq!(t.s.remote_probes(), 0);
         prop_assert!(t.s.check_invariants().is_ok());

@@ -182,6 +182,10 @@ REMOTE_METRICS = {
     "kvoffload_remote_fetches_failed": OffloadingCounterMetadata(
         documentation="Remote fetch jobs that missed, failed or stalled (their requests recompute).",
     ),
+    "kvoffload_remote_partial_tails_fetched": OffloadingCounterMetadata(
+        documentation="Partial tails (recurrent states inside a block, with hashes finer than the "
+        "blocks) fetched from the remote store into the host tier.",
+    ),
     "kvoffload_remote_bytes_written": OffloadingCounterMetadata(
         documentation="Bytes the workers wrote to the remote store.",
     ),
@@ -231,6 +235,7 @@ _REMOTE_LOOKUP_COUNTERS = {
     "chunks_found": "kvoffload_remote_chunks_found",
     "chunks_fetched": "kvoffload_remote_chunks_fetched",
     "fetches_failed": "kvoffload_remote_fetches_failed",
+    "partial_tails_fetched": "kvoffload_remote_partial_tails_fetched",
 }
 
 

@@ -866,7 +866,7 @@ impl SchedulerCore {
 
     /// The remote side's cumulative counts (`lookups`, `chunks_found`,
     /// `fetch_jobs`, `chunks_fetched`, `fetches_failed`,
-    /// `allocation_failures`, `requests_held`) and, under `tier`, the scheduler's
+    /// `partial_tails_fetched`, `allocation_failures`, `requests_held`) and, under `tier`, the scheduler's
     /// own connection's stats; `None` without a tier.
     fn remote_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let (Some(st), Some(tier)) = (self.s.remote_lookup_stats(), self.s.remote_tier()) else {
@@ -878,6 +878,7 @@ impl SchedulerCore {
         d.set_item("fetch_jobs", st.fetch_jobs)?;
         d.set_item("chunks_fetched", st.chunks_fetched)?;
         d.set_item("fetches_failed", st.fetches_failed)?;
+        d.set_item("partial_tails_fetched", st.partial_tails_fetched)?;
         d.set_item("allocation_failures", st.allocation_failures)?;
         d.set_item("requests_held", self.s.remote_probes())?;
         d.set_item("tier", crate::remote::stats_dict(py, &tier.stats())?)?;

@@ -75,8 +75,12 @@ REMOTE_CASES = [
     (51, "mamba", {"offload_prompt_only": False}, {"world_size": 2}),
     (55, "full+mamba2", {"offload_prompt_only": False}, {}),
     # Mamba states inside a block (hashes finer than the blocks): node B
-    # fetches the complete chunks; partial tails are its host tier's only.
+    # fetches the complete chunks, then the partial tail in the block
+    # after, and loads the state inside the block; four hashes a block,
+    # two workers, async.
     (57, "full+mamba", {"offload_prompt_only": False}, {"hash_tokens": 2}),
+    (58, "full+mamba", {"self_describing_kv_events": True, "offload_prompt_only": False},
+     {"hash_tokens": 1, "world_size": 2, "async_scheduling": True}),
 ]
 
 
@@ -116,6 +120,11 @@ def test_a_second_node_fetches_every_group_s_chunks_and_loads_the_computed_bytes
     assert st["fetch_jobs"] > 0 and st["chunks_fetched"] > 0, st
     assert st["fetches_failed"] == 0, st
     assert st["chunks_found"] >= st["chunks_fetched"], st
+    if opts.get("hash_tokens") and "mamba" in specs:
+        # States inside a block came from the remote tier too, and were
+        # loaded (their bytes checked with the rest).
+        assert st["partial_tails_fetched"] > 0, st
+        assert seen["states_restored_inside_block"] > 0, seen
     assert seen["loads"] > 0 and seen["checked"] > 0, seen
     assert seen["window_loads"] > 0 or specs in ("full", "mla", "full+ring"), seen
     w = second["workers"]
@@ -163,9 +172,9 @@ def stored_by_group(e: harness.Engine) -> list:
     return stored
 
 
-def hybrid_node(remote: dict, specs: str = "full+swa8") -> harness.Engine:
+def hybrid_node(remote: dict, specs: str = "full+swa8", **kw: Any) -> harness.Engine:
     extra = {"num_cpu_chunks": 64, "offload_prompt_only": False, "remote_tier": remote}
-    return harness.build(extra=extra, tpb=TPB, groups=SPECS[specs](), num_gpu_blocks=96)
+    return harness.build(extra=extra, tpb=TPB, groups=SPECS[specs](), num_gpu_blocks=96, **kw)
 
 
 @pytest.mark.parametrize(
@@ -219,6 +228,51 @@ def test_the_remote_tier_gives_a_second_node_the_hit_the_host_tier_gives_the_fir
     fetched = stored_b[: st["chunks_fetched"]]
     assert set(fetched) <= set(stored_a), (fetched, stored_a)
     assert {g for g, _ in fetched} == {0, 1}, fetched
+
+
+def test_a_second_node_fetches_a_mamba_state_inside_a_block_as_the_first_node_stored_it(redis_url: str) -> None:
+    """Hashes every 2 tokens, 4-token blocks, full attention beside a Mamba
+    state. Node A computes a 43-token prompt: its host tier gets the
+    complete chunks to 40 and the partial tail at 42 (the state after 42
+    tokens and the attention block holding tokens 40 and 41), and writes
+    them through; the same prompt again, its GPU prefix cache reset, hits
+    42 tokens in its host tier. Node B, its host tier empty, hits the same
+    42 tokens: the complete chunks fetched first, then the partial tail,
+    every byte and the state right, all reported as a remote store, and
+    its fetches announced by the blocks node A announced."""
+    prompt = PREFIX + [1, 2, 3]
+    remote = {"url": redis_url}
+    a = hybrid_node(remote, "full+mamba", hash_tokens=2)
+    stored_a = stored_by_group(a)
+    a.add(prompt, max_tokens=2)
+    run_checked(a)
+    a.drain_remote()
+    assert writes(a)["puts_written"] > 0
+    assert a.scheduler.reset_prefix_cache(), "the GPU prefix cache holds no running request"
+    host_sources = record_hit_sources(a)
+    a.add(prompt, max_tokens=3, req_id="again")
+    assert run_checked(a) > 0
+    assert host_sources and host_sources[0][1:] == (42, {"host": 42}), host_sources
+    leak_free(a)
+
+    b = hybrid_node(remote, "full+mamba", hash_tokens=2)
+    stored_b = stored_by_group(b)
+    remote_sources = record_hit_sources(b)
+    r = b.add(prompt, max_tokens=3, req_id="again")
+    assert run_checked(b) > 0
+    assert r in b.loaded and not b.failed
+    assert b.states_restored_inside_block > 0
+    assert remote_sources == [(r, 42, {"external_unspecified": 42})], remote_sources
+    st = remote_stats(b)
+    # One fetch of the complete chunks (full attention's ten, the state at
+    # 40), one of the partial tail (both groups' keys at 42).
+    assert (st["fetch_jobs"], st["partial_tails_fetched"], st["chunks_fetched"]) == (2, 1, 13), st
+    assert st["fetches_failed"] == 0, st
+    leak_free(b)
+    assert b.connector.scheduler_state()["remote_probes"] == 0
+    fetched = stored_b[: st["chunks_fetched"]]
+    assert set(fetched) <= set(stored_a), (fetched, stored_a)
+    assert sum(g == 1 for g, _ in fetched) == 2, fetched
 
 
 def test_the_namespace_names_every_group() -> None:

@@ -224,8 +224,19 @@ impl Scheduler {
             {
                 return Ok((remote, true));
             }
-            // A hit may end on a partial tail past the complete chunks.
-            let outcome = self.lookup_partial_tail(req, computed_tokens, outcome?);
+            // A hit may end on a partial tail past the complete chunks, in
+            // the host tier or, if one is attached, the remote tier
+            // (`hybrid/on_remote_tail.rs`).
+            let complete = outcome?;
+            let outcome = self.lookup_partial_tail(req, computed_tokens, complete);
+            if let LookupOutcome::Hit(complete_hit) = complete
+                && self.remote.is_some()
+                && !skip_remote
+                && let Some(remote) =
+                    self.remote_partial_tail(req, computed_tokens, complete_hit, outcome)
+            {
+                return Ok((remote, true));
+            }
             return Ok((outcome, true));
         }
         // As vLLM: no hit past the request's last full chunk, and the

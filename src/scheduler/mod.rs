@@ -236,6 +236,9 @@ pub struct Scheduler {
     /// The partial tails the last lookup or step named
     /// ([`Self::last_partial_tails`]).
     last_partial_tails: Vec<hybrid::PartialTailKey>,
+    /// The partial tails of the fetch jobs planned since the last step
+    /// (`hybrid/on_remote_tail.rs`): the next step names them.
+    fetched_partial_tails: Vec<hybrid::PartialTailKey>,
 }
 
 impl Scheduler {
@@ -294,6 +297,7 @@ impl Scheduler {
             window_fences: HashMap::default(),
             partial_tails: None,
             last_partial_tails: Vec::new(),
+            fetched_partial_tails: Vec::new(),
         }
     }
 

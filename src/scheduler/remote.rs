@@ -52,12 +52,41 @@ pub(super) enum Probe {
     /// Chunks from `first_absent` on are not to be had remotely (absent, or
     /// the fetch failed): lookups answer from the host tier alone.
     Known { first_absent: usize },
+    /// Partial tails (`hybrid/on_remote_tail.rs`): the complete chunks are
+    /// settled at `at` tokens (as `Known`), and the remote tier was asked
+    /// about the partial tails in the block after.
+    TailAsked { at: usize, ticket: Ticket },
+    /// Fetching a partial tail in chunk `chunk` (`count` keys) past the
+    /// complete chunks settled at `at`.
+    TailFetching {
+        at: usize,
+        chunk: usize,
+        count: usize,
+    },
+    /// The complete chunks and the partial tails past `at` are settled:
+    /// lookups at `at` answer from the host tier alone.
+    TailKnown { at: usize },
+}
+
+impl Probe {
+    /// Whether the complete chunks are settled at `position` (tokens, with
+    /// several groups): the remote tier is not asked about them again.
+    pub(super) fn settled_at(self, position: usize) -> bool {
+        match self {
+            Probe::Known { first_absent } => first_absent == position,
+            Probe::TailAsked { at, .. } | Probe::TailKnown { at } => at == position,
+            _ => false,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
 pub(super) struct RequestProbe {
     pub(super) probe: Probe,
+    /// Remote lookups of complete chunks sent for the request.
     pub(super) attempts: u8,
+    /// Remote lookups of partial tails sent for the request.
+    pub(super) tail_attempts: u8,
 }
 
 /// Where a fetch job takes a request's probe.
@@ -74,14 +103,55 @@ pub(super) enum FetchAt {
         hi: usize,
         groups: usize,
     },
+    /// A partial tail in chunk `chunk`, past the complete chunks settled at
+    /// `at` tokens; `groups`: the number of groups.
+    Tail {
+        at: usize,
+        chunk: usize,
+        groups: usize,
+    },
 }
 
 impl FetchAt {
-    /// The position the request stays at when the fetch cannot start or fails.
-    fn before(self) -> usize {
+    /// Where the request's probe stays when the fetch cannot start or fails.
+    fn settled(self) -> Probe {
         match self {
-            FetchAt::Prefix { first } => first,
-            FetchAt::Groups { before, .. } => before,
+            FetchAt::Prefix { first } => Probe::Known {
+                first_absent: first,
+            },
+            FetchAt::Groups { before, .. } => Probe::Known {
+                first_absent: before,
+            },
+            FetchAt::Tail { at, .. } => Probe::TailKnown { at },
+        }
+    }
+
+    /// The request's probe while the fetch of `count` keys runs.
+    fn fetching(self, count: usize) -> Probe {
+        match self {
+            FetchAt::Prefix { first } => Probe::Fetching { first, count },
+            FetchAt::Groups {
+                before,
+                after,
+                lo,
+                hi,
+                ..
+            } => Probe::FetchingGroups {
+                before,
+                after,
+                lo,
+                hi,
+                count,
+            },
+            FetchAt::Tail { at, chunk, .. } => Probe::TailFetching { at, chunk, count },
+        }
+    }
+
+    /// With several groups, their number.
+    fn groups(self) -> Option<usize> {
+        match self {
+            FetchAt::Prefix { .. } => None,
+            FetchAt::Groups { groups, .. } | FetchAt::Tail { groups, .. } => Some(groups),
         }
     }
 }
@@ -99,6 +169,9 @@ pub struct RemoteLookupStats {
     pub chunks_fetched: u64,
     /// Fetch jobs that failed or stalled (their requests recompute).
     pub fetches_failed: u64,
+    /// Partial tails (recurrent states inside a block, every group's key at
+    /// one boundary) fetched into the host tier: fetch jobs that succeeded.
+    pub partial_tails_fetched: u64,
     /// Host-tier allocations refused for a fetch (no room).
     pub allocation_failures: u64,
 }
@@ -117,6 +190,9 @@ pub(crate) struct RemoteSide {
     /// With several groups, the `(group, chunk)` each key of a request's
     /// lookup in flight names, in the order asked.
     pub(super) group_asked: HashMap<RequestId, Vec<(usize, usize)>>,
+    /// With partial tails, the `(boundary, group)` each key of a request's
+    /// partial-tail lookup in flight names, in the order asked.
+    pub(super) tail_asked: HashMap<RequestId, Vec<(u64, usize)>>,
     /// Fetch jobs in flight -> their request and keys.
     fetch_jobs: HashMap<JobId, RequestId>,
     /// Chunks in the host tier that came from the remote tier (written on
@@ -135,7 +211,53 @@ impl RemoteSide {
         let probe = Probe::Known {
             first_absent: first,
         };
-        self.probes.insert(req, RequestProbe { probe, attempts });
+        self.set_probe(req, probe, attempts);
+    }
+
+    /// Sets `req`'s probe and its complete-chunk lookups sent, keeping its
+    /// partial-tail lookups sent.
+    pub(super) fn set_probe(&mut self, req: RequestId, probe: Probe, attempts: u8) {
+        let tail_attempts = self.probes.get(&req).map_or(0, |p| p.tail_attempts);
+        self.probes.insert(
+            req,
+            RequestProbe {
+                probe,
+                attempts,
+                tail_attempts,
+            },
+        );
+    }
+
+    /// The places of `asked` (in the order asked) that `answer` says the
+    /// remote tier holds, counted as found.
+    pub(super) fn found<K: Copy + Eq + std::hash::Hash>(
+        &mut self,
+        asked: &[K],
+        answer: Answer,
+    ) -> std::collections::HashSet<K> {
+        let present: std::collections::HashSet<K> = match answer {
+            Answer::Present(p) => asked
+                .iter()
+                .zip(p.iter())
+                .filter(|&(_, &here)| here)
+                .map(|(&k, _)| k)
+                .collect(),
+            _ => std::collections::HashSet::new(),
+        };
+        self.stats.chunks_found += present.len() as u64;
+        present
+    }
+
+    /// Drops `req`'s lookup in flight, if any, with its answer.
+    pub(super) fn drop_asked(&mut self, req: RequestId) {
+        let ticket = match self.probes.get(&req).map(|p| p.probe) {
+            Some(Probe::Asked { ticket, .. } | Probe::TailAsked { ticket, .. }) => ticket,
+            _ => return,
+        };
+        self.asked.remove(&ticket);
+        self.answered.remove(&ticket);
+        self.group_asked.remove(&req);
+        self.tail_asked.remove(&req);
     }
 
     pub(super) fn poll(&mut self) {
@@ -166,6 +288,7 @@ impl Scheduler {
             asked: HashMap::new(),
             answered: HashMap::new(),
             group_asked: HashMap::new(),
+            tail_asked: HashMap::new(),
             fetch_jobs: HashMap::new(),
             from_remote: std::collections::HashSet::new(),
             fetched: HashMap::new(),
@@ -192,6 +315,7 @@ impl Scheduler {
                 + r.asked.len()
                 + r.answered.len()
                 + r.group_asked.len()
+                + r.tail_asked.len()
                 + r.fetch_jobs.len()
                 + r.fetched.len()
         })
@@ -247,7 +371,9 @@ impl Scheduler {
         let entry = r.probes.get(&req).copied();
         match entry.map(|e| e.probe) {
             Some(Probe::Known { first_absent }) if first_absent == first => return None,
-            Some(Probe::Fetching { .. } | Probe::FetchingGroups { .. }) => {
+            Some(
+                Probe::Fetching { .. } | Probe::FetchingGroups { .. } | Probe::TailFetching { .. },
+            ) => {
                 return Some(LookupOutcome::Defer);
             }
             Some(Probe::Asked { first: f, ticket }) if f == first => {
@@ -273,14 +399,7 @@ impl Scheduler {
         // A new position (or a stale answer): ask, within the attempts. A
         // lookup still in flight for another position is dropped with its
         // answer.
-        if let Some(RequestProbe {
-            probe: Probe::Asked { ticket, .. },
-            ..
-        }) = entry
-        {
-            r.asked.remove(&ticket);
-            r.answered.remove(&ticket);
-        }
+        r.drop_asked(req);
         let attempts = entry.map_or(0, |e| e.attempts);
         if attempts >= MAX_ATTEMPTS || keys.is_empty() {
             r.known_absent(req, first, attempts);
@@ -289,13 +408,7 @@ impl Scheduler {
         let ticket = r.tier.lookup(keys);
         r.asked.insert(ticket, req);
         r.stats.lookups += 1;
-        r.probes.insert(
-            req,
-            RequestProbe {
-                probe: Probe::Asked { first, ticket },
-                attempts: attempts + 1,
-            },
-        );
+        r.set_probe(req, Probe::Asked { first, ticket }, attempts + 1);
         Some(LookupOutcome::Defer)
     }
 
@@ -315,7 +428,7 @@ impl Scheduler {
         let r = self.remote.as_mut()?;
         let Some(out) = prepared.filter(|o| !o.keys_to_store.is_empty()) else {
             r.stats.allocation_failures += 1;
-            r.known_absent(req, at.before(), attempts);
+            r.set_probe(req, at.settled(), attempts);
             return None;
         };
         let count = out.keys_to_store.len();
@@ -338,8 +451,8 @@ impl Scheduler {
         }
         // With groups, each group's part of the keys (for the KV events
         // that announce them; workers fetch by key).
-        let groups = match at {
-            FetchAt::Groups { groups, .. } => {
+        let groups = match at.groups() {
+            Some(groups) => {
                 let mut spans = vec![
                     GroupSpan {
                         num_keys: 0,
@@ -360,7 +473,7 @@ impl Scheduler {
                 }
                 spans
             }
-            FetchAt::Prefix { .. } => Vec::new(),
+            None => Vec::new(),
         };
         self.batch.fetches.push(TransferJob {
             job,
@@ -373,23 +486,7 @@ impl Scheduler {
         if let Some(r) = self.remote.as_mut() {
             r.fetch_jobs.insert(job, req);
             r.stats.fetch_jobs += 1;
-            let probe = match at {
-                FetchAt::Prefix { first } => Probe::Fetching { first, count },
-                FetchAt::Groups {
-                    before,
-                    after,
-                    lo,
-                    hi,
-                    ..
-                } => Probe::FetchingGroups {
-                    before,
-                    after,
-                    lo,
-                    hi,
-                    count,
-                },
-            };
-            r.probes.insert(req, RequestProbe { probe, attempts });
+            r.set_probe(req, at.fetching(count), attempts);
         }
         Some(LookupOutcome::Defer)
     }
@@ -429,28 +526,37 @@ impl Scheduler {
         let Some(p) = r.probes.get_mut(&req) else {
             return;
         };
-        let (before, after, chunks, count) = match p.probe {
-            Probe::Fetching { first, count } => (first, first + count, first..first + count, count),
+        let known = |first_absent| Probe::Known { first_absent };
+        let (failed, done, chunks, count) = match p.probe {
+            Probe::Fetching { first, count } => (
+                known(first),
+                known(first + count),
+                first..first + count,
+                count,
+            ),
             Probe::FetchingGroups {
                 before,
                 after,
                 lo,
                 hi,
                 count,
-            } => (before, after, lo..hi, count),
+            } => (known(before), known(after), lo..hi, count),
+            Probe::TailFetching { at, chunk, count } => {
+                let settled = Probe::TailKnown { at };
+                if success {
+                    r.stats.partial_tails_fetched += 1;
+                }
+                (settled, settled, chunk..chunk + 1, count)
+            }
             _ => return,
         };
         p.probe = if success {
             r.stats.chunks_fetched += count as u64;
             r.fetched.entry(req).or_default().push(chunks);
-            Probe::Known {
-                first_absent: after,
-            }
+            done
         } else {
             r.stats.fetches_failed += 1;
-            Probe::Known {
-                first_absent: before,
-            }
+            failed
         };
     }
 
@@ -460,13 +566,10 @@ impl Scheduler {
             return;
         };
         r.fetched.remove(&req);
+        r.drop_asked(req);
         r.group_asked.remove(&req);
-        if let Some(p) = r.probes.remove(&req)
-            && let Probe::Asked { ticket, .. } = p.probe
-        {
-            r.asked.remove(&ticket);
-            r.answered.remove(&ticket);
-        }
+        r.tail_asked.remove(&req);
+        r.probes.remove(&req);
     }
 
     /// A reset: every probe and fetch is forgotten (the host tier is empty;
@@ -477,6 +580,7 @@ impl Scheduler {
             r.asked.clear();
             r.answered.clear();
             r.group_asked.clear();
+            r.tail_asked.clear();
             r.fetch_jobs.clear();
             r.from_remote.clear();
             r.fetched.clear();

@@ -113,6 +113,9 @@ impl Scheduler {
         self.batch.last_stores = stores.len();
         let mut evictions = Vec::new();
         self.remote_evictions(&mut evictions);
+        // The partial tails this plan's fetch jobs bring in.
+        self.last_partial_tails
+            .append(&mut self.fetched_partial_tails);
         let plan = StepPlan {
             loads: std::mem::take(&mut self.batch.loads),
             stores,

@@ -28,6 +28,7 @@ mod lookup;
 mod on_alloc;
 mod on_lookup;
 mod on_remote;
+mod on_remote_tail;
 mod on_step;
 mod partial_tail;
 mod recorded_keys;

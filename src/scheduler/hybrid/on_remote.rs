@@ -15,8 +15,7 @@ use std::collections::HashSet;
 use crate::ids::RequestId;
 use crate::key::ChunkKey;
 use crate::manager::LookupResult;
-use crate::remote::Answer;
-use crate::scheduler::remote::{FetchAt, MAX_ATTEMPTS, Probe, RequestProbe};
+use crate::scheduler::remote::{FetchAt, MAX_ATTEMPTS, Probe};
 use crate::scheduler::{LookupOutcome, Scheduler};
 
 use super::lookup::{GroupKeys, HybridLookup, KeyState, load_chunks, lookup_complete_chunks};
@@ -88,8 +87,12 @@ impl Scheduler {
         let entry = r.probes.get(&req).copied();
         let attempts = entry.map_or(0, |e| e.attempts);
         match entry.map(|e| e.probe) {
-            Some(Probe::Known { first_absent }) if first_absent == position => return None,
-            Some(Probe::Fetching { .. } | Probe::FetchingGroups { .. }) => {
+            // Settled there (and maybe its partial tails asked about:
+            // `on_remote_tail.rs`).
+            Some(p) if p.settled_at(position) => return None,
+            Some(
+                Probe::Fetching { .. } | Probe::FetchingGroups { .. } | Probe::TailFetching { .. },
+            ) => {
                 return Some(LookupOutcome::Defer);
             }
             Some(Probe::Asked { first, ticket }) if first == position => {
@@ -98,26 +101,12 @@ impl Scheduler {
                 };
                 r.asked.remove(&ticket);
                 let asked = r.group_asked.remove(&req).unwrap_or_default();
-                let present: HashSet<(usize, usize)> = match answer {
-                    Answer::Present(p) => asked
-                        .iter()
-                        .zip(p.iter())
-                        .filter(|&(_, &here)| here)
-                        .map(|(&k, _)| k)
-                        .collect(),
-                    _ => HashSet::new(),
-                };
-                r.stats.chunks_found += present.len() as u64;
+                let present = r.found(&asked, answer);
                 return self.fetch_for_groups(req, computed, host_hit, &present, attempts);
             }
-            Some(Probe::Asked { ticket, .. }) => {
-                // A lookup still in flight for another position is dropped
-                // with its answer.
-                r.asked.remove(&ticket);
-                r.answered.remove(&ticket);
-                r.group_asked.remove(&req);
-            }
-            _ => {}
+            // A lookup still in flight for another position is dropped
+            // with its answer.
+            _ => r.drop_asked(req),
         }
         let (asked, keys) = if attempts >= MAX_ATTEMPTS {
             (Vec::new(), Vec::new())
@@ -133,16 +122,11 @@ impl Scheduler {
         r.asked.insert(ticket, req);
         r.group_asked.insert(req, asked);
         r.stats.lookups += 1;
-        r.probes.insert(
-            req,
-            RequestProbe {
-                probe: Probe::Asked {
-                    first: position,
-                    ticket,
-                },
-                attempts: attempts + 1,
-            },
-        );
+        let probe = Probe::Asked {
+            first: position,
+            ticket,
+        };
+        r.set_probe(req, probe, attempts + 1);
         Some(LookupOutcome::Defer)
     }
 

@@ -100,22 +100,8 @@ pub fn lookup_partial_tail(
     req: PartialLookup,
     mut state: impl FnMut(u64, usize) -> KeyState,
 ) -> PartialAnswer {
-    let tph = req.tokens_per_hash.max(1);
-    let complete_end = req.computed + req.complete_hit;
-    let block_end = complete_end + req.block_tokens;
-    let mut max_boundary = req
-        .prompt_tokens
-        .saturating_sub(1)
-        .min(block_end.saturating_sub(1));
-    if let Some(cap) = req.max_load_tokens {
-        max_boundary = max_boundary.min(req.computed.saturating_add(cap));
-    }
-    max_boundary -= max_boundary % tph;
     let mut pending = false;
-    // The complete hit ends on a block, so without EAGLE groups the
-    // boundaries stay inside the next block: no bridge chunk to load.
-    let mut boundary = max_boundary;
-    while boundary > complete_end {
+    for boundary in req.boundaries() {
         let mut all_hit = true;
         let mut here_pending = false;
         for g in 0..req.num_groups {
@@ -132,12 +118,35 @@ pub fn lookup_partial_tail(
         if all_hit && !here_pending {
             return PartialAnswer::Tail(boundary);
         }
-        boundary -= tph;
     }
     if pending && req.complete_hit == 0 {
         PartialAnswer::Defer
     } else {
         PartialAnswer::Complete
+    }
+}
+
+impl PartialLookup {
+    /// The boundaries a partial tail may end on, from the right: on the
+    /// hash unit, inside the block after the complete hit, before the
+    /// prompt's last token and within the load cap.
+    pub fn boundaries(&self) -> impl Iterator<Item = u64> + use<> {
+        let tph = self.tokens_per_hash.max(1);
+        let complete_end = self.computed + self.complete_hit;
+        let block_end = complete_end + self.block_tokens;
+        let mut max_boundary = self
+            .prompt_tokens
+            .saturating_sub(1)
+            .min(block_end.saturating_sub(1));
+        if let Some(cap) = self.max_load_tokens {
+            max_boundary = max_boundary.min(self.computed.saturating_add(cap));
+        }
+        max_boundary -= max_boundary % tph;
+        // The complete hit ends on a block, so without EAGLE groups the
+        // boundaries stay inside the next block: no bridge chunk to load.
+        (0..)
+            .map(move |i: u64| max_boundary.saturating_sub(i.saturating_mul(tph)))
+            .take_while(move |&b| b > complete_end)
     }
 }
 
@@ -260,35 +269,18 @@ impl Scheduler {
         computed: u64,
         complete: LookupOutcome,
     ) -> LookupOutcome {
-        let (Some(pt), LookupOutcome::Hit(complete_hit)) = (self.partial_tails, complete) else {
+        let LookupOutcome::Hit(complete_hit) = complete else {
             return complete;
         };
-        let Some(num_groups) = self.groups.as_deref().map(|g| g.len()) else {
+        let Some((pt, lookup)) = self.partial_lookup(req, computed, complete_hit) else {
             return complete;
         };
         let Some(rs) = self.requests.get(&req) else {
             return complete;
         };
-        let lookup = PartialLookup {
-            computed,
-            complete_hit,
-            prompt_tokens: rs.prompt_tokens,
-            max_load_tokens: rs.caps.max_load_tokens,
-            block_tokens: pt.block_tokens,
-            tokens_per_hash: pt.tokens_per_hash,
-            num_groups,
-        };
-        let manager = &self.manager;
-        let answer = lookup_partial_tail(lookup, |boundary, g| {
-            match rs.boundary_key(g, boundary, pt.tokens_per_hash) {
-                None => KeyState::Miss,
-                Some(key) => match manager.lookup(key) {
-                    LookupResult::Hit => KeyState::Hit,
-                    LookupResult::HitPending => KeyState::HitPending,
-                    LookupResult::Miss => KeyState::Miss,
-                },
-            }
-        });
+        let num_groups = lookup.num_groups;
+        let answer =
+            lookup_partial_tail(lookup, |boundary, g| self.host_tail_state(rs, g, boundary));
         match answer {
             PartialAnswer::Complete => complete,
             PartialAnswer::Defer => LookupOutcome::Defer,
@@ -309,6 +301,51 @@ impl Scheduler {
                 }
                 LookupOutcome::Hit(boundary - computed)
             }
+        }
+    }
+
+    /// The partial-tail lookup of `req` past a complete hit of
+    /// `complete_hit` tokens after the GPU's `computed`, with the geometry;
+    /// `None` without partial tails (or an unknown request).
+    pub(crate) fn partial_lookup(
+        &self,
+        req: RequestId,
+        computed: u64,
+        complete_hit: u64,
+    ) -> Option<(PartialTails, PartialLookup)> {
+        let pt = self.partial_tails?;
+        let num_groups = self.groups.as_deref()?.len();
+        let rs = self.requests.get(&req)?;
+        let lookup = PartialLookup {
+            computed,
+            complete_hit,
+            prompt_tokens: rs.prompt_tokens,
+            max_load_tokens: rs.caps.max_load_tokens,
+            block_tokens: pt.block_tokens,
+            tokens_per_hash: pt.tokens_per_hash,
+            num_groups,
+        };
+        Some((pt, lookup))
+    }
+
+    /// The host tier's state of `rs`'s partial-tail key of `group` at
+    /// `boundary` (a miss while the request's hash there is not known).
+    pub(crate) fn host_tail_state(
+        &self,
+        rs: &RequestState,
+        group: usize,
+        boundary: u64,
+    ) -> KeyState {
+        let Some(pt) = self.partial_tails else {
+            return KeyState::Miss;
+        };
+        match rs.boundary_key(group, boundary, pt.tokens_per_hash) {
+            None => KeyState::Miss,
+            Some(key) => match self.manager.lookup(key) {
+                LookupResult::Hit => KeyState::Hit,
+                LookupResult::HitPending => KeyState::HitPending,
+                LookupResult::Miss => KeyState::Miss,
+            },
         }
     }
 

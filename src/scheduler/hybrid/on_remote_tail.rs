@@ -1,0 +1,178 @@
+//! Partial tails from the remote tier (`docs/remote-tier.md`): once a
+//! lookup's complete chunks are settled over both tiers at `at` tokens (the
+//! host tier's complete hit, after any fetch of complete chunks:
+//! `on_remote.rs`), the remote tier is asked about the partial-tail keys
+//! (`partial_tail.rs`) of the block after that the host tier lacks, past
+//! the host tier's own tail; the request waits ("not yet") until it
+//! answers. The rightmost boundary whose keys every group holds in one tier
+//! or the other ([`lookup_partial_tail`] over both) becomes one fetch job of
+//! the keys the host tier lacks, and the next lookup finds that tail in the
+//! host tier and loads it. Nothing found, a fetch that fails or no room in
+//! the host tier leaves the request to the host tier's answer at `at`; a
+//! request asks about partial tails at most [`MAX_ATTEMPTS`] times.
+
+use std::collections::HashSet;
+
+use crate::ids::RequestId;
+use crate::key::ChunkKey;
+use crate::scheduler::remote::{FetchAt, MAX_ATTEMPTS, Probe, RequestProbe};
+use crate::scheduler::{LookupOutcome, Scheduler};
+
+use super::lookup::KeyState;
+use super::partial_tail::{PartialAnswer, PartialTailKey, lookup_partial_tail};
+
+impl Scheduler {
+    /// The remote side's answer for the partial tail of `req` (GPU hit
+    /// `computed` tokens), whose complete chunks hit `complete_hit` tokens
+    /// and whose host-tier lookup with partial tails answered `host`:
+    /// `Some(Defer)` while asking or fetching, `None` to answer `host`.
+    pub(crate) fn remote_partial_tail(
+        &mut self,
+        req: RequestId,
+        computed: u64,
+        complete_hit: u64,
+        host: LookupOutcome,
+    ) -> Option<LookupOutcome> {
+        let LookupOutcome::Hit(host_hit) = host else {
+            return None;
+        };
+        self.partial_tails?;
+        let at = usize::try_from(computed.saturating_add(complete_hit)).ok()?;
+        let host_end = computed.saturating_add(host_hit);
+        let r = self.remote.as_mut()?;
+        r.poll();
+        let entry = r.probes.get(&req).copied();
+        let attempts = entry.map_or(0, |e| e.attempts);
+        let tail_attempts = entry.map_or(0, |e| e.tail_attempts);
+        match entry.map(|e| e.probe) {
+            Some(Probe::TailKnown { at: a }) if a == at => return None,
+            Some(Probe::TailFetching { .. }) => return Some(LookupOutcome::Defer),
+            Some(Probe::TailAsked { at: a, ticket }) if a == at => {
+                let Some(answer) = r.answered.remove(&ticket) else {
+                    return Some(LookupOutcome::Defer);
+                };
+                r.asked.remove(&ticket);
+                let asked = r.tail_asked.remove(&req).unwrap_or_default();
+                let present = r.found(&asked, answer);
+                return self.fetch_partial_tail(req, computed, complete_hit, host_end, &present);
+            }
+            // A lookup still in flight for another position is dropped
+            // with its answer.
+            _ => r.drop_asked(req),
+        }
+        let (asked, keys) = if tail_attempts >= MAX_ATTEMPTS {
+            (Vec::new(), Vec::new())
+        } else {
+            self.tail_candidates(req, computed, complete_hit, host_end)
+        };
+        let r = self.remote.as_mut()?;
+        if asked.is_empty() {
+            r.set_probe(req, Probe::TailKnown { at }, attempts);
+            return None;
+        }
+        let ticket = r.tier.lookup(&keys);
+        r.asked.insert(ticket, req);
+        r.tail_asked.insert(req, asked);
+        r.stats.lookups += 1;
+        r.probes.insert(
+            req,
+            RequestProbe {
+                probe: Probe::TailAsked { at, ticket },
+                attempts,
+                tail_attempts: tail_attempts + 1,
+            },
+        );
+        Some(LookupOutcome::Defer)
+    }
+
+    /// The `(boundary, group)`s to ask the remote tier about, and their
+    /// keys: every group's partial-tail key the host tier misses at the
+    /// boundaries a tail may end on past `host_end`.
+    fn tail_candidates(
+        &self,
+        req: RequestId,
+        computed: u64,
+        complete_hit: u64,
+        host_end: u64,
+    ) -> (Vec<(u64, usize)>, Vec<ChunkKey>) {
+        let (mut asked, mut keys) = (Vec::new(), Vec::new());
+        let (Some((pt, lookup)), Some(rs)) = (
+            self.partial_lookup(req, computed, complete_hit),
+            self.requests.get(&req),
+        ) else {
+            return (asked, keys);
+        };
+        for boundary in lookup.boundaries().take_while(|&b| b > host_end) {
+            for g in 0..lookup.num_groups {
+                if self.host_tail_state(rs, g, boundary) != KeyState::Miss {
+                    continue;
+                }
+                if let Some(key) = rs.boundary_key(g, boundary, pt.tokens_per_hash) {
+                    asked.push((boundary, g));
+                    keys.push(key);
+                }
+            }
+        }
+        (asked, keys)
+    }
+
+    /// The remote tier answered `present`: fetch the keys the host tier
+    /// lacks of the partial tail the lookup over both tiers ends on, when
+    /// it ends past `host_end`.
+    fn fetch_partial_tail(
+        &mut self,
+        req: RequestId,
+        computed: u64,
+        complete_hit: u64,
+        host_end: u64,
+        present: &HashSet<(u64, usize)>,
+    ) -> Option<LookupOutcome> {
+        let at = usize::try_from(computed.saturating_add(complete_hit)).ok()?;
+        let (pt, lookup) = self.partial_lookup(req, computed, complete_hit)?;
+        let rs = self.requests.get(&req)?;
+        let answer = lookup_partial_tail(lookup, |boundary, g| {
+            match self.host_tail_state(rs, g, boundary) {
+                KeyState::Miss if present.contains(&(boundary, g)) => KeyState::Hit,
+                state => state,
+            }
+        });
+        let mut tails = Vec::new();
+        if let PartialAnswer::Tail(boundary) = answer
+            && boundary > host_end
+        {
+            for g in 0..lookup.num_groups {
+                if self.host_tail_state(rs, g, boundary) != KeyState::Miss {
+                    continue;
+                }
+                if let Some(key) = rs.boundary_key(g, boundary, pt.tokens_per_hash) {
+                    tails.push(PartialTailKey {
+                        req,
+                        group: g,
+                        boundary,
+                        key,
+                    });
+                }
+            }
+        }
+        let r = self.remote.as_mut()?;
+        let attempts = r.probes.get(&req).map_or(0, |p| p.attempts);
+        let Some(first) = tails.first() else {
+            r.set_probe(req, Probe::TailKnown { at }, attempts);
+            return None;
+        };
+        let at_fetch = FetchAt::Tail {
+            at,
+            chunk: (first.boundary / pt.block_tokens) as usize,
+            groups: lookup.num_groups,
+        };
+        let keys: Vec<ChunkKey> = tails.iter().map(|t| t.key).collect();
+        let key_groups: Vec<usize> = tails.iter().map(|t| t.group).collect();
+        let outcome = self.start_fetch(req, &keys, &key_groups, attempts, at_fetch);
+        if outcome.is_some() {
+            // The next step's KV events name them by vLLM's hash at the
+            // boundary, as a store of them would.
+            self.fetched_partial_tails.extend(tails);
+        }
+        outcome
+    }
+}
