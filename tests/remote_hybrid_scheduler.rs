@@ -137,6 +137,15 @@ impl Rig {
                 let spans: u32 = f.groups.iter().map(|g| g.num_keys).sum();
                 assert_eq!(spans as usize, f.keys.len(), "every key in a group span");
                 assert_eq!(f.groups.len(), self.shapes.len());
+                // The spans split the keys in order: group 0's keys are the
+                // tests' small hashes, the other groups' are mixed.
+                let mut at = 0;
+                for (g, span) in f.groups.iter().enumerate() {
+                    for k in &f.keys[at..at + span.num_keys as usize] {
+                        assert_eq!(k.0 < 1 << 40, g == 0, "{k:?} in group {g}'s span");
+                    }
+                    at += span.num_keys as usize;
+                }
                 fetched.extend(f.keys.iter().copied());
                 self.report(f.job, fail_fetches);
             }
@@ -466,7 +475,7 @@ fn unit_key(units: &[BlockHash], unit: usize, group: u32) -> ChunkKey {
 }
 
 #[test]
-fn a_mamba_state_inside_a_block_is_fetched_after_the_complete_chunks() {
+fn a_mamba_state_inside_a_block_is_asked_about_and_fetched_with_the_complete_chunks() {
     // A 23-token prompt, a hash every 2 tokens: complete chunks to 20, and
     // the partial tail at 22 (the prompt's last token is computed).
     let mut t = full_and_state_with_tails(2);
@@ -476,14 +485,14 @@ fn a_mamba_state_inside_a_block_is_fetched_after_the_complete_chunks() {
     t.add_with_units(req, 23, &u);
     let (hit, fetched) = t.settle(req, false);
     assert_eq!(hit, 22);
-    // The full-attention chunks and the state at 20; then both groups'
-    // keys at 22.
-    let mut want: Vec<ChunkKey> = [1, 3, 5, 7, 9]
+    // One remote lookup and one fetch, its keys group by group (its spans
+    // split them in order): the full-attention chunks and its key at 22,
+    // then the state at 20 and the one at 22.
+    let mut want: Vec<ChunkKey> = [1, 3, 5, 7, 9, 10]
         .iter()
         .map(|&i| unit_key(&u.0, i, 0))
         .collect();
-    want.push(unit_key(&u.0, 9, 1));
-    want.extend([unit_key(&u.0, 10, 0), unit_key(&u.0, 10, 1)]);
+    want.extend([unit_key(&u.0, 9, 1), unit_key(&u.0, 10, 1)]);
     assert_eq!(fetched, want);
     let st = t.s.remote_lookup_stats().unwrap();
     assert_eq!(
@@ -493,7 +502,7 @@ fn a_mamba_state_inside_a_block_is_fetched_after_the_complete_chunks() {
             st.chunks_fetched,
             st.partial_tails_fetched
         ),
-        (2, 2, 8, 1)
+        (1, 1, 8, 1)
     );
     // The load reads the full-attention chunks, then the tail into block
     // 6 and the state at 22 into the Mamba group's block at index 5; its
@@ -535,7 +544,7 @@ fn a_mamba_state_inside_a_block_is_fetched_after_the_complete_chunks() {
     // A second request over the same prompt finds it all in the host tier.
     t.add_with_units(RequestId(2), 23, &u);
     assert_eq!(t.s.lookup(RequestId(2), 0).unwrap(), LookupOutcome::Hit(22));
-    assert_eq!(t.s.remote_lookup_stats().unwrap().lookups, 2);
+    assert_eq!(t.s.remote_lookup_stats().unwrap().lookups, 1);
     t.finish(&[1, 2]);
 }
 
@@ -552,10 +561,11 @@ fn a_partial_tail_one_group_lacks_or_a_failed_fetch_leaves_the_complete_hit() {
     t.add_with_units(RequestId(1), 15, &u);
     let (hit, _) = t.settle(RequestId(1), false);
     assert_eq!(hit, 12);
+    // One remote lookup settled the chunks and the tails.
     let st = t.s.remote_lookup_stats().unwrap();
     assert_eq!(
         (st.lookups, st.fetch_jobs, st.partial_tails_fetched),
-        (2, 1, 0)
+        (1, 1, 0)
     );
     // Both groups at 13 now, but the tail's fetch fails: the complete hit
     // stands, and the request does not ask again.
@@ -585,11 +595,39 @@ fn a_partial_tail_one_group_lacks_or_a_failed_fetch_leaves_the_complete_hit() {
     let st = t.s.remote_lookup_stats().unwrap();
     assert_eq!(
         (st.lookups, st.fetches_failed, st.partial_tails_fetched),
-        (3, 1, 0)
+        (2, 1, 0)
     );
     assert_eq!(t.s.lookup(RequestId(2), 0).unwrap(), LookupOutcome::Hit(12));
-    assert_eq!(t.s.remote_lookup_stats().unwrap().lookups, 3);
+    assert_eq!(t.s.remote_lookup_stats().unwrap().lookups, 2);
     t.finish(&[1, 2]);
+}
+
+#[test]
+fn a_tail_before_the_furthest_complete_hit_is_asked_about_in_a_second_lookup() {
+    // A 23-token prompt, a hash every 2 tokens; the remote tier lacks full
+    // attention's chunk 4 (tokens 16 to 20) but holds both groups' keys at
+    // 18 and 22. The first lookup asks about the chunks and the tails past
+    // 20 (the furthest the complete chunks could reach); the complete hit
+    // ends at 16, so the tail at 22 is of no use and a second lookup asks
+    // about the block after 16: the hit ends at 18.
+    let mut t = full_and_state_with_tails(2);
+    let u = units(1, 23, 2);
+    t.put_units(&u.0, 0..9);
+    t.put(unit_key(&u.0, 9, 1));
+    t.put_units(&u.0, 10..11);
+    t.add_with_units(RequestId(1), 23, &u);
+    let (hit, fetched) = t.settle(RequestId(1), false);
+    assert_eq!(hit, 18);
+    let mut want: Vec<ChunkKey> = [1, 3, 5, 7].iter().map(|&i| unit_key(&u.0, i, 0)).collect();
+    want.push(unit_key(&u.0, 7, 1));
+    want.extend([unit_key(&u.0, 8, 0), unit_key(&u.0, 8, 1)]);
+    assert_eq!(fetched, want);
+    let st = t.s.remote_lookup_stats().unwrap();
+    assert_eq!(
+        (st.lookups, st.fetch_jobs, st.partial_tails_fetched),
+        (2, 2, 1)
+    );
+    t.finish(&[1]);
 }
 
 #[test]

@@ -237,9 +237,10 @@ def test_a_second_node_fetches_a_mamba_state_inside_a_block_as_the_first_node_st
     tokens and the attention block holding tokens 40 and 41), and writes
     them through; the same prompt again, its GPU prefix cache reset, hits
     42 tokens in its host tier. Node B, its host tier empty, hits the same
-    42 tokens: the complete chunks fetched first, then the partial tail,
-    every byte and the state right, all reported as a remote store, and
-    its fetches announced by the blocks node A announced."""
+    42 tokens: the complete chunks and the partial tail asked about and
+    fetched together, every byte and the state right, all reported as a
+    remote store, and its fetches announced by the blocks node A
+    announced."""
     prompt = PREFIX + [1, 2, 3]
     remote = {"url": redis_url}
     a = hybrid_node(remote, "full+mamba", hash_tokens=2)
@@ -264,9 +265,10 @@ def test_a_second_node_fetches_a_mamba_state_inside_a_block_as_the_first_node_st
     assert b.states_restored_inside_block > 0
     assert remote_sources == [(r, 42, {"external_unspecified": 42})], remote_sources
     st = remote_stats(b)
-    # One fetch of the complete chunks (full attention's ten, the state at
-    # 40), one of the partial tail (both groups' keys at 42).
-    assert (st["fetch_jobs"], st["partial_tails_fetched"], st["chunks_fetched"]) == (2, 1, 13), st
+    # One remote lookup and one fetch: the complete chunks (full
+    # attention's ten, the state at 40) and the partial tail (both groups'
+    # keys at 42).
+    assert (st["lookups"], st["fetch_jobs"], st["partial_tails_fetched"], st["chunks_fetched"]) == (1, 1, 1, 13), st
     assert st["fetches_failed"] == 0, st
     leak_free(b)
     assert b.connector.scheduler_state()["remote_probes"] == 0

@@ -40,14 +40,16 @@ pub(super) enum Probe {
     /// Fetching `count` chunks from `first` on into the host tier.
     Fetching { first: usize, count: usize },
     /// With several groups: fetching `count` chunks (chunk indices
-    /// `lo..hi`, over the groups) so that the hit ends at `after` tokens
-    /// instead of `before`.
+    /// `lo..hi`, over the groups) so that the complete chunks' hit ends at
+    /// `after` tokens instead of `before`; `tails`: what the same remote
+    /// lookup settled of the partial tails past `after`.
     FetchingGroups {
         before: usize,
         after: usize,
         lo: usize,
         hi: usize,
         count: usize,
+        tails: TailsAsked,
     },
     /// Chunks from `first_absent` on are not to be had remotely (absent, or
     /// the fetch failed): lookups answer from the host tier alone.
@@ -80,6 +82,18 @@ impl Probe {
     }
 }
 
+/// What a remote lookup of complete chunks settled of the partial tails
+/// past the hit it leads to (`hybrid/on_remote_tail.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum TailsAsked {
+    /// Not asked: a lookup after the fetch asks.
+    No,
+    /// Asked with the complete chunks, none to fetch: settled.
+    NoneFound,
+    /// Asked, and the fetch brings one in.
+    Fetched,
+}
+
 #[derive(Debug, Clone, Copy)]
 pub(super) struct RequestProbe {
     pub(super) probe: Probe,
@@ -94,14 +108,16 @@ pub(super) struct RequestProbe {
 pub(super) enum FetchAt {
     /// One group: chunks from `first` on.
     Prefix { first: usize },
-    /// Several groups: the hit end moves from `before` to `after` tokens;
-    /// the fetched chunks lie in `lo..hi`; `groups`: the number of groups.
+    /// Several groups: the complete chunks' hit end moves from `before` to
+    /// `after` tokens; the fetched chunks lie in `lo..hi`; `groups`: the
+    /// number of groups; `tails`: the partial tails past `after`.
     Groups {
         before: usize,
         after: usize,
         lo: usize,
         hi: usize,
         groups: usize,
+        tails: TailsAsked,
     },
     /// A partial tail in chunk `chunk`, past the complete chunks settled at
     /// `at` tokens; `groups`: the number of groups.
@@ -135,6 +151,7 @@ impl FetchAt {
                 after,
                 lo,
                 hi,
+                tails,
                 ..
             } => Probe::FetchingGroups {
                 before,
@@ -142,6 +159,7 @@ impl FetchAt {
                 lo,
                 hi,
                 count,
+                tails,
             },
             FetchAt::Tail { at, chunk, .. } => Probe::TailFetching { at, chunk, count },
         }
@@ -228,17 +246,19 @@ impl RemoteSide {
         );
     }
 
-    /// The places of `asked` (in the order asked) that `answer` says the
-    /// remote tier holds, counted as found.
+    /// The places of `asked` (in the order asked, from the answer's
+    /// `first` on) that `answer` says the remote tier holds, counted as
+    /// found.
     pub(super) fn found<K: Copy + Eq + std::hash::Hash>(
         &mut self,
         asked: &[K],
-        answer: Answer,
+        answer: &Answer,
+        first: usize,
     ) -> std::collections::HashSet<K> {
         let present: std::collections::HashSet<K> = match answer {
             Answer::Present(p) => asked
                 .iter()
-                .zip(p.iter())
+                .zip(p.iter().skip(first))
                 .filter(|&(_, &here)| here)
                 .map(|(&k, _)| k)
                 .collect(),
@@ -415,7 +435,8 @@ impl Scheduler {
     /// Allocates host slots for `keys` (found remotely) and creates their
     /// fetch job, taking the request's probe to `at`; `None` (answer from
     /// the host tier) when the tier has no room. With several groups,
-    /// `key_groups` names each key's group (the keys group-major).
+    /// `key_groups` names each key's group; the job's keys go group by
+    /// group (its spans split them in order).
     pub(super) fn start_fetch(
         &mut self,
         req: RequestId,
@@ -424,6 +445,19 @@ impl Scheduler {
         attempts: u8,
         at: FetchAt,
     ) -> Option<LookupOutcome> {
+        let grouped: (Vec<usize>, Vec<ChunkKey>);
+        let (key_groups, keys) = if key_groups.is_sorted() {
+            (key_groups, keys)
+        } else {
+            let mut by_group: Vec<(usize, ChunkKey)> = key_groups
+                .iter()
+                .copied()
+                .zip(keys.iter().copied())
+                .collect();
+            by_group.sort_by_key(|&(g, _)| g);
+            grouped = by_group.into_iter().unzip();
+            (grouped.0.as_slice(), grouped.1.as_slice())
+        };
         let prepared = self.manager.prepare_store(keys, None);
         let r = self.remote.as_mut()?;
         let Some(out) = prepared.filter(|o| !o.keys_to_store.is_empty()) else {
@@ -540,7 +574,17 @@ impl Scheduler {
                 lo,
                 hi,
                 count,
-            } => (known(before), known(after), lo..hi, count),
+                tails,
+            } => {
+                let done = match tails {
+                    TailsAsked::No => known(after),
+                    TailsAsked::NoneFound | TailsAsked::Fetched => Probe::TailKnown { at: after },
+                };
+                if success && tails == TailsAsked::Fetched {
+                    r.stats.partial_tails_fetched += 1;
+                }
+                (known(before), done, lo..hi, count)
+            }
             Probe::TailFetching { at, chunk, count } => {
                 let settled = Probe::TailKnown { at };
                 if success {

@@ -101,26 +101,49 @@ impl Scheduler {
                 };
                 r.asked.remove(&ticket);
                 let asked = r.group_asked.remove(&req).unwrap_or_default();
-                let present = r.found(&asked, answer);
-                return self.fetch_for_groups(req, computed, host_hit, &present, attempts);
+                let tails = r.tail_asked.remove(&req);
+                let present = r.found(&asked, &answer, 0);
+                let tails = tails.map(|t| r.found(&t, &answer, asked.len()));
+                return self.fetch_for_groups(
+                    req,
+                    computed,
+                    host_hit,
+                    &present,
+                    tails.as_ref(),
+                    attempts,
+                );
             }
             // A lookup still in flight for another position is dropped
             // with its answer.
             _ => r.drop_asked(req),
         }
-        let (asked, keys) = if attempts >= MAX_ATTEMPTS {
+        let (asked, mut keys) = if attempts >= MAX_ATTEMPTS {
             (Vec::new(), Vec::new())
         } else {
             self.remote_candidates(req, computed, host_hit)
         };
-        let r = self.remote.as_mut()?;
         if asked.is_empty() {
-            r.known_absent(req, position, attempts);
+            self.remote.as_mut()?.known_absent(req, position, attempts);
             return None;
         }
+        // With partial tails, the same lookup asks about those past the
+        // furthest the complete chunks could reach (`on_remote_tail.rs`):
+        // where the hit over both tiers gets there, one round settles both.
+        let ceiling = self.hit_with_remote(req, computed, None).unwrap_or(0);
+        let (tails, tail_keys) = if self.partial_tails.is_some() {
+            let end = computed.saturating_add(ceiling);
+            self.tail_candidates(req, computed, ceiling, end)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        keys.extend(tail_keys);
+        let r = self.remote.as_mut()?;
         let ticket = r.tier.lookup(&keys);
         r.asked.insert(ticket, req);
         r.group_asked.insert(req, asked);
+        if !tails.is_empty() {
+            r.tail_asked.insert(req, tails);
+        }
         r.stats.lookups += 1;
         let probe = Probe::Asked {
             first: position,
@@ -210,6 +233,7 @@ impl Scheduler {
         computed: u64,
         host_hit: u64,
         present: &HashSet<(usize, usize)>,
+        tails: Option<&HashSet<(u64, usize)>>,
         attempts: u8,
     ) -> Option<LookupOutcome> {
         let before = usize::try_from(computed.saturating_add(host_hit)).ok()?;
@@ -249,14 +273,34 @@ impl Scheduler {
             self.remote.as_mut()?.known_absent(req, before, attempts);
             return None;
         }
+        // Partial tails asked with these chunks, past the hit they lead to.
+        let ceiling = self.hit_with_remote(req, computed, None).unwrap_or(0);
+        let (tail_keys, settled) =
+            self.tails_with_complete_chunks(req, computed, hit, ceiling, tails);
+        if let (Some(groups), Some(t)) = (self.groups.as_deref(), tail_keys.first()) {
+            let chunk = (t.boundary / groups.shapes[t.group].tokens_per_chunk()) as usize;
+            for t in &tail_keys {
+                keys.push(t.key);
+                key_groups.push(t.group);
+                let unit = groups.unit_chunks(t.group, chunk..chunk + 1);
+                lo = lo.min(unit.start);
+                hi = hi.max(unit.end);
+            }
+        }
         let after = usize::try_from(end).ok()?;
         let at = FetchAt::Groups {
             before,
             after,
             lo,
             hi,
-            groups: groups.shapes.len(),
+            groups: self.groups.as_deref().map_or(0, |g| g.shapes.len()),
+            tails: settled,
         };
-        self.start_fetch(req, &keys, &key_groups, attempts, at)
+        let outcome = self.start_fetch(req, &keys, &key_groups, attempts, at);
+        if outcome.is_some() {
+            // Named in the next step's KV events (`on_remote_tail.rs`).
+            self.fetched_partial_tails.extend(tail_keys);
+        }
+        outcome
     }
 }

@@ -15,7 +15,7 @@ use std::collections::HashSet;
 
 use crate::ids::RequestId;
 use crate::key::ChunkKey;
-use crate::scheduler::remote::{FetchAt, MAX_ATTEMPTS, Probe, RequestProbe};
+use crate::scheduler::remote::{FetchAt, MAX_ATTEMPTS, Probe, RequestProbe, TailsAsked};
 use crate::scheduler::{LookupOutcome, Scheduler};
 
 use super::lookup::KeyState;
@@ -53,7 +53,7 @@ impl Scheduler {
                 };
                 r.asked.remove(&ticket);
                 let asked = r.tail_asked.remove(&req).unwrap_or_default();
-                let present = r.found(&asked, answer);
+                let present = r.found(&asked, &answer, 0);
                 return self.fetch_partial_tail(req, computed, complete_hit, host_end, &present);
             }
             // A lookup still in flight for another position is dropped
@@ -87,8 +87,9 @@ impl Scheduler {
 
     /// The `(boundary, group)`s to ask the remote tier about, and their
     /// keys: every group's partial-tail key the host tier misses at the
-    /// boundaries a tail may end on past `host_end`.
-    fn tail_candidates(
+    /// boundaries a tail may end on past `host_end`, after a complete hit
+    /// of `complete_hit` tokens.
+    pub(super) fn tail_candidates(
         &self,
         req: RequestId,
         computed: u64,
@@ -128,32 +129,8 @@ impl Scheduler {
         present: &HashSet<(u64, usize)>,
     ) -> Option<LookupOutcome> {
         let at = usize::try_from(computed.saturating_add(complete_hit)).ok()?;
+        let tails = self.tail_keys_to_fetch(req, computed, complete_hit, host_end, present);
         let (pt, lookup) = self.partial_lookup(req, computed, complete_hit)?;
-        let rs = self.requests.get(&req)?;
-        let answer = lookup_partial_tail(lookup, |boundary, g| {
-            match self.host_tail_state(rs, g, boundary) {
-                KeyState::Miss if present.contains(&(boundary, g)) => KeyState::Hit,
-                state => state,
-            }
-        });
-        let mut tails = Vec::new();
-        if let PartialAnswer::Tail(boundary) = answer
-            && boundary > host_end
-        {
-            for g in 0..lookup.num_groups {
-                if self.host_tail_state(rs, g, boundary) != KeyState::Miss {
-                    continue;
-                }
-                if let Some(key) = rs.boundary_key(g, boundary, pt.tokens_per_hash) {
-                    tails.push(PartialTailKey {
-                        req,
-                        group: g,
-                        boundary,
-                        key,
-                    });
-                }
-            }
-        }
         let r = self.remote.as_mut()?;
         let attempts = r.probes.get(&req).map_or(0, |p| p.attempts);
         let Some(first) = tails.first() else {
@@ -174,5 +151,75 @@ impl Scheduler {
             self.fetched_partial_tails.extend(tails);
         }
         outcome
+    }
+
+    /// The keys the host tier lacks of the partial tail that the lookup
+    /// over both tiers (the remote tier holding `present`) ends on, past a
+    /// complete hit of `complete_hit` tokens, when it ends past `host_end`;
+    /// none otherwise.
+    pub(super) fn tail_keys_to_fetch(
+        &self,
+        req: RequestId,
+        computed: u64,
+        complete_hit: u64,
+        host_end: u64,
+        present: &HashSet<(u64, usize)>,
+    ) -> Vec<PartialTailKey> {
+        let mut tails = Vec::new();
+        let (Some((pt, lookup)), Some(rs)) = (
+            self.partial_lookup(req, computed, complete_hit),
+            self.requests.get(&req),
+        ) else {
+            return tails;
+        };
+        let answer = lookup_partial_tail(lookup, |boundary, g| {
+            match self.host_tail_state(rs, g, boundary) {
+                KeyState::Miss if present.contains(&(boundary, g)) => KeyState::Hit,
+                state => state,
+            }
+        });
+        if let PartialAnswer::Tail(boundary) = answer
+            && boundary > host_end
+        {
+            for g in 0..lookup.num_groups {
+                if self.host_tail_state(rs, g, boundary) != KeyState::Miss {
+                    continue;
+                }
+                if let Some(key) = rs.boundary_key(g, boundary, pt.tokens_per_hash) {
+                    tails.push(PartialTailKey {
+                        req,
+                        group: g,
+                        boundary,
+                        key,
+                    });
+                }
+            }
+        }
+        tails
+    }
+
+    /// Fetching the complete chunks that end the hit over both tiers at
+    /// `complete_end` tokens: with partial tails asked about in the same
+    /// remote lookup (`tails`, past the furthest the complete chunks could
+    /// reach, `ceiling`), the keys to fetch with them and what that settles.
+    pub(super) fn tails_with_complete_chunks(
+        &self,
+        req: RequestId,
+        computed: u64,
+        complete_hit: u64,
+        ceiling: u64,
+        tails: Option<&HashSet<(u64, usize)>>,
+    ) -> (Vec<PartialTailKey>, TailsAsked) {
+        let Some(tails) = tails.filter(|_| complete_hit == ceiling) else {
+            return (Vec::new(), TailsAsked::No);
+        };
+        let end = computed.saturating_add(complete_hit);
+        let keys = self.tail_keys_to_fetch(req, computed, complete_hit, end, tails);
+        let settled = if keys.is_empty() {
+            TailsAsked::NoneFound
+        } else {
+            TailsAsked::Fetched
+        };
+        (keys, settled)
     }
 }
