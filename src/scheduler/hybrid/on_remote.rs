@@ -129,8 +129,8 @@ impl Scheduler {
         // With partial tails, the same lookup asks about those past the
         // furthest the complete chunks could reach (`on_remote_tail.rs`):
         // where the hit over both tiers gets there, one round settles both.
-        let ceiling = self.hit_with_remote(req, computed, None).unwrap_or(0);
         let (tails, tail_keys) = if self.partial_tails.is_some() {
+            let ceiling = self.hit_with_remote(req, computed, None).unwrap_or(0);
             let end = computed.saturating_add(ceiling);
             self.tail_candidates(req, computed, ceiling, end)
         } else {
@@ -162,7 +162,7 @@ impl Scheduler {
     /// vLLM's lookup of `req` with `present` read as it were in the host
     /// tier (`None`: every chunk): the hit in tokens past `computed`, `None`
     /// when it would wait.
-    fn hit_with_remote(
+    pub(super) fn hit_with_remote(
         &self,
         req: RequestId,
         computed: u64,
@@ -274,9 +274,7 @@ impl Scheduler {
             return None;
         }
         // Partial tails asked with these chunks, past the hit they lead to.
-        let ceiling = self.hit_with_remote(req, computed, None).unwrap_or(0);
-        let (tail_keys, settled) =
-            self.tails_with_complete_chunks(req, computed, hit, ceiling, tails);
+        let (tail_keys, settled) = self.tails_with_complete_chunks(req, computed, hit, tails);
         if let (Some(groups), Some(t)) = (self.groups.as_deref(), tail_keys.first()) {
             let chunk = (t.boundary / groups.shapes[t.group].tokens_per_chunk()) as usize;
             for t in &tail_keys {

@@ -1,15 +1,19 @@
-//! Partial tails from the remote tier (`docs/remote-tier.md`): once a
-//! lookup's complete chunks are settled over both tiers at `at` tokens (the
-//! host tier's complete hit, after any fetch of complete chunks:
-//! `on_remote.rs`), the remote tier is asked about the partial-tail keys
-//! (`partial_tail.rs`) of the block after that the host tier lacks, past
-//! the host tier's own tail; the request waits ("not yet") until it
-//! answers. The rightmost boundary whose keys every group holds in one tier
-//! or the other ([`lookup_partial_tail`] over both) becomes one fetch job of
-//! the keys the host tier lacks, and the next lookup finds that tail in the
-//! host tier and loads it. Nothing found, a fetch that fails or no room in
-//! the host tier leaves the request to the host tier's answer at `at`; a
-//! request asks about partial tails at most [`MAX_ATTEMPTS`] times.
+//! Partial tails from the remote tier (`docs/remote-tier.md`). The remote
+//! lookup of a request's complete chunks (`on_remote.rs`) also asks about
+//! the partial-tail keys (`partial_tail.rs`) the host tier lacks in the
+//! block after the furthest those chunks could reach; when the hit over
+//! both tiers gets there, the tail joins the same fetch job
+//! ([`Scheduler::tails_with_complete_chunks`]). Otherwise, once the
+//! complete chunks are settled at `at` tokens (the host tier's complete
+//! hit), the remote tier is asked about the block after `at`, past the
+//! host tier's own tail, and the request waits ("not yet") until it
+//! answers. Either way the rightmost boundary whose keys every group holds
+//! in one tier or the other ([`lookup_partial_tail`] over both) is fetched
+//! (the keys the host tier lacks), and the next lookup finds that tail in
+//! the host tier and loads it. Nothing found, a fetch that fails or no
+//! room in the host tier leaves the request to the host tier's answer at
+//! `at`; a request asks about partial tails alone at most
+//! [`MAX_ATTEMPTS`] times.
 
 use std::collections::HashSet;
 
@@ -198,21 +202,25 @@ impl Scheduler {
         tails
     }
 
-    /// Fetching the complete chunks that end the hit over both tiers at
-    /// `complete_end` tokens: with partial tails asked about in the same
-    /// remote lookup (`tails`, past the furthest the complete chunks could
-    /// reach, `ceiling`), the keys to fetch with them and what that settles.
+    /// Fetching the complete chunks that end the hit over both tiers
+    /// `complete_hit` tokens past `computed`, with partial tails found in
+    /// the same remote lookup (`tails`, asked past the furthest the
+    /// complete chunks could reach): the tail's keys to fetch with them,
+    /// and what that settles (nothing unless the hit reaches that far).
     pub(super) fn tails_with_complete_chunks(
         &self,
         req: RequestId,
         computed: u64,
         complete_hit: u64,
-        ceiling: u64,
         tails: Option<&HashSet<(u64, usize)>>,
     ) -> (Vec<PartialTailKey>, TailsAsked) {
-        let Some(tails) = tails.filter(|_| complete_hit == ceiling) else {
+        let Some(tails) = tails else {
             return (Vec::new(), TailsAsked::No);
         };
+        let ceiling = self.hit_with_remote(req, computed, None).unwrap_or(0);
+        if complete_hit != ceiling {
+            return (Vec::new(), TailsAsked::No);
+        }
         let end = computed.saturating_add(complete_hit);
         let keys = self.tail_keys_to_fetch(req, computed, complete_hit, end, tails);
         let settled = if keys.is_empty() {
