@@ -21,6 +21,7 @@ than the blocks; `--only sizes`: those whose groups have different block
 sizes; `--only left-out`: those with groups vLLM's connector leaves out;
 `--only params`: those whose requests carry `kv_transfer_params`;
 `--only partial`: those with Mamba states inside a block;
+`--only partial-eagle`: those of them beside an EAGLE draft group;
 `--only dcp`: those with decode context parallelism),
 from seed 30,000.
 `--from SEED` starts at SEED instead (each seed keeps its configuration:

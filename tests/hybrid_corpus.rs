@@ -14,9 +14,10 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use kvoffload::scheduler::hybrid::{
-    GpuBlock, GroupShape, HybridLookup, KeyState, PartialAnswer, PartialLookup, RecordedKeys,
-    Retention, StorePolicy, StoreRequest, StoreView, alignment_tokens, lookup_complete_chunks,
-    lookup_partial_tail, plan_load, store_candidates,
+    BridgeAnswer, GpuBlock, GroupKeys, GroupShape, HybridLookup, KeyState, PartialAnswer,
+    PartialLookup, RecordedKeys, Retention, StorePolicy, StoreRequest, StoreView, alignment_tokens,
+    lookup_complete_chunks, lookup_complete_chunks_with_ends, lookup_partial_tail_bridged,
+    plan_load, store_candidates,
 };
 use serde_json::Value;
 
@@ -80,25 +81,45 @@ fn corpus_files() -> Vec<PathBuf> {
     files
 }
 
-/// vLLM's partial tails in a case: `(tokens a hash, tokens a block)`.
-fn partial_tail(case: &Value) -> Option<(u64, u64)> {
+/// vLLM's partial tails in a case: tokens a hash, tokens a block, and
+/// the EAGLE proof margin (0 without a draft group).
+#[derive(Clone, Copy)]
+struct Tails {
+    tokens_per_hash: u64,
+    block_tokens: u64,
+    eagle_margin: u64,
+}
+
+fn partial_tail(case: &Value) -> Option<Tails> {
     let pt = case.get("partial_tail")?;
-    Some((
-        pt["tokens_per_hash"].as_u64().expect("tokens_per_hash"),
-        pt["block_tokens"].as_u64().expect("block_tokens"),
-    ))
+    Some(Tails {
+        tokens_per_hash: pt["tokens_per_hash"].as_u64().expect("tokens_per_hash"),
+        block_tokens: pt["block_tokens"].as_u64().expect("block_tokens"),
+        eagle_margin: pt["eagle_proof_margin"].as_u64().unwrap_or(0),
+    })
 }
 
 /// The partial-tail lookup past a `complete` hit, answered by the key
 /// states recorded for the lookup (`[prompt tokens, [[boundary, letters],
-/// ...]]`; a boundary not listed misses in every group).
+/// ...]]`, each group's key at the boundary, a draft group's a proof
+/// margin past it; a boundary not listed misses in every group), and the
+/// bridge chunk by the complete chunks' recorded states (`keys`, `ends`:
+/// each group's end of the chunks its complete lookup found).
 fn ask_partial_tail(
-    (tokens_per_hash, block_tokens): (u64, u64),
+    pt: Tails,
+    groups: &[GroupShape],
     req: HybridLookup,
     complete: u64,
-    num_groups: usize,
+    keys: &mut RecordedKeys,
+    ends: &[usize],
     recorded: Option<&Value>,
 ) -> Option<u64> {
+    let Tails {
+        tokens_per_hash,
+        block_tokens,
+        eagle_margin,
+    } = pt;
+    let num_groups = groups.len();
     let recorded = recorded.expect("a partial-tail case records its boundaries' keys");
     let prompt_tokens = recorded[0].as_u64().expect("prompt tokens");
     let boundaries: std::collections::HashMap<u64, Vec<u8>> = recorded[1]
@@ -120,6 +141,35 @@ fn ask_partial_tail(
         block_tokens,
         tokens_per_hash,
         num_groups,
+        eagle_margin,
+        // The request's hashes cover its whole tokens.
+        hash_tokens: req.num_tokens - req.num_tokens % tokens_per_hash,
+    };
+    // vLLM's bridge: every attention group's key being loaded is pending;
+    // those the complete lookup did not confirm are looked up, in group
+    // order up to a miss.
+    let bridge = |chunk: usize| {
+        let mut answer = BridgeAnswer::default();
+        let attention = || (0..num_groups).filter(|&g| !groups[g].is_recurrent_state());
+        for g in attention() {
+            answer.pending |= chunk < keys.num_keys(g) && keys.being_loaded(g, chunk);
+        }
+        for g in attention().filter(|&g| ends[g] <= chunk) {
+            let state = if chunk < keys.num_keys(g) {
+                keys.state(g, chunk)
+            } else {
+                KeyState::Miss
+            };
+            match state {
+                KeyState::Miss => {
+                    answer.miss = true;
+                    break;
+                }
+                KeyState::Hit => {}
+                KeyState::HitPending | KeyState::Retry => answer.pending = true,
+            }
+        }
+        answer
     };
     let state = |boundary: u64, g: usize| match boundaries.get(&boundary).map(|l| l[g]) {
         Some(b'H') => KeyState::Hit,
@@ -127,7 +177,7 @@ fn ask_partial_tail(
         Some(b'R') => KeyState::Retry,
         _ => KeyState::Miss,
     };
-    match lookup_partial_tail(lookup, state) {
+    match lookup_partial_tail_bridged(lookup, bridge, state) {
         PartialAnswer::Complete => Some(complete),
         PartialAnswer::Tail(boundary) => Some(boundary - req.computed),
         PartialAnswer::Defer => None,
@@ -188,11 +238,23 @@ fn every_recorded_lookup_gets_vllms_answer() {
                     max_new_tokens: None,
                 };
                 let want = lk[3].as_u64();
-                let mut got = lookup_complete_chunks(&groups, &mut keys(), req);
+                let mut recorded_keys = keys();
+                let mut ends = Vec::new();
+                let mut got =
+                    lookup_complete_chunks_with_ends(&groups, &mut recorded_keys, req, &mut ends);
                 if let (Some(pt), Some(complete)) = (partial_tail(&case), got) {
-                    got = ask_partial_tail(pt, req, complete, groups.len(), lk.get(6));
-                    partial_hits +=
-                        u64::from(got.is_some_and(|h| !(req.computed + h).is_multiple_of(pt.1)));
+                    got = ask_partial_tail(
+                        pt,
+                        &groups,
+                        req,
+                        complete,
+                        &mut recorded_keys,
+                        &ends,
+                        lk.get(6),
+                    );
+                    partial_hits += u64::from(
+                        got.is_some_and(|h| !(req.computed + h).is_multiple_of(pt.block_tokens)),
+                    );
                 }
                 assert_eq!(got, want, "{} step {n}: {lk:?}", name(path));
                 if req.max_load_tokens.is_some() && partial_tail(&case).is_none() {

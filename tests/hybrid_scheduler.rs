@@ -588,6 +588,172 @@ fn a_mamba_state_inside_a_block_is_stored_with_its_attention_block_and_loaded_as
     assert_eq!(s.lookup(r3, 0).unwrap(), LookupOutcome::Hit(8));
 }
 
+/// Puts `keys` in the host tier, ready (another node's or an earlier
+/// request's stores).
+fn seed_tier(s: &mut Scheduler, keys: &[ChunkKey]) {
+    let m = s.manager_mut();
+    let out = m.prepare_store(keys, None).unwrap();
+    assert_eq!(out.keys_to_store.len(), keys.len());
+    m.complete_store(keys, kvoffload::manager::StoreOutcome::Success, None)
+        .unwrap();
+}
+
+/// An EAGLE/MTP draft group (full attention) beside a Mamba group, 4-token
+/// blocks, a hash every token: partial tails with a proof margin of 1.
+fn draft_and_state() -> Scheduler {
+    let groups = KvGroups {
+        shapes: vec![
+            GroupShape::full_attention(4).unwrap().eagle_draft(),
+            GroupShape::recurrent_state(4).unwrap(),
+        ],
+        retention: Retention::BoundariesOnly,
+    };
+    let mut s = Scheduler::with_groups(&config(), groups, ManualClock::new().shared()).unwrap();
+    s.enable_partial_tails(1).unwrap();
+    s
+}
+
+#[test]
+fn a_draft_groups_partial_tail_is_keyed_a_proof_margin_past_its_boundary() {
+    let mut s = draft_and_state();
+    assert_eq!(s.partial_tail_eagle_margin(), 1);
+    // vLLM's margin is the hash unit or the block, nothing else.
+    assert!(s.set_partial_tail_eagle_margin(3).is_err());
+    s.set_partial_tail_eagle_margin(4).unwrap();
+    s.set_partial_tail_eagle_margin(1).unwrap();
+    // `family`'s hashes, one a token (`u[i]` at token i + 1); its block
+    // hashes every fourth.
+    let units = |family: u64| hash_units(family, 19);
+    let blocks = |u: &[BlockHash]| u.iter().skip(3).step_by(4).copied().collect::<Vec<_>>();
+    let at = |u: &[BlockHash], tokens: usize, group: u32| ChunkKey::for_group(u[tokens - 1], group);
+    let add = |s: &mut Scheduler, req: u64, family: u64| {
+        let u = units(family);
+        s.add_request(RequestId(req), 19, &blocks(&u)).unwrap();
+        s.add_hash_units(RequestId(req), &u).unwrap();
+    };
+
+    // Family 7: the draft group's chunks 0 and 1, no state at a block
+    // boundary, and a partial tail at 6: the state after 6 tokens and the
+    // draft block keyed by the hash at 7.
+    let u = units(7);
+    seed_tier(
+        &mut s,
+        &[at(&u, 4, 0), at(&u, 8, 0), at(&u, 6, 1), at(&u, 7, 0)],
+    );
+    add(&mut s, 1, 7);
+    // The complete chunks find nothing (no state at 4), the tail at 7
+    // misses its state, the one at 6 hits (its bridge, chunk 0, was
+    // confirmed by the complete lookup).
+    assert_eq!(s.lookup(RequestId(1), 0).unwrap(), LookupOutcome::Hit(6));
+    let named: Vec<(usize, u64, u64)> = s
+        .last_partial_tails()
+        .iter()
+        .map(|t| (t.group, t.boundary, t.key_tokens))
+        .collect();
+    assert_eq!(named, vec![(0, 6, 7), (1, 6, 6)]);
+    let (g0, g1) = (ids(&[11, 12, 13, 14, 15]), ids(&[0, 17, 18, 19, 20]));
+    let job = alloc_groups(&mut s, RequestId(1), &[g0, g1], 6).unwrap();
+    let plan = s.build_step(&StepInput::default()).unwrap();
+    let load = plan.loads.iter().find(|l| l.job == job).expect("the load");
+    assert_spans_cover(load);
+    // The draft group: chunk 0 (the bridge), then the tail keyed at 7
+    // into the block holding token 5; the state into block 17.
+    assert_eq!(
+        load.keys.to_vec(),
+        vec![at(&u, 4, 0), at(&u, 7, 0), at(&u, 6, 1)]
+    );
+    assert_eq!(load.block_ids.to_vec(), ids(&[11, 12, 17]));
+    assert_eq!(load.groups, vec![span(2, 0), span(1, 1)]);
+    s.on_worker_output(&all_done(&plan));
+    s.check_invariants().unwrap();
+
+    // Family 8: the same tail keys, but no chunk 0: the complete lookup
+    // never confirmed the bridge, its lookup misses, and only boundaries
+    // before it (up to 3) are tried. No hit.
+    let u8 = units(8);
+    seed_tier(&mut s, &[at(&u8, 7, 0), at(&u8, 6, 1)]);
+    add(&mut s, 2, 8);
+    assert_eq!(s.lookup(RequestId(2), 0).unwrap(), LookupOutcome::Hit(0));
+    assert!(s.last_partial_tails().is_empty());
+
+    // Request 1 (it loaded from the tier) runs on. A hand-off at 9 while
+    // the step computes to 9 only: its draft KV up to 10 is not computed,
+    // no store. Computing to 10: stored, the draft block (token 9 is in
+    // block 13) under the hash at 10, the handed state under the hash at 9.
+    let tail_keys = [at(&u, 10, 0), at(&u, 9, 1)];
+    let handed = |boundary: u64| BoundaryState {
+        req: RequestId(1),
+        group: 1,
+        block: GpuBlockId(30),
+        boundary,
+    };
+    let mut early = step_of(vec![entry(
+        1,
+        6,
+        3,
+        &[11, 12, 13, 14, 15],
+        &[0, 17, 18, 19, 20],
+    )]);
+    early.boundary_states = vec![handed(9)];
+    let plan = s.build_step(&early).unwrap();
+    assert!(
+        plan.stores
+            .iter()
+            .all(|j| !j.keys.iter().any(|k| tail_keys.contains(k))),
+        "{:?}",
+        plan.stores
+    );
+    s.on_worker_output(&all_done(&plan));
+    let mut done = step_of(vec![entry(1, 9, 1, &[], &[])]);
+    done.boundary_states = vec![handed(9)];
+    let plan = s.build_step(&done).unwrap();
+    let tail = plan
+        .stores
+        .iter()
+        .find(|j| j.keys.contains(&tail_keys[1]))
+        .expect("the tail's store");
+    assert_spans_cover(tail);
+    assert_eq!(tail.keys.to_vec(), tail_keys.to_vec());
+    assert_eq!(tail.block_ids.to_vec(), ids(&[13, 30]));
+    assert_eq!(tail.groups, vec![span(1, 2), span(1, 2)]);
+    let named: Vec<(usize, u64, u64)> = s
+        .last_partial_tails()
+        .iter()
+        .map(|t| (t.group, t.boundary, t.key_tokens))
+        .collect();
+    assert_eq!(named, vec![(0, 9, 10), (1, 9, 9)]);
+    s.on_worker_output(&all_done(&plan));
+    s.check_invariants().unwrap();
+
+    // Request 3 never loaded from the tier: its tails stay in the GPU's
+    // prefix cache (vLLM stores none).
+    add(&mut s, 3, 9);
+    assert_eq!(s.lookup(RequestId(3), 0).unwrap(), LookupOutcome::Hit(0));
+    let (g0, g1) = (ids(&[41, 42, 43, 44, 45]), ids(&[0, 0, 0, 0, 46]));
+    assert_eq!(alloc_groups(&mut s, RequestId(3), &[g0, g1], 0), None);
+    let mut first = step_of(vec![entry(
+        3,
+        0,
+        10,
+        &[41, 42, 43, 44, 45],
+        &[0, 0, 0, 0, 46],
+    )]);
+    first.boundary_states = vec![BoundaryState {
+        req: RequestId(3),
+        group: 1,
+        block: GpuBlockId(47),
+        boundary: 9,
+    }];
+    let plan = s.build_step(&first).unwrap();
+    let u9 = units(9);
+    assert!(
+        plan.stores.iter().all(|j| !j.keys.contains(&at(&u9, 9, 1))),
+        "{:?}",
+        plan.stores
+    );
+    s.check_invariants().unwrap();
+}
+
 #[test]
 fn a_block_holding_a_handed_over_state_flushes_its_store_when_allocated_again() {
     let (mut s, _clock) = full_and_state();
@@ -1205,7 +1371,10 @@ proptest! {
         // A Mamba group with hashes every 2 tokens: states inside a block
         // too (vLLM's partial tails), handed over in blocks copied out of
         // the running state (never given back to the pool here).
-        let partial = partial && matches!(attention, Attention::State) && !larger_blocks && !eagle;
+        // Beside an EAGLE draft group (group 0) too: its tail key is the
+        // hash a proof margin (one hash unit) past the boundary.
+        let partial = partial && matches!(attention, Attention::State) && !larger_blocks;
+        let margin = if eagle { 2 } else { 0 };
         if partial {
             s.enable_partial_tails(2).unwrap();
         }
@@ -1222,6 +1391,8 @@ proptest! {
         let mut flushed: std::collections::HashSet<JobId> = Default::default();
         let mut next_req = 0u64;
         let mut families: std::collections::HashMap<RequestId, u64> = Default::default();
+        // Requests that loaded from the tier (vLLM's `loaded_from_offload`).
+        let mut r_loaded: std::collections::HashSet<RequestId> = Default::default();
         let mut mid_step = false;
         for op in ops {
             match op {
@@ -1241,6 +1412,9 @@ proptest! {
                     };
                     let blocks = pool.allocate(tokens, hit, window);
                     let load = alloc_groups(&mut s, id, &blocks, hit);
+                    if load.is_some() {
+                        r_loaded.insert(id);
+                    }
                     mid_step = true;
                     running.push(Running { id, tokens, computed: hit, blocks, sent: false, full: false, load });
                 }
@@ -1253,6 +1427,9 @@ proptest! {
                             LookupOutcome::Hit(hit) => {
                                 r.blocks = pool.allocate(r.tokens, hit, window);
                                 r.load = alloc_groups(&mut s, r.id, &r.blocks, hit);
+                                if r.load.is_some() {
+                                    r_loaded.insert(r.id);
+                                }
                                 r.computed = hit;
                                 (r.sent, r.full) = (false, true);
                                 running.push(r);
@@ -1299,9 +1476,23 @@ proptest! {
                         }
                         // A prompt's step ending on a hash inside a block:
                         // vLLM copies the state there into a new block.
-                        if partial && r.computed > before && r.computed % 4 == 2 && r.computed <= r.tokens {
+                        // With a draft group, a state the step passes,
+                        // handed over as the step computes a hash unit
+                        // past it (its draft KV then proven by the tokens
+                        // after).
+                        let handed_at = match (eagle, r.computed.checked_sub(2)) {
+                            (false, _) => r.computed,
+                            (true, Some(hi)) if hi >= 2 => hi - (hi + 2) % 4,
+                            (true, _) => 1,
+                        };
+                        if partial
+                            && r.computed > before
+                            && handed_at >= before
+                            && handed_at % 4 == 2
+                            && handed_at <= r.tokens
+                        {
                             let block = pool.take();
-                            let boundary = r.computed;
+                            let boundary = handed_at;
                             input.boundary_states.push(BoundaryState { req: r.id, group: 1, block, boundary });
                             tails.push((r.id, boundary, block));
                         }
@@ -1318,11 +1509,26 @@ proptest! {
                             .filter(|b| b.0 != 0)
                             .find(|b| job.block_ids.contains(b));
                         prop_assert!(theirs.is_none(), "{} reads {theirs:?}, another request's", job.job);
+                        // A draft group's tail keyed on a block boundary
+                        // (boundary + margin) is its complete chunk there,
+                        // the same key and block (as in vLLM): told apart
+                        // by the state's key only.
+                        let tail_keys = |boundary: u64| {
+                            let units = units_of(families[&job.req], (boundary + margin) / 2);
+                            let mut keys = vec![tail_key(&units, boundary as usize, 1)];
+                            if !(boundary + margin).is_multiple_of(4) {
+                                keys.push(tail_key(&units, (boundary + margin) as usize, 0));
+                            }
+                            keys
+                        };
                         if let Some(&(_, boundary, cow)) = tails.iter().find(|t| t.0 == job.req)
-                            && (0..2).any(|g| {
-                                job.keys.contains(&tail_key(&units_of(families[&job.req], boundary / 2), boundary as usize, g))
-                            })
+                            && tail_keys(boundary).iter().any(|k| job.keys.contains(k))
                         {
+                            prop_assert!(
+                                margin == 0 || r_loaded.contains(&job.req),
+                                "{} stores a draft group's tail of a request that never loaded",
+                                job.job
+                            );
                             // A partial tail: group 0's block holding its
                             // last token, group 1's the handed block; only
                             // the groups whose keys the host tier lacks (as

@@ -711,6 +711,8 @@ proptest! {
             block_tokens: TPB,
             tokens_per_hash: tph,
             num_groups: 2,
+            eagle_margin: 0,
+            hash_tokens: tokens,
         };
         let want = match lookup_partial_tail(lookup, |b, g| {
             if tails.contains(&(b, g)) { KeyState::Hit } else { KeyState::Miss }

@@ -412,7 +412,7 @@ def kv_partial_tails(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, bl
     (``supports_partial_tail``): chunks of one block, every offloaded group
     of one block size, no windowed group but Mamba's. Refuses, with the
     reason, finer hashes where vLLM builds none (kvoffload was not checked
-    against vLLM there), beside an EAGLE/MTP draft group, and with Mamba
+    against vLLM there), and with Mamba
     layers that export prefill checkpoints (Mamba2, GDN), where vLLM
     0.33.0's own prefix cache serves wrong states."""
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
@@ -434,14 +434,13 @@ def kv_partial_tails(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, bl
         f"chunks of {blocks_per_chunk} blocks" if blocks_per_chunk != 1
         else f"KV groups of block sizes {sorted(sizes)}" if len(sizes) != 1
         else f"a windowed group ({windowed[0]})" if windowed
-        else "an EAGLE/MTP draft group" if kv_eagle_groups(kv_cache_config)
         else None
     )
     if why is not None:
         raise ValueError(
             f"KvOffloadConnector offloads Mamba states inside a block (vLLM hashes every {tokens_per_hash} "
             f"tokens, prefix_match_unit, finer than the Mamba block of {mamba[0].kv_cache_spec.block_size}) "
-            f"only as vLLM's connector does: chunks of one block, one block size, no windowed or draft group; "
+            f"only as vLLM's connector does: chunks of one block, one block size, no windowed group; "
             f"this configuration has {why}. Leave prefix_match_unit unset, or set it to the Mamba block"
         )
     if any(int(getattr(g.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) or 0) > 0 for g in mamba):
@@ -459,6 +458,38 @@ def kv_partial_tails(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, bl
             "offload tiers would spread that state. Leave prefix_match_unit unset, or set it to the Mamba block"
         )
     return True
+
+
+def kv_partial_tail_eagle_margin(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> int:
+    """The tokens past a partial tail's boundary at which an EAGLE/MTP
+    draft group keys it (vLLM's ``eagle_proof_margin``, as its connector
+    resolves it: one hash unit where the core takes hits inside a block
+    and the draft group's manager looks up at that grain, else one block);
+    0 without a draft group or partial tails."""
+    from vllm.v1.core.kv_cache_utils import eagle_proof_margin, resolve_kv_cache_block_sizes
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    groups = kv_offloaded_groups(kv_cache_config)
+    drafts = [g for g in groups if getattr(g, "is_eagle_group", False) and not isinstance(g.kv_cache_spec, MambaSpec)]
+    if not drafts:
+        return 0
+    _, tokens_per_hash = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    block = int(groups[0].kv_cache_spec.block_size)
+    alignment = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
+    partial_hash_hits = alignment is not None and alignment < block
+    margins = {
+        eagle_proof_margin(
+            block,
+            tokens_per_hash,
+            partial_hash_hits and KVCacheSpecRegistry.get_manager_class(g.kv_cache_spec).supports_fine_grained_hash_lookup,
+        )
+        for g in drafts
+    }
+    if len(margins) != 1:
+        raise ValueError(
+            f"KvOffloadConnector: EAGLE/MTP draft groups with different proof margins {sorted(margins)} (one is built)"
+        )
+    return margins.pop()
 
 
 def kv_group_windows(kv_cache_config: KVCacheConfig) -> list[GroupWindow] | None:
@@ -846,6 +877,7 @@ class _SchedulerSide:
             hashes_per_block=kv_hashes_per_block(vllm_config, kv_cache_config) if self.windows else 1,
             block_tokens=kv_group_block_tokens(kv_cache_config, _dcp(vllm_config)) if self.windows else [],
             partial_tails=bool(self.windows) and kv_partial_tails(vllm_config, kv_cache_config, cfg.blocks_per_chunk),
+            partial_tail_eagle_margin=kv_partial_tail_eagle_margin(vllm_config, kv_cache_config) if self.windows else 0,
         )
         #: Per KV group, the kind and window its events carry (self-describing).
         self.event_specs = (

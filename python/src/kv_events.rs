@@ -336,7 +336,7 @@ impl EventTracker {
         let list = request.getattr(intern!(py, "block_hashes"))?;
         let list = list.cast::<PyList>()?;
         for t in tails {
-            let boundary = t.boundary as usize;
+            let boundary = t.key_tokens as usize;
             let Some(idx) = (boundary / tokens_per_hash).checked_sub(1) else {
                 continue;
             };
@@ -597,6 +597,7 @@ mod tests {
                 req: kvoffload::RequestId(1),
                 group,
                 boundary: 3,
+                key_tokens: 3,
                 key: ChunkKey::for_group(hashes[2], group as u32),
             };
             for self_describing in [false, true] {

@@ -719,8 +719,11 @@ impl SchedulerCore {
     /// boundaries inside a block (vLLM's partial tails, with
     /// `hashes_per_block` > 1 and a `"recurrent_state"` group); every hash
     /// of a request is then given to the scheduler too.
+    /// `partial_tail_eagle_margin`: with partial tails and an EAGLE/MTP draft
+    /// group, vLLM's `eagle_proof_margin` (the hash unit or the block; 0:
+    /// the hash unit, vLLM's with fine-grained hits).
     #[new]
-    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false, groups = None, retention_interval = None, eagle_groups = Vec::new(), hashes_per_block = 1, block_tokens = Vec::new(), partial_tails = false))]
+    #[pyo3(signature = (config_json, watchdog = true, manual_clock = false, kv_events = true, self_describing = false, groups = None, retention_interval = None, eagle_groups = Vec::new(), hashes_per_block = 1, block_tokens = Vec::new(), partial_tails = false, partial_tail_eagle_margin = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         config_json: &str,
@@ -734,6 +737,7 @@ impl SchedulerCore {
         hashes_per_block: usize,
         block_tokens: Vec<u64>,
         partial_tails: bool,
+        partial_tail_eagle_margin: u64,
     ) -> PyResult<Self> {
         let cfg = OffloadConfig::from_json_str(config_json).map_err(value_error)?;
         if hashes_per_block == 0
@@ -797,6 +801,10 @@ impl SchedulerCore {
             let tokens_per_hash = u64::from(cfg.tokens_per_block) / hashes_per_block as u64;
             s.enable_partial_tails(tokens_per_hash)
                 .map_err(value_error)?;
+            if partial_tail_eagle_margin > 0 {
+                s.set_partial_tail_eagle_margin(partial_tail_eagle_margin)
+                    .map_err(value_error)?;
+            }
         }
         // No events published: the host tier logs none (nothing to drain).
         s.manager_mut().set_events_logged(kv_events);

@@ -699,9 +699,16 @@ def test_the_mamba_configurations_kvoffload_does_not_offload_stop_startup_with_t
     assert not kv.kv_partial_tails(vllm_config, config, 1)
     with pytest.raises(ValueError, match="hashes every 2 tokens, prefix_match_unit, finer than the Mamba block of 4.*chunks of 2 blocks"):
         kv.kv_partial_tails(fine, config, 2)
+    # Beside an EAGLE/MTP draft group too (cases 62 and 63), whose tails
+    # are keyed vLLM's proof margin past the boundary: one hash unit where
+    # the core takes hits inside a block, else one block; none without a
+    # draft group.
     draft = dataclasses.replace(config.kv_cache_groups[0], is_eagle_group=True)
-    with pytest.raises(ValueError, match="an EAGLE/MTP draft group"):
-        kv.kv_partial_tails(fine, dataclasses.replace(config, kv_cache_groups=[draft, config.kv_cache_groups[1]]), 1)
+    drafted = dataclasses.replace(config, kv_cache_groups=[draft, config.kv_cache_groups[1]])
+    assert kv.kv_partial_tails(fine, drafted, 1)
+    assert kv.kv_partial_tail_eagle_margin(fine, dataclasses.replace(drafted, cache_hit_alignment_tokens=2)) == 2
+    assert kv.kv_partial_tail_eagle_margin(fine, dataclasses.replace(drafted, cache_hit_alignment_tokens=4)) == 4
+    assert kv.kv_partial_tail_eagle_margin(fine, config) == 0
     w = harness.build(extra={"num_cpu_chunks": 64}, tpb=4, groups=SPECS["full+mamba+swa8"]())
     windowed = copy.copy(w.connector._vllm_config)
     windowed.cache_config = dataclasses.replace(windowed.cache_config, prefix_match_unit=2)

@@ -350,6 +350,15 @@ CASES = [
     # (Not with requests' max_offload_tokens: vLLM's connector then asserts
     # a hand-off past the cap, `test_partial_tails_past_a_store_cap`.)
     (61, "full+mamba", {"sync_load_budget_bytes": 8192}, {"hash_tokens": 2}, 0),
+    # Mamba states inside a block beside an EAGLE/MTP draft group: vLLM
+    # keys the draft group's tail a proof margin (one hash unit) past the
+    # boundary, searches two blocks past the complete hit (a tail in the
+    # second loads the complete "bridge" chunk before it), and stores tails
+    # only for requests that loaded from the tier. Two and four hashes a
+    # block; self-describing events, two workers, async.
+    (62, "full+mamba", {"offload_prompt_only": False}, {"hash_tokens": 2, "eagle_groups": [0]}, 1),
+    (63, "full+mamba", {"self_describing_kv_events": True, "offload_prompt_only": False},
+     {"hash_tokens": 1, "eagle_groups": [0], "world_size": 2, "async_scheduling": True}, 1),
 ]
 # The configurations the widening scripts cycle through (`select_cases`).
 _CONFIGS = list(CASES)
@@ -365,7 +374,8 @@ def select_cases(only: str | None) -> list[tuple]:
     """The cases the widening scripts cycle through: all, or those whose
     group names contain `only` (``eagle``: those with draft groups;
     ``hash``: those with block hashes finer than the blocks; ``partial``:
-    those with Mamba states inside a block; ``sizes``: those
+    those with Mamba states inside a block; ``partial-eagle``: those of
+    them beside an EAGLE draft group; ``sizes``: those
     whose groups have different block sizes; ``left-out``: those with groups
     vLLM's connector leaves out; ``params``: those whose requests carry
     ``kv_transfer_params``; ``dcp``: those with decode context
@@ -382,6 +392,8 @@ def select_cases(only: str | None) -> list[tuple]:
         return [c for c in _CONFIGS if c[3].get("hash_tokens")]
     if only == "partial":
         return [c for c in _CONFIGS if partial_tail_case(c[1], c[3])]
+    if only == "partial-eagle":
+        return [c for c in _CONFIGS if partial_tail_case(c[1], c[3]) and c[3].get("eagle_groups")]
     if only == "sizes":
         return [c for c in _CONFIGS if len({s.block_size for s in SPECS[c[1]]()}) > 1]
     if only == "left-out":
@@ -493,20 +505,27 @@ def key_state(sched: Any, key: Any, req_context: Any) -> str:
 def partial_key_states(sched: Any, request: Any, req_context: Any) -> list:
     """What a partial-tail lookup of `request` could ask vLLM's manager:
     ``[prompt tokens, [[boundary, letters], ...]]``, per hash boundary
-    inside a block before the prompt's end where a key is known, a letter
-    per group (`key_state`, upper case: a partial tail's lookup does not
-    look at loads in flight)."""
+    before the prompt's end where a key is known, a letter per group, for
+    its key there (`key_state`, upper case: a partial tail's lookup does
+    not look at loads in flight)."""
     tph = sched.config.tokens_per_hash
     block = sched._partial_tail_block_size
     out = []
     for boundary in range(tph, request.num_prompt_tokens, tph):
-        if boundary % block == 0:
+        # Inside a block; beside an EAGLE draft group on a block too (a
+        # tail may end on the bridge chunk's end). A draft group's key is
+        # the hash a proof margin past the boundary (none past the
+        # request's hashes: a miss).
+        if boundary % block == 0 and not sched._max_eagle_proof_margin:
             continue
-        key_hash = request.block_hashes[boundary // tph - 1]
-        letters = "".join(
-            key_state(sched, make_offload_key(key_hash, gc.group_idx), req_context).upper()
-            for gc in sched.config.kv_group_configs
-        )
+        letters = ""
+        for gc in sched.config.kv_group_configs:
+            idx = sched._partial_tail_key_tokens(gc, boundary) // tph - 1
+            if idx >= len(request.block_hashes):
+                letters += "M"
+                continue
+            key = make_offload_key(request.block_hashes[idx], gc.group_idx)
+            letters += key_state(sched, key, req_context).upper()
         if letters.strip("M"):
             out.append([boundary, letters])
     return [request.num_prompt_tokens, out]
@@ -679,6 +698,9 @@ def record(seed: int, specs: str, extra: dict, opts: dict, delay: int) -> tuple[
             "tokens_per_hash": sched.config.tokens_per_hash,
             "block_tokens": sched._partial_tail_block_size,
         }
+        if sched._max_eagle_proof_margin:
+            # Beside an EAGLE/MTP draft group: where its tails are keyed.
+            derived["partial_tail"]["eagle_proof_margin"] = sched._max_eagle_proof_margin
     return json.loads(json.dumps(steps, default=repr)), derived
 
 

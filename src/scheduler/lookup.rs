@@ -213,8 +213,10 @@ impl Scheduler {
         if self.groups.is_some() {
             let skip_remote = rs.caps.skip_remote_tier;
             let mut found = std::mem::take(&mut self.last_lookup_group_hits);
-            let outcome = self.lookup_groups(req, computed_tokens, &mut found);
+            let mut ends = std::mem::take(&mut self.last_complete_hit_ends);
+            let outcome = self.lookup_groups(req, computed_tokens, &mut found, &mut ends);
             self.last_lookup_group_hits = found;
+            self.last_complete_hit_ends = ends;
             // The host tier's hit could go further: the remote tier, if one
             // is attached, is asked about the rest (`hybrid/on_remote.rs`).
             if let Ok(LookupOutcome::Hit(hit)) = outcome

@@ -219,6 +219,10 @@ pub struct Scheduler {
     /// chunk the last lookup's prefix scans found in the host tier, hit or
     /// pending (vLLM's `record_lookup` calls, repeats included).
     last_lookup_group_hits: Vec<(usize, usize)>,
+    /// With several groups: each group's end of the chunks the last host
+    /// lookup's prefix scan found (vLLM's `lookup_hit_end_chunk_idx`; the
+    /// partial-tail lookup's bridge chunk reads it).
+    last_complete_hit_ends: Vec<usize>,
     /// KV bytes per step that may be loaded synchronously (0: none), and
     /// the bytes per token it counts.
     sync_budget: u64,
@@ -291,6 +295,7 @@ impl Scheduler {
             window_index: hybrid::WindowIndex::default(),
             last_lookup_hits: None,
             last_lookup_group_hits: Vec::new(),
+            last_complete_hit_ends: Vec::new(),
             sync_budget: cfg.sync_load_budget_bytes,
             sync_bytes_per_token: cfg.sync_load_bytes_per_token().unwrap_or(0),
             groups: None,

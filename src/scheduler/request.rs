@@ -71,6 +71,10 @@ pub(crate) struct RequestState {
     /// The partial tail the last lookup's hit ends on (vLLM's
     /// `partial_tail_boundary`), until the allocation that loads it.
     pub partial_tail: Option<u64>,
+    /// Whether the request ever loaded from the tier (vLLM's
+    /// `loaded_from_offload`, never cleared): with EAGLE draft groups only
+    /// such requests store partial tails.
+    pub loaded_from_offload: bool,
 }
 
 /// One KV group's part of a request (groups past the first).

@@ -63,6 +63,23 @@ pub fn lookup_complete_chunks(
     keys: &mut impl GroupKeys,
     req: HybridLookup,
 ) -> Option<u64> {
+    lookup_complete_chunks_with_ends(groups, keys, req, &mut Vec::new())
+}
+
+/// [`lookup_complete_chunks`], also giving each group's `hit_ends`: for a
+/// full-attention group, the chunk after the last one its prefix lookup
+/// found (counting an EAGLE group's volatile chunk before it is dropped),
+/// from the last time it was asked; 0 for a group never asked and for
+/// windowed groups (vLLM's `lookup_hit_end_chunk_idx`, which the
+/// partial-tail lookup reads to know which bridge chunks are confirmed).
+pub fn lookup_complete_chunks_with_ends(
+    groups: &[GroupShape],
+    keys: &mut impl GroupKeys,
+    req: HybridLookup,
+    hit_ends: &mut Vec<usize>,
+) -> Option<u64> {
+    hit_ends.clear();
+    hit_ends.resize(groups.len(), 0);
     let computed = req.computed;
     let mut max_hit = req.num_tokens;
     if let Some(cap) = req.max_new_tokens {
@@ -127,7 +144,11 @@ pub fn lookup_complete_chunks(
             let num_chunks = (query_max.div_ceil(tpc) as usize).min(num_keys);
             let start = (computed / tpc) as usize;
             let found = match shape.window_chunks() {
-                None => prefix(keys, g, start, num_chunks),
+                None => {
+                    let found = prefix(keys, g, start, num_chunks);
+                    hit_ends[g] = start + found.unwrap_or(0);
+                    found
+                }
                 Some(window) => {
                     let candidate_end =
                         max_hit.min((num_chunks as u64).saturating_sub(extra) * tpc);

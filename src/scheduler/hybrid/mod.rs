@@ -40,10 +40,15 @@ pub use boundary_store::BoundaryState;
 pub(crate) use groups::SchedulerGroups;
 pub use groups::{KvGroups, KvGroupsError};
 pub use load::{GpuBlock, GroupLoad, LoadPlanError, plan_load};
-pub use lookup::{GroupKeys, HybridLookup, KeyState, lookup_complete_chunks};
+pub use lookup::{
+    GroupKeys, HybridLookup, KeyState, lookup_complete_chunks, lookup_complete_chunks_with_ends,
+};
 pub use on_alloc::GroupAlloc;
 pub(crate) use partial_tail::PartialTails;
-pub use partial_tail::{PartialAnswer, PartialLookup, PartialTailKey, lookup_partial_tail};
+pub use partial_tail::{
+    BridgeAnswer, PartialAnswer, PartialLookup, PartialTailKey, lookup_partial_tail,
+    lookup_partial_tail_bridged,
+};
 pub use recorded_keys::{RecordedKeys, UnknownKeyLetter};
 pub use shape::{Attention, GroupShape, GroupShapeError};
 pub use store::{

@@ -146,10 +146,10 @@ impl Scheduler {
                     keys.push(rs.group_key(g, i, per_chunk));
                     positions.push(hybrid.position(g, i));
                 }
-                if let (Some(_), Some((boundary, tph))) = (tail_chunk, partial)
+                if let (Some(_), Some((boundary, _))) = (tail_chunk, partial)
                     && !load.chunks.is_empty()
                 {
-                    let key = rs.boundary_key(g, boundary, tph).ok_or_else(|| {
+                    let key = self.tail_key(rs, g, boundary).ok_or_else(|| {
                             SchedulerError::LoadOutOfRange {
                                 req,
                                 what: format!(
@@ -158,7 +158,7 @@ impl Scheduler {
                             }
                         })?;
                     keys.push(key);
-                    positions.push(hybrid.token_position(g, boundary));
+                    positions.push(hybrid.token_position(g, self.tail_key_tokens(g, boundary)));
                 }
                 if !load.chunks.is_empty() {
                     // vLLM's key ranges of this group, merged: from its
@@ -208,6 +208,7 @@ impl Scheduler {
         if let Some(rs) = self.requests.get_mut(&req) {
             rs.jobs.push(job);
             rs.partial_tail = None;
+            rs.loaded_from_offload = true;
             rs.load_cover = cover;
             for (g, &end) in end_chunk.iter().enumerate() {
                 if let Some((_, next)) = rs.group_mut(g) {

@@ -9,7 +9,7 @@ use crate::manager::{LookupResult, OffloadManager};
 use crate::scheduler::request::RequestState;
 use crate::scheduler::{LookupOutcome, Scheduler, SchedulerError};
 
-use super::lookup::{GroupKeys, HybridLookup, KeyState, lookup_complete_chunks};
+use super::lookup::{GroupKeys, HybridLookup, KeyState, lookup_complete_chunks_with_ends};
 
 /// A request's keys in every group, answered by the host tier.
 struct TierKeys<'a> {
@@ -58,12 +58,14 @@ impl Scheduler {
     /// The hit of restarted request `req` over every group (vLLM's
     /// `_lookup_complete_chunks`): full-attention prefixes, sliding-window
     /// suffixes, deferred while a counted chunk is written or loaded.
-    /// `found` gets the full-attention chunks found (vLLM's `record_lookup`).
+    /// `found` gets the full-attention chunks found (vLLM's `record_lookup`),
+    /// `hit_ends` each group's end of them (vLLM's `lookup_hit_end_chunk_idx`).
     pub(crate) fn lookup_groups(
         &self,
         req: RequestId,
         computed_tokens: u64,
         found: &mut Vec<(usize, usize)>,
+        hit_ends: &mut Vec<usize>,
     ) -> Result<LookupOutcome, SchedulerError> {
         let Some(groups) = self.groups.as_deref() else {
             return Err(SchedulerError::Groups(
@@ -89,7 +91,7 @@ impl Scheduler {
             max_new_tokens: None,
         };
         Ok(
-            match lookup_complete_chunks(&groups.shapes, &mut keys, lookup) {
+            match lookup_complete_chunks_with_ends(&groups.shapes, &mut keys, lookup, hit_ends) {
                 Some(hit) => LookupOutcome::Hit(hit),
                 None => LookupOutcome::Defer,
             },

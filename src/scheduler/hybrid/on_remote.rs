@@ -129,7 +129,7 @@ impl Scheduler {
         // With partial tails, the same lookup asks about those past the
         // furthest the complete chunks could reach (`on_remote_tail.rs`):
         // where the hit over both tiers gets there, one round settles both.
-        let (tails, tail_keys) = if self.partial_tails.is_some() {
+        let (tails, tail_keys) = if self.remote_tails_on() {
             let ceiling = self.hit_with_remote(req, computed, None).unwrap_or(0);
             let end = computed.saturating_add(ceiling);
             self.tail_candidates(req, computed, ceiling, end)

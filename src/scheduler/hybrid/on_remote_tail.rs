@@ -40,7 +40,9 @@ impl Scheduler {
         let LookupOutcome::Hit(host_hit) = host else {
             return None;
         };
-        self.partial_tails?;
+        if !self.remote_tails_on() {
+            return None;
+        }
         let at = usize::try_from(computed.saturating_add(complete_hit)).ok()?;
         let host_end = computed.saturating_add(host_hit);
         let r = self.remote.as_mut()?;
@@ -101,7 +103,7 @@ impl Scheduler {
         host_end: u64,
     ) -> (Vec<(u64, usize)>, Vec<ChunkKey>) {
         let (mut asked, mut keys) = (Vec::new(), Vec::new());
-        let (Some((pt, lookup)), Some(rs)) = (
+        let (Some((_, lookup)), Some(rs)) = (
             self.partial_lookup(req, computed, complete_hit),
             self.requests.get(&req),
         ) else {
@@ -112,7 +114,7 @@ impl Scheduler {
                 if self.host_tail_state(rs, g, boundary) != KeyState::Miss {
                     continue;
                 }
-                if let Some(key) = rs.boundary_key(g, boundary, pt.tokens_per_hash) {
+                if let Some(key) = self.tail_key(rs, g, boundary) {
                     asked.push((boundary, g));
                     keys.push(key);
                 }
@@ -170,7 +172,7 @@ impl Scheduler {
         present: &HashSet<(u64, usize)>,
     ) -> Vec<PartialTailKey> {
         let mut tails = Vec::new();
-        let (Some((pt, lookup)), Some(rs)) = (
+        let (Some((_, lookup)), Some(rs)) = (
             self.partial_lookup(req, computed, complete_hit),
             self.requests.get(&req),
         ) else {
@@ -189,11 +191,12 @@ impl Scheduler {
                 if self.host_tail_state(rs, g, boundary) != KeyState::Miss {
                     continue;
                 }
-                if let Some(key) = rs.boundary_key(g, boundary, pt.tokens_per_hash) {
+                if let Some(key) = self.tail_key(rs, g, boundary) {
                     tails.push(PartialTailKey {
                         req,
                         group: g,
                         boundary,
+                        key_tokens: self.tail_key_tokens(g, boundary),
                         key,
                     });
                 }

@@ -2,7 +2,7 @@
 //! hash boundaries inside a block, when vLLM hashes finer than the blocks
 //! (its `prefix_match_unit`). vLLM 0.33.0's `_lookup` past the complete
 //! chunks, the partial-tail part of `update_state_after_alloc`, and
-//! `_build_partial_tail_store_jobs`, without EAGLE draft groups.
+//! `_build_partial_tail_store_jobs`.
 //!
 //! A partial tail at boundary `b` (a multiple of the hash unit, not of the
 //! block) is one key per group: vLLM's hash of the first `b` tokens, mixed
@@ -24,12 +24,21 @@
 //! - **Store.** A hand-off inside a block becomes one job: the recurrent
 //!   groups' handed blocks and the attention groups' blocks at that index,
 //!   fenced from its creation, only the keys the tier does not hold.
+//! - **EAGLE/MTP draft groups.** vLLM's core matches a draft group a proof
+//!   margin past a hit (one hash unit with fine-grained hits, else a block)
+//!   and drops it; a partial tail keys a draft group's block by the hash at
+//!   `boundary + margin`, so the tokens after the boundary that its draft
+//!   KV depends on are proven too. The lookup then searches two blocks past
+//!   the complete hit: a boundary in the second also loads the complete
+//!   chunk between ("bridge"), looked up where the complete lookup did not
+//!   confirm it. Only requests that loaded from the tier store tails, and
+//!   only once the prompt is computed up to `boundary + margin`.
 
 use crate::ids::{GpuBlockId, RequestId};
 use crate::key::{BlockHash, ChunkKey};
 use crate::manager::LookupResult;
 use crate::scheduler::request::RequestState;
-use crate::scheduler::types::{GroupSpan, JobBlocks, TransferJob};
+use crate::scheduler::types::{GroupSpan, JobBlocks, ScheduledRequest, TransferJob};
 use crate::scheduler::{LookupOutcome, Scheduler, SchedulerError};
 
 use super::BoundaryState;
@@ -42,6 +51,9 @@ pub(crate) struct PartialTails {
     pub tokens_per_hash: u64,
     /// Every group's block (and chunk) in tokens.
     pub block_tokens: u64,
+    /// Tokens past a boundary at which an EAGLE/MTP draft group's tail key
+    /// sits (vLLM's `eagle_proof_margin`); 0 without draft groups.
+    pub eagle_margin: u64,
 }
 
 /// A partial tail the last lookup found, or a store planned: the request,
@@ -55,6 +67,9 @@ pub struct PartialTailKey {
     pub group: usize,
     /// The tokens the tail covers.
     pub boundary: u64,
+    /// The tokens whose hash names its key: `boundary`, or past it by the
+    /// proof margin in an EAGLE/MTP draft group (vLLM's events name it so).
+    pub key_tokens: u64,
     /// Its key.
     pub key: ChunkKey,
 }
@@ -76,6 +91,22 @@ pub struct PartialLookup {
     pub tokens_per_hash: u64,
     /// The KV groups (each has a key at every boundary).
     pub num_groups: usize,
+    /// The largest EAGLE proof margin of its groups (0: none): the search
+    /// spans two blocks, and a draft group's key needs a hash this far
+    /// past the boundary.
+    pub eagle_margin: u64,
+    /// Tokens the request's known hashes cover (hashes times the unit).
+    pub hash_tokens: u64,
+}
+
+/// What the bridge chunk's lookup answers (the complete chunk in the block
+/// of the complete hit's end, which a tail in the block after it loads).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BridgeAnswer {
+    /// A group's bridge key the complete lookup did not confirm misses.
+    pub miss: bool,
+    /// A bridge key is being written or loaded for another request.
+    pub pending: bool,
 }
 
 /// What the partial-tail lookup answers.
@@ -90,20 +121,44 @@ pub enum PartialAnswer {
     Defer,
 }
 
-/// vLLM 0.33.0's `_lookup` past `_lookup_complete_chunks`, without EAGLE
-/// groups: the boundaries on the hash unit inside the block after the
-/// complete hit, up to the prompt's last token but one (and the load
-/// cap), are tried from the right; `state(boundary, group)` answers for
-/// each group's key there, in group order up to the first miss. The first
-/// boundary whose keys all hit ends the hit.
+/// vLLM 0.33.0's `_lookup` past `_lookup_complete_chunks` without EAGLE
+/// draft groups (no bridge chunk): see [`lookup_partial_tail_bridged`].
 pub fn lookup_partial_tail(
     req: PartialLookup,
+    state: impl FnMut(u64, usize) -> KeyState,
+) -> PartialAnswer {
+    lookup_partial_tail_bridged(req, |_| BridgeAnswer::default(), state)
+}
+
+/// vLLM 0.33.0's `_lookup` past `_lookup_complete_chunks`: the boundaries
+/// on the hash unit inside the block after the complete hit (the two
+/// blocks after it with EAGLE draft groups), up to the prompt's last token
+/// but one (and the load cap, and the request's hashes less the proof
+/// margin), are tried from the right; `state(boundary, group)` answers for
+/// each group's key there, in group order up to the first miss. The first
+/// boundary whose keys all hit ends the hit. Boundaries past the bridge
+/// chunk (`bridge(chunk)`, asked once, only when one is tried) need it:
+/// a miss drops them, a pending key makes them wait.
+pub fn lookup_partial_tail_bridged(
+    req: PartialLookup,
+    bridge: impl FnOnce(usize) -> BridgeAnswer,
     mut state: impl FnMut(u64, usize) -> KeyState,
 ) -> PartialAnswer {
+    let mut max_boundary = req.max_boundary();
+    let complete_end = req.computed + req.complete_hit;
+    let bridge_boundary = req.bridge_boundary();
     let mut pending = false;
-    for boundary in req.boundaries() {
+    if max_boundary >= bridge_boundary && max_boundary > complete_end {
+        let answer = bridge((complete_end / req.block_tokens.max(1)) as usize);
+        pending = answer.pending;
+        if answer.miss {
+            max_boundary = bridge_boundary - req.tokens_per_hash.max(1);
+        }
+    }
+    let bridge_pending = pending;
+    for boundary in req.boundaries_from(max_boundary) {
         let mut all_hit = true;
-        let mut here_pending = false;
+        let mut here_pending = boundary >= bridge_boundary && bridge_pending;
         for g in 0..req.num_groups {
             match state(boundary, g) {
                 KeyState::Hit => {}
@@ -127,23 +182,48 @@ pub fn lookup_partial_tail(
 }
 
 impl PartialLookup {
-    /// The boundaries a partial tail may end on, from the right: on the
-    /// hash unit, inside the block after the complete hit, before the
-    /// prompt's last token and within the load cap.
+    /// The boundaries a partial tail may end on, from the right (before
+    /// the bridge chunk's lookup): on the hash unit, inside the block after
+    /// the complete hit (two with EAGLE draft groups), before the prompt's
+    /// last token, within the load cap and the request's hashes.
     pub fn boundaries(&self) -> impl Iterator<Item = u64> + use<> {
+        self.boundaries_from(self.max_boundary())
+    }
+
+    /// The furthest boundary tried (on the hash unit; at most the complete
+    /// hit's end when none is).
+    pub fn max_boundary(&self) -> u64 {
         let tph = self.tokens_per_hash.max(1);
         let complete_end = self.computed + self.complete_hit;
-        let block_end = complete_end + self.block_tokens;
+        let blocks = if self.eagle_margin > 0 { 2 } else { 1 };
+        let block_end = complete_end + blocks * self.block_tokens;
         let mut max_boundary = self
             .prompt_tokens
             .saturating_sub(1)
             .min(block_end.saturating_sub(1));
+        if self.eagle_margin > 0 {
+            // A draft group's key is the request's hash past the boundary.
+            max_boundary = max_boundary.min(self.hash_tokens.saturating_sub(self.eagle_margin));
+        }
         if let Some(cap) = self.max_load_tokens {
             max_boundary = max_boundary.min(self.computed.saturating_add(cap));
         }
-        max_boundary -= max_boundary % tph;
-        // The complete hit ends on a block, so without EAGLE groups the
-        // boundaries stay inside the next block: no bridge chunk to load.
+        max_boundary - max_boundary % tph
+    }
+
+    /// The end of the block after the complete hit's: boundaries from it on
+    /// also load the complete chunk before it (the bridge). Without EAGLE
+    /// draft groups the complete hit ends on a block and no boundary
+    /// reaches it.
+    pub fn bridge_boundary(&self) -> u64 {
+        let block = self.block_tokens.max(1);
+        ((self.computed + self.complete_hit) / block + 1) * block
+    }
+
+    /// The boundaries from `max_boundary` down, past the complete hit.
+    fn boundaries_from(&self, max_boundary: u64) -> impl Iterator<Item = u64> + use<> {
+        let tph = self.tokens_per_hash.max(1);
+        let complete_end = self.computed + self.complete_hit;
         (0..)
             .map(move |i: u64| max_boundary.saturating_sub(i.saturating_mul(tph)))
             .take_while(move |&b| b > complete_end)
@@ -207,9 +287,6 @@ impl Scheduler {
         {
             return refuse(format!("group {g} is windowed"));
         }
-        if let Some(g) = groups.shapes.iter().position(|s| s.is_eagle_draft()) {
-            return refuse(format!("group {g} is an EAGLE draft group"));
-        }
         if tokens_per_hash == 0
             || tokens_per_hash >= block
             || !block.is_multiple_of(tokens_per_hash)
@@ -218,11 +295,87 @@ impl Scheduler {
                 "a hash every {tokens_per_hash} tokens must divide the {block}-token block and be finer"
             ));
         }
+        // vLLM's core looks a draft group up one hash unit past a hit when
+        // every group takes fine-grained hits (full attention, MLA: the
+        // groups partial tails allow), and keys its tails there.
+        let drafts = groups
+            .shapes
+            .iter()
+            .any(|s| s.is_eagle_draft() && !s.is_recurrent_state());
         self.partial_tails = Some(PartialTails {
             tokens_per_hash,
             block_tokens: block,
+            eagle_margin: if drafts { tokens_per_hash } else { 0 },
         });
         Ok(())
+    }
+
+    /// Sets the EAGLE proof margin of partial tails: vLLM's
+    /// `eagle_proof_margin`, one hash unit where the core takes
+    /// fine-grained hits (the default), one block where it does not.
+    /// Refused unless partial tails are on with an EAGLE/MTP draft group,
+    /// and for any other value.
+    pub fn set_partial_tail_eagle_margin(&mut self, tokens: u64) -> Result<(), SchedulerError> {
+        let refuse = |why: String| Err(SchedulerError::Groups(format!("partial tails: {why}")));
+        let Some(pt) = self.partial_tails.as_mut() else {
+            return refuse("an EAGLE proof margin needs partial tails on".into());
+        };
+        if pt.eagle_margin == 0 {
+            return refuse("an EAGLE proof margin needs an EAGLE/MTP draft group".into());
+        }
+        if tokens != pt.tokens_per_hash && tokens != pt.block_tokens {
+            return refuse(format!(
+                "an EAGLE proof margin of {tokens} tokens: vLLM's is the hash unit ({}) or the block ({})",
+                pt.tokens_per_hash, pt.block_tokens
+            ));
+        }
+        pt.eagle_margin = tokens;
+        Ok(())
+    }
+
+    /// The EAGLE proof margin of partial tails (0: none, or partial tails off).
+    pub fn partial_tail_eagle_margin(&self) -> u64 {
+        self.partial_tails.map_or(0, |pt| pt.eagle_margin)
+    }
+
+    /// The tokens whose hash keys `group`'s partial tail at `boundary`
+    /// (vLLM's `_partial_tail_key_tokens`): past it by the proof margin in
+    /// an EAGLE/MTP draft group.
+    pub(crate) fn tail_key_tokens(&self, group: usize, boundary: u64) -> u64 {
+        let draft = self
+            .groups
+            .as_deref()
+            .and_then(|g| g.shapes.get(group))
+            .is_some_and(|s| s.is_eagle_draft() && !s.is_recurrent_state());
+        boundary
+            + if draft {
+                self.partial_tail_eagle_margin()
+            } else {
+                0
+            }
+    }
+
+    /// `rs`'s partial-tail key of `group` at `boundary` (at its key tokens),
+    /// `None` while the request's hash there is not known.
+    pub(crate) fn tail_key(
+        &self,
+        rs: &RequestState,
+        group: usize,
+        boundary: u64,
+    ) -> Option<ChunkKey> {
+        let pt = self.partial_tails?;
+        rs.boundary_key(
+            group,
+            self.tail_key_tokens(group, boundary),
+            pt.tokens_per_hash,
+        )
+    }
+
+    /// Remote partial tails (`hybrid/on_remote_tail.rs`): partial tails on,
+    /// without EAGLE draft groups (not built: the bridge chunk and the
+    /// proof margin are the host tier's only).
+    pub(crate) fn remote_tails_on(&self) -> bool {
+        self.partial_tails.is_some_and(|pt| pt.eagle_margin == 0)
     }
 
     /// Whether partial tails are on ([`Self::enable_partial_tails`]).
@@ -272,28 +425,41 @@ impl Scheduler {
         let LookupOutcome::Hit(complete_hit) = complete else {
             return complete;
         };
-        let Some((pt, lookup)) = self.partial_lookup(req, computed, complete_hit) else {
+        let Some((_, lookup)) = self.partial_lookup(req, computed, complete_hit) else {
             return complete;
         };
         let Some(rs) = self.requests.get(&req) else {
             return complete;
         };
         let num_groups = lookup.num_groups;
-        let answer =
-            lookup_partial_tail(lookup, |boundary, g| self.host_tail_state(rs, g, boundary));
+        let answer = lookup_partial_tail_bridged(
+            lookup,
+            |chunk| self.host_bridge(rs, chunk),
+            |boundary, g| self.host_tail_state(rs, g, boundary),
+        );
         match answer {
             PartialAnswer::Complete => complete,
             PartialAnswer::Defer => LookupOutcome::Defer,
             PartialAnswer::Tail(boundary) => {
-                let keys = (0..num_groups).filter_map(|g| {
-                    rs.boundary_key(g, boundary, pt.tokens_per_hash)
-                        .map(|key| PartialTailKey {
+                let keys: Vec<PartialTailKey> = (0..num_groups)
+                    .filter_map(|g| {
+                        self.tail_key(rs, g, boundary).map(|key| PartialTailKey {
                             req,
                             group: g,
                             boundary,
+                            key_tokens: self.tail_key_tokens(g, boundary),
                             key,
                         })
-                });
+                    })
+                    .collect();
+                // A tail past the bridge chunk loads it: vLLM records the
+                // lookups of its keys the complete lookup did not confirm.
+                if boundary >= lookup.bridge_boundary() {
+                    let chunk = ((computed + complete_hit) / lookup.block_tokens.max(1)) as usize;
+                    for g in self.unconfirmed_bridge_groups(chunk) {
+                        self.last_lookup_group_hits.push((g, chunk));
+                    }
+                }
                 self.last_partial_tails.clear();
                 self.last_partial_tails.extend(keys);
                 if let Some(rs) = self.requests.get_mut(&req) {
@@ -324,8 +490,54 @@ impl Scheduler {
             block_tokens: pt.block_tokens,
             tokens_per_hash: pt.tokens_per_hash,
             num_groups,
+            eagle_margin: pt.eagle_margin,
+            hash_tokens: (rs.hash_units.len() as u64).saturating_mul(pt.tokens_per_hash),
         };
         Some((pt, lookup))
+    }
+
+    /// The attention groups whose bridge key at `chunk` the last complete
+    /// lookup did not confirm (its prefix scan ended at or before it).
+    fn unconfirmed_bridge_groups(&self, chunk: usize) -> Vec<usize> {
+        let Some(groups) = self.groups.as_deref() else {
+            return Vec::new();
+        };
+        (0..groups.len())
+            .filter(|&g| !groups.shapes[g].is_recurrent_state())
+            .filter(|&g| self.last_complete_hit_ends.get(g).copied().unwrap_or(0) <= chunk)
+            .collect()
+    }
+
+    /// The host tier's answer for `rs`'s bridge chunk `chunk` (vLLM's
+    /// bridge lookup in `_lookup`): every attention group's key being
+    /// loaded for another request is pending; the keys the complete
+    /// lookup did not confirm are looked up, in group order up to a miss.
+    fn host_bridge(&self, rs: &RequestState, chunk: usize) -> BridgeAnswer {
+        let Some(groups) = self.groups.as_deref() else {
+            return BridgeAnswer::default();
+        };
+        let mut answer = BridgeAnswer::default();
+        let key = |g: usize| {
+            let per_chunk = groups.hashes_per_chunk[g];
+            (chunk < rs.num_keys(per_chunk)).then(|| rs.group_key(g, chunk, per_chunk))
+        };
+        for g in (0..groups.len()).filter(|&g| !groups.shapes[g].is_recurrent_state()) {
+            if let Some(k) = key(g) {
+                answer.pending |= self.being_loaded.contains_key(&k);
+            }
+        }
+        for g in self.unconfirmed_bridge_groups(chunk) {
+            let state = key(g).map_or(LookupResult::Miss, |k| self.manager.lookup(k));
+            match state {
+                LookupResult::Miss => {
+                    answer.miss = true;
+                    break;
+                }
+                LookupResult::HitPending => answer.pending = true,
+                LookupResult::Hit => {}
+            }
+        }
+        answer
     }
 
     /// The host tier's state of `rs`'s partial-tail key of `group` at
@@ -336,10 +548,7 @@ impl Scheduler {
         group: usize,
         boundary: u64,
     ) -> KeyState {
-        let Some(pt) = self.partial_tails else {
-            return KeyState::Miss;
-        };
-        match rs.boundary_key(group, boundary, pt.tokens_per_hash) {
+        match self.tail_key(rs, group, boundary) {
             None => KeyState::Miss,
             Some(key) => match self.manager.lookup(key) {
                 LookupResult::Hit => KeyState::Hit,
@@ -352,9 +561,12 @@ impl Scheduler {
     /// Plans the stores of `states`' partial tails (hand-offs inside a
     /// block), one job per request, into `out` (vLLM's
     /// `_build_partial_tail_store_jobs` after its aligned hand-offs).
+    /// `scheduled`: the step's requests (with EAGLE draft groups, a tail is
+    /// stored once the step computes the prompt to its key).
     pub(crate) fn plan_partial_tail_stores(
         &mut self,
         states: &[BoundaryState],
+        scheduled: &[ScheduledRequest],
         out: &mut Vec<TransferJob>,
     ) {
         let Some(pt) = self.partial_tails else {
@@ -391,6 +603,26 @@ impl Scheduler {
             if !boundary.is_multiple_of(pt.tokens_per_hash) || boundary > limit {
                 continue;
             }
+            if pt.eagle_margin > 0 {
+                // Requests that did not load from the tier keep their draft
+                // tail in the GPU's prefix cache (vLLM skips the store).
+                if !rs.loaded_from_offload {
+                    continue;
+                }
+                // The hand-off comes once, on the step computing the prompt
+                // past the boundary: the draft KV up to its key must be
+                // computed by the end of this step.
+                // (A hand-off comes with its request scheduled; one that
+                // is not is not stored.)
+                let computed_after = scheduled
+                    .iter()
+                    .find(|s| s.req == req)
+                    .map_or(0, |s| s.computed_tokens.saturating_add(s.scheduled_tokens))
+                    .min(rs.prompt_tokens);
+                if boundary + pt.eagle_margin > computed_after {
+                    continue;
+                }
+            }
             let block_idx = (boundary / pt.block_tokens) as usize;
             let mut sources: Vec<GpuBlockId> = Vec::with_capacity(num_groups);
             let mut keys: Vec<ChunkKey> = Vec::with_capacity(num_groups);
@@ -401,7 +633,7 @@ impl Scheduler {
                 } else {
                     rs.group_blocks(g).get(block_idx).copied()
                 };
-                let key = rs.boundary_key(g, boundary, pt.tokens_per_hash);
+                let key = self.tail_key(rs, g, boundary);
                 match (block, key) {
                     (Some(b), Some(k)) if b.0 != 0 => {
                         sources.push(b);
@@ -416,9 +648,9 @@ impl Scheduler {
             if !complete {
                 continue;
             }
-            // vLLM positions a partial tail at its boundary's token.
+            // vLLM positions a partial tail at its key's token.
             let positions: Vec<u64> = (0..num_groups)
-                .map(|g| groups.token_position(g, boundary))
+                .map(|g| groups.token_position(g, self.tail_key_tokens(g, boundary)))
                 .collect();
             let Some((stored, chunk_ids)) = self.prepare_fenced_store(req, &keys, &positions)
             else {
@@ -434,6 +666,7 @@ impl Scheduler {
                         req,
                         group: g,
                         boundary,
+                        key_tokens: self.tail_key_tokens(g, boundary),
                         key: *key,
                     });
                 }
@@ -465,6 +698,8 @@ mod tests {
             block_tokens: 8,
             tokens_per_hash: 2,
             num_groups: 2,
+            eagle_margin: 0,
+            hash_tokens: 22,
         }
     }
 
@@ -543,6 +778,116 @@ mod tests {
             lookup_partial_tail(gpu, states(&table)),
             PartialAnswer::Tail(10)
         );
+    }
+
+    /// `req(complete)` beside an EAGLE draft group: a proof margin of one
+    /// hash unit, 11 hashes known (22 tokens).
+    fn eagle(complete: u64) -> PartialLookup {
+        PartialLookup {
+            eagle_margin: 2,
+            ..req(complete)
+        }
+    }
+
+    fn confirmed(_: usize) -> BridgeAnswer {
+        BridgeAnswer::default()
+    }
+
+    #[test]
+    fn a_draft_group_searches_two_blocks_and_its_key_needs_a_hash_past_the_boundary() {
+        // Complete to 8: boundaries up to 20 (two blocks end at 24; the
+        // prompt's last token but one is 22; the last key, at 22, proves
+        // a boundary at 20), from the right.
+        assert_eq!(eagle(8).max_boundary(), 20);
+        assert_eq!(eagle(8).bridge_boundary(), 16);
+        let table = [(10, "HH"), (20, "HH")];
+        assert_eq!(
+            lookup_partial_tail_bridged(eagle(8), confirmed, states(&table)),
+            PartialAnswer::Tail(20)
+        );
+        // Without the draft group, one block only.
+        assert_eq!(req(8).max_boundary(), 14);
+        // Complete to 0 with 5 hashes known (10 tokens): the key at 8 + 2
+        // is the last one.
+        let few = PartialLookup {
+            hash_tokens: 10,
+            ..eagle(0)
+        };
+        assert_eq!(few.boundaries().collect::<Vec<_>>(), vec![8, 6, 4, 2]);
+        // No hash past the complete hit's end but one: nothing is tried.
+        let none = PartialLookup {
+            hash_tokens: 9,
+            ..eagle(8)
+        };
+        assert_eq!(none.boundaries().count(), 0);
+    }
+
+    #[test]
+    fn a_tail_past_the_bridge_chunk_needs_it() {
+        // Complete to 0; the bridge is chunk 0 (tokens 0..8), needed by the
+        // boundaries from 8 on.
+        let table = [(4, "HH"), (12, "HH")];
+        let mut asked = Vec::new();
+        let got = lookup_partial_tail_bridged(
+            eagle(0),
+            |chunk| {
+                asked.push(chunk);
+                BridgeAnswer::default()
+            },
+            states(&table),
+        );
+        assert_eq!(got, PartialAnswer::Tail(12));
+        assert_eq!(asked, vec![0], "the bridge is asked once");
+        // The bridge misses: only the boundaries before it are tried.
+        let miss = |_| BridgeAnswer {
+            miss: true,
+            pending: false,
+        };
+        assert_eq!(
+            lookup_partial_tail_bridged(eagle(0), miss, states(&table)),
+            PartialAnswer::Tail(4)
+        );
+        // Pending: the boundaries past it wait; one before it still hits,
+        // and with none the request waits (nothing complete).
+        let pending = |_| BridgeAnswer {
+            miss: false,
+            pending: true,
+        };
+        assert_eq!(
+            lookup_partial_tail_bridged(eagle(0), pending, states(&table)),
+            PartialAnswer::Tail(4)
+        );
+        assert_eq!(
+            lookup_partial_tail_bridged(eagle(0), pending, states(&[(12, "HH")])),
+            PartialAnswer::Defer
+        );
+        // From a GPU hit of 8 with nothing complete past it, the same
+        // (vLLM waits when the complete chunks found nothing); with a
+        // complete hit, that hit stands.
+        let from_gpu = PartialLookup {
+            computed: 8,
+            ..eagle(0)
+        };
+        assert_eq!(from_gpu.bridge_boundary(), 16);
+        assert_eq!(
+            lookup_partial_tail_bridged(from_gpu, pending, states(&[(18, "HH")])),
+            PartialAnswer::Defer
+        );
+        assert_eq!(
+            lookup_partial_tail_bridged(eagle(8), pending, states(&[(18, "HH")])),
+            PartialAnswer::Complete
+        );
+        // No boundary reaches the bridge: it is never asked.
+        let short = PartialLookup {
+            prompt_tokens: 8,
+            ..eagle(0)
+        };
+        let got = lookup_partial_tail_bridged(
+            short,
+            |_| panic!("the bridge is not needed"),
+            states(&[(2, "HH")]),
+        );
+        assert_eq!(got, PartialAnswer::Tail(2));
     }
 
     #[test]
