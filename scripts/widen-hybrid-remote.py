@@ -22,7 +22,9 @@ than the blocks; `--only sizes`: those whose groups have different block
 sizes; `--only left-out`: those with groups vLLM's connector leaves out;
 `--only params`: those whose requests carry `kv_transfer_params`;
 `--only dcp`: those with decode context parallelism; `--only partial`:
-Mamba states inside a block, which node B fetches as partial tails),
+Mamba states inside a block, which node B fetches as partial tails;
+`--only partial-eagle`: those beside an EAGLE draft group, whose tails
+stay in each node's host tier),
 from seed 40,000.
 `--from SEED` starts at SEED instead (each seed keeps its configuration).
 `--stress K` runs K busy processes beside it (`cpu_stress.py`).
