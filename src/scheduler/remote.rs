@@ -58,11 +58,13 @@ pub(super) enum Probe {
     /// settled at `at` tokens (as `Known`), and the remote tier was asked
     /// about the partial tails in the block after.
     TailAsked { at: usize, ticket: Ticket },
-    /// Fetching a partial tail in chunk `chunk` (`count` keys) past the
+    /// Fetching a partial tail in chunk `last` (`count` keys; from chunk
+    /// `chunk` on, the bridge chunk before it with a draft group) past the
     /// complete chunks settled at `at`.
     TailFetching {
         at: usize,
         chunk: usize,
+        last: usize,
         count: usize,
     },
     /// The complete chunks and the partial tails past `at` are settled:
@@ -119,11 +121,14 @@ pub(super) enum FetchAt {
         groups: usize,
         tails: TailsAsked,
     },
-    /// A partial tail in chunk `chunk`, past the complete chunks settled at
-    /// `at` tokens; `groups`: the number of groups.
+    /// A partial tail in chunk `last` (from chunk `chunk` on: the bridge
+    /// chunk before it, fetched with it beside a draft group), past the
+    /// complete chunks settled at `at` tokens; `groups`: the number of
+    /// groups.
     Tail {
         at: usize,
         chunk: usize,
+        last: usize,
         groups: usize,
     },
 }
@@ -161,7 +166,14 @@ impl FetchAt {
                 count,
                 tails,
             },
-            FetchAt::Tail { at, chunk, .. } => Probe::TailFetching { at, chunk, count },
+            FetchAt::Tail {
+                at, chunk, last, ..
+            } => Probe::TailFetching {
+                at,
+                chunk,
+                last,
+                count,
+            },
         }
     }
 
@@ -585,12 +597,17 @@ impl Scheduler {
                 }
                 (known(before), done, lo..hi, count)
             }
-            Probe::TailFetching { at, chunk, count } => {
+            Probe::TailFetching {
+                at,
+                chunk,
+                last,
+                count,
+            } => {
                 let settled = Probe::TailKnown { at };
                 if success {
                     r.stats.partial_tails_fetched += 1;
                 }
-                (settled, settled, chunk..chunk + 1, count)
+                (settled, settled, chunk..last + 1, count)
             }
             _ => return,
         };

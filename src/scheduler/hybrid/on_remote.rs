@@ -129,7 +129,7 @@ impl Scheduler {
         // With partial tails, the same lookup asks about those past the
         // furthest the complete chunks could reach (`on_remote_tail.rs`):
         // where the hit over both tiers gets there, one round settles both.
-        let (tails, tail_keys) = if self.remote_tails_on() {
+        let (tails, tail_keys) = if self.partial_tails.is_some() {
             let ceiling = self.hit_with_remote(req, computed, None).unwrap_or(0);
             let end = computed.saturating_add(ceiling);
             self.tail_candidates(req, computed, ceiling, end)
@@ -273,14 +273,25 @@ impl Scheduler {
             self.remote.as_mut()?.known_absent(req, before, attempts);
             return None;
         }
-        // Partial tails asked with these chunks, past the hit they lead to.
-        let (tail_keys, settled) = self.tails_with_complete_chunks(req, computed, hit, tails);
+        // Partial tails asked with these chunks, past the hit they lead to
+        // (beside a draft group with the bridge chunk before them, unless
+        // these chunks hold it already).
+        let (fetch, settled) = self.tails_with_complete_chunks(req, computed, hit, tails);
+        let tail_keys = fetch.tails;
         if let (Some(groups), Some(t)) = (self.groups.as_deref(), tail_keys.first()) {
             let chunk = (t.boundary / groups.shapes[t.group].tokens_per_chunk()) as usize;
-            for t in &tail_keys {
-                keys.push(t.key);
-                key_groups.push(t.group);
-                let unit = groups.unit_chunks(t.group, chunk..chunk + 1);
+            let bridge = fetch
+                .bridge
+                .iter()
+                .flat_map(|(c, keys)| keys.iter().map(move |&(g, k)| (g, *c, k)));
+            let tail = tail_keys.iter().map(|t| (t.group, chunk, t.key));
+            for (g, c, key) in bridge.chain(tail) {
+                if keys.contains(&key) {
+                    continue;
+                }
+                keys.push(key);
+                key_groups.push(g);
+                let unit = groups.unit_chunks(g, c..c + 1);
                 lo = lo.min(unit.start);
                 hi = hi.max(unit.end);
             }

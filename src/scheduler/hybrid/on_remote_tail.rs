@@ -14,16 +14,41 @@
 //! room in the host tier leaves the request to the host tier's answer at
 //! `at`; a request asks about partial tails alone at most
 //! [`MAX_ATTEMPTS`] times.
+//!
+//! Beside an EAGLE/MTP draft group a tail may lie in the second block past
+//! the complete hit and then needs the complete "bridge" chunk between
+//! ([`lookup_partial_tail_bridged`]): the attention groups' bridge keys the
+//! host tier lacks are asked about with the tails (as `(BRIDGE, group)`),
+//! and fetched with the tail that needs them.
 
 use std::collections::HashSet;
 
 use crate::ids::RequestId;
 use crate::key::ChunkKey;
+use crate::manager::LookupResult;
 use crate::scheduler::remote::{FetchAt, MAX_ATTEMPTS, Probe, RequestProbe, TailsAsked};
+use crate::scheduler::request::RequestState;
 use crate::scheduler::{LookupOutcome, Scheduler};
 
 use super::lookup::KeyState;
-use super::partial_tail::{PartialAnswer, PartialTailKey, lookup_partial_tail};
+use super::partial_tail::{
+    BridgeAnswer, PartialAnswer, PartialTailKey, lookup_partial_tail_bridged,
+};
+
+/// The boundary that names a group's bridge chunk key among the
+/// `(boundary, group)`s asked about (no tail ends at 0 tokens).
+pub(super) const BRIDGE: u64 = 0;
+
+/// The keys a fetch of a partial tail brings: the tail's (every group's
+/// key the host tier lacks at its boundary), and, for a tail past the
+/// bridge chunk, the attention groups' bridge keys the host tier lacks.
+#[derive(Debug, Default)]
+pub(super) struct TailFetch {
+    /// The tail's keys.
+    pub tails: Vec<PartialTailKey>,
+    /// The bridge chunk (its index) and `(group, key)` of its keys to fetch.
+    pub bridge: Option<(usize, Vec<(usize, ChunkKey)>)>,
+}
 
 impl Scheduler {
     /// The remote side's answer for the partial tail of `req` (GPU hit
@@ -40,9 +65,7 @@ impl Scheduler {
         let LookupOutcome::Hit(host_hit) = host else {
             return None;
         };
-        if !self.remote_tails_on() {
-            return None;
-        }
+        self.partial_tails?;
         let at = usize::try_from(computed.saturating_add(complete_hit)).ok()?;
         let host_end = computed.saturating_add(host_hit);
         let r = self.remote.as_mut()?;
@@ -109,7 +132,9 @@ impl Scheduler {
         ) else {
             return (asked, keys);
         };
+        let mut past_bridge = false;
         for boundary in lookup.boundaries().take_while(|&b| b > host_end) {
+            past_bridge |= boundary >= lookup.bridge_boundary();
             for g in 0..lookup.num_groups {
                 if self.host_tail_state(rs, g, boundary) != KeyState::Miss {
                     continue;
@@ -120,7 +145,31 @@ impl Scheduler {
                 }
             }
         }
+        if past_bridge {
+            let chunk = (lookup.computed + lookup.complete_hit) / lookup.block_tokens.max(1);
+            for (g, key) in self.bridge_keys(rs, chunk as usize) {
+                if self.manager.lookup(key) == LookupResult::Miss {
+                    asked.push((BRIDGE, g));
+                    keys.push(key);
+                }
+            }
+        }
         (asked, keys)
+    }
+
+    /// The attention groups' keys of `rs`'s complete chunk `chunk` (the
+    /// recurrent groups need none: their tail is the state).
+    fn bridge_keys(&self, rs: &RequestState, chunk: usize) -> Vec<(usize, ChunkKey)> {
+        let Some(groups) = self.groups.as_deref() else {
+            return Vec::new();
+        };
+        (0..groups.len())
+            .filter(|&g| !groups.shapes[g].is_recurrent_state())
+            .filter_map(|g| {
+                let per_chunk = groups.hashes_per_chunk(g);
+                (chunk < rs.num_keys(per_chunk)).then(|| (g, rs.group_key(g, chunk, per_chunk)))
+            })
+            .collect()
     }
 
     /// The remote tier answered `present`: fetch the keys the host tier
@@ -135,34 +184,41 @@ impl Scheduler {
         present: &HashSet<(u64, usize)>,
     ) -> Option<LookupOutcome> {
         let at = usize::try_from(computed.saturating_add(complete_hit)).ok()?;
-        let tails = self.tail_keys_to_fetch(req, computed, complete_hit, host_end, present);
+        let fetch = self.tail_keys_to_fetch(req, computed, complete_hit, host_end, present);
         let (pt, lookup) = self.partial_lookup(req, computed, complete_hit)?;
         let r = self.remote.as_mut()?;
         let attempts = r.probes.get(&req).map_or(0, |p| p.attempts);
-        let Some(first) = tails.first() else {
+        let Some(first) = fetch.tails.first() else {
             r.set_probe(req, Probe::TailKnown { at }, attempts);
             return None;
         };
+        let last = (first.boundary / pt.block_tokens) as usize;
         let at_fetch = FetchAt::Tail {
             at,
-            chunk: (first.boundary / pt.block_tokens) as usize,
+            chunk: fetch.bridge.as_ref().map_or(last, |(c, _)| *c),
+            last,
             groups: lookup.num_groups,
         };
-        let keys: Vec<ChunkKey> = tails.iter().map(|t| t.key).collect();
-        let key_groups: Vec<usize> = tails.iter().map(|t| t.group).collect();
+        let bridge = fetch
+            .bridge
+            .iter()
+            .flat_map(|(_, keys)| keys.iter().copied());
+        let (key_groups, keys): (Vec<usize>, Vec<ChunkKey>) = bridge
+            .chain(fetch.tails.iter().map(|t| (t.group, t.key)))
+            .unzip();
         let outcome = self.start_fetch(req, &keys, &key_groups, attempts, at_fetch);
         if outcome.is_some() {
             // The next step's KV events name them by vLLM's hash at the
             // boundary, as a store of them would.
-            self.fetched_partial_tails.extend(tails);
+            self.fetched_partial_tails.extend(fetch.tails);
         }
         outcome
     }
 
     /// The keys the host tier lacks of the partial tail that the lookup
     /// over both tiers (the remote tier holding `present`) ends on, past a
-    /// complete hit of `complete_hit` tokens, when it ends past `host_end`;
-    /// none otherwise.
+    /// complete hit of `complete_hit` tokens, when it ends past `host_end`
+    /// (with the bridge chunk's, past it); none otherwise.
     pub(super) fn tail_keys_to_fetch(
         &self,
         req: RequestId,
@@ -170,15 +226,37 @@ impl Scheduler {
         complete_hit: u64,
         host_end: u64,
         present: &HashSet<(u64, usize)>,
-    ) -> Vec<PartialTailKey> {
-        let mut tails = Vec::new();
+    ) -> TailFetch {
+        let mut fetch = TailFetch::default();
         let (Some((_, lookup)), Some(rs)) = (
             self.partial_lookup(req, computed, complete_hit),
             self.requests.get(&req),
         ) else {
-            return tails;
+            return fetch;
         };
-        let answer = lookup_partial_tail(lookup, |boundary, g| {
+        let chunk = ((lookup.computed + lookup.complete_hit) / lookup.block_tokens.max(1)) as usize;
+        // The bridge over both tiers: a key being loaded or written waits,
+        // one neither tier holds misses.
+        let bridge_keys = self.bridge_keys(rs, chunk);
+        let bridge = |_| {
+            let mut answer = BridgeAnswer::default();
+            for &(_, key) in &bridge_keys {
+                answer.pending |= self.being_loaded.contains_key(&key);
+            }
+            for &(g, key) in &bridge_keys {
+                match self.manager.lookup(key) {
+                    LookupResult::Hit => {}
+                    LookupResult::HitPending => answer.pending = true,
+                    LookupResult::Miss if present.contains(&(BRIDGE, g)) => {}
+                    LookupResult::Miss => {
+                        answer.miss = true;
+                        break;
+                    }
+                }
+            }
+            answer
+        };
+        let answer = lookup_partial_tail_bridged(lookup, bridge, |boundary, g| {
             match self.host_tail_state(rs, g, boundary) {
                 KeyState::Miss if present.contains(&(boundary, g)) => KeyState::Hit,
                 state => state,
@@ -187,6 +265,17 @@ impl Scheduler {
         if let PartialAnswer::Tail(boundary) = answer
             && boundary > host_end
         {
+            if boundary >= lookup.bridge_boundary() {
+                let missing = bridge_keys
+                    .iter()
+                    .copied()
+                    .filter(|&(_, key)| self.manager.lookup(key) == LookupResult::Miss)
+                    .collect::<Vec<_>>();
+                if !missing.is_empty() {
+                    fetch.bridge = Some((chunk, missing));
+                }
+            }
+            let tails = &mut fetch.tails;
             for g in 0..lookup.num_groups {
                 if self.host_tail_state(rs, g, boundary) != KeyState::Miss {
                     continue;
@@ -202,7 +291,7 @@ impl Scheduler {
                 }
             }
         }
-        tails
+        fetch
     }
 
     /// Fetching the complete chunks that end the hit over both tiers
@@ -216,21 +305,21 @@ impl Scheduler {
         computed: u64,
         complete_hit: u64,
         tails: Option<&HashSet<(u64, usize)>>,
-    ) -> (Vec<PartialTailKey>, TailsAsked) {
+    ) -> (TailFetch, TailsAsked) {
         let Some(tails) = tails else {
-            return (Vec::new(), TailsAsked::No);
+            return (TailFetch::default(), TailsAsked::No);
         };
         let ceiling = self.hit_with_remote(req, computed, None).unwrap_or(0);
         if complete_hit != ceiling {
-            return (Vec::new(), TailsAsked::No);
+            return (TailFetch::default(), TailsAsked::No);
         }
         let end = computed.saturating_add(complete_hit);
-        let keys = self.tail_keys_to_fetch(req, computed, complete_hit, end, tails);
-        let settled = if keys.is_empty() {
+        let fetch = self.tail_keys_to_fetch(req, computed, complete_hit, end, tails);
+        let settled = if fetch.tails.is_empty() {
             TailsAsked::NoneFound
         } else {
             TailsAsked::Fetched
         };
-        (keys, settled)
+        (fetch, settled)
     }
 }

@@ -371,13 +371,6 @@ impl Scheduler {
         )
     }
 
-    /// Remote partial tails (`hybrid/on_remote_tail.rs`): partial tails on,
-    /// without EAGLE draft groups (not built: the bridge chunk and the
-    /// proof margin are the host tier's only).
-    pub(crate) fn remote_tails_on(&self) -> bool {
-        self.partial_tails.is_some_and(|pt| pt.eagle_margin == 0)
-    }
-
     /// Whether partial tails are on ([`Self::enable_partial_tails`]).
     pub fn partial_tails_enabled(&self) -> bool {
         self.partial_tails.is_some()
