@@ -720,6 +720,22 @@ fn beside_a_draft_group_a_tail_in_the_second_block_is_fetched_with_its_bridge_ch
     let (hit, fetched) = t.settle(RequestId(2), false);
     assert_eq!((hit, fetched.len()), (0, 0));
     t.finish(&[2]);
+
+    // A third whose tail the host tier holds already, but not its bridge,
+    // which the remote tier holds: the bridge alone is fetched, and the
+    // hit ends on the tail.
+    let u3 = units(3, 11, 1);
+    let host_tail = [unit_key(&u3.0, 6, 0), unit_key(&u3.0, 5, 1)];
+    let m = t.s.manager_mut();
+    m.prepare_store(&host_tail, None).unwrap();
+    m.complete_store(&host_tail, kvoffload::manager::StoreOutcome::Success, None)
+        .unwrap();
+    t.put(unit_key(&u3.0, 3, 0));
+    t.add_with_units(RequestId(3), 11, &u3);
+    let (hit, fetched) = t.settle(RequestId(3), false);
+    assert_eq!(hit, 6);
+    assert_eq!(fetched, vec![unit_key(&u3.0, 3, 0)]);
+    t.finish(&[3]);
 }
 
 #[test]

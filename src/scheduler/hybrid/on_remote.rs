@@ -277,14 +277,15 @@ impl Scheduler {
         // (beside a draft group with the bridge chunk before them, unless
         // these chunks hold it already).
         let (fetch, settled) = self.tails_with_complete_chunks(req, computed, hit, tails);
-        let tail_keys = fetch.tails;
-        if let (Some(groups), Some(t)) = (self.groups.as_deref(), tail_keys.first()) {
-            let chunk = (t.boundary / groups.shapes[t.group].tokens_per_chunk()) as usize;
+        if let (Some(groups), Some(boundary)) = (self.groups.as_deref(), fetch.boundary) {
+            // One block size for every group with partial tails: the
+            // bridge's keys in its chunk, the tail's in the tail's.
+            let tail_chunk = (boundary / groups.shapes[0].tokens_per_chunk()) as usize;
             let bridge = fetch
                 .bridge
                 .iter()
                 .flat_map(|(c, keys)| keys.iter().map(move |&(g, k)| (g, *c, k)));
-            let tail = tail_keys.iter().map(|t| (t.group, chunk, t.key));
+            let tail = fetch.tails.iter().map(|t| (t.group, tail_chunk, t.key));
             for (g, c, key) in bridge.chain(tail) {
                 if keys.contains(&key) {
                     continue;
@@ -296,6 +297,7 @@ impl Scheduler {
                 hi = hi.max(unit.end);
             }
         }
+        let tail_keys = fetch.tails;
         let after = usize::try_from(end).ok()?;
         let at = FetchAt::Groups {
             before,

@@ -44,10 +44,35 @@ pub(super) const BRIDGE: u64 = 0;
 /// bridge chunk, the attention groups' bridge keys the host tier lacks.
 #[derive(Debug, Default)]
 pub(super) struct TailFetch {
+    /// The boundary of the tail the lookup over both tiers ends on, past
+    /// the host tier's hit (`None`: none).
+    pub boundary: Option<u64>,
     /// The tail's keys.
     pub tails: Vec<PartialTailKey>,
     /// The bridge chunk (its index) and `(group, key)` of its keys to fetch.
     pub bridge: Option<(usize, Vec<(usize, ChunkKey)>)>,
+}
+
+impl TailFetch {
+    /// Whether there is anything to fetch.
+    pub(super) fn is_empty(&self) -> bool {
+        self.tails.is_empty() && self.bridge.is_none()
+    }
+
+    /// The tail's chunk in blocks of `block_tokens` (where one is found).
+    fn tail_chunk(&self, block_tokens: u64) -> Option<usize> {
+        self.boundary.map(|b| (b / block_tokens.max(1)) as usize)
+    }
+
+    /// Every key to fetch with its group: the bridge's, then the tail's
+    /// (`start_fetch` puts them group by group).
+    pub(super) fn keys(&self) -> impl Iterator<Item = (usize, ChunkKey)> + '_ {
+        let bridge = self
+            .bridge
+            .iter()
+            .flat_map(|(_, keys)| keys.iter().copied());
+        bridge.chain(self.tails.iter().map(|t| (t.group, t.key)))
+    }
 }
 
 impl Scheduler {
@@ -188,24 +213,22 @@ impl Scheduler {
         let (pt, lookup) = self.partial_lookup(req, computed, complete_hit)?;
         let r = self.remote.as_mut()?;
         let attempts = r.probes.get(&req).map_or(0, |p| p.attempts);
-        let Some(first) = fetch.tails.first() else {
+        // Nothing the host tier lacks (its tail needing only the bridge
+        // is fetched too).
+        let Some(last) = fetch
+            .tail_chunk(pt.block_tokens)
+            .filter(|_| !fetch.is_empty())
+        else {
             r.set_probe(req, Probe::TailKnown { at }, attempts);
             return None;
         };
-        let last = (first.boundary / pt.block_tokens) as usize;
         let at_fetch = FetchAt::Tail {
             at,
             chunk: fetch.bridge.as_ref().map_or(last, |(c, _)| *c),
             last,
             groups: lookup.num_groups,
         };
-        let bridge = fetch
-            .bridge
-            .iter()
-            .flat_map(|(_, keys)| keys.iter().copied());
-        let (key_groups, keys): (Vec<usize>, Vec<ChunkKey>) = bridge
-            .chain(fetch.tails.iter().map(|t| (t.group, t.key)))
-            .unzip();
+        let (key_groups, keys): (Vec<usize>, Vec<ChunkKey>) = fetch.keys().unzip();
         let outcome = self.start_fetch(req, &keys, &key_groups, attempts, at_fetch);
         if outcome.is_some() {
             // The next step's KV events name them by vLLM's hash at the
@@ -265,6 +288,7 @@ impl Scheduler {
         if let PartialAnswer::Tail(boundary) = answer
             && boundary > host_end
         {
+            fetch.boundary = Some(boundary);
             if boundary >= lookup.bridge_boundary() {
                 let missing = bridge_keys
                     .iter()
@@ -315,7 +339,7 @@ impl Scheduler {
         }
         let end = computed.saturating_add(complete_hit);
         let fetch = self.tail_keys_to_fetch(req, computed, complete_hit, end, tails);
-        let settled = if fetch.tails.is_empty() {
+        let settled = if fetch.is_empty() {
             TailsAsked::NoneFound
         } else {
             TailsAsked::Fetched
