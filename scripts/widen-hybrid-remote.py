@@ -77,7 +77,7 @@ def main() -> int:
 def widen(seeds: widen_options.Seeds, remote: dict, cases: list) -> int:
     good = wrong = stalled = pool = 0
     total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0,
-             "partial_tails_fetched": 0, "partial_not_put": 0}
+             "partial_tails_fetched": 0, "partial_not_put": 0, "not_yet": 0}
     moved = {"checked": 0, "loads": 0, "window_loads": 0, "states_restored_inside_block": 0}
     for k in range(seeds.count):
         seed = seeds.seed(k)
@@ -92,9 +92,22 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list) -> int:
         def fetched(e) -> None:
             got.update(tr.remote_stats(e))
 
+        def count_not_yet(e) -> None:
+            # Node B's lookups that answer vLLM "not yet" (each a step a
+            # request waits for the remote tier).
+            got["not_yet"] = 0
+            lookup = e.connector.get_num_new_matched_tokens
+
+            def counted(*args, **kwargs):
+                answer = lookup(*args, **kwargs)
+                got["not_yet"] += answer[0] is None
+                return answer
+
+            e.connector.get_num_new_matched_tokens = counted
+
         try:
             hw.worker_run(seed, specs, cfg, opts, on_done=written)
-            seen = hw.worker_run(seed, specs, cfg, opts, on_done=fetched)
+            seen = hw.worker_run(seed, specs, cfg, opts, on_done=fetched, on_start=count_not_yet)
         except hw.VllmStalled as e:
             stalled += 1
             print(f"seed {seed} {specs}: {e}", flush=True)
@@ -117,13 +130,15 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list) -> int:
             good += 1
         print(
             f"seed {seed} {specs}: node B fetched {got['chunks_fetched']} chunks in {got['fetch_jobs']} jobs "
-            f"({got['partial_tails_fetched']} partial tails), {seen['loads']} loads, every byte right",
+            f"({got['partial_tails_fetched']} partial tails), {seen['loads']} loads, {got['not_yet']} lookups "
+            "answered not yet, every byte right",
             flush=True,
         )
     print(
         f"{good} seeds right, {wrong} wrong, {stalled} stalled in vLLM's scheduler, {pool} failed in vLLM's "
         f"block pool; node B: "
-        f"{total['lookups']} remote lookups, {total['chunks_found']} chunks found, {total['fetch_jobs']} fetch "
+        f"{total['lookups']} remote lookups ({total['not_yet']} of vLLM's lookups answered not yet), "
+        f"{total['chunks_found']} chunks found, {total['fetch_jobs']} fetch "
         f"jobs, {total['chunks_fetched']} chunks fetched ({total['partial_tails_fetched']} partial tails), "
         f"{total['fetches_failed']} failed; node A kept "
         f"{total['partial_not_put']} chunks stored in part out of the store; {moved['loads']} loads "

@@ -35,6 +35,9 @@ struct Rig {
     store: MemoryStore,
     shapes: Vec<GroupShape>,
     bpc: u64,
+    /// The lookups [`Rig::settle`] made (each one a step the request waits
+    /// while it answers "not yet").
+    lookups_made: usize,
 }
 
 /// A scheduler of 4-token blocks, `bpc` blocks a chunk, 256 host chunks and
@@ -59,6 +62,7 @@ fn rig(shapes: Vec<GroupShape>, bpc: u64) -> Rig {
         store,
         shapes,
         bpc,
+        lookups_made: 0,
     }
 }
 
@@ -127,6 +131,7 @@ impl Rig {
     fn settle(&mut self, req: RequestId, fail_fetches: bool) -> (u64, Vec<ChunkKey>) {
         let mut fetched = Vec::new();
         for _ in 0..10 {
+            self.lookups_made += 1;
             match self.s.lookup(req, 0).expect("lookup") {
                 LookupOutcome::Hit(h) => return (h, fetched),
                 LookupOutcome::Defer => {}
@@ -624,7 +629,8 @@ fn a_tail_before_the_furthest_complete_hit_is_asked_about_in_a_second_lookup() {
     // 18 and 22. The first lookup asks about the chunks and the tails past
     // 20 (the furthest the complete chunks could reach); the complete hit
     // ends at 16, so the tail at 22 is of no use and a second lookup asks
-    // about the block after 16: the hit ends at 18.
+    // about the block after 16 as the fetch of the complete chunks starts:
+    // the hit ends at 18.
     let mut t = full_and_state_with_tails(2);
     let u = units(1, 23, 2);
     t.put_units(&u.0, 0..9);
@@ -642,7 +648,78 @@ fn a_tail_before_the_furthest_complete_hit_is_asked_about_in_a_second_lookup() {
         (st.lookups, st.fetch_jobs, st.partial_tails_fetched),
         (2, 2, 1)
     );
+    // Asked, fetching the complete chunks (the tails asked about meanwhile),
+    // fetching the tail, hit: without the tails' lookup sent with the first
+    // fetch, one "not yet" more, while the second lookup is answered.
+    assert_eq!(t.lookups_made, 4);
     t.finish(&[1]);
+}
+
+/// The rig of [`a_tail_before_the_furthest_complete_hit_is_asked_about_in_a_second_lookup`]
+/// with request `req`'s complete chunks being fetched and its partial
+/// tails asked about: the fetch job.
+fn fetching_with_tails_asked(t: &mut Rig, req: RequestId) -> JobId {
+    let u = units(1, 23, 2);
+    t.put_units(&u.0, 0..9);
+    t.put(unit_key(&u.0, 9, 1));
+    t.put_units(&u.0, 10..11);
+    t.add_with_units(req, 23, &u);
+    assert_eq!(t.s.lookup(req, 0).unwrap(), LookupOutcome::Defer);
+    t.s.wait_remote_lookups(WAIT);
+    assert_eq!(t.s.lookup(req, 0).unwrap(), LookupOutcome::Defer);
+    let plan = t.step();
+    assert_eq!(plan.fetches.len(), 1);
+    assert_eq!(
+        t.s.remote_lookup_stats().unwrap().lookups,
+        2,
+        "the tails asked about"
+    );
+    plan.fetches[0].job
+}
+
+#[test]
+fn the_tails_asked_about_with_a_fetch_are_dropped_when_it_fails_or_its_request_goes() {
+    // The fetch fails: the tails' answer goes with it, and the request
+    // recomputes from the host tier's hit (none), asking about the tails
+    // past it once more.
+    let mut t = full_and_state_with_tails(2);
+    let job = fetching_with_tails_asked(&mut t, RequestId(1));
+    t.s.wait_remote_lookups(WAIT);
+    t.report(job, true);
+    let (hit, fetched) = t.settle(RequestId(1), false);
+    // From no hit, the tail at 2 (both groups' keys at the first hash).
+    let u = units(1, 23, 2);
+    assert_eq!(hit, 2);
+    assert_eq!(fetched, [unit_key(&u.0, 0, 0), unit_key(&u.0, 0, 1)]);
+    let st = t.s.remote_lookup_stats().unwrap();
+    assert_eq!(
+        (
+            st.lookups,
+            st.fetch_jobs,
+            st.fetches_failed,
+            st.partial_tails_fetched
+        ),
+        (3, 2, 1, 1)
+    );
+    t.finish(&[1]);
+    // The request goes while its fetch runs and the tails' answer is in
+    // flight, then while it has come.
+    for answered in [false, true] {
+        let mut t = full_and_state_with_tails(2);
+        let job = fetching_with_tails_asked(&mut t, RequestId(2));
+        if answered {
+            t.s.wait_remote_lookups(WAIT);
+        }
+        t.s.request_finished(RequestId(2), &[], true, 0).unwrap();
+        t.report(job, false);
+        t.finish(&[]);
+    }
+    // A reset forgets them too.
+    let mut t = full_and_state_with_tails(2);
+    fetching_with_tails_asked(&mut t, RequestId(3));
+    assert!(t.s.reset().is_ok());
+    assert_eq!(t.s.remote_probes(), 0);
+    t.finish(&[3]);
 }
 
 #[test]
@@ -871,7 +948,9 @@ proptest! {
                 prop_assert_eq!(st.partial_tails_fetched, u64::from(want > complete));
             }
         }
-        prop_assert!(st.lookups <= 2 && st.fetch_jobs <= 2, "{:?}", st);
+        // A fetch of complete chunks asks about the tails past them as it
+        // starts: when it fails, a third lookup asks past the host's hit.
+        prop_assert!(st.lookups <= 2 + u64::from(fail) && st.fetch_jobs <= 2, "{:?}", st);
         t.s.request_finished(req, &[], true, 0).unwrap();
         t.step();
         prop_assert_eq!(t.s.remote_probes(), 0);

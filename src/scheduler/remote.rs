@@ -90,6 +90,10 @@ impl Probe {
 pub(super) enum TailsAsked {
     /// Not asked: a lookup after the fetch asks.
     No,
+    /// Asked when the fetch started, past the hit it leads to (`ticket`):
+    /// once the fetch ends, the request's probe waits on that answer
+    /// ([`Probe::TailAsked`]).
+    Asking(Ticket),
     /// Asked with the complete chunks, none to fetch: settled.
     NoneFound,
     /// Asked, and the fetch brings one in.
@@ -283,7 +287,14 @@ impl RemoteSide {
     /// Drops `req`'s lookup in flight, if any, with its answer.
     pub(super) fn drop_asked(&mut self, req: RequestId) {
         let ticket = match self.probes.get(&req).map(|p| p.probe) {
-            Some(Probe::Asked { ticket, .. } | Probe::TailAsked { ticket, .. }) => ticket,
+            Some(
+                Probe::Asked { ticket, .. }
+                | Probe::TailAsked { ticket, .. }
+                | Probe::FetchingGroups {
+                    tails: TailsAsked::Asking(ticket),
+                    ..
+                },
+            ) => ticket,
             _ => return,
         };
         self.asked.remove(&ticket);
@@ -590,6 +601,16 @@ impl Scheduler {
             } => {
                 let done = match tails {
                     TailsAsked::No => known(after),
+                    TailsAsked::Asking(ticket) => {
+                        if !success {
+                            // The hit the tails were asked past is not
+                            // there: their answer is of no use.
+                            r.asked.remove(&ticket);
+                            r.answered.remove(&ticket);
+                            r.tail_asked.remove(&req);
+                        }
+                        Probe::TailAsked { at: after, ticket }
+                    }
                     TailsAsked::NoneFound | TailsAsked::Fetched => Probe::TailKnown { at: after },
                 };
                 if success && tails == TailsAsked::Fetched {

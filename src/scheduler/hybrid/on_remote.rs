@@ -15,7 +15,7 @@ use std::collections::HashSet;
 use crate::ids::RequestId;
 use crate::key::ChunkKey;
 use crate::manager::LookupResult;
-use crate::scheduler::remote::{FetchAt, MAX_ATTEMPTS, Probe};
+use crate::scheduler::remote::{FetchAt, MAX_ATTEMPTS, Probe, TailsAsked};
 use crate::scheduler::{LookupOutcome, Scheduler};
 
 use super::lookup::{GroupKeys, HybridLookup, KeyState, load_chunks, lookup_complete_chunks};
@@ -311,6 +311,9 @@ impl Scheduler {
         if outcome.is_some() {
             // Named in the next step's KV events (`on_remote_tail.rs`).
             self.fetched_partial_tails.extend(tail_keys);
+            if settled == TailsAsked::No {
+                self.ask_tails_with_fetch(req, computed, hit);
+            }
         }
         outcome
     }

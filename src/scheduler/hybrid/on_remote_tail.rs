@@ -3,11 +3,13 @@
 //! the partial-tail keys (`partial_tail.rs`) the host tier lacks in the
 //! block after the furthest those chunks could reach; when the hit over
 //! both tiers gets there, the tail joins the same fetch job
-//! ([`Scheduler::tails_with_complete_chunks`]). Otherwise, once the
-//! complete chunks are settled at `at` tokens (the host tier's complete
-//! hit), the remote tier is asked about the block after `at`, past the
-//! host tier's own tail, and the request waits ("not yet") until it
-//! answers. Either way the rightmost boundary whose keys every group holds
+//! ([`Scheduler::tails_with_complete_chunks`]). Otherwise the remote tier
+//! is asked about the block after the hit over both tiers as the fetch of
+//! the complete chunks starts, so that the answer comes while the fetch
+//! runs ([`Scheduler::ask_tails_with_fetch`]; dropped if the fetch fails),
+//! or, with no fetch, once the complete chunks are settled at `at` tokens
+//! (the host tier's complete hit) about the block after `at`, past the
+//! host tier's own tail; the request waits ("not yet") until it answers. Either way the rightmost boundary whose keys every group holds
 //! in one tier or the other ([`lookup_partial_tail`] over both) is fetched
 //! (the keys the host tier lacks), and the next lookup finds that tail in
 //! the host tier and loads it. Nothing found, a fetch that fails or no
@@ -137,6 +139,53 @@ impl Scheduler {
             },
         );
         Some(LookupOutcome::Defer)
+    }
+
+    /// The fetch of `req`'s complete chunks, to a hit of `complete_hit`
+    /// tokens past `computed`, has started and has not settled the partial
+    /// tails past that hit: the remote tier is asked about them now, so
+    /// that their answer comes while the fetch runs and the lookup after
+    /// it can fetch the tail at once ([`Probe::TailAsked`]) instead of
+    /// asking then and waiting once more. With none to ask about they are
+    /// settled.
+    pub(super) fn ask_tails_with_fetch(
+        &mut self,
+        req: RequestId,
+        computed: u64,
+        complete_hit: u64,
+    ) {
+        if self.partial_tails.is_none() {
+            return;
+        }
+        let tail_attempts = self
+            .remote
+            .as_ref()
+            .and_then(|r| r.probes.get(&req))
+            .map_or(MAX_ATTEMPTS, |p| p.tail_attempts);
+        if tail_attempts >= MAX_ATTEMPTS {
+            return;
+        }
+        let end = computed.saturating_add(complete_hit);
+        let (asked, keys) = self.tail_candidates(req, computed, complete_hit, end);
+        let Some(r) = self.remote.as_mut() else {
+            return;
+        };
+        let Some(p) = r.probes.get_mut(&req) else {
+            return;
+        };
+        let Probe::FetchingGroups { tails, .. } = &mut p.probe else {
+            return;
+        };
+        if asked.is_empty() {
+            *tails = TailsAsked::NoneFound;
+            return;
+        }
+        let ticket = r.tier.lookup(&keys);
+        *tails = TailsAsked::Asking(ticket);
+        p.tail_attempts += 1;
+        r.asked.insert(ticket, req);
+        r.tail_asked.insert(req, asked);
+        r.stats.lookups += 1;
     }
 
     /// The `(boundary, group)`s to ask the remote tier about, and their
