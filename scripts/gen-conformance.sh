@@ -80,18 +80,29 @@ done
     --gaps-out "$WIDE/a/seed50000" --notes-out "$NOTES/s50000" \
     --count 2000 --start-seed 50000 --world-sizes 1,2,3,4,8 --arc-fraction 0.5
 cp "$NOTES/s50000/connector_index.jsonl" "$WIDE/c/seed50000/index.jsonl"
+# Widened 2026-12-07: 600 host-tier traces and 1000 engine-loop traces of new
+# seeds (with the 109 their seeds set aside).
+"$PY" "$ORACLE/gen_manager_traces.py" --out "$WIDE/m/seed818001" --seed 818001 --lru 300 --arc 300
+"$PY" "$ORACLE/vllm_connector_recorder.py" corpus --out "$WIDE/c/seed83000" \
+    --gaps-out "$WIDE/a/seed83000" --notes-out "$NOTES/s83000" \
+    --count 1000 --start-seed 83000 --world-sizes 1,2,3,4,8 --arc-fraction 0.5
+cp "$NOTES/s83000/connector_index.jsonl" "$WIDE/c/seed83000/index.jsonl"
 if [ $CHECK = 1 ]; then
     # Unpacked and compared below (gzip's bytes may differ between versions).
     mkdir -p "$OUT/wide"
     mv "$WIDE"/* "$OUT/wide/"
 else
     mkdir -p "$OUT/manager" "$OUT/manager_threshold" "$OUT/connector" "$OUT/connector_amended"
-    "$ROOT/scripts/pack-corpus.sh" "$WIDE/m/seed4404" "$OUT/manager/seed4404.tar.gz"
+    for m in seed4404 seed818001; do
+        "$ROOT/scripts/pack-corpus.sh" "$WIDE/m/$m" "$OUT/manager/$m.tar.gz"
+    done
     for t in seed4404_t2_k5 seed4404_t3_k64000; do
         "$ROOT/scripts/pack-corpus.sh" "$WIDE/t/$t" "$OUT/manager_threshold/$t.tar.gz"
     done
-    "$ROOT/scripts/pack-corpus.sh" "$WIDE/c/seed50000" "$OUT/connector/seed50000.tar.gz"
-    "$ROOT/scripts/pack-corpus.sh" "$WIDE/a/seed50000" "$OUT/connector_amended/seed50000.tar.gz"
+    for c in seed50000 seed83000; do
+        "$ROOT/scripts/pack-corpus.sh" "$WIDE/c/$c" "$OUT/connector/$c.tar.gz"
+        "$ROOT/scripts/pack-corpus.sh" "$WIDE/a/$c" "$OUT/connector_amended/$c.tar.gz"
+    done
 fi
 # The example traces whose expected outputs are vLLM's (examples/traces/README.md).
 EX=$ROOT/examples/traces
@@ -121,10 +132,12 @@ if [ $CHECK = 1 ]; then
     trap 'rm -rf "$OUT" "$PACKED"' EXIT
     C=$ROOT/tests/conformance
     mkdir -p "$PACKED/m" "$PACKED/t" "$PACKED/c" "$PACKED/a"
-    tar -xzf "$C/manager/seed4404.tar.gz" -C "$PACKED/m"
+    for m in seed4404 seed818001; do tar -xzf "$C/manager/$m.tar.gz" -C "$PACKED/m"; done
     for t in seed4404_t2_k5 seed4404_t3_k64000; do tar -xzf "$C/manager_threshold/$t.tar.gz" -C "$PACKED/t"; done
-    tar -xzf "$C/connector/seed50000.tar.gz" -C "$PACKED/c"
-    tar -xzf "$C/connector_amended/seed50000.tar.gz" -C "$PACKED/a"
+    for c in seed50000 seed83000; do
+        tar -xzf "$C/connector/$c.tar.gz" -C "$PACKED/c"
+        tar -xzf "$C/connector_amended/$c.tar.gz" -C "$PACKED/a"
+    done
     if diff -r -q -x '*.notes.jsonl' -x 'index.jsonl' -x '*.tar.gz' "$OUT/manager" "$C/manager" \
         && diff -r -q -x '*.tar.gz' "$OUT/manager_threshold" "$C/manager_threshold" \
         && diff -r -q -x 'index.jsonl' -x '*.tar.gz' "$OUT/connector" "$C/connector" \
