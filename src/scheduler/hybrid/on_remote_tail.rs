@@ -9,8 +9,9 @@
 //! runs ([`Scheduler::ask_tails_with_fetch`]; dropped if the fetch fails),
 //! or, with no fetch, once the complete chunks are settled at `at` tokens
 //! (the host tier's complete hit) about the block after `at`, past the
-//! host tier's own tail; the request waits ("not yet") until it answers. Either way the rightmost boundary whose keys every group holds
-//! in one tier or the other ([`lookup_partial_tail`] over both) is fetched
+//! host tier's own tail; the request waits ("not yet") until it answers.
+//! Either way the rightmost boundary whose keys every group holds in one
+//! tier or the other ([`lookup_partial_tail`] over both) is fetched
 //! (the keys the host tier lacks), and the next lookup finds that tail in
 //! the host tier and loads it. Nothing found, a fetch that fails or no
 //! room in the host tier leaves the request to the host tier's answer at
