@@ -23,8 +23,8 @@ use kvoffload::worker::cuda::{
     open_context,
 };
 use kvoffload::worker::{
-    GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, TransferBackend,
-    TransferResult, TransferSpec, WorkerLayout,
+    GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, SharedRegion,
+    TransferBackend, TransferResult, TransferSpec, WorkerLayout,
 };
 
 const LONG: Option<Duration> = Some(Duration::from_secs(60));
@@ -69,6 +69,14 @@ fn layout(s: Shape, gpu_base: u64, pool_base: u64) -> WorkerLayout {
     }
     l.with_groups(s.groups.iter().map(|g| g.to_vec()).collect())
         .unwrap()
+}
+
+/// A shared region's file for a pool of `bytes` in this test process.
+fn shared_path(bytes: usize) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!(
+        "kvoffload-gpu-test-{}-{bytes}.mmap",
+        std::process::id()
+    ))
 }
 
 fn gpu_bytes(s: Shape) -> usize {
@@ -122,6 +130,10 @@ impl Pair {
         let pool = match pinned {
             PinnedKind::HostAlloc => PinnedBuffer::host_alloc(ctx, pbytes)?,
             PinnedKind::Registered => PinnedBuffer::registered(ctx, pbytes, 1 << 20, row as usize)?,
+            PinnedKind::Shared => {
+                let region = SharedRegion::open(&shared_path(pbytes), pbytes).unwrap();
+                PinnedBuffer::over_shared(ctx, region, 1 << 20, row as usize)?
+            }
         };
         let ref_gpu = Arc::new(HostBuffer::new(gbytes).unwrap());
         let ref_pool = Arc::new(HostBuffer::new(pbytes).unwrap());
@@ -729,6 +741,46 @@ fn gpu_host_share_reads_the_pinned_rows_a_store_wrote() {
             )
         };
         assert_eq!(x, y, "chunk {c:?}");
+    }
+}
+
+#[test]
+#[cfg_attr(miri, ignore)]
+#[cfg_attr(
+    not(kvoffload_gpu),
+    ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
+)]
+fn gpu_a_shared_region_pool_matches_the_host_backend_and_another_mapping_sees_its_stores() {
+    let Some(ctx) = gpu_or_skip(
+        "gpu_a_shared_region_pool_matches_the_host_backend_and_another_mapping_sees_its_stores",
+    ) else {
+        return;
+    };
+    for s in shapes() {
+        let mut p = Pair::new(&ctx, s, PinnedKind::Shared).unwrap();
+        assert_eq!(p.pool.kind(), PinnedKind::Shared);
+        // Another worker's mapping of the same file (as rank 1 maps rank 0's).
+        let other = SharedRegion::open(&shared_path(p.pool.len()), p.pool.len()).unwrap();
+        other.unlink().unwrap();
+        let mut rng = Rng::new(0x5A4E ^ s.page);
+        p.randomise(&mut rng).unwrap();
+        for (i, strategy) in [Strategy::Dma, Strategy::BatchDma, Strategy::Kernel]
+            .into_iter()
+            .enumerate()
+        {
+            p.cuda.force_strategy(Some(strategy));
+            let n = (s.blocks as usize / 4).min(24);
+            let sp = spec(&mut rng, s, n, false, 0);
+            let what = format!("shared region, {strategy:?}, page {}", s.page);
+            p.check(Direction::Store, JobId(10 + i as u64), &sp, &what)
+                .unwrap();
+            // SAFETY: the store finished (checked) and no job is in flight.
+            let (seen, reference) =
+                unsafe { (other.read(0, other.len()), p.ref_pool.read(0, other.len())) };
+            assert!(seen == reference, "{what}: the other mapping differs");
+            p.check(Direction::Load, JobId(20 + i as u64), &sp, &what)
+                .unwrap();
+        }
     }
 }
 

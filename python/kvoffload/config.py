@@ -163,6 +163,11 @@ class EngineConfig:
     #: bytes per token it counts (vLLM's page bytes x layers / block tokens).
     sync_load_budget_bytes: int = 0
     kv_bytes_per_token: int = 0
+    #: One copy of each chunk in a host region every worker maps (KV
+    #: replicated on every worker: vLLM's ``replicated_layout``), not one per
+    #: worker: a chunk takes one worker's part of host memory, rank 0 writes
+    #: it and every rank loads from it.
+    replicated_layout: bool = False
 
     def to_json(self) -> str:
         """The configuration in the Rust library's keys."""
@@ -193,11 +198,15 @@ class EngineConfig:
         world_size: int,
         worker_bytes_per_block: int,
         kv_bytes_per_token: int = 0,
+        replicated_layout: bool = False,
     ) -> "EngineConfig":
         """From ``kv_connector_extra_config`` and what vLLM knows of the engine:
         the GPU block size in tokens, the workers, one worker's KV bytes per
-        GPU block (all its layers), and the KV bytes per token vLLM counts
-        against ``sync_load_budget_bytes`` (default: per block / tokens)."""
+        GPU block (all its layers), the KV bytes per token vLLM counts
+        against ``sync_load_budget_bytes`` (default: per block / tokens), and
+        whether every worker holds the same KV (``replicated_layout``: one
+        copy of a chunk in host memory, as vLLM's; kept off with a remote
+        tier, whose keys hold every worker's share)."""
         unknown = sorted(set(extra) - set(KEYS))
         if unknown:
             allowed = ", ".join(sorted(KEYS))
@@ -234,9 +243,13 @@ class EngineConfig:
         worker_chunk_bytes = worker_bytes_per_block * bpc
         chunks = _int(extra, "num_cpu_chunks", 1, (1 << 32) - 2)
         cpu_bytes = _int(extra, "cpu_bytes_to_use", 1)
-        # As vLLM's CPU offloading: a chunk holds every worker's part,
-        # aligned to the host page.
-        per_chunk = -(-worker_chunk_bytes * world_size // HOST_PAGE) * HOST_PAGE
+        remote, deployment = _remote_tier(extra)
+        replicated_layout = replicated_layout and remote is None
+        # As vLLM's CPU offloading: a chunk holds every worker's part (one
+        # part where every worker holds the same bytes), aligned to the host
+        # page.
+        copies = 1 if replicated_layout else world_size
+        per_chunk = -(-worker_chunk_bytes * copies // HOST_PAGE) * HOST_PAGE
         if chunks is not None and cpu_bytes is not None:
             raise ValueError(
                 "kv_connector_extra_config: specify only one of 'cpu_bytes_to_use' or 'num_cpu_chunks'"
@@ -256,7 +269,6 @@ class EngineConfig:
             threshold = 0
         tracker = _int(extra, "max_tracker_size", 1, 1 << 40)
         table = _strategy_table(extra)
-        remote, deployment = _remote_tier(extra)
         return EngineConfig(
             tokens_per_block=tokens_per_block,
             blocks_per_chunk=bpc,
@@ -276,4 +288,5 @@ class EngineConfig:
             self_describing_kv_events=_bool(extra, "self_describing_kv_events", False),
             sync_load_budget_bytes=_int(extra, "sync_load_budget_bytes", 0, 1 << 62) or 0,
             kv_bytes_per_token=kv_bytes_per_token or worker_bytes_per_block // max(tokens_per_block, 1),
+            replicated_layout=replicated_layout,
         )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -59,7 +60,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
-from kvoffload._native import SchedulerCore, WorkerCore
+from kvoffload._native import SchedulerCore, WorkerCore, shared_region_path
 from kvoffload.config import EngineConfig
 from kvoffload.request_params import parse_request_params
 
@@ -651,15 +652,19 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
     else:
         per_block = spec.page_size_bytes * len(groups[0].layer_names)
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    _warn_if_replicated(vllm_config, kv_cache_config)
-    return EngineConfig.from_extra(
-        extra,
-        tokens_per_block=block_tokens,
-        world_size=vllm_config.parallel_config.world_size,
-        worker_bytes_per_block=per_block,
-        # As vLLM counts a hit against sync_load_budget_bytes: a worker's
-        # bytes of a block over the block's tokens.
-        kv_bytes_per_token=spec.page_size_bytes * len(groups[0].layer_names) // block_tokens,
+    replicated = _replicated_layout(vllm_config, kv_cache_config, per_block)
+    return _checked_replication(
+        EngineConfig.from_extra(
+            extra,
+            tokens_per_block=block_tokens,
+            world_size=vllm_config.parallel_config.world_size,
+            worker_bytes_per_block=per_block,
+            # As vLLM counts a hit against sync_load_budget_bytes: a worker's
+            # bytes of a block over the block's tokens.
+            kv_bytes_per_token=spec.page_size_bytes * len(groups[0].layer_names) // block_tokens,
+            replicated_layout=replicated,
+        ),
+        replicated,
     )
 
 
@@ -686,40 +691,77 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
             "If 'block_size' is specified in kv_connector_extra_config, all KV cache groups must have "
             f"the same block size (they have {sorted(set(block_tokens))}); set 'blocks_per_chunk' instead"
         )
-    _warn_if_replicated(vllm_config, kv_cache_config)
+    replicated = _replicated_layout(vllm_config, kv_cache_config, per_block)
     cfg = EngineConfig.from_extra(
         extra,
         tokens_per_block=kv_unit_block_tokens(kv_cache_config, dcp),
         world_size=vllm_config.parallel_config.world_size,
         worker_bytes_per_block=per_block,
         kv_bytes_per_token=sum(b // t for b, t in zip(page_bytes, block_tokens)),
+        replicated_layout=replicated,
     )
-    return cfg
+    return _checked_replication(cfg, replicated)
 
 
-def _warn_if_replicated(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-    """Warns where vLLM's own connector would keep one copy of each chunk
-    (MLA replicated on every tensor-parallel rank, one node, the ``mp``
-    executor) and kvoffload keeps one per worker: the same ``cpu_bytes_to_use``
-    then holds ``tensor_parallel_size`` times fewer chunks than vLLM's."""
+def _uses_shared_region() -> bool:
+    """Whether vLLM's CPU offloading keeps its host pool in a region every
+    worker maps (its ``CPUOffloadingSpec._uses_shared_region``: CUDA but not
+    ROCm, or XPU); only there does it keep one copy of replicated KV."""
+    from vllm.platforms import current_platform
+
+    return bool(
+        (current_platform.is_cuda_alike() and not current_platform.is_rocm()) or current_platform.is_xpu()
+    )
+
+
+def _replicated_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, worker_bytes_per_block: int) -> bool:
+    """Whether vLLM's OffloadingConnector keeps one copy of each chunk for
+    every worker (its ``replicated_layout``, gated as its CPU spec gates it):
+    MLA KV replicated on every tensor-parallel rank, tensor parallelism alone
+    (no pipeline or context parallelism), one node, the ``mp`` executor, on
+    a platform where the host pool is a shared region."""
     pc = vllm_config.parallel_config
     mc = vllm_config.model_config
     tp = pc.tensor_parallel_size
-    if (
+    return bool(
         mc is not None
         and getattr(mc, "use_mla", False)
         and tp > 1
         and getattr(kv_cache_config, "kv_tp_replicas", 1) == tp
+        and worker_bytes_per_block > 0
+        and pc.pipeline_parallel_size == 1
+        and getattr(pc, "prefill_context_parallel_size", 1) == 1
+        and getattr(pc, "decode_context_parallel_size", 1) == 1
         and pc.world_size == tp
-    ):
+        and pc.distributed_executor_backend == "mp"
+        and getattr(pc, "nnodes_within_dp", 1) == 1
+        and _uses_shared_region()
+    )
+
+
+def _checked_replication(cfg: EngineConfig, replicated: bool) -> EngineConfig:
+    """`cfg`, with a warning where vLLM would keep one copy of replicated KV
+    and kvoffload keeps one per worker: with a remote tier, whose keys hold
+    every worker's share of a chunk (the same ``cpu_bytes_to_use`` then holds
+    ``world_size`` times fewer chunks than vLLM's)."""
+    if replicated and not cfg.replicated_layout:
         logger.warning(
-            "kvoffload: MLA KV replicated on %d tensor-parallel ranks: each worker keeps its own "
-            "copy of every chunk, so cpu_bytes_to_use holds %d times fewer chunks than vLLM's "
-            "OffloadingConnector (which keeps one copy in a shared region); raise cpu_bytes_to_use "
-            "to match its hit rate",
-            tp,
-            tp,
+            "kvoffload: MLA KV replicated on %d tensor-parallel ranks: with a remote tier each "
+            "worker keeps its own copy of every chunk, so cpu_bytes_to_use holds %d times fewer "
+            "chunks than vLLM's OffloadingConnector (which keeps one copy in a shared region); "
+            "raise cpu_bytes_to_use to match its hit rate",
+            cfg.world_size,
+            cfg.world_size,
         )
+    return cfg
+
+
+def _shared_region_name(vllm_config: VllmConfig) -> str:
+    """The name of the engine's shared host region: its engine id and the
+    engine process's id (the parent of every worker process of the ``mp``
+    executor), so that two engines given the same engine id never share one."""
+    engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None) or "engine"
+    return f"{engine_id}_{os.getppid()}"
 
 
 def _group_extent(spec: Any) -> Any:
@@ -1255,6 +1297,8 @@ class _WorkerSide:
         # those that failed, for vLLM to recompute (invalid_block_ids).
         self.sync_blocks: dict[int, list[int]] = {}
         self.invalid_blocks: set[int] = set()
+        #: Whether the shared host region's name is still to be removed.
+        self.region_to_unlink = False
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         num_blocks = self.kv_cache_config.num_blocks
@@ -1305,8 +1349,16 @@ class _WorkerSide:
         device = devices.pop()
         args = (regions, num_blocks, self.cfg.blocks_per_chunk, self.cfg.num_cpu_chunks, False)
         grouping = group_regions if len(groups) > 1 else None
+        # Replicated KV (`_replicated_layout`): one host region every worker
+        # maps, rank 0 writing the stores, every rank loading from it.
+        shared: dict[str, Any] = {}
+        if self.cfg.replicated_layout:
+            shared = {
+                "shared_region": shared_region_path(_shared_region_name(self.vllm_config)),
+                "store_writer": _worker_rank(self.cfg.world_size) == 0,
+            }
         if device.type == "cpu":
-            self.core = WorkerCore.host(*args, groups=grouping)
+            self.core = WorkerCore.host(*args, groups=grouping, **shared)
         elif device.type == "cuda":
             # Stores read blocks the model wrote on this stream: they are
             # ordered after its work (the CUDA backend records an event on it).
@@ -1317,11 +1369,13 @@ class _WorkerSide:
                 self.stream.cuda_stream,
                 self.cfg.strategy_table,
                 groups=grouping,
+                **shared,
             )
         else:
             raise NotImplementedError(
                 f"kvoffload.vllm: KV caches on {device.type} (supported: cpu, cuda)"
             )
+        self.region_to_unlink = bool(shared)
         if self.cfg.remote_tier_json is not None:
             rank = _worker_rank(self.cfg.world_size)
             self.core.attach_remote(
@@ -1332,7 +1386,7 @@ class _WorkerSide:
             )
         logger.info(
             "kvoffload: %d KV tensors (%d KV groups) on %s, %d blocks, host pool of %d chunks "
-            "(%d bytes, %s backend)",
+            "(%d bytes, %s backend%s)",
             len(regions),
             len(groups),
             device,
@@ -1340,10 +1394,23 @@ class _WorkerSide:
             self.cfg.num_cpu_chunks,
             self.core.pool_bytes,
             self.core.backend,
+            f", shared region {self.core.shared_region}, "
+            f"{'writing' if self.core.store_writer else 'reading'} it"
+            if self.core.shared_region
+            else "",
         )
 
     def bind(self, meta: KvOffloadMetadata) -> None:
         assert self.core is not None, "register_kv_caches first"
+        if self.region_to_unlink:
+            # vLLM runs no step before every worker has registered its KV
+            # caches, so every worker has mapped the shared region by now:
+            # its name goes (the memory goes with the last worker).
+            self.region_to_unlink = False
+            try:
+                self.core.unlink_shared_region()
+            except RuntimeError as e:
+                logger.warning("kvoffload: %s", e)
         self.core.bind(meta.plan)
         self.sync_blocks.update(self.core.sync_loads())
         for job, req in meta.load_requests.items():

@@ -21,7 +21,7 @@ use plan_tools::{chunk_key, plan_group_transfers, plan_jobs, plan_sync_loads, pl
 use remote::{check_remote_config, remote_namespace};
 use scheduler_core::SchedulerCore;
 use strategy_table::check_strategy_table;
-use worker_core::WorkerCore;
+use worker_core::{WorkerCore, shared_region_path};
 
 /// kvoffload's Python module.
 #[pymodule]
@@ -36,6 +36,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_strategy_table, m)?)?;
     m.add_function(wrap_pyfunction!(check_remote_config, m)?)?;
     m.add_function(wrap_pyfunction!(remote_namespace, m)?)?;
+    m.add_function(wrap_pyfunction!(shared_region_path, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -8,11 +8,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvoffload::JobId;
-use kvoffload::worker::cuda::{CudaBackend, PinnedBuffer, borrowed_stream, open_context};
+use kvoffload::worker::cuda::{
+    CudaBackend, MAX_REGISTER_PIECE, PinnedBuffer, borrowed_stream, open_context,
+};
 use kvoffload::worker::{
     Fault, FaultControl, FaultInjector, GpuLayout, GpuLayoutKind, GpuRegion, HostBackend,
-    HostBackendOptions, HostBuffer, HostRowLayout, OffloadWorker, TransferBackend, WorkerLayout,
-    WorkerPlan, decode_plan,
+    HostBackendOptions, HostBuffer, HostRowLayout, OffloadWorker, SharedRegion, TransferBackend,
+    WorkerLayout, WorkerPlan, decode_plan,
 };
 use pyo3::prelude::*;
 
@@ -27,7 +29,34 @@ enum Worker {
 /// The host pool the worker copies to, kept alive after the worker.
 enum Pool {
     Host(#[allow(dead_code)] Arc<HostBuffer>),
-    Pinned(#[allow(dead_code)] PinnedBuffer),
+    /// A region every worker process of the engine maps (host backend).
+    Shared(Arc<SharedRegion>),
+    Pinned(PinnedBuffer),
+}
+
+impl Pool {
+    /// Removes the file name of the shared region under the pool, if it is one.
+    fn unlink_shared(&self) -> Result<(), kvoffload::worker::SharedRegionError> {
+        match self {
+            Pool::Host(_) => Ok(()),
+            Pool::Shared(r) => r.unlink(),
+            Pool::Pinned(p) => p.unlink_shared(),
+        }
+    }
+
+    /// The path of the shared region under the pool, if it is one.
+    fn shared_path(&self) -> Option<std::path::PathBuf> {
+        match self {
+            Pool::Host(_) => None,
+            Pool::Shared(r) => Some(r.path().to_path_buf()),
+            Pool::Pinned(p) => p.shared_path().map(|p| p.to_path_buf()),
+        }
+    }
+}
+
+/// Opens the shared region at `path` for a pool of `len` bytes.
+fn open_shared(path: &str, len: usize) -> PyResult<SharedRegion> {
+    SharedRegion::open(std::path::Path::new(path), len).map_err(runtime_error)
 }
 
 /// Runs `$e` with `$w` bound to the worker, whichever its backend.
@@ -46,7 +75,7 @@ macro_rules! with_worker {
 pub(crate) struct WorkerCore {
     // Dropped before the pool: the backend's threads and streams end first.
     worker: Worker,
-    _pool: Pool,
+    pool: Pool,
     plan: Option<WorkerPlan>,
     pool_bytes: u64,
 }
@@ -114,8 +143,16 @@ impl WorkerCore {
     /// lifetime of this object, and touches no block while a job it was given
     /// for that block is in flight; the addresses are checked for overflow,
     /// not for ownership.
+    ///
+    /// `shared_region`: the path of a file every worker of the engine maps
+    /// as its host pool (one copy of KV replicated on every rank), in place
+    /// of a pool of its own; `store_writer`: whether this worker writes the
+    /// stores (with a shared region, one rank does; the others acknowledge
+    /// them without copying). An existing file of another size raises
+    /// `RuntimeError`.
     #[staticmethod]
-    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, groups=None))]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, groups=None, shared_region=None, store_writer=true))]
     fn host(
         tensors: Vec<(u64, u64, u64)>,
         num_blocks: u32,
@@ -123,6 +160,8 @@ impl WorkerCore {
         num_chunks: u32,
         cross_layer: bool,
         groups: Option<Vec<Vec<usize>>>,
+        shared_region: Option<String>,
+        store_writer: bool,
     ) -> PyResult<Self> {
         let (gpu, row, pool_bytes) = layouts(
             &tensors,
@@ -132,9 +171,20 @@ impl WorkerCore {
             cross_layer,
         )?;
         let len = usize::try_from(pool_bytes).map_err(value_error)?;
-        let pool = Arc::new(HostBuffer::new(len).map_err(value_error)?);
+        let (pool, pool_addr) = match shared_region {
+            Some(path) => {
+                let r = Arc::new(open_shared(&path, len)?);
+                let addr = r.addr();
+                (Pool::Shared(r), addr)
+            }
+            None => {
+                let b = Arc::new(HostBuffer::new(len).map_err(value_error)?);
+                let addr = b.addr();
+                (Pool::Host(b), addr)
+            }
+        };
         let layout = with_groups(
-            WorkerLayout::new(gpu, row, 0, pool.addr(), num_chunks).map_err(value_error)?,
+            WorkerLayout::new(gpu, row, 0, pool_addr, num_chunks).map_err(value_error)?,
             groups,
         )?;
         // SAFETY: the pool is owned by this object (dropped after the worker,
@@ -144,9 +194,9 @@ impl WorkerCore {
         Ok(Self {
             worker: Worker::Host(Box::new(OffloadWorker::new(
                 FaultInjector::new(backend),
-                true,
+                store_writer,
             ))),
-            _pool: Pool::Host(pool),
+            pool,
             plan: None,
             pool_bytes,
         })
@@ -169,7 +219,7 @@ impl WorkerCore {
     /// this object, as for `host`.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, device, stream, strategy_table=None, groups=None))]
+    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, device, stream, strategy_table=None, groups=None, shared_region=None, store_writer=true))]
     fn cuda(
         tensors: Vec<(u64, u64, u64)>,
         num_blocks: u32,
@@ -180,6 +230,8 @@ impl WorkerCore {
         stream: u64,
         strategy_table: Option<String>,
         groups: Option<Vec<Vec<usize>>>,
+        shared_region: Option<String>,
+        store_writer: bool,
     ) -> PyResult<Self> {
         let options = crate::strategy_table::cuda_options(strategy_table.as_deref())?;
         let (gpu, row, pool_bytes) = layouts(
@@ -191,7 +243,17 @@ impl WorkerCore {
         )?;
         let len = usize::try_from(pool_bytes).map_err(value_error)?;
         let ctx = open_context(device).map_err(runtime_error)?;
-        let pool = PinnedBuffer::host_alloc(&ctx, len).map_err(runtime_error)?;
+        let pool = match shared_region {
+            // Registered in pieces of whole rows, as vLLM registers its region.
+            Some(path) => PinnedBuffer::over_shared(
+                &ctx,
+                open_shared(&path, len)?,
+                MAX_REGISTER_PIECE,
+                usize::try_from(row.row_bytes()).map_err(value_error)?,
+            ),
+            None => PinnedBuffer::host_alloc(&ctx, len),
+        }
+        .map_err(runtime_error)?;
         let layout = with_groups(
             WorkerLayout::new(gpu, row, 0, pool.addr(), num_chunks).map_err(value_error)?,
             groups,
@@ -208,9 +270,9 @@ impl WorkerCore {
         Ok(Self {
             worker: Worker::Cuda(Box::new(OffloadWorker::new(
                 FaultInjector::new(backend),
-                true,
+                store_writer,
             ))),
-            _pool: Pool::Pinned(pool),
+            pool: Pool::Pinned(pool),
             plan: None,
             pool_bytes,
         })
@@ -229,6 +291,30 @@ impl WorkerCore {
             Worker::Host(_) => "host",
             Worker::Cuda(_) => "cuda",
         }
+    }
+
+    /// The path of the shared region the pool is, or None for a pool of
+    /// this worker's own.
+    #[getter]
+    fn shared_region(&self) -> Option<String> {
+        self.pool
+            .shared_path()
+            .map(|p| p.to_string_lossy().into_owned())
+    }
+
+    /// Whether this worker writes its stores (False: it acknowledges them
+    /// without copying, another rank writing the shared region).
+    #[getter]
+    fn store_writer(&self) -> bool {
+        with_worker!(&self.worker, w => w.is_store_writer())
+    }
+
+    /// Removes the shared region's file name, once every worker has mapped
+    /// it: the mappings stay, and the memory goes with the last worker,
+    /// however it ends. A name already removed (by another worker) is not
+    /// an error; without a shared region, nothing happens.
+    fn unlink_shared_region(&self) -> PyResult<()> {
+        self.pool.unlink_shared().map_err(runtime_error)
     }
 
     /// Binds the step's plan (the bytes `SchedulerCore.build_step` made).
@@ -422,4 +508,14 @@ impl WorkerCore {
 /// The plan `bind` gave, or the error a hook called before `bind` raises.
 fn bound_plan<P>(plan: Option<P>) -> PyResult<P> {
     plan.ok_or_else(|| runtime_error("no plan bound"))
+}
+
+/// The path of an engine's shared host region (`name`: its engine id):
+/// `/dev/shm/kvoffload_<name>.mmap`, the name's characters outside
+/// `[A-Za-z0-9._-]` made `_`.
+#[pyfunction]
+pub(crate) fn shared_region_path(name: &str) -> String {
+    SharedRegion::default_path(name)
+        .to_string_lossy()
+        .into_owned()
 }

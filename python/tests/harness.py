@@ -107,6 +107,11 @@ class Engine:
     remote: bool = False
     #: Per KV group, its tokens a block (empty: `tpb` for every group).
     block_sizes: list[int] = field(default_factory=list)
+    #: Every worker holds the same KV (vLLM's MLA replicated on every
+    #: tensor-parallel rank): the fake model writes the same bytes on every
+    #: worker; else worker `w` writes them plus `w`, so a worker that loaded
+    #: another's bytes is caught.
+    replicated: bool = False
     #: vLLM's ``decode_context_parallel_size``: worker `w` (DCP rank
     #: ``w % dcp``) holds the tokens ``p`` with ``p % dcp`` its rank, in
     #: blocks of the group's ``tpb * dcp`` tokens (full-attention groups:
@@ -211,6 +216,11 @@ class Engine:
         # Sampled after computing up to num_computed_tokens: the next position's.
         return self.token_at(req, req.num_computed_tokens)
 
+    def _worker_offset(self, w: int) -> int:
+        """What worker `w` adds to every value the model writes (0 for all
+        with replicated KV)."""
+        return 0 if self.replicated else w
+
     def group_tpb(self, group: int) -> int:
         """Group `group`'s tokens a block (vLLM gives groups of smaller
         pages larger blocks, so every group has one page size)."""
@@ -248,7 +258,7 @@ class Engine:
                     for w, block, slot in self._places(table, tpb, p):
                         assert block != 0, f"{rid}: token {p} of group {g} computed into the null block"
                         for li, name in enumerate(layers):
-                            v = kv_value(t, p, self._layer_ordinal(g, li)) + w
+                            v = kv_value(t, p, self._layer_ordinal(g, li)) + self._worker_offset(w)
                             self.caches[w][name][block, :, slot] = v
 
     def _state_block(self, g: int, table: list[int], end: int) -> int:
@@ -263,7 +273,7 @@ class Engine:
         for w in range(len(self.workers)):
             for li, name in enumerate(layers):
                 got = self.caches[w][name][block]
-                want = state_value(req, end - 1, self._layer_ordinal(g, li)) + w
+                want = state_value(req, end - 1, self._layer_ordinal(g, li)) + self._worker_offset(w)
                 assert torch.all(got == want), (
                     f"{what}: Mamba state after {end} tokens (block {block}) of layer {name} on worker {w}: "
                     f"{got.flatten()[:4].tolist()} != {want}"
@@ -306,7 +316,7 @@ class Engine:
         for block, at in writes:
             for w in range(len(self.workers)):
                 for li, name in enumerate(layers):
-                    self.caches[w][name][block] = state_value(req, at - 1, self._layer_ordinal(g, li)) + w
+                    self.caches[w][name][block] = state_value(req, at - 1, self._layer_ordinal(g, li)) + self._worker_offset(w)
 
     def _places(self, table: list[int], tpb: int, p: int) -> list[tuple[int, int, int]]:
         """Where token `p` lives: ``(worker, block, slot)`` on each worker
@@ -342,7 +352,7 @@ class Engine:
             self.scratch_written[(rid, g, idx)] = (block, slots)
             for w in range(len(self.workers)):
                 for li, name in enumerate(layers):
-                    self.caches[w][name][block, :, slot] = kv_value(t, p, self._layer_ordinal(g, li)) + w
+                    self.caches[w][name][block, :, slot] = kv_value(t, p, self._layer_ordinal(g, li)) + self._worker_offset(w)
 
     def _check_scratch(self, rid: str, g: int, layers: list[str], table: list[int]) -> None:
         """A scratch group's blocks of the request hold what the model last
@@ -386,7 +396,7 @@ class Engine:
         for w, block, slot in places:
             for li, name in enumerate(layers):
                 got = self.caches[w][name][block, :, slot]
-                want = kv_value(t, p, self._layer_ordinal(g, li)) + w
+                want = kv_value(t, p, self._layer_ordinal(g, li)) + self._worker_offset(w)
                 assert torch.all(got == want), (
                     f"{what} (block {block}) of layer {name} on worker {w}: {got.flatten()[:4].tolist()} != {want}"
                 )
@@ -533,6 +543,7 @@ def build(
     hash_tokens: int | None = None,
     layer_specs: list[Any] | None = None,
     dcp: int = 1,
+    replicated: bool = False,
 ) -> Engine:
     """An engine with the connector `connector` (loaded from `module`);
     `spec`: the KV cache group's spec (full attention of `tpb` tokens a
@@ -562,7 +573,21 @@ def build(
     `dcp`: vLLM's ``decode_context_parallel_size`` (full-attention groups,
     as vLLM runs it): a block spans its block size times `dcp` tokens,
     hashed as one, each worker holding its DCP rank's share
-    (`Engine.dcp`)."""
+    (`Engine.dcp`).
+    `replicated`: every worker holds the same KV (`Engine.replicated`), and
+    the connector is told so (as vLLM's MLA on every tensor-parallel rank
+    with the ``mp`` executor on CUDA: one host region every worker maps)."""
+    if replicated:
+        with mock.patch("kvoffload.vllm._replicated_layout", lambda *_a: True):
+            e = build(
+                connector=connector, module=module, extra=extra, tpb=tpb, num_gpu_blocks=num_gpu_blocks,
+                world_size=world_size, async_scheduling=async_scheduling, num_layers=num_layers,
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, fake_worker=fake_worker,
+                kv_events=kv_events, spec=spec, policy=policy, groups=groups, retention=retention,
+                eagle_groups=eagle_groups, hash_tokens=hash_tokens, layer_specs=layer_specs, dcp=dcp,
+            )
+        e.replicated = True
+        return e
     model_config = ModelConfig(model=MODEL, dtype="float32", seed=42)
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,

@@ -289,28 +289,140 @@ def test_cpu_bytes_to_use_sizes_the_tier_as_vllm_does():
     assert isinstance(e.connector, KvOffloadConnector)
 
 
-def test_mla_replicated_on_every_tensor_rank_is_warned_of(monkeypatch):
-    """vLLM keeps one copy of replicated MLA KV; kvoffload one per worker:
-    the operator is told that the same cpu_bytes_to_use holds fewer chunks."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_replicated_kv_is_kept_once_in_a_region_every_worker_maps(async_scheduling):
+    """vLLM keeps one copy of MLA KV replicated on every tensor-parallel rank
+    (its ``replicated_layout``): one host region every worker maps, rank 0
+    writing the stores, every rank loading from it. Here too: rank 1 never
+    copies a store, yet loads the prefix back with the bytes the model
+    computed (which it can only have from rank 0's writes)."""
+    import os
+
+    page = 2 * harness.HEADS * harness.HEAD_SIZE * 4 * 4  # K,V x heads x head x tpb x float32
+    chunk = 2 * page  # two layers, one block a chunk: 512 bytes, a 4 KiB host page
+    extra = {"cpu_bytes_to_use": 256 * 4096, "offload_prompt_only": False}
+    e = harness.build(num_gpu_blocks=32, world_size=2, replicated=True, async_scheduling=async_scheduling, extra=extra)
+    cfg = e.connector.engine_config
+    # One copy of a chunk, as vLLM's: 256 chunks where two copies hold 128.
+    assert cfg.replicated_layout and cfg.worker_chunk_bytes == chunk
+    assert cfg.host_chunk_bytes == 4096 and cfg.num_cpu_chunks == 256
+    two = harness.build(num_gpu_blocks=32, world_size=2, extra=extra).connector.engine_config
+    assert not two.replicated_layout and two.host_chunk_bytes == 4096 and two.num_cpu_chunks == 256
+    cores = [w._worker.core for w in e.workers]
+    path = cores[0].shared_region
+    assert path is not None and path == cores[1].shared_region and os.path.exists(path), path
+    assert path.startswith("/dev/shm/kvoffload_") and str(os.getppid()) in path
+    assert [c.store_writer for c in cores] == [True, False]
+    assert [c.pool_bytes for c in cores] == [256 * 4096] * 2
+    prom = harness.PromRecorder(e)
+    prefix_comes_back(e)
+    # Every worker had mapped it by the first step: its name is gone.
+    assert not os.path.exists(path), path
+    # Only rank 0 copied stores; both loaded.
+    stored = prom.value("vllm:kv_offload_store_bytes_total")
+    loaded = prom.value("vllm:kv_offload_load_bytes_total")
+    assert stored and loaded and stored % chunk == 0 and loaded % (2 * chunk) == 0, (stored, loaded)
+
+
+def test_a_bad_shared_region_is_a_clear_error(tmp_path):
+    """An existing file of another size at the region's path (another
+    engine's, or one left by a crash) is refused with its path named."""
+    from kvoffload._native import WorkerCore
+
+    cache = torch.zeros(8, 512, dtype=torch.uint8)
+    tensors = [(cache.data_ptr(), 512, 512)]
+    stale = tmp_path / "region.mmap"
+    stale.write_bytes(b"x" * 100)
+    with pytest.raises(RuntimeError, match="stale file") as err:
+        WorkerCore.host(tensors, 8, 1, 4, False, shared_region=str(stale), store_writer=False)
+    assert str(stale) in str(err.value)
+    with pytest.raises(RuntimeError, match="open"):
+        WorkerCore.host(tensors, 8, 1, 4, False, shared_region=str(tmp_path / "no" / "dir.mmap"))
+    fine = WorkerCore.host(tensors, 8, 1, 4, False, shared_region=str(tmp_path / "ok.mmap"))
+    assert fine.shared_region == str(tmp_path / "ok.mmap") and fine.store_writer
+    fine.unlink_shared_region()
+    fine.unlink_shared_region()  # a name already gone is not an error
+    assert not (tmp_path / "ok.mmap").exists()
+    own = WorkerCore.host(tensors, 8, 1, 4, False)
+    assert own.shared_region is None
+    own.unlink_shared_region()
+
+
+def test_replicated_mla_is_decided_and_sized_as_vllm_decides(monkeypatch):
+    """`_replicated_layout` follows vLLM's conditions (offloading/config.py
+    and its CPU spec's shared-region gate), and the host tier's size with
+    one copy is vLLM's CPUOffloadingSpec's, chunk for chunk."""
     from types import SimpleNamespace
 
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
     import kvoffload.vllm as kv
+    from kvoffload.config import EngineConfig
 
     said: list[str] = []
     monkeypatch.setattr(kv.logger, "warning", lambda msg, *a: said.append(msg % a))
 
-    def cfg(use_mla: bool, tp: int, replicas: int, world: int | None = None) -> tuple:
+    def cfg(use_mla=True, tp=8, replicas=None, world=None, pp=1, dcp=1, pcp=1, backend="mp", nodes=1):
         vllm_config = SimpleNamespace(
             model_config=SimpleNamespace(use_mla=use_mla),
-            parallel_config=SimpleNamespace(tensor_parallel_size=tp, world_size=world or tp),
+            parallel_config=SimpleNamespace(
+                tensor_parallel_size=tp, world_size=world or tp * pp, pipeline_parallel_size=pp,
+                decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp,
+                distributed_executor_backend=backend, nnodes_within_dp=nodes,
+            ),
         )
-        return vllm_config, SimpleNamespace(kv_tp_replicas=replicas)
+        return vllm_config, SimpleNamespace(kv_tp_replicas=tp if replicas is None else replicas)
 
-    kv._warn_if_replicated(*cfg(True, 8, 8))
-    assert len(said) == 1 and "8 times fewer chunks" in said[0], said
-    for quiet in (cfg(False, 8, 1), cfg(True, 1, 1), cfg(True, 8, 1), cfg(True, 4, 4, world=8)):
-        kv._warn_if_replicated(*quiet)
-    assert len(said) == 1, said
+    monkeypatch.setattr(kv, "_uses_shared_region", lambda: True)
+    assert kv._replicated_layout(*cfg(), 512)
+    for off in (
+        cfg(use_mla=False), cfg(tp=1), cfg(replicas=1), cfg(pp=2), cfg(dcp=2), cfg(pcp=2),
+        cfg(backend="ray"), cfg(nodes=2), cfg(tp=4, world=8),
+    ):
+        assert not kv._replicated_layout(*off, 512)
+    assert not kv._replicated_layout(*cfg(), 0)
+    monkeypatch.setattr(kv, "_uses_shared_region", lambda: False)
+    assert not kv._replicated_layout(*cfg(), 512), "vLLM keeps a copy per worker without a shared region"
+    # On this machine (CPU), vLLM's gate is off as ours.
+    monkeypatch.undo()
+    monkeypatch.setattr(kv.logger, "warning", lambda msg, *a: said.append(msg % a))
+    assert kv._uses_shared_region() == CPUOffloadingSpec._uses_shared_region(None)
+
+    # The size: vLLM's CPU spec over the same facts, its shared region on.
+    monkeypatch.setattr(CPUOffloadingSpec, "_uses_shared_region", lambda self: True)
+    for world, block_bytes, bpc, cpu_bytes in [(2, 512, 1, 10**6), (4, 36_864, 2, 7 * 10**8), (8, 3000, 3, 10**7)]:
+        for replicated in (False, True):
+            spec = CPUOffloadingSpec(
+                SimpleNamespace(
+                    extra_config={"cpu_bytes_to_use": cpu_bytes},
+                    enable_kv_cache_events=False,
+                    groups=(SimpleNamespace(tokens_per_block=16, sliding_window_size_in_chunks=None),),
+                    cache=SimpleNamespace(tokens_per_hash=16, blocks_per_chunk=bpc),
+                    parallel=SimpleNamespace(world_size=world, rank=0),
+                    model=SimpleNamespace(max_model_len=4096),
+                    worker_kv_bytes_per_block=block_bytes,
+                    replicated_layout=replicated,
+                )
+            )
+            ours = EngineConfig.from_extra(
+                {"cpu_bytes_to_use": cpu_bytes, "blocks_per_chunk": bpc},
+                tokens_per_block=16,
+                world_size=world,
+                worker_bytes_per_block=block_bytes,
+                replicated_layout=replicated,
+            )
+            facts = (world, block_bytes, bpc, replicated)
+            assert ours.num_cpu_chunks == spec.num_chunks, facts
+            assert ours.host_chunk_bytes == spec.kv_bytes_per_chunk, facts
+    # With a remote tier (its keys hold every worker's share), one copy per
+    # worker, and the operator is told.
+    remote = {"cpu_bytes_to_use": 10**6, "remote_tier": {"url": "redis://127.0.0.1:1"}}
+    kept = EngineConfig.from_extra(remote, tokens_per_block=16, world_size=4, worker_bytes_per_block=512,
+                                   replicated_layout=True)
+    assert not kept.replicated_layout and kept.host_chunk_bytes == 4096
+    assert not said
+    kv._checked_replication(kept, True)
+    assert len(said) == 1 and "4 times fewer chunks" in said[0], said
 
 
 def test_one_group_holding_a_drafters_layers_takes_the_groups_path():

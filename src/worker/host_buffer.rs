@@ -37,6 +37,34 @@ unsafe impl Send for HostBuffer {}
 // SAFETY: see `Send`; shared references only expose the address and length.
 unsafe impl Sync for HostBuffer {}
 
+/// Copies `data` to `offset` of the `len` bytes at `base`.
+///
+/// # Safety
+/// `base..base + len` is live, writable memory no one else accesses meanwhile.
+///
+/// # Panics
+/// If the range is out of bounds.
+pub(super) unsafe fn write_raw(base: NonNull<u8>, len: usize, offset: usize, data: &[u8]) {
+    assert!(offset.checked_add(data.len()).is_some_and(|e| e <= len));
+    // SAFETY: in bounds (checked above) of live memory (caller contract).
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), base.as_ptr().add(offset), data.len()) };
+}
+
+/// Copies `n` bytes from `offset` of the `len` bytes at `base` into a vector.
+///
+/// # Safety
+/// `base..base + len` is live memory no one writes meanwhile.
+///
+/// # Panics
+/// If the range is out of bounds.
+pub(super) unsafe fn read_raw(base: NonNull<u8>, len: usize, offset: usize, n: usize) -> Vec<u8> {
+    assert!(offset.checked_add(n).is_some_and(|e| e <= len));
+    let mut v = vec![0u8; n];
+    // SAFETY: in bounds (checked above) of live memory (caller contract).
+    unsafe { std::ptr::copy_nonoverlapping(base.as_ptr().add(offset), v.as_mut_ptr(), n) };
+    v
+}
+
 impl HostBuffer {
     /// Allocates `len` zeroed bytes.
     pub fn new(len: usize) -> Result<Self, HostBufferError> {
@@ -79,15 +107,8 @@ impl HostBuffer {
     /// # Panics
     /// If the range is out of bounds (a test-helper contract, not input validation).
     pub unsafe fn write(&self, offset: usize, data: &[u8]) {
-        assert!(
-            offset
-                .checked_add(data.len())
-                .is_some_and(|e| e <= self.len)
-        );
-        // SAFETY: in bounds (checked above); no concurrent access (caller contract).
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
-        };
+        // SAFETY: the buffer's live bytes; no concurrent access (caller contract).
+        unsafe { write_raw(self.ptr, self.len, offset, data) }
     }
 
     /// Copies `len` bytes from `offset` into a vector.
@@ -98,13 +119,8 @@ impl HostBuffer {
     /// # Panics
     /// If the range is out of bounds.
     pub unsafe fn read(&self, offset: usize, len: usize) -> Vec<u8> {
-        assert!(offset.checked_add(len).is_some_and(|e| e <= self.len));
-        let mut v = vec![0u8; len];
-        // SAFETY: in bounds (checked above); no concurrent writer (caller contract).
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), v.as_mut_ptr(), len)
-        };
-        v
+        // SAFETY: the buffer's live bytes; no concurrent writer (caller contract).
+        unsafe { read_raw(self.ptr, self.len, offset, len) }
     }
 
     /// Copies `out.len()` bytes from `offset` into `out` (no allocation).

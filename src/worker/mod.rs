@@ -8,6 +8,8 @@
 //! - the [`TransferBackend`] trait;
 //! - [`HostBackend`]: memcpy on threads, the reference and no-GPU default;
 //! - [`cuda`]: DMA, custom kernels and CUDA graphs (needs a driver at run time);
+//! - [`SharedRegion`]: a host pool mapped by every worker process of an
+//!   engine (one copy of replicated KV);
 //! - [`OffloadWorker`]: the worker's hooks, driven by a [`WorkerPlan`] each step;
 //! - [`encode_plan`] / [`decode_plan`]: the step plan as compact bytes, for
 //!   workers in other processes.
@@ -23,6 +25,7 @@ mod host_buffer;
 mod layout;
 mod plan;
 mod plan_wire;
+mod shared_region;
 mod worker_hooks;
 
 pub use backend::{HostShare, TransferBackend, TransferResult};
@@ -41,4 +44,5 @@ pub use plan::{
 pub use plan_wire::{
     PLAN_WIRE_VERSION, PlanWireError, SpecParts, decode_plan, encode_plan, encode_plan_parts,
 };
+pub use shared_region::{SharedRegion, SharedRegionError};
 pub use worker_hooks::{OffloadWorker, WorkerError};

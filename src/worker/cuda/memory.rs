@@ -8,6 +8,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, sys};
 
 use super::error::{CudaError, check, driver};
+use crate::worker::SharedRegion;
 
 /// Largest piece registered with one `cuMemHostRegister` call (vLLM uses 64 GiB;
 /// one registration of hundreds of GiB fails on some hosts).
@@ -31,6 +32,9 @@ pub enum PinnedKind {
     HostAlloc,
     /// A page-aligned allocation registered with `cuMemHostRegister` in pieces.
     Registered,
+    /// A [`SharedRegion`] (mapped by every worker process) registered with
+    /// `cuMemHostRegister` in pieces.
+    Shared,
 }
 
 /// Pinned, device-mapped host memory. Under unified addressing (every 64-bit
@@ -43,6 +47,9 @@ pub struct PinnedBuffer {
     len: usize,
     kind: PinnedKind,
     pieces: Vec<(usize, usize)>,
+    /// The mapping of a [`PinnedKind::Shared`] buffer (unmapped after the
+    /// pieces are unregistered).
+    shared: Option<SharedRegion>,
 }
 
 // SAFETY: the buffer is plain bytes owned by this value; access to the contents
@@ -69,6 +76,7 @@ impl PinnedBuffer {
             len,
             kind: PinnedKind::HostAlloc,
             pieces: Vec::new(),
+            shared: None,
         };
         b.check_mapping()?;
         Ok(b)
@@ -106,23 +114,55 @@ impl PinnedBuffer {
             len,
             kind: PinnedKind::Registered,
             pieces: Vec::new(),
+            shared: None,
         };
+        b.register_pieces(piece, row_bytes)?;
+        Ok(b)
+    }
+
+    /// `region` (a host pool every worker process of the engine maps)
+    /// registered (PORTABLE | DEVICEMAP) in pieces, as [`Self::registered`];
+    /// its bytes are kept (another worker may have written them). The
+    /// buffer owns the mapping: it unregisters the pieces, then unmaps it.
+    pub fn over_shared(
+        ctx: &Arc<CudaContext>,
+        region: SharedRegion,
+        piece: usize,
+        row_bytes: usize,
+    ) -> Result<Self, CudaError> {
+        ctx.bind_to_thread().map_err(driver("cuCtxSetCurrent"))?;
+        let mut b = Self {
+            ctx: ctx.clone(),
+            ptr: region.addr() as *mut u8,
+            len: region.len(),
+            kind: PinnedKind::Shared,
+            pieces: Vec::new(),
+            shared: Some(region),
+        };
+        b.register_pieces(piece, row_bytes)?;
+        Ok(b)
+    }
+
+    /// Registers the buffer's bytes in pieces of at most `piece` whole rows
+    /// of `row_bytes` (each piece recorded for `Drop` as soon as it is
+    /// registered), then checks the mapping.
+    fn register_pieces(&mut self, piece: usize, row_bytes: usize) -> Result<(), CudaError> {
+        let len = self.len;
         let piece = register_piece(piece, row_bytes);
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         let mut off = 0;
         while off < len.max(1) {
             let n = piece.min(len.max(1) - off);
-            // SAFETY: `[ptr + off, ptr + off + n)` is inside the allocation and
-            // page-aligned at its start; it stays allocated until `Drop`, which
-            // unregisters it first.
+            // SAFETY: `[ptr + off, ptr + off + n)` is inside the buffer's
+            // allocation or mapping and page-aligned at its start; it stays
+            // there until `Drop`, which unregisters it first.
             check("cuMemHostRegister", unsafe {
-                sys::cuMemHostRegister_v2(ptr.add(off).cast(), n, flags)
+                sys::cuMemHostRegister_v2(self.ptr.add(off).cast(), n, flags)
             })?;
-            b.pieces.push((off, n));
+            self.pieces.push((off, n));
             off += n;
         }
-        b.check_mapping()?;
-        Ok(b)
+        self.check_mapping()
     }
 
     /// Fails unless every piece's device address equals its host address.
@@ -168,6 +208,21 @@ impl PinnedBuffer {
         self.kind
     }
 
+    /// The path of the shared region under a [`PinnedKind::Shared`] buffer.
+    pub fn shared_path(&self) -> Option<&std::path::Path> {
+        self.shared.as_ref().map(|r| r.path())
+    }
+
+    /// Removes the file name of the shared region under a
+    /// [`PinnedKind::Shared`] buffer ([`SharedRegion::unlink`]); any other
+    /// buffer: nothing.
+    pub fn unlink_shared(&self) -> Result<(), crate::worker::SharedRegionError> {
+        match &self.shared {
+            Some(r) => r.unlink(),
+            None => Ok(()),
+        }
+    }
+
     /// Copies `data` to `offset`.
     ///
     /// # Safety
@@ -208,13 +263,17 @@ impl Drop for PinnedBuffer {
                     tracing::error!(?r, "cuMemFreeHost failed");
                 }
             }
-            PinnedKind::Registered => {
+            PinnedKind::Registered | PinnedKind::Shared => {
                 for &(off, _) in &self.pieces {
-                    // SAFETY: each piece was registered once in `registered`.
+                    // SAFETY: each piece was registered once in `register_pieces`.
                     let r = unsafe { sys::cuMemHostUnregister(self.ptr.add(off).cast()) };
                     if r != sys::CUresult::CUDA_SUCCESS {
                         tracing::error!(?r, "cuMemHostUnregister failed");
                     }
+                }
+                if self.kind == PinnedKind::Shared {
+                    // The mapping (`shared`) is unmapped when the field drops.
+                    return;
                 }
                 // SAFETY: allocated in `registered` with this layout.
                 unsafe {

@@ -18,7 +18,7 @@ pub use backend::{CudaBackend, CudaBackendOptions, CudaBackendStats};
 pub use context::{borrowed_stream, driver_present, open_context};
 pub use error::CudaError;
 pub use kernel::{LaunchShape, kernel_pieces, table_header};
-pub use memory::{DeviceBuffer, PinnedBuffer, PinnedKind};
+pub use memory::{DeviceBuffer, MAX_REGISTER_PIECE, PinnedBuffer, PinnedKind};
 pub use shared_table::SharedStrategyTable;
 pub use strategy::{Strategy, StrategyFileError, StrategyRule, StrategyTable, StrategyTableError};
 pub use tuning::BackendTuning;
