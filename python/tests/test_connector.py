@@ -349,11 +349,17 @@ def test_a_bad_shared_region_is_a_clear_error(tmp_path):
 
 
 def test_replicated_mla_is_decided_and_sized_as_vllm_decides(monkeypatch):
-    """`_replicated_layout` follows vLLM's conditions (offloading/config.py
-    and its CPU spec's shared-region gate), and the host tier's size with
-    one copy is vLLM's CPUOffloadingSpec's, chunk for chunk."""
+    """`_replicated_layout` answers as vLLM's own ``build_offloading_config``
+    over the same vLLM configuration, in every combination of the facts it
+    reads (MLA, tensor, pipeline and context parallel sizes, world size,
+    replicas, executor, nodes), with its CPU spec's shared-region gate on;
+    and the host tier's size with one copy is vLLM's CPUOffloadingSpec's,
+    chunk for chunk."""
+    import itertools
     from types import SimpleNamespace
 
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
     from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
     import kvoffload.vllm as kv
@@ -361,32 +367,34 @@ def test_replicated_mla_is_decided_and_sized_as_vllm_decides(monkeypatch):
 
     said: list[str] = []
     monkeypatch.setattr(kv.logger, "warning", lambda msg, *a: said.append(msg % a))
+    # On this machine (CPU) vLLM's gate is off, as ours.
+    assert kv._uses_shared_region() == CPUOffloadingSpec._uses_shared_region(None) is False
 
-    def cfg(use_mla=True, tp=8, replicas=None, world=None, pp=1, dcp=1, pcp=1, backend="mp", nodes=1):
-        vllm_config = SimpleNamespace(
-            model_config=SimpleNamespace(use_mla=use_mla),
-            parallel_config=SimpleNamespace(
-                tensor_parallel_size=tp, world_size=world or tp * pp, pipeline_parallel_size=pp,
-                decode_context_parallel_size=dcp, prefill_context_parallel_size=pcp,
-                distributed_executor_backend=backend, nnodes_within_dp=nodes,
-            ),
-        )
-        return vllm_config, SimpleNamespace(kv_tp_replicas=tp if replicas is None else replicas)
-
+    spec = MLAAttentionSpec(block_size=4, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    side = harness.build(spec=spec).workers[0]._worker
+    vllm_config, kv_cache_config = side.vllm_config, side.kv_cache_config
+    per_block = side.cfg.worker_chunk_bytes // side.cfg.blocks_per_chunk
+    pc = vllm_config.parallel_config
     monkeypatch.setattr(kv, "_uses_shared_region", lambda: True)
-    assert kv._replicated_layout(*cfg(), 512)
-    for off in (
-        cfg(use_mla=False), cfg(tp=1), cfg(replicas=1), cfg(pp=2), cfg(dcp=2), cfg(pcp=2),
-        cfg(backend="ray"), cfg(nodes=2), cfg(tp=4, world=8),
+    replicated = 0
+    for mla, tp, one_replica, wider, pp, dcp, pcp, backend, nodes in itertools.product(
+        (True, False), (1, 2, 4), (False, True), (False, True), (1, 2), (1, 2), (1, 2), ("mp", "ray", "uni"), (1, 2)
     ):
-        assert not kv._replicated_layout(*off, 512)
-    assert not kv._replicated_layout(*cfg(), 0)
+        monkeypatch.setattr(type(vllm_config.model_config), "use_mla", property(lambda _self, m=mla: m))
+        for name, value in (
+            ("tensor_parallel_size", tp), ("world_size", tp * pp * (2 if wider else 1)),
+            ("pipeline_parallel_size", pp), ("decode_context_parallel_size", dcp),
+            ("prefill_context_parallel_size", pcp), ("distributed_executor_backend", backend), ("nnodes", nodes),
+        ):
+            monkeypatch.setattr(pc, name, value)
+        monkeypatch.setattr(kv_cache_config, "kv_tp_replicas", 1 if one_replica else tp)
+        theirs = build_offloading_config(vllm_config, kv_cache_config).replicated_layout
+        facts = (mla, tp, one_replica, wider, pp, dcp, pcp, backend, nodes)
+        assert kv._replicated_layout(vllm_config, kv_cache_config, per_block) == theirs, facts
+        replicated += theirs
+    assert replicated == 2, "MLA on every rank of TP 2 and 4, alone, mp, one node"
     monkeypatch.setattr(kv, "_uses_shared_region", lambda: False)
-    assert not kv._replicated_layout(*cfg(), 512), "vLLM keeps a copy per worker without a shared region"
-    # On this machine (CPU), vLLM's gate is off as ours.
-    monkeypatch.undo()
-    monkeypatch.setattr(kv.logger, "warning", lambda msg, *a: said.append(msg % a))
-    assert kv._uses_shared_region() == CPUOffloadingSpec._uses_shared_region(None)
+    assert not kv._replicated_layout(vllm_config, kv_cache_config, per_block), "no shared region: a copy per worker"
 
     # The size: vLLM's CPU spec over the same facts, its shared region on.
     monkeypatch.setattr(CPUOffloadingSpec, "_uses_shared_region", lambda self: True)
