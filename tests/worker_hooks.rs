@@ -491,6 +491,17 @@ fn fetches_read_shares_written_by_another_worker_into_host_slots() {
     plain.worker.start_transfers(&plan).unwrap();
     let report = plain.worker.get_finished();
     assert_eq!(report.failed, vec![JobId(10), JobId(11)]);
+    // A replicated layout's reader (not the store writer) has no tier of
+    // its own: the writer's fetch fills the shared slot, this one counts the
+    // jobs done and touches nothing.
+    let mut reader = rig(false);
+    let before = chunk_byte(&reader, 7);
+    reader.worker.start_transfers(&plan).unwrap();
+    let report = reader.worker.get_finished();
+    assert_eq!(report.completed.len(), 2, "{report:?}");
+    assert!(report.failed.is_empty(), "{report:?}");
+    assert_eq!(reader.worker.backend().in_flight(), 0);
+    assert_eq!(chunk_byte(&reader, 7), before);
 }
 
 #[test]

@@ -169,6 +169,13 @@ class EngineConfig:
     #: it and every rank loads from it.
     replicated_layout: bool = False
 
+    @property
+    def remote_shares(self) -> int:
+        """The shares of a chunk in a remote tier: one a worker, or one for
+        every worker where they hold the same bytes (rank 0 puts and fetches
+        it)."""
+        return 1 if self.replicated_layout else self.world_size
+
     def to_json(self) -> str:
         """The configuration in the Rust library's keys."""
         d: dict[str, Any] = {
@@ -205,8 +212,8 @@ class EngineConfig:
         GPU block (all its layers), the KV bytes per token vLLM counts
         against ``sync_load_budget_bytes`` (default: per block / tokens), and
         whether every worker holds the same KV (``replicated_layout``: one
-        copy of a chunk in host memory, as vLLM's; kept off with a remote
-        tier, whose keys hold every worker's share)."""
+        copy of a chunk in host memory, as vLLM's, and one share of it in a
+        remote tier)."""
         unknown = sorted(set(extra) - set(KEYS))
         if unknown:
             allowed = ", ".join(sorted(KEYS))
@@ -244,7 +251,6 @@ class EngineConfig:
         chunks = _int(extra, "num_cpu_chunks", 1, (1 << 32) - 2)
         cpu_bytes = _int(extra, "cpu_bytes_to_use", 1)
         remote, deployment = _remote_tier(extra)
-        replicated_layout = replicated_layout and remote is None
         # As vLLM's CPU offloading: a chunk holds every worker's part (one
         # part where every worker holds the same bytes), aligned to the host
         # page.

@@ -652,19 +652,15 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
     else:
         per_block = spec.page_size_bytes * len(groups[0].layer_names)
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    replicated = _replicated_layout(vllm_config, kv_cache_config, per_block)
-    return _checked_replication(
-        EngineConfig.from_extra(
-            extra,
-            tokens_per_block=block_tokens,
-            world_size=vllm_config.parallel_config.world_size,
-            worker_bytes_per_block=per_block,
-            # As vLLM counts a hit against sync_load_budget_bytes: a worker's
-            # bytes of a block over the block's tokens.
-            kv_bytes_per_token=spec.page_size_bytes * len(groups[0].layer_names) // block_tokens,
-            replicated_layout=replicated,
-        ),
-        replicated,
+    return EngineConfig.from_extra(
+        extra,
+        tokens_per_block=block_tokens,
+        world_size=vllm_config.parallel_config.world_size,
+        worker_bytes_per_block=per_block,
+        # As vLLM counts a hit against sync_load_budget_bytes: a worker's
+        # bytes of a block over the block's tokens.
+        kv_bytes_per_token=spec.page_size_bytes * len(groups[0].layer_names) // block_tokens,
+        replicated_layout=_replicated_layout(vllm_config, kv_cache_config, per_block),
     )
 
 
@@ -691,16 +687,14 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
             "If 'block_size' is specified in kv_connector_extra_config, all KV cache groups must have "
             f"the same block size (they have {sorted(set(block_tokens))}); set 'blocks_per_chunk' instead"
         )
-    replicated = _replicated_layout(vllm_config, kv_cache_config, per_block)
-    cfg = EngineConfig.from_extra(
+    return EngineConfig.from_extra(
         extra,
         tokens_per_block=kv_unit_block_tokens(kv_cache_config, dcp),
         world_size=vllm_config.parallel_config.world_size,
         worker_bytes_per_block=per_block,
         kv_bytes_per_token=sum(b // t for b, t in zip(page_bytes, block_tokens)),
-        replicated_layout=replicated,
+        replicated_layout=_replicated_layout(vllm_config, kv_cache_config, per_block),
     )
-    return _checked_replication(cfg, replicated)
 
 
 def _uses_shared_region() -> bool:
@@ -739,23 +733,6 @@ def _replicated_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, 
     )
 
 
-def _checked_replication(cfg: EngineConfig, replicated: bool) -> EngineConfig:
-    """`cfg`, with a warning where vLLM would keep one copy of replicated KV
-    and kvoffload keeps one per worker: with a remote tier, whose keys hold
-    every worker's share of a chunk (the same ``cpu_bytes_to_use`` then holds
-    ``world_size`` times fewer chunks than vLLM's)."""
-    if replicated and not cfg.replicated_layout:
-        logger.warning(
-            "kvoffload: MLA KV replicated on %d tensor-parallel ranks: with a remote tier each "
-            "worker keeps its own copy of every chunk, so cpu_bytes_to_use holds %d times fewer "
-            "chunks than vLLM's OffloadingConnector (which keeps one copy in a shared region); "
-            "raise cpu_bytes_to_use to match its hit rate",
-            cfg.world_size,
-            cfg.world_size,
-        )
-    return cfg
-
-
 def _shared_region_name(vllm_config: VllmConfig) -> str:
     """The name of the engine's shared host region: its engine id and the
     engine process's id (the parent of every worker process of the ``mp``
@@ -781,7 +758,8 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     """The deployment's namespace in the remote store: the same on every node
     (and in both roles) exactly when their chunks' bytes are interchangeable:
     model and revision, the KV spec (dtype, heads, head size, layers), the
-    block and chunk sizes, the bytes per block, the world size, pipeline
+    block and chunk sizes, the bytes per block, the world size (one where
+    every worker holds the same bytes), pipeline
     stages, decode context parallelism, the block hash function, the attention backend,
     and the operator's ``deployment``."""
     from kvoffload._native import remote_namespace
@@ -836,13 +814,16 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
         # they were).
         interleave = getattr(vllm_config.parallel_config, "cp_kv_cache_interleave_size", 1)
         layout += f"|dcp:{dcp}/{interleave}"
+    # Replicated KV (every worker holds a whole chunk's bytes, one share of
+    # it is stored) is named as one worker: a node of one worker of the
+    # same model and layout reads and writes the same chunks.
     return remote_namespace(
         model,
         layout,
         cfg.tokens_per_block,
         cfg.blocks_per_chunk,
         cfg.worker_chunk_bytes // cfg.blocks_per_chunk,
-        cfg.world_size,
+        cfg.remote_shares,
     )
 
 
@@ -977,7 +958,9 @@ class _SchedulerSide:
                 algo,
             )
         self.core.attach_remote(
-            self.cfg.remote_tier_json, _remote_namespace(vllm_config, kv_cache_config, self.cfg)
+            self.cfg.remote_tier_json,
+            _remote_namespace(vllm_config, kv_cache_config, self.cfg),
+            self.cfg.remote_shares,
         )
         logger.info(
             "kvoffload: remote tier %s attached (lookups that miss the host tier ask it)",
@@ -1376,13 +1359,15 @@ class _WorkerSide:
                 f"kvoffload.vllm: KV caches on {device.type} (supported: cpu, cuda)"
             )
         self.region_to_unlink = bool(shared)
-        if self.cfg.remote_tier_json is not None:
-            rank = _worker_rank(self.cfg.world_size)
+        # With replicated KV only the writer (rank 0) puts and fetches the
+        # chunk's one share; the others read the shared region it fills.
+        if self.cfg.remote_tier_json is not None and self.core.store_writer:
+            rank = 0 if self.cfg.replicated_layout else _worker_rank(self.cfg.world_size)
             self.core.attach_remote(
                 self.cfg.remote_tier_json,
                 _remote_namespace(self.vllm_config, self.kv_cache_config, self.cfg),
                 rank,
-                self.cfg.world_size,
+                self.cfg.remote_shares,
             )
         logger.info(
             "kvoffload: %d KV tensors (%d KV groups) on %s, %d blocks, host pool of %d chunks "

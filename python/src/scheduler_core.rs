@@ -847,16 +847,27 @@ impl SchedulerCore {
     /// jobs in the workers' plan, then host hits. Raises `ValueError` for a
     /// bad configuration, `RuntimeError` if the store refuses the credentials
     /// or a tier is already attached. An unreachable store is not an error.
-    fn attach_remote(&mut self, config_json: &str, namespace: u64) -> PyResult<()> {
+    /// `shares`: the shares a chunk has in the store (default: one a
+    /// worker; 1 where every worker holds the same bytes, a replicated
+    /// layout, whose writer alone puts and fetches them).
+    #[pyo3(signature = (config_json, namespace, shares = None))]
+    fn attach_remote(
+        &mut self,
+        config_json: &str,
+        namespace: u64,
+        shares: Option<u32>,
+    ) -> PyResult<()> {
         if self.s.remote_tier().is_some() {
             return Err(runtime_error("a remote tier is already attached"));
         }
-        let tier = crate::remote::start_tier(
-            config_json,
-            namespace,
-            self.cfg.world_size,
-            self.clock.clone(),
-        )?;
+        let shares = shares.unwrap_or(self.cfg.world_size);
+        if shares == 0 || shares > self.cfg.world_size {
+            return Err(value_error(format!(
+                "shares = {shares} is out of range: allowed 1..={}",
+                self.cfg.world_size
+            )));
+        }
+        let tier = crate::remote::start_tier(config_json, namespace, shares, self.clock.clone())?;
         self.s.attach_remote(tier);
         Ok(())
     }

@@ -422,15 +422,13 @@ def test_replicated_mla_is_decided_and_sized_as_vllm_decides(monkeypatch):
             facts = (world, block_bytes, bpc, replicated)
             assert ours.num_cpu_chunks == spec.num_chunks, facts
             assert ours.host_chunk_bytes == spec.kv_bytes_per_chunk, facts
-    # With a remote tier (its keys hold every worker's share), one copy per
-    # worker, and the operator is told.
+    # With a remote tier too: one share of a chunk there, rank 0's.
     remote = {"cpu_bytes_to_use": 10**6, "remote_tier": {"url": "redis://127.0.0.1:1"}}
-    kept = EngineConfig.from_extra(remote, tokens_per_block=16, world_size=4, worker_bytes_per_block=512,
-                                   replicated_layout=True)
-    assert not kept.replicated_layout and kept.host_chunk_bytes == 4096
+    for replicated, shares in ((True, 1), (False, 4)):
+        cfg = EngineConfig.from_extra(remote, tokens_per_block=16, world_size=4, worker_bytes_per_block=512,
+                                      replicated_layout=replicated)
+        assert cfg.replicated_layout == replicated and cfg.remote_shares == shares
     assert not said
-    kv._checked_replication(kept, True)
-    assert len(said) == 1 and "4 times fewer chunks" in said[0], said
 
 
 def test_one_group_holding_a_drafters_layers_takes_the_groups_path():

@@ -165,10 +165,11 @@ def remote_stats(e: harness.Engine) -> dict:
 
 
 def writes(e: harness.Engine) -> dict:
-    """The workers' remote counters, summed."""
+    """The workers' remote counters, summed (a replicated layout's readers
+    have no tier of their own)."""
     total: dict = {}
     for w in e.workers:
-        for k, v in w._worker.core.remote_stats().items():
+        for k, v in (w._worker.core.remote_stats() or {}).items():
             total[k] = total.get(k, 0) + v
     return total
 
@@ -421,6 +422,45 @@ def test_an_abort_and_a_reset_with_a_fetch_in_flight_leak_nothing(redis_url):
     assert r2 in b.loaded
     assert remote_stats(b)["fetch_jobs"] == 2
     leak_free(b)
+
+
+def test_replicated_kv_is_put_and_fetched_once_and_shared_with_a_one_worker_node(redis_url):
+    """Replicated KV (MLA on every tensor-parallel rank: one host region
+    every worker maps) has one share of a chunk in the store: rank 0 puts
+    it, rank 0 of another node fetches it into the shared region, and that
+    node's rank 1 loads the computed bytes from there. A node of one worker
+    of the same model and layout names the same namespace and finds them."""
+    remote = {"url": redis_url}
+    a = harness.build(world_size=2, replicated=True, extra=extra_for(remote))
+    a.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(a)
+    a.drain_remote()
+    leak_free(a)
+    assert [w._worker.core.remote_stats() is not None for w in a.workers] == [True, False]
+    w = writes(a)
+    assert w["puts_written"] == 11 and w["puts_failed"] == 0, w
+
+    b = harness.build(world_size=2, replicated=True, extra=extra_for(remote))
+    r = b.add(PREFIX + [7, 8, 9], max_tokens=3)
+    assert run_checked(b) > 0
+    assert r in b.loaded and r not in b.failed
+    st = remote_stats(b)
+    assert st["chunks_found"] == 10 and st["chunks_fetched"] == 10 and st["fetches_failed"] == 0, st
+    fetched = writes(b)
+    assert fetched["hits"] == 10 and fetched["misses"] == 0 and fetched["rejected_values"] == 0, fetched
+    leak_free(b)
+
+    one = harness.build(world_size=1, extra=extra_for(remote))
+    r = one.add(PREFIX + [4, 5, 6], max_tokens=3)
+    assert run_checked(one) > 0
+    assert r in one.loaded and r not in one.failed
+    assert remote_stats(one)["chunks_fetched"] == 10
+    leak_free(one)
+    # A node of two workers each holding its own share is another namespace.
+    two = harness.build(world_size=2, extra=extra_for(remote))
+    two.add(PREFIX + [4, 5, 6], max_tokens=3)
+    run_checked(two)
+    assert remote_stats(two)["chunks_found"] == 0
 
 
 def test_a_worker_rank_needs_vllm_s_groups_beyond_one_worker():

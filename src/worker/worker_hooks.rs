@@ -68,7 +68,8 @@ pub struct OffloadWorker<B> {
 
 impl<B: TransferBackend> OffloadWorker<B> {
     /// A worker over `backend`. A worker that is not the store writer (a
-    /// replicated layout's rank > 0) acknowledges stores without copying.
+    /// replicated layout's rank > 0, over a host pool the writer fills)
+    /// acknowledges stores and remote fetches without copying.
     pub fn new(backend: B, store_writer: bool) -> Self {
         Self {
             backend,
@@ -312,6 +313,12 @@ impl<B: TransferBackend> OffloadWorker<B> {
     /// Asks the tier for each chunk share of fetch job `f`; a worker without
     /// a tier, or a slot outside its host pool view, fails it.
     fn start_fetch(&mut self, f: &FetchJob) {
+        if !self.store_writer {
+            // A replicated layout's reader: the writer's fetch fills the
+            // shared slot (and reports its failure); this one only counts.
+            *self.report.completed.entry(f.job).or_insert(0) += 1;
+            return;
+        }
         let Some(rw) = self.remote.as_mut() else {
             tracing::warn!(job = %f.job, "remote fetch without a remote tier; reported as failed");
             self.fail(f.job, None);
