@@ -230,6 +230,11 @@ run() {
         # A synchronous load: the bytes must be back when start_transfers returns.
         step "binding_roundtrip.py --backend cuda --sync" 60 env PYTHONPATH="$carry/python" \
             python3 "$carry/python/binding_roundtrip.py" --backend cuda --sync
+        # Two workers of the same KV over one shared host region registered
+        # with the driver (vLLM's replicated MLA layout): the second never
+        # copies a store and must load the first one's bytes.
+        step "binding_roundtrip.py --backend cuda --shared-region" 60 env PYTHONPATH="$carry/python" \
+            python3 "$carry/python/binding_roundtrip.py" --backend cuda --shared-region
         # Again with a table given to the worker: every job on the kernel,
         # a tuned launch shape and a ring of 2 (the binding's table path).
         printf '%s\n' '{"rules": [], "fallback": "kernel", "tuning": {"kernel_ctas": 16, "ring_slots": 2}}' \

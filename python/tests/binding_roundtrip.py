@@ -4,6 +4,10 @@ to the host pool, the blocks are wiped, a second request with the same prefix
 looks it up, and its load must bring the same bytes back into other blocks.
 With `--sync` the load is synchronous (a sync-load budget): the worker waits
 for it inside `start_transfers`, so the bytes must be back before any poll.
+With `--shared-region` two workers hold the same KV (vLLM's replicated MLA
+layout) and map one host region: the first writes the stores, the second
+never copies one (its KV memory starts empty), and both must get the bytes
+back, the second from what the first wrote.
 
 It runs on the host backend here (pytest: `test_binding_roundtrip.py`) and,
 with `--backend cuda`, on the CUDA backend over device memory allocated
@@ -108,6 +112,41 @@ def pattern(layer: int, block: int) -> bytes:
 last_plan = b""
 
 
+class Workers:
+    """The engine's workers, driven together as vLLM drives its ranks: each
+    step's plan goes to every one, and their reports are summed."""
+
+    def __init__(self, cores: list[Any]) -> None:
+        self.cores = cores
+        self.backend = cores[0].backend
+
+    def bind(self, plan: bytes) -> None:
+        for c in self.cores:
+            c.bind(plan)
+
+    def handle_preemptions(self) -> None:
+        for c in self.cores:
+            c.handle_preemptions()
+
+    def start_transfers(self) -> None:
+        for c in self.cores:
+            c.start_transfers()
+
+    def queue_stores(self) -> None:
+        for c in self.cores:
+            c.queue_stores()
+
+    def get_finished(self) -> tuple[dict[int, int], set[int], Any]:
+        completed: dict[int, int] = {}
+        failed: set[int] = set()
+        for c in self.cores:
+            done, bad, _ = c.get_finished()
+            for job, n in done.items():
+                completed[job] = completed.get(job, 0) + n
+            failed |= set(bad)
+        return completed, failed, None
+
+
 def step(core: Any, worker: Any, scheduled: dict[str, int], new: list, finished: list | None = None) -> tuple:
     plan, load_requests, failed = core.build_step(scheduled, new, [], [], [], set(), [], finished or [])
     worker.bind(plan)
@@ -122,14 +161,21 @@ def step(core: Any, worker: Any, scheduled: dict[str, int], new: list, finished:
 def wait_done(core: Any, worker: Any, jobs: set[int], timeout_s: float = 30.0) -> None:
     """Polls the worker until `jobs` reported (and tells the scheduler)."""
     deadline = time.monotonic() + timeout_s
-    while jobs:
+    # Each job is done once every worker reported it.
+    left = {job: len(worker.cores) for job in jobs}
+    while left:
         completed, failed, _ = worker.get_finished()
         if completed or failed:
             core.on_worker_output(completed, sorted(failed))
-        bad = set(failed) & jobs
+        bad = set(failed) & set(left)
         if bad:
             raise AssertionError(f"jobs failed: {sorted(bad)}")
-        jobs -= set(completed)
+        for job, n in completed.items():
+            if job in left:
+                left[job] -= n
+                if left[job] <= 0:
+                    del left[job]
+        jobs = set(left)
         if time.monotonic() > deadline:
             raise AssertionError(f"jobs {sorted(jobs)} did not report in {timeout_s} s")
         time.sleep(0.001)
@@ -145,27 +191,40 @@ def wrong_blocks(got: bytes, first: list[int], second: list[int]) -> list[tuple[
     ]
 
 
-def roundtrip(backend: str, strategy_table: str | None = None, sync: bool = False) -> dict[str, Any]:
+def roundtrip(backend: str, strategy_table: str | None = None, sync: bool = False,
+              shared_region: str | None = None) -> dict[str, Any]:
+    """The round trip on `backend`; with `shared_region` (a file path), two
+    workers of the same KV over one host region mapped there, the second
+    never copying a store."""
     size = LAYERS * NUM_BLOCKS * PAGE
-    mem = CudaMemory(size) if backend == "cuda" else HostMemory(size)
-    # Layer-outermost, as vLLM's kernel blocks: layer l, block b at (l * NUM_BLOCKS + b) * PAGE.
-    tensors = [(mem.addr + l * NUM_BLOCKS * PAGE, PAGE, PAGE) for l in range(LAYERS)]
+    ranks = 2 if shared_region else 1
+    mems = [CudaMemory(size) if backend == "cuda" else HostMemory(size) for _ in range(ranks)]
     cfg = {"tokens_per_block": TOKENS_PER_BLOCK, "blocks_per_chunk": 1, "num_cpu_chunks": 32,
-           "offload_prompt_only": True}
+           "offload_prompt_only": True, "world_size": ranks}
     if sync:
         # Room for the whole prefix: its load is synchronous.
         cfg["sync_load_budget_bytes"] = PROMPT_BLOCKS * LAYERS * PAGE
         cfg["sync_load_bytes_per_token"] = LAYERS * PAGE // TOKENS_PER_BLOCK
     core = native.SchedulerCore(json.dumps(cfg), watchdog=False, kv_events=False)
-    if backend == "cuda":
-        worker = native.WorkerCore.cuda(tensors, NUM_BLOCKS, 1, 32, False, 0, 0, strategy_table)
-    else:
-        worker = native.WorkerCore.host(tensors, NUM_BLOCKS, 1, 32, False)
+    cores = []
+    for rank, mem in enumerate(mems):
+        # Layer-outermost, as vLLM's kernel blocks: layer l, block b at (l * NUM_BLOCKS + b) * PAGE.
+        tensors = [(mem.addr + l * NUM_BLOCKS * PAGE, PAGE, PAGE) for l in range(LAYERS)]
+        shared = {"shared_region": shared_region, "store_writer": rank == 0} if shared_region else {}
+        if backend == "cuda":
+            cores.append(native.WorkerCore.cuda(tensors, NUM_BLOCKS, 1, 32, False, 0, 0, strategy_table, **shared))
+        else:
+            cores.append(native.WorkerCore.host(tensors, NUM_BLOCKS, 1, 32, False, **shared))
+    if shared_region:
+        cores[0].unlink_shared_region()
+    worker = Workers(cores)
     image = bytearray(size)
     for l in range(LAYERS):
         for b in range(NUM_BLOCKS):
             image[(l * NUM_BLOCKS + b) * PAGE:(l * NUM_BLOCKS + b + 1) * PAGE] = pattern(l, b)
-    mem.write(bytes(image))
+    # With a shared region the second worker's KV starts empty: what it
+    # loads back can only come from the first worker's stores.
+    mems[0].write(bytes(image))
 
     tokens = PROMPT_BLOCKS * TOKENS_PER_BLOCK
     hashes = [hashlib.sha256(f"prefix-{i}".encode()).digest() for i in range(PROMPT_BLOCKS)]
@@ -184,7 +243,8 @@ def roundtrip(backend: str, strategy_table: str | None = None, sync: bool = Fals
 
     # Wipe the GPU side, then a second request with the same prefix loads it
     # into other blocks.
-    mem.write(bytes(size))
+    for mem in mems:
+        mem.write(bytes(size))
     second = list(range(32, 32 + PROMPT_BLOCKS + 1))
     core.add_request(Request("b", tokens + 1, hashes))
     hit = core.lookup("b", 0)
@@ -198,16 +258,20 @@ def roundtrip(backend: str, strategy_table: str | None = None, sync: bool = Fals
         # The worker waited for it in start_transfers: the bytes are back
         # before any poll, and the plan names it synchronous.
         assert native.plan_sync_loads(last_plan) == [load], "the plan names it synchronous"
-        early = wrong_blocks(mem.read(), first, second)
-        if early:
-            raise AssertionError(f"sync load: {len(early)} blocks not back after start_transfers")
+        for rank, mem in enumerate(mems):
+            early = wrong_blocks(mem.read(), first, second)
+            if early:
+                raise AssertionError(f"sync load: {len(early)} blocks not back on worker {rank} after start_transfers")
     wait_done(core, worker, {load})
-    wrong = wrong_blocks(mem.read(), first, second)
-    if wrong:
-        raise AssertionError(f"{len(wrong)} blocks came back wrong, first (layer, block): {wrong[0]}")
+    for rank, mem in enumerate(mems):
+        wrong = wrong_blocks(mem.read(), first, second)
+        if wrong:
+            raise AssertionError(
+                f"{len(wrong)} blocks came back wrong on worker {rank}, first (layer, block): {wrong[0]}"
+            )
     state = core.state()
     return {"backend": worker.backend, "sync": sync, "blocks": PROMPT_BLOCKS * LAYERS,
-            "bytes": PROMPT_BLOCKS * LAYERS * PAGE, "jobs_left": state["jobs"]}
+            "bytes": PROMPT_BLOCKS * LAYERS * PAGE, "jobs_left": state["jobs"], "workers": ranks}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,11 +281,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="a synchronous load (a sync-load budget): the bytes must be back when start_transfers returns")
     ap.add_argument("--strategy-table", metavar="FILE",
                     help="a strategy table for the CUDA worker (kvoffload bench --calibrate's format)")
+    ap.add_argument("--shared-region", action="store_true",
+                    help="two workers of the same KV over one host region (a file under the temp directory)")
     args = ap.parse_args(argv)
     if args.strategy_table and args.backend != "cuda":
         ap.error("--strategy-table goes with --backend cuda")
+    region = None
+    if args.shared_region:
+        import os
+        import tempfile
+
+        region = os.path.join(tempfile.gettempdir(), f"kvoffload-roundtrip-{os.getpid()}.mmap")
     try:
-        out = roundtrip(args.backend, args.strategy_table, args.sync)
+        out = roundtrip(args.backend, args.strategy_table, args.sync, region)
     except Unavailable as e:
         print(f"SKIP: binding round trip on {args.backend}: {e}")
         return 2
@@ -233,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     except AssertionError as e:
         print(f"FAIL: binding round trip on {args.backend}: {e}")
         return 1
-    kind = "sync load, " if out["sync"] else ""
+    kind = ("sync load, " if out["sync"] else "") + ("2 workers over one shared region, " if region else "")
     print(f"PASS: binding round trip on {out['backend']} ({kind}{out['blocks']} blocks, {out['bytes']} bytes): "
           f"stored, wiped and loaded back equal; jobs left {out['jobs_left']}")
     return 0

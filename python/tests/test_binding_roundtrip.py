@@ -18,6 +18,16 @@ def test_a_sync_load_is_back_when_start_transfers_returns():
     assert out["sync"] and out["jobs_left"] == 0
 
 
+@pytest.mark.parametrize("sync", [False, True])
+def test_two_workers_over_one_shared_region_both_get_the_bytes_back(tmp_path, sync):
+    # The second worker never copies a store and its KV starts empty: its
+    # bytes come back from what the first wrote into the shared region.
+    region = tmp_path / "region.mmap"
+    out = rt.roundtrip("host", sync=sync, shared_region=str(region))
+    assert out["workers"] == 2 and out["jobs_left"] == 0
+    assert not region.exists(), "the name goes once both mapped it"
+
+
 def test_round_trip_on_the_cuda_backend():
     try:
         out = rt.roundtrip("cuda")
