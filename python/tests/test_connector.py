@@ -289,8 +289,9 @@ def test_cpu_bytes_to_use_sizes_the_tier_as_vllm_does():
     assert isinstance(e.connector, KvOffloadConnector)
 
 
+@pytest.mark.parametrize("shape", ["one group", "layers of two page sizes", "sliding and full groups"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_replicated_kv_is_kept_once_in_a_region_every_worker_maps(async_scheduling):
+def test_replicated_kv_is_kept_once_in_a_region_every_worker_maps(async_scheduling, shape):
     """vLLM keeps one copy of MLA KV replicated on every tensor-parallel rank
     (its ``replicated_layout``): one host region every worker maps, rank 0
     writing the stores, every rank loading from it. Here too: rank 1 never
@@ -298,30 +299,61 @@ def test_replicated_kv_is_kept_once_in_a_region_every_worker_maps(async_scheduli
     computed (which it can only have from rank 0's writes)."""
     import os
 
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
     page = 2 * harness.HEADS * harness.HEAD_SIZE * 4 * 4  # K,V x heads x head x tpb x float32
     chunk = 2 * page  # two layers, one block a chunk: 512 bytes, a 4 KiB host page
     extra = {"cpu_bytes_to_use": 256 * 4096, "offload_prompt_only": False}
-    e = harness.build(num_gpu_blocks=32, world_size=2, replicated=True, async_scheduling=async_scheduling, extra=extra)
+    common = dict(block_size=4, head_size=harness.HEAD_SIZE, dtype=torch.float32)
+    shapes = {
+        "one group": {},
+        # DeepSeek V3.2's MLA and indexer layers: one group, two page sizes.
+        "layers of two page sizes": {
+            "layer_specs": [FullAttentionSpec(num_kv_heads=harness.HEADS, **common),
+                            FullAttentionSpec(num_kv_heads=1, **common)]
+        },
+        "sliding and full groups": {
+            "groups": [FullAttentionSpec(num_kv_heads=harness.HEADS, **common),
+                       SlidingWindowSpec(num_kv_heads=harness.HEADS, sliding_window=8, **common)]
+        },
+    }
+    e = harness.build(num_gpu_blocks=32, world_size=2, replicated=True, async_scheduling=async_scheduling,
+                      extra=extra, **shapes[shape])
     cfg = e.connector.engine_config
-    # One copy of a chunk, as vLLM's: 256 chunks where two copies hold 128.
-    assert cfg.replicated_layout and cfg.worker_chunk_bytes == chunk
-    assert cfg.host_chunk_bytes == 4096 and cfg.num_cpu_chunks == 256
-    two = harness.build(num_gpu_blocks=32, world_size=2, extra=extra).connector.engine_config
-    assert not two.replicated_layout and two.host_chunk_bytes == 4096 and two.num_cpu_chunks == 256
     cores = [w._worker.core for w in e.workers]
+    if shape == "one group":
+        # One copy of a chunk, as vLLM's. Here a chunk's 512 bytes round up
+        # to a 4 KiB page with one copy or two; where a worker's part is
+        # larger the counts differ (the sizing test below).
+        assert cfg.replicated_layout and cfg.worker_chunk_bytes == chunk
+        assert cfg.host_chunk_bytes == 4096 and cfg.num_cpu_chunks == 256
+        two = harness.build(num_gpu_blocks=32, world_size=2, async_scheduling=async_scheduling, extra=extra)
+        two_cfg = two.connector.engine_config
+        assert not two_cfg.replicated_layout and two_cfg.host_chunk_bytes == 4096 and two_cfg.num_cpu_chunks == 256
+        assert [c.pool_bytes for c in cores] == [256 * 4096] * 2
+    assert cfg.replicated_layout
     path = cores[0].shared_region
     assert path is not None and path == cores[1].shared_region and os.path.exists(path), path
     assert path.startswith("/dev/shm/kvoffload_") and str(os.getppid()) in path
     assert [c.store_writer for c in cores] == [True, False]
-    assert [c.pool_bytes for c in cores] == [256 * 4096] * 2
     prom = harness.PromRecorder(e)
-    prefix_comes_back(e)
+    if shape == "one group":
+        prefix_comes_back(e)
+    else:
+        prefix_comes_back_from_the_host_tier(e)
     # Every worker had mapped it by the first step: its name is gone.
     assert not os.path.exists(path), path
     # Only rank 0 copied stores; both loaded.
     stored = prom.value("vllm:kv_offload_store_bytes_total")
     loaded = prom.value("vllm:kv_offload_load_bytes_total")
-    assert stored and loaded and stored % chunk == 0 and loaded % (2 * chunk) == 0, (stored, loaded)
+    assert stored and loaded, (stored, loaded)
+    if shape == "one group":
+        # The same run with a copy per worker: both ranks store, both load.
+        prom_two = harness.PromRecorder(two)
+        prefix_comes_back(two)
+        assert stored % chunk == 0 and loaded % (2 * chunk) == 0, (stored, loaded)
+        assert 2 * stored == prom_two.value("vllm:kv_offload_store_bytes_total")
+        assert loaded == prom_two.value("vllm:kv_offload_load_bytes_total")
 
 
 def test_a_bad_shared_region_is_a_clear_error(tmp_path):
