@@ -381,7 +381,9 @@ def check_mamba_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
     """Refuses, with the reason, the Mamba configurations kvoffload does not
     offload: a Mamba group outside ``mamba_cache_mode="align"`` (its state
     is then not kept at block boundaries, and vLLM caches none of it);
-    speculative decoding's state blocks; decode context parallelism. Block
+    decode context parallelism. Speculative decoding's extra state blocks
+    (``num_speculative_blocks``) are offloaded as vLLM's connector offloads
+    them: as the group's other blocks (test_hybrid_vllm.py, "full+mambasb"). Block
     hashes finer than a Mamba block (vLLM's ``prefix_match_unit``) are
     checked with the chunk size (`kv_partial_tails`)."""
     mamba = [g for g in kv_offloaded_groups(kv_cache_config) if isinstance(g.kv_cache_spec, MambaSpec)]
@@ -394,11 +396,6 @@ def check_mamba_groups(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
             raise ValueError(
                 f"KvOffloadConnector offloads Mamba state in mamba_cache_mode='align' only; this model's "
                 f"Mamba group is in mode {mode!r} (set mamba_cache_mode='align')"
-            )
-        if int(getattr(spec, "num_speculative_blocks", 0) or 0) > 0:
-            raise ValueError(
-                "KvOffloadConnector does not offload Mamba groups with speculative decoding's state blocks "
-                f"(num_speculative_blocks={spec.num_speculative_blocks}); vLLM's own OffloadingConnector does"
             )
     if _dcp(vllm_config) > 1:
         raise ValueError(

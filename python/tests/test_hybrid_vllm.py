@@ -152,6 +152,13 @@ def mamba2() -> MambaSpec:
     return dataclasses.replace(mamba(), num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
 
 
+def mamba_speculative() -> MambaSpec:
+    """A Mamba state in align mode with speculative decoding's extra state
+    block (vLLM's ``num_speculative_blocks``, set with MTP/EAGLE on a hybrid
+    Mamba model): one block a request more, past its blocks."""
+    return dataclasses.replace(mamba(), num_speculative_blocks=1)
+
+
 SPECS = {
     "full+swa8": lambda: [full(), window(8)],
     "full+swa8+swa13": lambda: [full(), window(8), window(13)],
@@ -188,6 +195,9 @@ SPECS = {
     "full+mamba+swa8": lambda: [full(), mamba(), window(8)],
     "full+mamba2": lambda: [full(), mamba2()],
     "mamba2+swa8": lambda: [mamba2(), window(8)],
+    # Speculative decoding's extra Mamba state block (MTP on a hybrid Mamba
+    # model): vLLM allocates it past the request's blocks.
+    "full+mambasb": lambda: [full(), mamba_speculative()],
 }
 CASES = [
     (1, "full+swa8", {"offload_prompt_only": False}, {}, 1),
@@ -358,6 +368,20 @@ CASES = [
     # block; self-describing events, two workers, async.
     (62, "full+mamba", {"offload_prompt_only": False}, {"hash_tokens": 2, "eagle_groups": [0]}, 1),
     (63, "full+mamba", {"self_describing_kv_events": True, "offload_prompt_only": False},
+     {"hash_tokens": 1, "eagle_groups": [0], "world_size": 2, "async_scheduling": True}, 1),
+    # Speculative decoding's extra Mamba state block (the scheduler runs
+    # without speculation, as for the EAGLE cases): vLLM's connector offloads
+    # the group as any other Mamba group. Alone; async with two workers;
+    # beside an EAGLE/MTP draft group; with partial tails (and beside a
+    # draft group, self-describing events); chunks of two blocks with
+    # requests' kv_transfer_params; sync loads.
+    (64, "full+mambasb", {"offload_prompt_only": False}, {}, 1),
+    (65, "full+mambasb", {}, {"async_scheduling": True, "world_size": 2}, 1),
+    (66, "full+mambasb", {"offload_prompt_only": False}, {"eagle_groups": [0]}, 1),
+    (67, "full+mambasb", {"offload_prompt_only": False}, {"hash_tokens": 2}, 1),
+    (68, "full+mambasb", {"blocks_per_chunk": 2, "offload_prompt_only": False}, {"params": True}, 1),
+    (69, "full+mambasb", {"sync_load_budget_bytes": 8192, "offload_prompt_only": False}, {}, 0),
+    (70, "full+mambasb", {"self_describing_kv_events": True, "offload_prompt_only": False},
      {"hash_tokens": 1, "eagle_groups": [0], "world_size": 2, "async_scheduling": True}, 1),
 ]
 # The configurations the widening scripts cycle through (`select_cases`).
