@@ -137,6 +137,12 @@ impl SharedRegion {
         // SAFETY: `fd` is the descriptor opened above, closed once; the
         // mapping (if any) stays valid without it.
         unsafe { libc::close(fd) };
+        if let Err(SharedRegionError::NoRoom { .. }) = &mapped {
+            // The file was empty (nothing mapped it yet, and every opener
+            // would find no room either): leave nothing behind.
+            // SAFETY: `c_path` is a valid NUL-terminated string.
+            unsafe { libc::unlink(c_path.as_ptr()) };
+        }
         let ptr = mapped?;
         Ok(Self {
             ptr,
@@ -399,7 +405,7 @@ mod tests {
         let e = SharedRegion::open(&path, too_much).unwrap_err();
         assert!(matches!(e, SharedRegionError::NoRoom { .. }), "{e}");
         assert!(e.to_string().contains("--shm-size"), "{e}");
-        std::fs::remove_file(&path).unwrap();
+        assert!(!path.exists(), "the empty file is not left behind");
     }
 
     #[test]
