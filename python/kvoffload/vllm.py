@@ -730,6 +730,23 @@ def _replicated_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, 
     )
 
 
+def _all_workers_barrier() -> bool:
+    """Waits until every worker of the engine has reached this point (vLLM's
+    world group, as vLLM's shared offload region waits); False, at once,
+    where vLLM's groups do not exist (a test's workers in one process)."""
+    from vllm.distributed import parallel_state as ps
+
+    try:
+        group = ps.get_inner_dp_world_group()
+    except AssertionError:
+        try:
+            group = ps.get_world_group()
+        except AssertionError:
+            return False
+    group.barrier()
+    return True
+
+
 def _shared_region_name(vllm_config: VllmConfig) -> str:
     """The name of the engine's shared host region: its engine id and the
     engine process's id (the parent of every worker process of the ``mp``
@@ -1355,17 +1372,30 @@ class _WorkerSide:
             raise NotImplementedError(
                 f"kvoffload.vllm: KV caches on {device.type} (supported: cpu, cuda)"
             )
-        self.region_to_unlink = bool(shared)
-        # With replicated KV only the writer (rank 0) puts and fetches the
-        # chunk's one share; the others read the shared region it fills.
-        if self.cfg.remote_tier_json is not None and self.core.store_writer:
-            rank = 0 if self.cfg.replicated_layout else _worker_rank(self.cfg.world_size)
-            self.core.attach_remote(
-                self.cfg.remote_tier_json,
-                _remote_namespace(self.vllm_config, self.kv_cache_config, self.cfg),
-                rank,
-                self.cfg.remote_shares,
-            )
+        try:
+            # With replicated KV only the writer (rank 0) puts and fetches the
+            # chunk's one share; the others read the shared region it fills.
+            if self.cfg.remote_tier_json is not None and self.core.store_writer:
+                rank = 0 if self.cfg.replicated_layout else _worker_rank(self.cfg.world_size)
+                self.core.attach_remote(
+                    self.cfg.remote_tier_json,
+                    _remote_namespace(self.vllm_config, self.kv_cache_config, self.cfg),
+                    rank,
+                    self.cfg.remote_shares,
+                )
+            # The shared region's name goes once every worker has mapped it
+            # (vLLM's world group, as its own region waits), so that its
+            # memory goes with the last worker however the engine ends;
+            # without vLLM's groups (workers in one process), at the first
+            # step (vLLM runs none before every worker registered).
+            self.region_to_unlink = bool(shared) and not _all_workers_barrier()
+            if shared and not self.region_to_unlink:
+                self.core.unlink_shared_region()
+        except BaseException:
+            if shared:
+                # The engine does not start: leave no region behind.
+                self.core.unlink_shared_region()
+            raise
         logger.info(
             "kvoffload: %d KV tensors (%d KV groups) on %s, %d blocks, host pool of %d chunks "
             "(%d bytes, %s backend%s)",

@@ -356,6 +356,42 @@ def test_replicated_kv_is_kept_once_in_a_region_every_worker_maps(async_scheduli
         assert loaded == prom_two.value("vllm:kv_offload_load_bytes_total")
 
 
+def test_the_shared_region_s_name_goes_once_every_worker_mapped_it_or_the_engine_fails(monkeypatch):
+    """With vLLM's groups the name goes at registration, once every worker
+    passed the barrier (its memory then goes with the last worker, however
+    the engine ends); an engine that fails to start leaves no region."""
+    import glob
+    import os
+
+    import kvoffload.vllm as kv
+
+    def regions() -> set[str]:
+        return set(glob.glob(f"/dev/shm/kvoffload_*_{os.getppid()}.mmap"))
+
+    before = regions()
+    # The barrier passes for the last worker to arrive (the workers here
+    # register one after the other).
+    calls: list[int] = []
+
+    def barrier() -> bool:
+        calls.append(1)
+        return len(calls) == 2
+
+    monkeypatch.setattr(kv, "_all_workers_barrier", barrier)
+    extra = {"num_cpu_chunks": 64, "offload_prompt_only": False}
+    e = harness.build(num_gpu_blocks=32, world_size=2, replicated=True, extra=extra)
+    assert len(calls) == 2 and regions() == before, "gone before the first step"
+    prefix_comes_back(e)
+
+    def broken() -> bool:
+        raise RuntimeError("a worker failed to start")
+
+    monkeypatch.setattr(kv, "_all_workers_barrier", broken)
+    with pytest.raises(RuntimeError, match="failed to start"):
+        harness.build(num_gpu_blocks=32, world_size=2, replicated=True, extra=extra)
+    assert regions() == before, "an engine that did not start leaves no region"
+
+
 def test_a_bad_shared_region_is_a_clear_error(tmp_path):
     """An existing file of another size at the region's path (another
     engine's, or one left by a crash) is refused with its path named."""
