@@ -233,7 +233,7 @@ run() {
         # Two workers of the same KV over one shared host region registered
         # with the driver (vLLM's replicated MLA layout): the second never
         # copies a store and must load the first one's bytes.
-        step "binding_roundtrip.py --backend cuda --shared-region" 60 env PYTHONPATH="$carry/python" \
+        step "binding_roundtrip.py cuda, shared region" 60 env PYTHONPATH="$carry/python" \
             python3 "$carry/python/binding_roundtrip.py" --backend cuda --shared-region
         # Again with a table given to the worker: every job on the kernel,
         # a tuned launch shape and a ring of 2 (the binding's table path).
