@@ -22,7 +22,8 @@ sizes; `--only left-out`: those with groups vLLM's connector leaves out;
 `--only params`: those whose requests carry `kv_transfer_params`;
 `--only partial`: those with Mamba states inside a block;
 `--only partial-eagle`: those of them beside an EAGLE draft group;
-`--only dcp`: those with decode context parallelism),
+`--only dcp`: those with decode context parallelism;
+`--only spec`: those with speculative decoding),
 from seed 30,000.
 `--from SEED` starts at SEED instead (each seed keeps its configuration:
 `400 DIR` and then `400 DIR --from 10400` run seeds 10,000 to 10,799).

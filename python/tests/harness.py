@@ -28,6 +28,7 @@ from vllm.config import (  # noqa: E402
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
     set_current_vllm_config,
 )
@@ -47,7 +48,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheGroupSpec,
     KVCacheTensor,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -162,6 +163,15 @@ class Engine:
     #: Per request and Mamba group, the tokens after which the fake model
     #: last wrote its state.
     state_ends: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: Speculative decoding: draft tokens the fake model accepted, and those
+    #: it rejected (their KV, written at their positions, is wrong until the
+    #: position is computed again).
+    drafts_accepted: int = 0
+    drafts_rejected: int = 0
+    #: Requests that stopped inside the tokens sampled in a step (accepted
+    #: drafts past the stop: vLLM drops them and rolls the computed tokens
+    #: back to the last token but one).
+    finished_past_stop: int = 0
 
     @property
     def connector(self) -> Any:
@@ -175,11 +185,15 @@ class Engine:
         skip_cache: bool = False,
         kv_transfer_params: dict | None = None,
         priority: int = 0,
+        stop_after: int | None = None,
     ) -> str:
         """Adds a request; `skip_cache`: it must not read cached KV (vLLM's
         ``skip_reading_prefix_cache``, as for prompt logprobs);
         `kv_transfer_params`: the request's, as a client sends them;
-        `priority`: under the priority policy, lower runs first."""
+        `priority`: under the priority policy, lower runs first;
+        `stop_after`: a stop token, the one the fake model samples as the
+        request's output token of that index (it stops there, or at an
+        earlier output token that happens to be the same)."""
         rid = req_id or f"r{self.next_id}"
         self.next_id += 1
         sp = SamplingParams(
@@ -187,6 +201,7 @@ class Engine:
             ignore_eos=True,
             skip_reading_prefix_cache=skip_cache or None,
             extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None,
+            stop_token_ids=None if stop_after is None else [self.sampled_token(tokens, len(tokens) + stop_after)],
         )
         sp.update_from_generation_config({}, EOS)
         req = Request(
@@ -210,11 +225,85 @@ class Engine:
         prompt = req.prompt_token_ids
         if p < len(prompt):
             return prompt[p]
+        return Engine.sampled_token(prompt, p)
+
+    @staticmethod
+    def sampled_token(prompt: list[int], p: int) -> int:
+        """What the fake model samples at position `p` (past the prompt)
+        of a request with prompt `prompt`."""
         return 10 + (hash((prompt[0], len(prompt), p)) % 1000)
 
-    def _token(self, req: Request) -> int:
-        # Sampled after computing up to num_computed_tokens: the next position's.
-        return self.token_at(req, req.num_computed_tokens)
+    @property
+    def spec_tokens(self) -> int:
+        """Draft tokens a step (vLLM's ``num_speculative_tokens``; 0: no
+        speculative decoding)."""
+        return self.scheduler.num_spec_tokens
+
+    @staticmethod
+    def draft_at(req: Request, p: int) -> int:
+        """The fake drafter's guess of the token at position `p` (a
+        function of the request and the position, as `token_at`): right
+        about two times in three, else another token (never EOS)."""
+        t = Engine.token_at(req, p)
+        if hash((req.prompt_token_ids[0], len(req.prompt_token_ids), p, 1)) % 3:
+            return t
+        return 10 + (t - 10 + 1 + p % 7) % 1000
+
+    def _input_token(self, so: Any, req: Request, p: int) -> int:
+        """The token the fake model computes at position `p` in this step:
+        the request's (its prompt, or what was sampled), or at the step's
+        last positions the drafts scheduled there (speculative decoding: a
+        rejected draft's KV is written at its position, as a real model
+        writes it)."""
+        drafts = so.scheduled_spec_decode_tokens.get(req.request_id, ())
+        # schedule() has counted the step's tokens (drafts last) as computed.
+        first_draft = req.num_computed_tokens - len(drafts)
+        if p < first_draft:
+            return self.token_at(req, p)
+        return drafts[p - first_draft]
+
+    def _sampled(self, so: Any, req: Request) -> list[int]:
+        """The tokens the fake model samples for `req` in this step: none
+        for a prefill chunk; else the token after the request's tokens and,
+        with drafts scheduled, one more for each draft accepted in a row
+        (vLLM's rejection sampler: a draft is accepted where it equals the
+        token sampled at its position)."""
+        if req.is_prefill_chunk:
+            return []
+        drafts = so.scheduled_spec_decode_tokens.get(req.request_id, ())
+        # schedule() has counted the step's tokens (drafts too) as computed.
+        first = req.num_computed_tokens - len(drafts)
+        if self.async_scheduling:
+            # vLLM's async scheduler schedules placeholders (-1) and the
+            # model runner drafts; its count of computed tokens is optimistic
+            # (the step in flight's drafts are not yet verified), which the
+            # fake model does not correct (scheduler-only runs).
+            drafts = [self.draft_at(req, first + i) for i in range(len(drafts))]
+        out = [self.token_at(req, first)]
+        for i, d in enumerate(drafts):
+            if d != out[-1]:
+                self.drafts_rejected += len(drafts) - i
+                break
+            self.drafts_accepted += 1
+            out.append(self.token_at(req, first + i + 1))
+        return out
+
+    def _propose_drafts(self, so: Any) -> None:
+        """The fake drafter after a step (synchronous scheduling): up to
+        `spec_tokens` drafts for each request the step scheduled that still
+        runs (none for some, fewer for others, as an n-gram drafter finds
+        them), handed to vLLM's scheduler as the model runner hands them."""
+        ids, drafts = [], []
+        for rid in so.num_scheduled_tokens:
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            n = req.num_tokens
+            count = hash((req.prompt_token_ids[0], n, 2)) % (self.spec_tokens + 2)
+            ids.append(rid)
+            drafts.append([self.draft_at(req, n + i) for i in range(min(count, self.spec_tokens))])
+        if ids:
+            self.scheduler.update_draft_token_ids(DraftTokenIds(ids, drafts))
 
     def _worker_offset(self, w: int) -> int:
         """What worker `w` adds to every value the model writes (0 for all
@@ -248,13 +337,13 @@ class Engine:
             for g, layers in enumerate(self.group_layers):
                 table, tpb = tables[g], self.group_tpb(g)
                 if g in self.scratch_groups:
-                    self._compute_scratch(rid, req, g, layers, table, range(start, start + n))
+                    self._compute_scratch(so, rid, req, g, layers, table, range(start, start + n))
                     continue
                 if g in self.state_groups:
                     self._compute_state(rid, req, g, layers, table, start, start + n)
                     continue
                 for p in range(start, start + n):
-                    t = self.token_at(req, p)
+                    t = self._input_token(so, req, p)
                     for w, block, slot in self._places(table, tpb, p):
                         assert block != 0, f"{rid}: token {p} of group {g} computed into the null block"
                         for li, name in enumerate(layers):
@@ -338,14 +427,16 @@ class Engine:
             return None
         return idx, slot
 
-    def _compute_scratch(self, rid: str, req: Request, g: int, layers: list[str], table: list[int], positions: range) -> None:
+    def _compute_scratch(
+        self, so: Any, rid: str, req: Request, g: int, layers: list[str], table: list[int], positions: range
+    ) -> None:
         """The fake model's writes into a scratch group (see `scratch_groups`)."""
         for p in positions:
             at = self._scratch_slot(g, table, p)
             if at is None:
                 continue
             idx, slot = at
-            block, t = table[idx], self.token_at(req, p)
+            block, t = table[idx], self._input_token(so, req, p)
             prev = self.scratch_written.get((rid, g, idx))
             slots = prev[1] if prev is not None and prev[0] == block else {}
             slots[slot] = (t, p)
@@ -427,6 +518,7 @@ class Engine:
             wc.start_load_kv(ctx)
         if self.workers:
             self._compute(so)
+        sampled = [self._sampled(so, self.scheduler.requests[r]) for r in so.num_scheduled_tokens]
         for w, wc in enumerate(self.workers):
             wc.wait_for_save()
             # Every transfer not stalled on purpose has copied by now: which
@@ -442,6 +534,7 @@ class Engine:
             outs.append(
                 self._output(
                     so,
+                    sampled,
                     KVConnectorOutput(
                         finished_recving=res.finished_recving or None,
                         failed_recving=res.failed_recving,
@@ -451,15 +544,32 @@ class Engine:
                 )
             )
         if self.fake_worker is not None:
-            outs = [self._fake_output(so, w) for w in range(self.world)]
+            outs = [self._fake_output(so, w, sampled) for w in range(self.world)]
         mro = self.aggregator.aggregate(outs)
         if self.async_scheduling:
             if self.pending is not None:
-                self.scheduler.update_from_output(*self.pending)
+                self._update(*self.pending)
             self.pending = (so, mro)
         else:
-            self.scheduler.update_from_output(so, mro)
+            self._update(so, mro)
+            if self.spec_tokens:
+                self._propose_drafts(so)
         return so
+
+    def _update(self, so: Any, mro: ModelRunnerOutput) -> None:
+        """vLLM's ``update_from_output`` of a step, counting the requests
+        that stopped inside the tokens sampled for them (vLLM trims those
+        past the stop, in place)."""
+        if not self.spec_tokens:
+            self.scheduler.update_from_output(so, mro)
+            return
+        before = [
+            (req, req.num_output_tokens + len(mro.sampled_token_ids[mro.req_id_to_index[r]]))
+            for r in so.num_scheduled_tokens
+            if (req := self.scheduler.requests.get(r)) is not None
+        ]
+        self.scheduler.update_from_output(so, mro)
+        self.finished_past_stop += sum(req.is_finished() and req.num_output_tokens < n for req, n in before)
 
     def _copy_blocks(self, so: Any) -> None:
         """vLLM's model runner's block copies (``kv_cache_block_copies``,
@@ -473,29 +583,25 @@ class Engine:
                         cache[name][dst] = cache[name][src]
             self.block_copies += 1
 
-    def _output(self, so: Any, kv: KVConnectorOutput) -> ModelRunnerOutput:
-        """One worker's model output for the step: a sampled token for every
-        request past its prefill, and the worker connector's output."""
+    def _output(self, so: Any, sampled: list[list[int]], kv: KVConnectorOutput) -> ModelRunnerOutput:
+        """One worker's model output for the step: the tokens sampled for
+        each scheduled request (`sampled`, in the step's order), and the
+        worker connector's output."""
         return ModelRunnerOutput(
             req_ids=list(so.num_scheduled_tokens),
             req_id_to_index={r: i for i, r in enumerate(so.num_scheduled_tokens)},
-            sampled_token_ids=[
-                []
-                if self.scheduler.requests[r].is_prefill_chunk
-                else [self._token(self.scheduler.requests[r])]
-                for r in so.num_scheduled_tokens
-            ],
+            sampled_token_ids=sampled,
             logprobs=None,
             prompt_logprobs_dict={},
             pooler_output=None,
             kv_connector_output=kv,
         )
 
-    def _fake_output(self, so: Any, w: int) -> ModelRunnerOutput:
+    def _fake_output(self, so: Any, w: int, sampled: list[list[int]]) -> ModelRunnerOutput:
         recv, wmeta = self.fake_worker(w, so.kv_connector_metadata)
         self.loaded |= recv
         return self._output(
-            so, KVConnectorOutput(finished_recving=recv or None, kv_connector_worker_meta=wmeta)
+            so, sampled, KVConnectorOutput(finished_recving=recv or None, kv_connector_worker_meta=wmeta)
         )
 
     def drain_remote(self) -> None:
@@ -506,7 +612,7 @@ class Engine:
 
     def flush_async(self) -> None:
         if self.pending is not None:
-            self.scheduler.update_from_output(*self.pending)
+            self._update(*self.pending)
             self.pending = None
 
     def run(self, max_steps: int = 500) -> None:
@@ -544,6 +650,7 @@ def build(
     layer_specs: list[Any] | None = None,
     dcp: int = 1,
     replicated: bool = False,
+    spec_tokens: int = 0,
 ) -> Engine:
     """An engine with the connector `connector` (loaded from `module`);
     `spec`: the KV cache group's spec (full attention of `tpb` tokens a
@@ -576,7 +683,13 @@ def build(
     (`Engine.dcp`).
     `replicated`: every worker holds the same KV (`Engine.replicated`), and
     the connector is told so (as vLLM's MLA on every tensor-parallel rank
-    with the ``mp`` executor on CUDA: one host region every worker maps)."""
+    with the ``mp`` executor on CUDA: one host region every worker maps).
+    `spec_tokens`: speculative decoding with up to that many draft tokens
+    a step (vLLM's n-gram ``SpeculativeConfig``, no draft model): the fake
+    drafter proposes tokens the fake model then accepts or rejects (see
+    `Engine.draft_at`), writing the rejected drafts' KV at their positions;
+    attention groups; with async scheduling, scheduler-only engines (a
+    `fake_worker`)."""
     if replicated:
         with mock.patch("kvoffload.vllm._replicated_layout", lambda *_a: True):
             e = build(
@@ -585,6 +698,7 @@ def build(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, fake_worker=fake_worker,
                 kv_events=kv_events, spec=spec, policy=policy, groups=groups, retention=retention,
                 eagle_groups=eagle_groups, hash_tokens=hash_tokens, layer_specs=layer_specs, dcp=dcp,
+                spec_tokens=spec_tokens,
             )
         e.replicated = True
         return e
@@ -634,6 +748,26 @@ def build(
     )
     vllm_config.parallel_config.world_size = world_size
     vllm_config.parallel_config.decode_context_parallel_size = dcp
+    if spec_tokens:
+        # The fake model computes rejected drafts from the drafts it is
+        # given; under async scheduling vLLM schedules placeholders and
+        # corrects the positions on the GPU (not modelled: scheduler-only
+        # runs), and a Mamba state after a rejected draft is not modelled
+        # either (vLLM's model runner keeps it in the speculative blocks).
+        assert not async_scheduling or fake_worker is not None, (
+            "speculative decoding with async scheduling: scheduler-only (a fake_worker)"
+        )
+        assert groups is None or not any(isinstance(s, MambaSpec) for s in groups), (
+            "speculative decoding with Mamba groups: not modelled"
+        )
+        vllm_config.speculative_config = SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=spec_tokens,
+            prompt_lookup_max=spec_tokens,
+            prompt_lookup_min=1,
+            target_model_config=model_config,
+            target_parallel_config=vllm_config.parallel_config,
+        )
     assert dcp == 1 or layer_specs is None, "DCP with layer_specs: not built"
     if kv_events:
         vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")

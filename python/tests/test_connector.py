@@ -591,6 +591,37 @@ def test_a_sync_load_runs_its_request_in_the_same_step_with_the_computed_bytes(w
     leak_free(e)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_speculative_decoding_never_brings_back_a_rejected_draft_s_kv(world_size):
+    # Multi-turn chats under speculative decoding (harness: n-gram drafts,
+    # about one in three rejected, their KV written at their positions):
+    # each turn's prompt is the last turn's prompt and output plus new
+    # tokens, so a turn loads blocks that end inside the last turn's
+    # output, some at its final sampled token (whose KV no step computed:
+    # its slot holds a rejected draft's KV or older bytes). Every running
+    # request's KV is checked after every step, the loaded blocks too.
+    e = harness.build(
+        num_gpu_blocks=32, world_size=world_size, spec_tokens=3,
+        extra={"num_cpu_chunks": 256, "offload_prompt_only": False},
+    )
+    rng = random.Random(11)
+    chats = [[rng.randrange(3, 900) for _ in range(rng.randrange(5, 14))] for _ in range(3)]
+    loaded = 0
+    for turn in range(4):
+        for c, prompt in enumerate(chats):
+            # Outputs that end on a block boundary (4 tokens a block).
+            max_tokens = 4 * rng.randrange(1, 4) - len(prompt) % 4 or 4
+            rid = e.add(prompt, max_tokens=max_tokens)
+            run_checked(e)
+            outputs = [harness.Engine.sampled_token(prompt, len(prompt) + j) for j in range(max_tokens)]
+            chats[c] = prompt + outputs + [rng.randrange(3, 900) for _ in range(rng.randrange(1, 6))]
+            loaded += rid in e.loaded
+        evict_gpu_prefix(e)
+    assert e.drafts_accepted > 20 and e.drafts_rejected > 20, (e.drafts_accepted, e.drafts_rejected)
+    assert loaded >= 6, f"{loaded} turns loaded their chat from the host tier"
+    leak_free(e)
+
+
 def test_a_failed_sync_load_has_its_blocks_recomputed():
     e, answers = _sync_engine(2)
     e.add(PREFIX + [1, 2, 3], max_tokens=2)

@@ -207,6 +207,10 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
     reset_rng = random.Random(seed * 15485863 + 4)
     # Under the priority policy, each request's priority (0 to 3).
     priority_rng = random.Random(seed * 32452843 + 5)
+    # A share of the requests with a stop token (sampled before max_tokens:
+    # with speculative decoding, accepted drafts past it are dropped).
+    stop_share = kw.pop("stop_share", 0.0)
+    stop_rng = random.Random(seed * 49979687 + 6)
     resets: list[tuple[bool, bool]] = []
     e = build(connector=connector, module=module, extra=extra, fake_worker=fake, tpb=TPB, **kw)
     lookups: list[tuple[str, Any]] = []
@@ -249,9 +253,10 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
             skip = skip_rng.random() < skip_share
             params = transfer_params(params_rng) if params_rng.random() < params_share else None
             priority = priority_rng.randrange(4) if kw.get("policy") == "priority" else 0
+            stop = stop_rng.randrange(max_tokens) if stop_rng.random() < stop_share else None
             e.add(
                 prompt, max_tokens=max_tokens, req_id=f"q{i}", skip_cache=skip,
-                kv_transfer_params=params, priority=priority,
+                kv_transfer_params=params, priority=priority, stop_after=stop,
             )
             i += 1
         if i == len(arrivals) and not e.scheduler.has_requests() and e.pending is None:
@@ -283,6 +288,7 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
         steps.append(
             {
                 "scheduled": dict(so.num_scheduled_tokens),
+                "drafts": {r: len(d) for r, d in so.scheduled_spec_decode_tokens.items()},
                 "preempted": sorted(so.preempted_req_ids or ()),
                 "aborted": aborted[:],
                 "resets": resets[:],
@@ -304,6 +310,10 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
     else:
         raise AssertionError(f"{connector}: requests still running after 600 steps")
     e.flush_async()
+    if e.spec_tokens:
+        steps.append(
+            {"drafts accepted": e.drafts_accepted, "rejected": e.drafts_rejected, "past stop": e.finished_past_stop}
+        )
     return steps
 
 
@@ -368,6 +378,27 @@ CASES = [
      {"dcp": 2, "world_size": 2, "async_scheduling": True}),
     (32, {"sync_load_budget_bytes": 4096, "self_describing_kv_events": True},
      {"dcp": 2, "world_size": 2, "params_share": 0.5}),
+    # Speculative decoding (n-gram drafts, synchronous scheduling): decode
+    # steps schedule draft tokens past the request's tokens, rejections
+    # roll the computed tokens back, and a request may stop inside its
+    # accepted drafts (vLLM then stores up to its last token but one).
+    (33, {}, {"spec_tokens": 3, "stop_share": 0.5}),
+    (34, {"block_size": 2 * TPB, "eviction_policy": "arc", "offload_prompt_only": False},
+     {"spec_tokens": 2, "world_size": 2, "stop_share": 0.5}),
+    (39, {"sync_load_budget_bytes": 4096, "self_describing_kv_events": True, "offload_prompt_only": False},
+     {"spec_tokens": 4, "abort_share": 0.1, "stop_share": 0.5}),
+    (36, {"offload_prompt_only": False},
+     {"spec_tokens": 3, "reset_share": 0.05, "params_share": 0.3, "stop_share": 0.5}),
+    (37, {"block_size": 2 * TPB, "offload_prompt_only": False},
+     {"spec_tokens": 5, "policy": "priority", "max_num_batched_tokens": 24, "stop_share": 0.5}),
+    # With async scheduling: vLLM schedules placeholder drafts, counts the
+    # step in flight's drafts as computed until its output rolls them back.
+    (43, {"eviction_policy": "arc", "offload_prompt_only": False},
+     {"spec_tokens": 3, "async_scheduling": True, "stop_share": 0.5}),
+    (41, {"block_size": 2 * TPB, "sync_load_budget_bytes": 4096},
+     {"spec_tokens": 2, "async_scheduling": True, "world_size": 2, "abort_share": 0.1, "stop_share": 0.5}),
+    (42, {"offload_prompt_only": False, "self_describing_kv_events": True},
+     {"spec_tokens": 4, "async_scheduling": True, "reset_share": 0.05, "params_share": 0.3, "stop_share": 0.5}),
 ]
 # KVOFFLOAD_DIFF_SEEDS=N adds N more seeds, cycling through the cases' configurations.
 _CONFIGS = [c for c in CASES if c[0] != 88]
@@ -410,6 +441,12 @@ def test_same_steps_as_vllms_offloading_connector(seed: int, extra: dict, opts: 
         hits = [lk for st in want for lk in st.get("lookups", ()) if lk[2]]
         assert any(st.get("sources") for st in want), "no hit source asked"
         assert hits, "no hit in the workload"
+    if opts.get("spec_tokens") and seed < 1000:
+        drafts = want[-1]
+        assert drafts["drafts accepted"] > 50 and drafts["rejected"] > 50, drafts
+        # Requests that stopped inside their accepted drafts: their computed
+        # tokens reach past their last token, where vLLM stores less.
+        assert drafts["past stop"] >= 3, drafts
     if extra.get("self_describing_kv_events") and seed < 1000:
         stored = [dict(ev[1]) for st in want for ev in st.get("events", ()) if ev[0] == "BlockStored"]
         assert any(f["token_ids"] for f in stored), "no self-describing payload in the workload"

@@ -383,6 +383,24 @@ CASES = [
     (69, "full+mambasb", {"sync_load_budget_bytes": 8192, "offload_prompt_only": False}, {}, 0),
     (70, "full+mambasb", {"self_describing_kv_events": True, "offload_prompt_only": False},
      {"hash_tokens": 1, "eagle_groups": [0], "world_size": 2, "async_scheduling": True}, 1),
+    # Speculative decoding (n-gram drafts, synchronous scheduling; the
+    # harness's `spec_tokens`): decode steps schedule draft tokens past the
+    # request's tokens (vLLM allocates blocks for them), about one in three
+    # is rejected and its KV written at its position. Full attention with
+    # a window; two windows, chunks of two blocks, two workers;
+    # chunked-local attention with dense retention; a window of 8-token
+    # blocks with hashes every 2 tokens; a window alone, sync loads and
+    # requests' kv_transfer_params; a circular buffer (left out, written
+    # by drafts too); a window retaining 2 tokens behind it (multi-module
+    # MTP's); MLA beside a window.
+    (71, "full+swa8", {"offload_prompt_only": False}, {"spec_tokens": 3}, 1),
+    (72, "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"spec_tokens": 2, "world_size": 2}, 0),
+    (73, "full+local12", {"offload_prompt_only": False}, {"spec_tokens": 4, "retention": None}, 1),
+    (74, "full+swa8b8", {"offload_prompt_only": False}, {"spec_tokens": 3, "hash_tokens": 2}, 1),
+    (75, "swa8", {"sync_load_budget_bytes": 8192, "offload_prompt_only": False}, {"spec_tokens": 3, "params": True}, 1),
+    (76, "full+ring", {"offload_prompt_only": False}, {"spec_tokens": 3}, 0),
+    (77, "full+swa8x2", {"block_size": 4 * TPB, "offload_prompt_only": False}, {"spec_tokens": 2, "retention": None}, 1),
+    (78, "mla+swa8", {"self_describing_kv_events": True, "offload_prompt_only": False}, {"spec_tokens": 5}, 3),
 ]
 # The configurations the widening scripts cycle through (`select_cases`).
 _CONFIGS = list(CASES)
@@ -403,13 +421,15 @@ def select_cases(only: str | None) -> list[tuple]:
     whose groups have different block sizes; ``left-out``: those with groups
     vLLM's connector leaves out; ``params``: those whose requests carry
     ``kv_transfer_params``; ``dcp``: those with decode context
-    parallelism)."""
+    parallelism; ``spec``: those with speculative decoding)."""
     if only is None:
         return list(_CONFIGS)
     if only == "params":
         return [c for c in _CONFIGS if c[3].get("params")]
     if only == "dcp":
         return [c for c in _CONFIGS if c[3].get("dcp")]
+    if only == "spec":
+        return [c for c in _CONFIGS if c[3].get("spec_tokens")]
     if only == "eagle":
         return [c for c in _CONFIGS if c[3].get("eagle_groups")]
     if only == "hash":

@@ -122,6 +122,10 @@ def worker_run(
     seen["checkpoints"] = e.checkpoints_written
     seen["states_restored_inside_block"] = e.states_restored_inside_block
     seen["block_copies"] = e.block_copies
+    # Speculative decoding: drafts accepted and rejected (a rejected
+    # draft's KV was written at its position).
+    seen["drafts_accepted"] = e.drafts_accepted
+    seen["drafts_rejected"] = e.drafts_rejected
     if on_done is not None:
         on_done(e)
     return seen
@@ -147,6 +151,8 @@ def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
     # partial tails, copied out of the running block) come back too.
     if partial_tail_case(specs, opts):
         assert seen["states_restored_inside_block"] > 0 and seen["block_copies"] > 0, seen
+    if opts.get("spec_tokens"):
+        assert seen["drafts_accepted"] > 20 and seen["drafts_rejected"] > 20, seen
 
 
 @pytest.mark.parametrize(
@@ -157,8 +163,12 @@ def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
         (23, "swa6+full", {}, {"world_size": 2, "async_scheduling": True}),
         (23, "full+swa8b8", {"offload_prompt_only": False}, {}),
         (23, "full+mamba", {"offload_prompt_only": False}, {}),
+        (23, "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"spec_tokens": 3}),
     ],
-    ids=["full+swa8", "local12+full-2blocks", "swa6+full-2workers-async", "full+swa8b8-block-sizes", "full+mamba"],
+    ids=[
+        "full+swa8", "local12+full-2blocks", "swa6+full-2workers-async", "full+swa8b8-block-sizes", "full+mamba",
+        "full+swa8+swa13-speculative",
+    ],
 )
 def test_failed_and_late_transfers_with_groups_end_with_the_computed_bytes(
     seed: int, specs: str, extra: dict, opts: dict
