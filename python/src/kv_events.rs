@@ -11,14 +11,14 @@
 //! a chunk removed and stored again in one batch of events loses it (vLLM's
 //! tracker does the same: its later removal is a placeholder).
 
-use kvoffload::manager::LookupResult;
+use kvoffload::manager::{LookupResult, OffloadEvent};
 use kvoffload::scheduler::Scheduler;
 use kvoffload::scheduler::hybrid::PartialTailKey;
 use kvoffload::{BlockHash, ChunkKey};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PySlice, PyTuple};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 /// A chunk's self-describing payload (vLLM's `_OffloadEventMetadata` for a
 /// full-attention group), as Python objects ready for `BlockStored`.
@@ -151,6 +151,11 @@ pub(crate) struct EventTracker {
     /// Per KV group, its block in the configuration's blocks (vLLM gives a
     /// group of smaller pages larger blocks; empty: 1 for every group).
     block_factor: Vec<usize>,
+    /// The host tier's events still untaken at the last reset (an eviction
+    /// by the last step's stores, whose output vLLM's async scheduler has
+    /// not processed yet): published at the next take, as vLLM publishes
+    /// them, with placeholder payloads (a reset drops the payloads).
+    before_reset: Vec<OffloadEvent>,
 }
 
 impl EventTracker {
@@ -178,6 +183,7 @@ impl EventTracker {
             tokens_per_chunk: bpc * tokens_per_block.max(1) as usize,
             hashes_per_block: hashes_per_block.max(1),
             block_factor,
+            before_reset: Vec::new(),
         }
     }
 
@@ -205,13 +211,24 @@ impl EventTracker {
         self.payloads.as_ref().map_or(0, FxHashMap::len)
     }
 
-    /// A reset: the tier is empty, and as vLLM no removal event follows.
-    pub(crate) fn reset(&mut self) {
-        self.key_bytes.clear();
-        self.key_group.clear();
+    /// A reset of the host tier in `s` (already reset): the tier is empty,
+    /// and as vLLM no removal event follows for what it held. Events the
+    /// tier logged before the reset and nobody took yet are kept for the
+    /// next [`Self::take`], with the hashes of their keys (vLLM's
+    /// placeholder payloads name a chunk by its key's block hash, which its
+    /// keys carry); every payload goes, as vLLM's tracker drops its own.
+    pub(crate) fn reset(&mut self, s: &mut Scheduler) {
+        self.before_reset.extend(s.take_events());
         if let Some(p) = &mut self.payloads {
             p.clear();
         }
+        let pending: FxHashSet<u64> = self
+            .before_reset
+            .iter()
+            .flat_map(|e| e.keys.iter().map(|k| k.0))
+            .collect();
+        self.key_bytes.retain(|k, _| pending.contains(k));
+        self.key_group.retain(|k, _| pending.contains(k));
     }
 
     /// Records the keys a store (or fetch) job writes in KV group `group`
@@ -442,7 +459,15 @@ impl EventTracker {
     /// held, a failed store's cleanup (`metadata_only`) announces nothing,
     /// and a store carries each chunk's payload or its hash.
     pub(crate) fn take(&mut self, py: Python<'_>, s: &mut Scheduler) -> PyResult<Vec<Event>> {
-        let events = s.take_events();
+        let before_reset = std::mem::take(&mut self.before_reset);
+        // Keys of events from before a reset: their hash goes with the
+        // event unless the tier holds the key again.
+        let stale: Vec<ChunkKey> = before_reset
+            .iter()
+            .flat_map(|e| e.keys.iter().copied())
+            .collect();
+        let mut events = before_reset;
+        events.extend(s.take_events());
         let mut out: Vec<Event> = Vec::with_capacity(events.len());
         let mut removed: Vec<ChunkKey> = Vec::new();
         for e in events {
@@ -501,7 +526,7 @@ impl EventTracker {
             }
         }
         // A key evicted and stored again in one batch keeps its hash.
-        for k in removed {
+        for k in removed.into_iter().chain(stale) {
             if s.manager().lookup(k) == LookupResult::Miss {
                 self.key_bytes.remove(&k.0);
                 self.key_group.remove(&k.0);
@@ -625,7 +650,55 @@ mod tests {
                 };
                 assert_eq!(items, [(0, first.to_string()), (1, "b'p2'".to_string())]);
                 s.manager_mut().reset();
-                t.reset();
+                t.reset(&mut s);
+            }
+        });
+    }
+
+    #[test]
+    fn events_logged_before_a_reset_and_untaken_still_go_out_named_by_their_hashes() {
+        with_python(|py| {
+            for self_describing in [false, true] {
+                let mut s = scheduler(2);
+                let mut t = EventTracker::new(2, 2, self_describing, Vec::new(), 1, Vec::new());
+                let (req, hashes) = request(py, "a");
+                let k = keys(&hashes);
+                t.record_store(&source(&req, &hashes), &k, 0).unwrap();
+                store(&mut s, &k, StoreOutcome::Success);
+                t.take(py, &mut s).unwrap();
+                // A third chunk evicts chunk a1 (its last block hash `a1`);
+                // the tier is reset before anyone takes the events (vLLM's
+                // async scheduler processes a step's output after the next
+                // step's reset).
+                let (other, other_hashes) = request(py, "b");
+                let k2 = keys(&other_hashes);
+                t.record_store(&source(&other, &other_hashes), &k2[..1], 0)
+                    .unwrap();
+                store(&mut s, &k2[..1], StoreOutcome::Success);
+                s.reset().unwrap();
+                t.reset(&mut s);
+                let ev = t.take(py, &mut s).unwrap();
+                let got: Vec<(bool, Vec<String>)> = ev
+                    .iter()
+                    .map(|(removed, _, items)| {
+                        (*removed, items.iter().map(|i| text(py, i)).collect())
+                    })
+                    .collect();
+                // As vLLM's tracker, whose reset drops the payloads: the
+                // removal and the store are placeholders, each named by its
+                // chunk's last block hash, never by kvoffload's 8-byte key.
+                assert_eq!(
+                    got,
+                    [
+                        (true, vec!["b'a1'".to_string()]),
+                        (false, vec!["b'b1'".to_string()])
+                    ],
+                    "self-describing: {self_describing}"
+                );
+                // The tier is empty: no hash or payload is held any more.
+                assert_eq!(t.held_hashes(), 0);
+                assert_eq!(t.held_payloads(), 0);
+                assert!(t.take(py, &mut s).unwrap().is_empty());
             }
         });
     }

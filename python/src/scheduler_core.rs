@@ -1237,8 +1237,12 @@ impl SchedulerCore {
         for p in &mut self.positions {
             p.horizon = 0;
         }
-        // The tier is empty: as vLLM, no removal event follows a reset.
-        self.events.reset();
+        // The tier is empty: as vLLM, no removal event follows a reset
+        // (what it logged before and nobody took yet still goes out).
+        if !self.kv_events {
+            self.s.discard_events();
+        }
+        self.events.reset(&mut self.s);
         self.forget_finished();
         Ok(())
     }

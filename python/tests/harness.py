@@ -9,6 +9,7 @@ check that KV restored from the host tier equals what was computed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 from unittest import mock
@@ -168,6 +169,15 @@ class Engine:
     #: position is computed again).
     drafts_accepted: int = 0
     drafts_rejected: int = 0
+    #: Speculative decoding with Mamba groups: per request and group, the
+    #: index in the group's block table of the block holding the state
+    #: after the request's computed tokens, where vLLM's model runner keeps
+    #: it after a step with drafts (a speculative column); absent: the
+    #: block of its last computed token, as align mode keeps it.
+    state_index: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: States after a rejected draft the fake model wrote (each marked
+    #: wrong: a check reading one fails).
+    states_after_rejected_drafts: int = 0
     #: Requests that stopped inside the tokens sampled in a step (accepted
     #: drafts past the stop: vLLM drops them and rolls the computed tokens
     #: back to the last token but one).
@@ -324,11 +334,16 @@ class Engine:
     def _compute(self, so: Any) -> None:
         """The fake model: writes the KV of every scheduled token, in every
         KV group."""
+        afresh = {r.req_id for r in so.scheduled_new_reqs} | so.scheduled_cached_reqs.resumed_req_ids
         if self.scratch_groups:
             # A request scheduled afresh (new, or resumed after a
             # preemption) has new blocks: what it wrote before is gone.
-            afresh = {r.req_id for r in so.scheduled_new_reqs} | so.scheduled_cached_reqs.resumed_req_ids
             self.scratch_written = {k: v for k, v in self.scratch_written.items() if k[0] not in afresh}
+        if self.state_index:
+            # vLLM's model runner forgets where a preempted request's state
+            # was (`cleanup_mamba_state_idx`): it starts again from the
+            # block of its last computed token.
+            self.state_index = {k: v for k, v in self.state_index.items() if k[0] not in afresh}
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
             tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
@@ -340,7 +355,10 @@ class Engine:
                     self._compute_scratch(so, rid, req, g, layers, table, range(start, start + n))
                     continue
                 if g in self.state_groups:
-                    self._compute_state(rid, req, g, layers, table, start, start + n)
+                    if self.spec_tokens:
+                        self._compute_state_speculative(so, rid, req, g, layers, table, start, start + n)
+                    else:
+                        self._compute_state(rid, req, g, layers, table, start, start + n)
                     continue
                 for p in range(start, start + n):
                     t = self._input_token(so, req, p)
@@ -407,6 +425,66 @@ class Engine:
                 for li, name in enumerate(layers):
                     self.caches[w][name][block] = state_value(req, at - 1, self._layer_ordinal(g, li)) + self._worker_offset(w)
 
+    def _compute_state_speculative(
+        self, so: Any, rid: str, req: Request, g: int, layers: list[str], table: list[int], start: int, end: int
+    ) -> None:
+        """The fake model in a Mamba group under speculative decoding, as
+        vLLM's model runner keeps the state in align mode
+        (``preprocess_mamba`` and ``postprocess_mamba_fused_kernel``):
+
+        - the state after `start` tokens is read (and checked) where the
+          last step left it (`state_index`);
+        - with ``k`` drafts scheduled, the state after the step's first
+          ``end - k`` tokens goes to the block of its last scheduled token
+          (column 0), the state after each draft to the ``k`` speculative
+          blocks past it (columns 1 to ``k``); a state after a rejected
+          draft is written marked wrong;
+        - after the step, if the accepted tokens reach a block boundary at
+          or past column 0's, the state there is copied into the block
+          ending there; the state after the accepted tokens stays in its
+          column, where the next step reads it."""
+        tpb = self.group_tpb(g)
+        drafts = so.scheduled_spec_decode_tokens.get(rid, ())
+        if self.async_scheduling:
+            raise AssertionError("Mamba groups under async speculative decoding: not modelled")
+        if start > 0:
+            idx = self.state_index.get((rid, g), (start - 1) // tpb)
+            block = table[idx] if idx < len(table) else 0
+            assert block != 0, f"{rid}: no block holds its Mamba state after {start} tokens in group {g}"
+            self._check_state(f"{rid}: step from {start}", req, g, layers, block, start)
+            self.states_checked += 1
+            restored = self.state_ends.get((rid, g)) != start
+            self.states_restored += restored
+            self.states_restored_inside_block += restored and start % tpb != 0
+        first = end - len(drafts)
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == self.token_at(req, first + accepted):
+            accepted += 1
+        curr = -(-end // tpb) - 1
+        assert curr + len(drafts) < len(table), f"{rid}: {len(drafts)} drafts past the speculative blocks of group {g}"
+        for j in range(len(drafts) + 1):
+            block = table[curr + j]
+            assert block != 0, f"{rid}: Mamba state column {j} of group {g} in the null block"
+            wrong = j > accepted
+            self.states_after_rejected_drafts += wrong
+            for w in range(len(self.workers)):
+                for li, name in enumerate(layers):
+                    v = state_value(req, first + j - 1, self._layer_ordinal(g, li)) + self._worker_offset(w)
+                    # States are multiples of 1/16: a marked one is none.
+                    self.caches[w][name][block] = v + (1 / 32 if wrong else 0)
+        computed = first + accepted
+        aligned = computed // tpb * tpb
+        index = curr + accepted
+        if aligned >= first and aligned > 0:
+            dest = aligned // tpb - 1
+            for cache in self.caches:
+                for name in layers:
+                    cache[name][table[dest]] = cache[name][table[curr + aligned - first]].clone()
+            if dest == curr:
+                index = curr
+        self.state_index[(rid, g)] = index
+        self.state_ends[(rid, g)] = computed
+
     def _places(self, table: list[int], tpb: int, p: int) -> list[tuple[int, int, int]]:
         """Where token `p` lives: ``(worker, block, slot)`` on each worker
         that holds it (every worker, but for decode context parallelism:
@@ -470,7 +548,8 @@ class Engine:
                 self._check_scratch(rid, g, layers, table)
                 continue
             if g in self.state_groups:
-                block = self._state_block(g, table, n) if n else 0
+                idx = self.state_index.get((rid, g), (n - 1) // self.group_tpb(g))
+                block = table[idx] if n and idx < len(table) else 0
                 if block:
                     self._check_state(f"{rid}: after the step", req, g, layers, block, n)
                 continue
@@ -687,9 +766,11 @@ def build(
     `spec_tokens`: speculative decoding with up to that many draft tokens
     a step (vLLM's n-gram ``SpeculativeConfig``, no draft model): the fake
     drafter proposes tokens the fake model then accepts or rejects (see
-    `Engine.draft_at`), writing the rejected drafts' KV at their positions;
-    attention groups; with async scheduling, scheduler-only engines (a
-    `fake_worker`)."""
+    `Engine.draft_at`), writing the rejected drafts' KV at their positions
+    (and a Mamba group's states after them, marked wrong, in its
+    speculative blocks, which are sized to the drafts as vLLM sizes them:
+    `Engine._compute_state_speculative`); with async scheduling,
+    scheduler-only engines (a `fake_worker`) of attention groups."""
     if replicated:
         with mock.patch("kvoffload.vllm._replicated_layout", lambda *_a: True):
             e = build(
@@ -752,14 +833,20 @@ def build(
         # The fake model computes rejected drafts from the drafts it is
         # given; under async scheduling vLLM schedules placeholders and
         # corrects the positions on the GPU (not modelled: scheduler-only
-        # runs), and a Mamba state after a rejected draft is not modelled
-        # either (vLLM's model runner keeps it in the speculative blocks).
+        # runs).
         assert not async_scheduling or fake_worker is not None, (
             "speculative decoding with async scheduling: scheduler-only (a fake_worker)"
         )
-        assert groups is None or not any(isinstance(s, MambaSpec) for s in groups), (
-            "speculative decoding with Mamba groups: not modelled"
-        )
+        if groups is not None:
+            # vLLM sizes a Mamba layer's speculative blocks to the drafts
+            # (one state column a draft).
+            assert not any(getattr(s, "num_prefill_checkpoint_blocks", 0) for s in groups), (
+                "speculative decoding with Mamba2 prefill checkpoints: not modelled"
+            )
+            groups = [
+                dataclasses.replace(s, num_speculative_blocks=spec_tokens) if isinstance(s, MambaSpec) else s
+                for s in groups
+            ]
         vllm_config.speculative_config = SpeculativeConfig(
             method="ngram",
             num_speculative_tokens=spec_tokens,

@@ -399,9 +399,18 @@ CASES = [
      {"spec_tokens": 2, "async_scheduling": True, "world_size": 2, "abort_share": 0.1, "stop_share": 0.5}),
     (42, {"offload_prompt_only": False, "self_describing_kv_events": True},
      {"spec_tokens": 4, "async_scheduling": True, "reset_share": 0.05, "params_share": 0.3, "stop_share": 0.5}),
+    # Found by widening seed 42's configuration (2026-12-07): under async
+    # scheduling a step's evictions are published once the next step ran,
+    # after a reset in between; the binding had dropped the evicted chunks'
+    # hashes at the reset and named them by kvoffload's 8-byte keys (vLLM
+    # names them by their block hashes, with placeholder payloads).
+    (6023, {"offload_prompt_only": False, "self_describing_kv_events": True},
+     {"spec_tokens": 4, "async_scheduling": True, "reset_share": 0.05, "params_share": 0.3, "stop_share": 0.5}),
+    (6159, {"offload_prompt_only": False, "self_describing_kv_events": True},
+     {"spec_tokens": 4, "async_scheduling": True, "reset_share": 0.05, "params_share": 0.3, "stop_share": 0.5}),
 ]
 # KVOFFLOAD_DIFF_SEEDS=N adds N more seeds, cycling through the cases' configurations.
-_CONFIGS = [c for c in CASES if c[0] != 88]
+_CONFIGS = [c for c in CASES if c[0] < 1000 and c[0] != 88]
 CASES += [
     (1000 + k, _CONFIGS[k % len(_CONFIGS)][1], _CONFIGS[k % len(_CONFIGS)][2])
     for k in range(int(os.environ.get("KVOFFLOAD_DIFF_SEEDS", "0")))

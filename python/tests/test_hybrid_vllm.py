@@ -401,6 +401,24 @@ CASES = [
     (76, "full+ring", {"offload_prompt_only": False}, {"spec_tokens": 3}, 0),
     (77, "full+swa8x2", {"block_size": 4 * TPB, "offload_prompt_only": False}, {"spec_tokens": 2, "retention": None}, 1),
     (78, "mla+swa8", {"self_describing_kv_events": True, "offload_prompt_only": False}, {"spec_tokens": 5}, 3),
+    # Speculative decoding with Mamba groups (MTP on a hybrid Mamba model):
+    # vLLM sizes the speculative blocks to the drafts, its model runner
+    # keeps the state after each draft in them and copies the state at a
+    # block boundary the accepted tokens reach into the block ending there
+    # (the harness's `_compute_state_speculative`; a state after a rejected
+    # draft is marked wrong). Beside full attention; first, beside a
+    # window, two workers; alone, sync loads; chunks of two blocks with
+    # requests' kv_transfer_params; partial tails (hashes every 2 tokens),
+    # self-describing events; one draft (one speculative block); full
+    # attention, Mamba and a window, dense retention.
+    (79, "full+mamba", {"offload_prompt_only": False}, {"spec_tokens": 3}, 1),
+    (80, "mamba+swa8", {}, {"spec_tokens": 2, "world_size": 2}, 0),
+    (87, "mamba", {"offload_prompt_only": False, "sync_load_budget_bytes": 8192}, {"spec_tokens": 3}, 1),
+    (82, "full+mamba", {"blocks_per_chunk": 2, "offload_prompt_only": False}, {"spec_tokens": 2, "params": True}, 1),
+    (83, "full+mamba", {"self_describing_kv_events": True, "offload_prompt_only": False},
+     {"spec_tokens": 3, "hash_tokens": 2}, 1),
+    (84, "full+mambasb", {"offload_prompt_only": False}, {"spec_tokens": 1}, 1),
+    (85, "full+mamba+swa8", {"offload_prompt_only": False}, {"spec_tokens": 3, "retention": None}, 0),
 ]
 # The configurations the widening scripts cycle through (`select_cases`).
 _CONFIGS = list(CASES)

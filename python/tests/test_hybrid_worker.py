@@ -126,6 +126,7 @@ def worker_run(
     # draft's KV was written at its position).
     seen["drafts_accepted"] = e.drafts_accepted
     seen["drafts_rejected"] = e.drafts_rejected
+    seen["states_after_rejected_drafts"] = e.states_after_rejected_drafts
     if on_done is not None:
         on_done(e)
     return seen
@@ -153,6 +154,9 @@ def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
         assert seen["states_restored_inside_block"] > 0 and seen["block_copies"] > 0, seen
     if opts.get("spec_tokens"):
         assert seen["drafts_accepted"] > 20 and seen["drafts_rejected"] > 20, seen
+        # Mamba: states after rejected drafts were written (marked wrong)
+        # and none was read back.
+        assert seen["states_after_rejected_drafts"] > 20 or not mamba, seen
 
 
 @pytest.mark.parametrize(
