@@ -787,6 +787,78 @@ fn a_block_holding_a_handed_over_state_flushes_its_store_when_allocated_again() 
 }
 
 #[test]
+fn a_hand_off_whose_block_goes_to_another_request_in_its_step_is_flushed() {
+    let (mut s, _clock) = full_and_state();
+    let r1 = RequestId(1);
+    s.add_request(r1, 8, &hashes(3, 2)).unwrap();
+    assert_eq!(s.lookup(r1, 0).unwrap(), LookupOutcome::Hit(0));
+    assert_eq!(
+        alloc_groups(&mut s, r1, &[ids(&[1, 2]), ids(&[0, 5])], 0),
+        None
+    );
+    let state = BoundaryState {
+        req: r1,
+        group: 1,
+        block: GpuBlockId(5),
+        boundary: 8,
+    };
+    // The state handed over in the step that computes it, in the block
+    // the request got in that step: stored after the step's compute.
+    let mut step = step_of(vec![entry(1, 0, 8, &[1, 2], &[0, 5])]);
+    step.boundary_states = vec![state];
+    let plan = s.build_step(&step).unwrap();
+    assert_eq!(plan.stores[0].block_ids.to_vec(), ids(&[5]));
+    assert!(plan.flush.is_empty(), "{:?}", plan.flush);
+    assert!(s.handoff_flushes().is_empty());
+    s.on_worker_output(&all_done(&plan));
+    finish(&mut s, r1, &[1, 2], 8);
+    assert_eq!(s.build_step(&StepInput::default()).unwrap().stores.len(), 0);
+
+    // A second request of other tokens; in the step it gets block 5, the
+    // hand-off of a third request's state in block 5 arrives (vLLM freed
+    // the block as speculative decoding moved that request past it): the
+    // new owner writes block 5 in this step's compute, so the hand-off's
+    // store is flushed (copied before it).
+    let (r2, r3) = (RequestId(2), RequestId(3));
+    s.add_request(r3, 8, &hashes(9, 2)).unwrap();
+    assert_eq!(s.lookup(r3, 0).unwrap(), LookupOutcome::Hit(0));
+    assert_eq!(
+        alloc_groups(&mut s, r3, &[ids(&[11, 12]), ids(&[0, 13])], 0),
+        None
+    );
+    s.build_step(&step_of(vec![entry(3, 0, 8, &[11, 12], &[0, 13])]))
+        .unwrap();
+    s.add_request(r2, 8, &hashes(4, 2)).unwrap();
+    assert_eq!(s.lookup(r2, 0).unwrap(), LookupOutcome::Hit(0));
+    assert_eq!(
+        alloc_groups(&mut s, r2, &[ids(&[6, 7]), ids(&[0, 5])], 0),
+        None
+    );
+    let mut step = step_of(vec![entry(2, 0, 8, &[6, 7], &[0, 5])]);
+    step.boundary_states = vec![BoundaryState {
+        req: r3,
+        group: 1,
+        block: GpuBlockId(5),
+        boundary: 8,
+    }];
+    let plan = s.build_step(&step).unwrap();
+    let handed = plan
+        .stores
+        .iter()
+        .find(|t| t.req == r3)
+        .expect("the hand-off's store");
+    assert_eq!(handed.block_ids.to_vec(), ids(&[5]));
+    assert_eq!(plan.flush, vec![handed.job]);
+    assert_eq!(s.handoff_flushes(), &[handed.job]);
+    assert_eq!(s.metrics().handoffs_flushed, 1);
+    s.check_invariants().unwrap();
+    // The next plan has none.
+    s.on_worker_output(&all_done(&plan));
+    s.build_step(&StepInput::default()).unwrap();
+    assert!(s.handoff_flushes().is_empty());
+}
+
+#[test]
 fn a_group_of_larger_blocks_keys_each_chunk_by_the_last_hash_in_it() {
     // Group 0: full attention over 4-token blocks; group 1: a 16-token
     // window over 8-token blocks (vLLM grows a group of smaller pages to

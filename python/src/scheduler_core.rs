@@ -1341,6 +1341,13 @@ impl SchedulerCore {
         Ok(d)
     }
 
+    /// The jobs the last step's plan flushed only because vLLM gave their
+    /// hand-off's block to another request in that step (vLLM 0.33.0 does
+    /// not flush them): for comparisons with vLLM's decisions.
+    fn handoff_flushes(&self) -> Vec<u64> {
+        self.s.handoff_flushes().iter().map(|j| j.0).collect()
+    }
+
     /// Counters and gauges (scheduler and host tier) as a dict.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let m = self.s.metrics();
@@ -1353,6 +1360,7 @@ impl SchedulerCore {
         d.set_item("cancellations_confirmed", m.cancellations_confirmed)?;
         d.set_item("allocation_failures", m.allocation_failures)?;
         d.set_item("jobs_created", m.jobs_created)?;
+        d.set_item("handoffs_flushed", m.handoffs_flushed)?;
         d.set_item("jobs_in_flight", m.jobs_in_flight)?;
         d.set_item("stalled_jobs", m.stalled_jobs)?;
         d.set_item("quarantined_chunks", m.quarantined_chunks)?;

@@ -40,6 +40,13 @@ class FakeWorkers:
         self.jobs, self.meta_of, self.delay = jobs, meta_of, delay
         #: Per worker: ``[(steps left, job, load's request or None)]``.
         self.pending: dict[int, list[list[Any]]] = {}
+        #: kvoffload only: the step's flushed jobs vLLM does not flush
+        #: (``SchedulerCore.handoff_flushes``: a Mamba state's hand-off whose
+        #: block another request got in the step, which vLLM 0.33.0 stores
+        #: after that request wrote it). Their copy runs before the step's
+        #: compute; here they keep vLLM's completion timing, so that both
+        #: connectors see the same reports.
+        self.not_flushed_by_vllm: Any = None
 
     def __call__(self, w: int, meta: Any) -> tuple[set[str], Any]:
         loads, stores, flush = self.jobs(meta)
@@ -47,6 +54,8 @@ class FakeWorkers:
         mine.extend([0, j, None] if sync else [self.delay, j, r] for j, r, sync in loads)
         mine.extend([self.delay, j, None] for j in stores)
         flush = set(flush)
+        if self.not_flushed_by_vllm is not None:
+            flush -= set(self.not_flushed_by_vllm())
         done, recv, left = {}, set(), []
         for p in mine:
             if p[0] <= 0 or p[1] in flush:
@@ -77,6 +86,14 @@ def vllm_worker(delay: int) -> FakeWorkers:
 
 def kvoffload_worker(delay: int) -> FakeWorkers:
     return FakeWorkers(kvoffload_jobs, lambda done: KvOffloadWorkerMetadata(completed=done), delay)
+
+
+def with_vllm_flushes(e: Any) -> Any:
+    """`e` (an engine of kvoffload's connector over `kvoffload_worker`),
+    its fake workers told which flushed jobs vLLM does not flush
+    (`FakeWorkers.not_flushed_by_vllm`)."""
+    e.fake_worker.not_flushed_by_vllm = e.connector._scheduler.core.handoff_flushes
+    return e
 
 
 def vllm_transfers(meta: Any) -> tuple[list, list]:
@@ -213,6 +230,8 @@ def run(connector: str, module: str | None, fake: Any, transfers: Any, seed: int
     stop_rng = random.Random(seed * 49979687 + 6)
     resets: list[tuple[bool, bool]] = []
     e = build(connector=connector, module=module, extra=extra, fake_worker=fake, tpb=TPB, **kw)
+    if module == "kvoffload.vllm":
+        with_vllm_flushes(e)
     lookups: list[tuple[str, Any]] = []
     inner = e.connector.get_num_new_matched_tokens
 

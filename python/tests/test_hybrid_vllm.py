@@ -39,7 +39,7 @@ import torch
 
 from harness import HEAD_SIZE, HEADS, build
 import kvoffload._native as native
-from test_differential import capture_events, kvoffload_worker, order_free, vllm_worker
+from test_differential import capture_events, kvoffload_worker, order_free, vllm_worker, with_vllm_flushes
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
@@ -420,6 +420,14 @@ CASES = [
     (84, "full+mambasb", {"offload_prompt_only": False}, {"spec_tokens": 1}, 1),
     (85, "full+mamba+swa8", {"offload_prompt_only": False}, {"spec_tokens": 3, "retention": None}, 0),
 ]
+# Seeds the widening scripts found something on, kept with the
+# configuration they ran (added below the configurations they cycle
+# through): seed 42005's Mamba state at boundary 40 is handed over in the
+# step its block goes to a new request, which writes it in that step's
+# forward (vLLM 0.33.0 stores the new owner's bytes; kvoffload copies it
+# before the forward: `test_hybrid_worker.py`'s
+# `test_a_state_handed_over_as_its_block_goes_to_another_request_is_copied_first`).
+HANDOFF_REALLOCATED = (42005, "mamba", {"offload_prompt_only": False}, {"spec_tokens": 3}, 1)
 # The configurations the widening scripts cycle through (`select_cases`).
 _CONFIGS = list(CASES)
 # Seeds the widening scripts found something on, kept with the
@@ -427,7 +435,7 @@ _CONFIGS = list(CASES)
 # preempted and resumes with the same circular-buffer block, which another
 # request wrote meanwhile (the harness checked the buffer against what the
 # request had written before its preemption).
-CASES += [(10395, "full+ring", {"offload_prompt_only": False}, {}, 1)]
+CASES += [(10395, "full+ring", {"offload_prompt_only": False}, {}, 1), HANDOFF_REALLOCATED]
 
 
 def select_cases(only: str | None) -> list[tuple]:
@@ -883,8 +891,8 @@ def kvoffload_run(seed: int, specs: str, extra: dict, opts: dict, delay: int) ->
     the preemptions, each lookup's answer, each load's and store's GPU
     blocks per group, the KV events."""
     common, cfg = engine_options(specs, extra, opts)
-    e = build(
-        extra=cfg, fake_worker=kvoffload_worker(delay), tpb=TPB, groups=SPECS[specs](), **common,
+    e = with_vllm_flushes(
+        build(extra=cfg, fake_worker=kvoffload_worker(delay), tpb=TPB, groups=SPECS[specs](), **common)
     )
     lookups: list[list] = []
     inner = e.connector.get_num_new_matched_tokens

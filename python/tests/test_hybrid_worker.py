@@ -16,7 +16,16 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
 import kvoffload._native as native
 from harness import build
-from test_hybrid_vllm import CASES, SPECS, TPB, drive, engine_options, offloaded, partial_tail_case
+from test_hybrid_vllm import (
+    CASES,
+    HANDOFF_REALLOCATED,
+    SPECS,
+    TPB,
+    drive,
+    engine_options,
+    offloaded,
+    partial_tail_case,
+)
 
 #: The cases run with real workers: every kind of group mix, chunks of one,
 #: two and four blocks, async scheduling, two workers, sync loads, short
@@ -127,6 +136,9 @@ def worker_run(
     seen["drafts_accepted"] = e.drafts_accepted
     seen["drafts_rejected"] = e.drafts_rejected
     seen["states_after_rejected_drafts"] = e.states_after_rejected_drafts
+    # Hand-offs whose block vLLM gave another request in the same step
+    # (flushed: copied before that request's forward).
+    seen["handoffs_flushed"] = e.connector._scheduler.core.metrics()["handoffs_flushed"]
     if on_done is not None:
         on_done(e)
     return seen
@@ -213,6 +225,21 @@ def test_failed_and_late_transfers_with_groups_end_with_the_computed_bytes(
     assert faults["loads_failed"] > 0 and faults["stores_failed"] > 0 and faults["late"] > 0, faults
     assert seen["failed_loads"] > 0, seen
     assert seen["loaded"] > 0 and seen["window_loads"] > 0 and seen["checked"] > 0, seen
+
+
+def test_a_state_handed_over_as_its_block_goes_to_another_request_is_copied_first() -> None:
+    """Speculative decoding on a Mamba model: a request's accepted drafts
+    carry it past block boundary 40, and vLLM's core hands over the block
+    holding its state there in the next step. In that same step vLLM frees
+    the block (the request left it behind) and gives it to a new request,
+    whose forward writes it. kvoffload flushes the hand-off's store (copied
+    before the forward); vLLM 0.33.0 plans it after its check of
+    reallocated blocks and stores the new request's bytes. Without the
+    flush, a later request loads that chunk and reads a wrong state."""
+    seed, specs, extra, opts, _ = HANDOFF_REALLOCATED
+    seen = worker_run(seed, specs, extra, opts)
+    assert seen["handoffs_flushed"] > 0, seen
+    assert seen["loaded"] and seen["states_restored"] > 0, seen
 
 
 def test_a_store_over_a_window_block_freed_inside_its_chunk_keeps_the_blocks_after_it_in_place() -> None:

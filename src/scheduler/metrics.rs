@@ -84,6 +84,10 @@ pub struct SchedulerMetrics {
     pub jobs_created: u64,
     /// `request_finished` calls made to the manager (counter).
     pub manager_request_finished: u64,
+    /// Hand-off stores flushed because their block was allocated again in
+    /// the step that handed it over (counter; see
+    /// `docs/vllm-connector.md`, "Speculative decoding").
+    pub handoffs_flushed: u64,
     /// Watchdog scans (counter).
     pub scans: u64,
     /// Live jobs (gauge).
@@ -106,4 +110,5 @@ pub(crate) struct Counters {
     pub allocation_failures: u64,
     pub jobs_created: u64,
     pub manager_request_finished: u64,
+    pub handoffs_flushed: u64,
 }

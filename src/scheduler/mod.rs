@@ -113,6 +113,10 @@ pub(crate) struct Batch {
     sync_bytes: u64,
     /// This step's synchronous load jobs.
     sync_loads: Vec<JobId>,
+    /// The jobs of the last plan flushed only because their hand-off's
+    /// block went to another request in that step (kept until the next
+    /// plan: [`Scheduler::handoff_flushes`]).
+    handoff_flushes: Vec<JobId>,
 }
 
 /// The offload scheduler (control plane) for one KV group, or several
@@ -550,6 +554,16 @@ impl Scheduler {
         }
     }
 
+    /// The jobs the last [`Self::build_step`] flushed only because vLLM
+    /// gave the block of their hand-off (a recurrent state's) to another
+    /// request in that very step: the workers copy them before that step's
+    /// compute, which would overwrite the block. vLLM 0.33.0 does not flush
+    /// them (it stores the new owner's bytes); comparisons with vLLM's
+    /// decisions give these jobs vLLM's completion timing.
+    pub fn handoff_flushes(&self) -> &[JobId] {
+        &self.batch.handoff_flushes
+    }
+
     /// Counters and gauges.
     pub fn metrics(&self) -> SchedulerMetrics {
         let c = self.counters;
@@ -563,6 +577,7 @@ impl Scheduler {
             allocation_failures: c.allocation_failures,
             jobs_created: c.jobs_created,
             manager_request_finished: c.manager_request_finished,
+            handoffs_flushed: c.handoffs_flushed,
             scans: self.watch.scans(),
             jobs_in_flight: self.jobs.len() as u64,
             stalled_jobs: self.stalled.len() as u64,

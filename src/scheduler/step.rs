@@ -52,7 +52,7 @@ impl Scheduler {
             self.update_group_blocks(input, &slots);
             self.fence_flush();
             // Recurrent states handed over, before the other stores (vLLM).
-            self.plan_boundary_stores(&input.boundary_states, &mut stores);
+            self.plan_boundary_stores(input, &mut stores);
             self.plan_partial_tail_stores(&input.boundary_states, &input.scheduled, &mut stores);
             for (s, &slot) in input.scheduled.iter().zip(&slots) {
                 let reach = StoreReach::Running {

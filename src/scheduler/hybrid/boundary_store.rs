@@ -11,10 +11,12 @@
 //! store job of that one block, fenced from its creation. They are planned
 //! before the step's other stores, as vLLM plans them.
 
-use crate::ids::{GpuBlockId, RequestId};
+use crate::ids::{GpuBlockId, JobId, RequestId};
 use crate::key::ChunkKey;
 use crate::scheduler::Scheduler;
-use crate::scheduler::types::{GroupSpan, JobBlocks, JobKeys, JobSlots, TransferJob, copy_small};
+use crate::scheduler::types::{
+    GroupSpan, JobBlocks, JobKeys, JobSlots, StepInput, TransferJob, copy_small,
+};
 
 /// A block holding a request's recurrent state after its first `boundary`
 /// tokens, handed over by vLLM's core in one step (an entry of its
@@ -39,11 +41,9 @@ impl Scheduler {
     /// request may store (its tokens, `max_offload_tokens`, the prompt with
     /// `offload_prompt_only`), its chunk is already stored, or the host
     /// tier cannot allocate (counted as an allocation failure).
-    pub(crate) fn plan_boundary_stores(
-        &mut self,
-        states: &[BoundaryState],
-        out: &mut Vec<TransferJob>,
-    ) {
+    pub(crate) fn plan_boundary_stores(&mut self, input: &StepInput, out: &mut Vec<TransferJob>) {
+        self.batch.handoff_flushes.clear();
+        let states = &input.boundary_states;
         let g = self.geo;
         let bpc = g.blocks_per_chunk.max(1) as u64;
         for s in states {
@@ -90,7 +90,21 @@ impl Scheduler {
                 first_block_index: (s.boundary / tpb - 1) as u32,
             };
             let blocks: JobBlocks = JobBlocks::from_slice(&[s.block]);
-            self.enter_fenced_store(s.req, blocks, (stored, chunk_ids), spans, out);
+            let job = self.enter_fenced_store(s.req, blocks, (stored, chunk_ids), spans, out);
+            // A block vLLM allocated in this very step to another request
+            // (a Mamba state block the request left behind under
+            // speculative decoding: vLLM frees it in the pass that hands it
+            // over, and a later request of the pass may get it) is written
+            // by its new owner in this step's forward. Flushed, the workers
+            // copy it before that forward. (vLLM 0.33.0 checks reallocated
+            // blocks before it plans hand-off stores, and stores the new
+            // owner's bytes.) A block the request itself got in this step
+            // is the one this step computes: it is stored after the forward.
+            if self.batch.allocated.contains(s.block) && !allocated_to(input, s.req, s.block) {
+                self.batch.flush.push(job);
+                self.batch.handoff_flushes.push(job);
+                self.counters.handoffs_flushed += 1;
+            }
         }
     }
 
@@ -118,7 +132,8 @@ impl Scheduler {
 
     /// Creates request `req`'s store job of `blocks` (the keys and slots of
     /// [`Self::prepare_fenced_store`], cut by `spans`) into `out`, its
-    /// blocks fenced from its creation, as vLLM fences a hand-off's.
+    /// blocks fenced from its creation, as vLLM fences a hand-off's; returns
+    /// the job.
     pub(super) fn enter_fenced_store(
         &mut self,
         req: RequestId,
@@ -126,7 +141,7 @@ impl Scheduler {
         (keys, chunk_ids): (JobKeys, JobSlots),
         spans: Vec<GroupSpan>,
         out: &mut Vec<TransferJob>,
-    ) {
+    ) -> JobId {
         let job = self.new_job_id();
         if let Some(rs) = self.requests.get_mut(&req) {
             rs.jobs.push(job);
@@ -142,5 +157,18 @@ impl Scheduler {
             groups: spans,
         };
         self.enter_store(transfer, now, true, out);
+        job
     }
+}
+
+/// Whether `block` is among the blocks `req` got in this step (any group).
+fn allocated_to(input: &StepInput, req: RequestId, block: GpuBlockId) -> bool {
+    input.scheduled.iter().enumerate().any(|(i, s)| {
+        s.req == req
+            && (s.new_block_ids.contains(&block)
+                || input
+                    .group_block_ids
+                    .get(i)
+                    .is_some_and(|groups| groups.iter().any(|g| g.contains(&block))))
+    })
 }

@@ -670,7 +670,7 @@ impl Scheduler {
                 });
             }
             // vLLM fences every source block from the store's creation.
-            self.enter_fenced_store(req, blocks, (stored, chunk_ids), spans, out);
+            let _ = self.enter_fenced_store(req, blocks, (stored, chunk_ids), spans, out);
         }
     }
 }
