@@ -757,16 +757,13 @@ fn a_draft_groups_partial_tail_is_keyed_a_proof_margin_past_its_boundary() {
     s.check_invariants().unwrap();
 }
 
-#[test]
-fn a_block_holding_a_handed_over_state_flushes_its_store_when_allocated_again() {
-    let (mut s, _clock) = full_and_state();
+/// Request 1 (8 tokens of family 3) computed in one step, its state after
+/// them handed over in block 5, the block it got in that step: the plan.
+fn handed_over_in_its_own_block(s: &mut Scheduler) -> StepPlan {
     let r1 = RequestId(1);
     s.add_request(r1, 8, &hashes(3, 2)).unwrap();
     assert_eq!(s.lookup(r1, 0).unwrap(), LookupOutcome::Hit(0));
-    assert_eq!(
-        alloc_groups(&mut s, r1, &[ids(&[1, 2]), ids(&[0, 5])], 0),
-        None
-    );
+    assert_eq!(alloc_groups(s, r1, &[ids(&[1, 2]), ids(&[0, 5])], 0), None);
     let mut step = step_of(vec![entry(1, 0, 8, &[1, 2], &[0, 5])]);
     step.boundary_states = vec![BoundaryState {
         req: r1,
@@ -774,7 +771,13 @@ fn a_block_holding_a_handed_over_state_flushes_its_store_when_allocated_again() 
         block: GpuBlockId(5),
         boundary: 8,
     }];
-    let plan = s.build_step(&step).unwrap();
+    s.build_step(&step).unwrap()
+}
+
+#[test]
+fn a_block_holding_a_handed_over_state_flushes_its_store_when_allocated_again() {
+    let (mut s, _clock) = full_and_state();
+    let plan = handed_over_in_its_own_block(&mut s);
     let handed = plan.stores[0].job;
     assert_eq!(plan.stores[0].block_ids.to_vec(), ids(&[5]));
     // vLLM moves the state on (align mode frees the block behind it), and
@@ -790,23 +793,9 @@ fn a_block_holding_a_handed_over_state_flushes_its_store_when_allocated_again() 
 fn a_hand_off_whose_block_goes_to_another_request_in_its_step_is_flushed() {
     let (mut s, _clock) = full_and_state();
     let r1 = RequestId(1);
-    s.add_request(r1, 8, &hashes(3, 2)).unwrap();
-    assert_eq!(s.lookup(r1, 0).unwrap(), LookupOutcome::Hit(0));
-    assert_eq!(
-        alloc_groups(&mut s, r1, &[ids(&[1, 2]), ids(&[0, 5])], 0),
-        None
-    );
-    let state = BoundaryState {
-        req: r1,
-        group: 1,
-        block: GpuBlockId(5),
-        boundary: 8,
-    };
     // The state handed over in the step that computes it, in the block
     // the request got in that step: stored after the step's compute.
-    let mut step = step_of(vec![entry(1, 0, 8, &[1, 2], &[0, 5])]);
-    step.boundary_states = vec![state];
-    let plan = s.build_step(&step).unwrap();
+    let plan = handed_over_in_its_own_block(&mut s);
     assert_eq!(plan.stores[0].block_ids.to_vec(), ids(&[5]));
     assert!(plan.flush.is_empty(), "{:?}", plan.flush);
     assert!(s.handoff_flushes().is_empty());
