@@ -289,14 +289,20 @@ class Engine:
             # (the step in flight's drafts are not yet verified), which the
             # fake model does not correct (scheduler-only runs).
             drafts = [self.draft_at(req, first + i) for i in range(len(drafts))]
-        out = [self.token_at(req, first)]
-        for i, d in enumerate(drafts):
-            if d != out[-1]:
-                self.drafts_rejected += len(drafts) - i
-                break
-            self.drafts_accepted += 1
-            out.append(self.token_at(req, first + i + 1))
-        return out
+        accepted = self.accepted_drafts(req, first, drafts)
+        self.drafts_accepted += accepted
+        self.drafts_rejected += len(drafts) - accepted
+        return [self.token_at(req, first + i) for i in range(accepted + 1)]
+
+    @staticmethod
+    def accepted_drafts(req: Request, first: int, drafts: Any) -> int:
+        """How many of `drafts` (guesses of the tokens at positions
+        `first`, `first + 1`, ...) vLLM's rejection sampler accepts: those
+        equal to the token sampled at their position, in a row."""
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == Engine.token_at(req, first + accepted):
+            accepted += 1
+        return accepted
 
     def _propose_drafts(self, so: Any) -> None:
         """The fake drafter after a step (synchronous scheduling): up to
@@ -457,9 +463,7 @@ class Engine:
             self.states_restored += restored
             self.states_restored_inside_block += restored and start % tpb != 0
         first = end - len(drafts)
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == self.token_at(req, first + accepted):
-            accepted += 1
+        accepted = self.accepted_drafts(req, first, drafts)
         curr = -(-end // tpb) - 1
         assert curr + len(drafts) < len(table), f"{rid}: {len(drafts)} drafts past the speculative blocks of group {g}"
         for j in range(len(drafts) + 1):
