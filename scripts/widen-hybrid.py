@@ -23,7 +23,8 @@ sizes; `--only left-out`: those with groups vLLM's connector leaves out;
 `--only partial`: those with Mamba states inside a block;
 `--only partial-eagle`: those of them beside an EAGLE draft group;
 `--only dcp`: those with decode context parallelism;
-`--only spec`: those with speculative decoding),
+`--only spec`: those with speculative decoding;
+`--only async-spec`: those of them with async scheduling),
 from seed 30,000.
 `--from SEED` starts at SEED instead (each seed keeps its configuration:
 `400 DIR` and then `400 DIR --from 10400` run seeds 10,000 to 10,799).

@@ -182,6 +182,18 @@ class Engine:
     #: drafts past the stop: vLLM drops them and rolls the computed tokens
     #: back to the last token but one).
     finished_past_stop: int = 0
+    #: This step's requests: their scheduled tokens, and where the model
+    #: computes them (`_span`).
+    scheduled: dict[str, int] = field(default_factory=dict)
+    spans: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    #: Per request, the tokens whose KV the model has computed right after
+    #: its last step (under async speculative decoding vLLM's scheduler
+    #: counts more: the step in flight's drafts, rejected or not).
+    true_computed: dict[str, int] = field(default_factory=dict)
+    #: The requests of the last step whose drafts the model rejected, and
+    #: how many (their scheduled count reaches that far past their KV until
+    #: the scheduler has the step's output).
+    rejected_last_step: dict[str, int] = field(default_factory=dict)
 
     @property
     def connector(self) -> Any:
@@ -259,39 +271,57 @@ class Engine:
             return t
         return 10 + (t - 10 + 1 + p % 7) % 1000
 
-    def _input_token(self, so: Any, req: Request, p: int) -> int:
+    def _span(self, so: Any, rid: str, req: Request) -> tuple[int, list[int]]:
+        """Where the model computes request `rid` in this step, as vLLM's
+        model runner does: ``(start, drafts)``, its first position and the
+        draft tokens at its last positions.
+
+        schedule() has counted the step's tokens as computed. Under async
+        scheduling the scheduler also counts the drafts of the step still
+        in flight as accepted, and schedules placeholders: the model runner
+        knows on the GPU how many of the last step's drafts it rejected,
+        starts that much earlier (``update_num_computed_tokens_for_batch_change``),
+        and computes the drafts its drafter proposed after the last step."""
+        drafts = list(so.scheduled_spec_decode_tokens.get(rid, ()))
+        start = req.num_computed_tokens - so.num_scheduled_tokens[rid]
+        if self.async_scheduling and self.spec_tokens:
+            # Only a request in the last step has drafts not yet rolled back
+            # (one resumed or new in this step was not in it).
+            start -= self.rejected_last_step.get(rid, 0)
+            first = start + so.num_scheduled_tokens[rid] - len(drafts)
+            drafts = [self.draft_at(req, first + i) for i in range(len(drafts))]
+        return start, drafts
+
+    def _input_token(self, rid: str, req: Request, p: int) -> int:
         """The token the fake model computes at position `p` in this step:
         the request's (its prompt, or what was sampled), or at the step's
         last positions the drafts scheduled there (speculative decoding: a
         rejected draft's KV is written at its position, as a real model
         writes it)."""
-        drafts = so.scheduled_spec_decode_tokens.get(req.request_id, ())
-        # schedule() has counted the step's tokens (drafts last) as computed.
-        first_draft = req.num_computed_tokens - len(drafts)
+        start, drafts = self.spans[rid]
+        first_draft = start + self.scheduled[rid] - len(drafts)
         if p < first_draft:
             return self.token_at(req, p)
         return drafts[p - first_draft]
 
-    def _sampled(self, so: Any, req: Request) -> list[int]:
+    def _sampled(self, rid: str, req: Request) -> list[int]:
         """The tokens the fake model samples for `req` in this step: none
         for a prefill chunk; else the token after the request's tokens and,
         with drafts scheduled, one more for each draft accepted in a row
         (vLLM's rejection sampler: a draft is accepted where it equals the
-        token sampled at its position)."""
+        token sampled at its position). Records the request's tokens of
+        right KV (`true_computed`) and its rejected drafts."""
+        start, drafts = self.spans[rid]
+        first = start + self.scheduled[rid] - len(drafts)
         if req.is_prefill_chunk:
+            self.true_computed[rid] = first
             return []
-        drafts = so.scheduled_spec_decode_tokens.get(req.request_id, ())
-        # schedule() has counted the step's tokens (drafts too) as computed.
-        first = req.num_computed_tokens - len(drafts)
-        if self.async_scheduling:
-            # vLLM's async scheduler schedules placeholders (-1) and the
-            # model runner drafts; its count of computed tokens is optimistic
-            # (the step in flight's drafts are not yet verified), which the
-            # fake model does not correct (scheduler-only runs).
-            drafts = [self.draft_at(req, first + i) for i in range(len(drafts))]
         accepted = self.accepted_drafts(req, first, drafts)
         self.drafts_accepted += accepted
         self.drafts_rejected += len(drafts) - accepted
+        self.true_computed[rid] = first + accepted
+        if len(drafts) > accepted:
+            self.rejected_last_step[rid] = len(drafts) - accepted
         return [self.token_at(req, first + i) for i in range(accepted + 1)]
 
     @staticmethod
@@ -353,8 +383,7 @@ class Engine:
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
             tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
-            # schedule() has already counted this step's tokens as computed.
-            start = req.num_computed_tokens - n
+            start = self.spans[rid][0]
             for g, layers in enumerate(self.group_layers):
                 table, tpb = tables[g], self.group_tpb(g)
                 if g in self.scratch_groups:
@@ -367,7 +396,7 @@ class Engine:
                         self._compute_state(rid, req, g, layers, table, start, start + n)
                     continue
                 for p in range(start, start + n):
-                    t = self._input_token(so, req, p)
+                    t = self._input_token(rid, req, p)
                     for w, block, slot in self._places(table, tpb, p):
                         assert block != 0, f"{rid}: token {p} of group {g} computed into the null block"
                         for li, name in enumerate(layers):
@@ -450,7 +479,7 @@ class Engine:
           ending there; the state after the accepted tokens stays in its
           column, where the next step reads it."""
         tpb = self.group_tpb(g)
-        drafts = so.scheduled_spec_decode_tokens.get(rid, ())
+        drafts = self.spans[rid][1]
         if self.async_scheduling:
             raise AssertionError("Mamba groups under async speculative decoding: not modelled")
         if start > 0:
@@ -518,7 +547,7 @@ class Engine:
             if at is None:
                 continue
             idx, slot = at
-            block, t = table[idx], self._input_token(so, req, p)
+            block, t = table[idx], self._input_token(rid, req, p)
             prev = self.scratch_written.get((rid, g, idx))
             slots = prev[1] if prev is not None and prev[0] == block else {}
             slots[slot] = (t, p)
@@ -545,7 +574,8 @@ class Engine:
         the tokens checked (in group 0)."""
         req = self.scheduler.requests[rid]
         tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
-        n = req.num_computed_tokens
+        # Not the drafts of a step whose output the scheduler has yet to see.
+        n = min(req.num_computed_tokens, self.true_computed.get(rid, req.num_computed_tokens))
         for g, layers in enumerate(self.group_layers):
             table, tpb = tables[g], self.group_tpb(g)
             if g in self.scratch_groups:
@@ -581,6 +611,11 @@ class Engine:
         if self.remote:
             self.connector._scheduler.core.wait_remote_lookups()
         so = self.scheduler.schedule()
+        self.scheduled = dict(so.num_scheduled_tokens)
+        self.spans = {r: self._span(so, r, self.scheduler.requests[r]) for r in self.scheduled}
+        self.rejected_last_step = {}
+        for r in so.finished_req_ids:
+            self.true_computed.pop(r, None)
         meta = so.kv_connector_metadata
         outs = []
         ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
@@ -601,7 +636,7 @@ class Engine:
             wc.start_load_kv(ctx)
         if self.workers:
             self._compute(so)
-        sampled = [self._sampled(so, self.scheduler.requests[r]) for r in so.num_scheduled_tokens]
+        sampled = [self._sampled(r, self.scheduler.requests[r]) for r in so.num_scheduled_tokens]
         for w, wc in enumerate(self.workers):
             wc.wait_for_save()
             # Every transfer not stalled on purpose has copied by now: which
@@ -694,9 +729,13 @@ class Engine:
             assert wc._worker.core.wait_remote(), "remote puts still queued"
 
     def flush_async(self) -> None:
+        """Gives the scheduler the output of the step in flight (async
+        scheduling)."""
         if self.pending is not None:
             self._update(*self.pending)
             self.pending = None
+        # The scheduler has rolled back every rejected draft.
+        self.rejected_last_step = {}
 
     def run(self, max_steps: int = 500) -> None:
         """Steps until every request has finished."""
@@ -773,8 +812,8 @@ def build(
     `Engine.draft_at`), writing the rejected drafts' KV at their positions
     (and a Mamba group's states after them, marked wrong, in its
     speculative blocks, which are sized to the drafts as vLLM sizes them:
-    `Engine._compute_state_speculative`); with async scheduling,
-    scheduler-only engines (a `fake_worker`) of attention groups."""
+    `Engine._compute_state_speculative`); with async scheduling, attention
+    groups only (the model runner's position correction: `Engine._span`)."""
     if replicated:
         with mock.patch("kvoffload.vllm._replicated_layout", lambda *_a: True):
             e = build(
@@ -834,12 +873,11 @@ def build(
     vllm_config.parallel_config.world_size = world_size
     vllm_config.parallel_config.decode_context_parallel_size = dcp
     if spec_tokens:
-        # The fake model computes rejected drafts from the drafts it is
-        # given; under async scheduling vLLM schedules placeholders and
-        # corrects the positions on the GPU (not modelled: scheduler-only
-        # runs).
-        assert not async_scheduling or fake_worker is not None, (
-            "speculative decoding with async scheduling: scheduler-only (a fake_worker)"
+        # Under async scheduling vLLM schedules placeholders and its model
+        # runner corrects the positions on the GPU (`Engine._span`); the
+        # Mamba states' columns under it are not modelled.
+        assert not async_scheduling or not any(isinstance(s, MambaSpec) for s in groups or ()), (
+            "Mamba groups under async speculative decoding: not modelled"
         )
         if groups is not None:
             # vLLM sizes a Mamba layer's speculative blocks to the drafts

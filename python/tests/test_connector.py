@@ -591,8 +591,9 @@ def test_a_sync_load_runs_its_request_in_the_same_step_with_the_computed_bytes(w
     leak_free(e)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_speculative_decoding_never_brings_back_a_rejected_draft_s_kv(world_size):
+def test_speculative_decoding_never_brings_back_a_rejected_draft_s_kv(world_size, async_scheduling):
     # Multi-turn chats under speculative decoding (harness: n-gram drafts,
     # about one in three rejected, their KV written at their positions):
     # each turn's prompt is the last turn's prompt and output plus new
@@ -601,7 +602,7 @@ def test_speculative_decoding_never_brings_back_a_rejected_draft_s_kv(world_size
     # its slot holds a rejected draft's KV or older bytes). Every running
     # request's KV is checked after every step, the loaded blocks too.
     e = harness.build(
-        num_gpu_blocks=32, world_size=world_size, spec_tokens=3,
+        num_gpu_blocks=32, world_size=world_size, spec_tokens=3, async_scheduling=async_scheduling,
         extra={"num_cpu_chunks": 256, "offload_prompt_only": False},
     )
     rng = random.Random(11)

@@ -422,8 +422,11 @@ CASES = [
     # scheduling a step's evictions are published once the next step ran,
     # after a reset in between; the binding had dropped the evicted chunks'
     # hashes at the reset and named them by kvoffload's 8-byte keys (vLLM
-    # names them by their block hashes, with placeholder payloads).
-    (6023, {"offload_prompt_only": False, "self_describing_kv_events": True},
+    # names them by their block hashes, with placeholder payloads). Each
+    # fails without the fix (checked again when the harness began to
+    # draft at the positions vLLM's model runner computes under async
+    # scheduling, which changed these workloads: 6034 replaced 6023).
+    (6034, {"offload_prompt_only": False, "self_describing_kv_events": True},
      {"spec_tokens": 4, "async_scheduling": True, "reset_share": 0.05, "params_share": 0.3, "stop_share": 0.5}),
     (6159, {"offload_prompt_only": False, "self_describing_kv_events": True},
      {"spec_tokens": 4, "async_scheduling": True, "reset_share": 0.05, "params_share": 0.3, "stop_share": 0.5}),

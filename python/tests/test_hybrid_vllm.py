@@ -419,6 +419,23 @@ CASES = [
      {"spec_tokens": 3, "hash_tokens": 2}, 1),
     (84, "full+mambasb", {"offload_prompt_only": False}, {"spec_tokens": 1}, 1),
     (85, "full+mamba+swa8", {"offload_prompt_only": False}, {"spec_tokens": 3, "retention": None}, 0),
+    # Speculative decoding with async scheduling: vLLM's scheduler
+    # schedules placeholder drafts and counts the step in flight's drafts
+    # as computed until its output rolls the rejected ones back; its model
+    # runner starts each request after the last step's accepted tokens and
+    # computes its own drafts (the harness's `Engine._span`). Full
+    # attention with a window; chunked-local attention, chunks of two
+    # blocks, two workers; MLA beside a window, self-describing events,
+    # requests' kv_transfer_params; a circular buffer (written by drafts
+    # too); a window alone, sync loads.
+    (89, "full+swa8", {"offload_prompt_only": False}, {"spec_tokens": 3, "async_scheduling": True}, 1),
+    (90, "full+local12", {"blocks_per_chunk": 2, "offload_prompt_only": False},
+     {"spec_tokens": 2, "async_scheduling": True, "world_size": 2}, 0),
+    (91, "mla+swa8", {"self_describing_kv_events": True, "offload_prompt_only": False},
+     {"spec_tokens": 4, "async_scheduling": True, "params": True}, 1),
+    (92, "full+ring", {"offload_prompt_only": False}, {"spec_tokens": 3, "async_scheduling": True}, 0),
+    (93, "swa8", {"sync_load_budget_bytes": 8192, "offload_prompt_only": False},
+     {"spec_tokens": 3, "async_scheduling": True}, 1),
 ]
 # Seeds the widening scripts found something on, kept with the
 # configuration they ran (added below the configurations they cycle
@@ -447,7 +464,8 @@ def select_cases(only: str | None) -> list[tuple]:
     whose groups have different block sizes; ``left-out``: those with groups
     vLLM's connector leaves out; ``params``: those whose requests carry
     ``kv_transfer_params``; ``dcp``: those with decode context
-    parallelism; ``spec``: those with speculative decoding)."""
+    parallelism; ``spec``: those with speculative decoding;
+    ``async-spec``: those of them with async scheduling)."""
     if only is None:
         return list(_CONFIGS)
     if only == "params":
@@ -456,6 +474,8 @@ def select_cases(only: str | None) -> list[tuple]:
         return [c for c in _CONFIGS if c[3].get("dcp")]
     if only == "spec":
         return [c for c in _CONFIGS if c[3].get("spec_tokens")]
+    if only == "async-spec":
+        return [c for c in _CONFIGS if c[3].get("spec_tokens") and c[3].get("async_scheduling")]
     if only == "eagle":
         return [c for c in _CONFIGS if c[3].get("eagle_groups")]
     if only == "hash":
