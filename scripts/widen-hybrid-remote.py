@@ -25,7 +25,8 @@ sizes; `--only left-out`: those with groups vLLM's connector leaves out;
 Mamba states inside a block, which node B fetches as partial tails;
 `--only partial-eagle`: those beside an EAGLE draft group, whose tails
 stay in each node's host tier; `--only spec`: those with speculative
-decoding; `--only async-spec`: those of them with async scheduling),
+decoding; `--only async-spec`: those of them with async scheduling;
+`--only eagle-spec`: those with an EAGLE drafter run for real),
 from seed 40,000.
 `--from SEED` starts at SEED instead (each seed keeps its configuration).
 `--stress K` runs K busy processes beside it (`cpu_stress.py`).

@@ -24,7 +24,8 @@ sizes; `--only left-out`: those with groups vLLM's connector leaves out;
 `--only partial-eagle`: those of them beside an EAGLE draft group;
 `--only dcp`: those with decode context parallelism;
 `--only spec`: those with speculative decoding;
-`--only async-spec`: those of them with async scheduling),
+`--only async-spec`: those of them with async scheduling;
+`--only eagle-spec`: those with an EAGLE drafter run for real),
 from seed 30,000.
 `--from SEED` starts at SEED instead (each seed keeps its configuration:
 `400 DIR` and then `400 DIR --from 10400` run seeds 10,000 to 10,799).
@@ -69,6 +70,7 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
         "holes": 0,
         "states_restored": 0,
         "states_restored_inside_block": 0,
+        "stale_drafter_tails": 0,
     }
     for k in range(seeds.count):
         seed = seeds.seed(k)
@@ -122,7 +124,8 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
         f"{moved['checked']} tokens checked, "
         f"{moved['loads']} loads ({moved['window_loads']} into windowed groups), {moved['stores']} stores "
         f"({moved['holes']} holes kept in place); {moved['states_restored']} Mamba states read back and checked "
-        f"({moved['states_restored_inside_block']} inside a block)",
+        f"({moved['states_restored_inside_block']} inside a block); {moved['stale_drafter_tails']} drafter "
+        "blocks whose last position held another next token's value (vLLM's rule allows it)",
         flush=True,
     )
     return 1 if differ or wrong else 0

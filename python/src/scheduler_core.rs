@@ -177,6 +177,13 @@ pub(crate) struct SchedulerCore {
     /// hash is the last one in it, the one that covers its whole prefix
     /// (vLLM's `BlockHashListWithBlockSize`).
     hashes_per_block: usize,
+    /// Store planning reads each scheduled request's current token count
+    /// (set with EAGLE draft groups): a draft group's last chunk is
+    /// volatile once the request decodes, which the count tells (vLLM's
+    /// `storable_chunks`); a count from when the last block completed
+    /// would keep a request that just began to decode in its prompt, and
+    /// store that chunk.
+    fresh_token_counts: bool,
 }
 
 /// The cumulative counters `take_stats` reports as deltas.
@@ -192,9 +199,10 @@ struct Counters {
 impl SchedulerCore {
     /// Gives the scheduler the request's new block hashes, with its token
     /// count; `force`: the token count even when no block completed (a lookup
-    /// or the request's end reads it). Store planning needs no fresher count:
-    /// a chunk is stored only up to the hashed blocks, which the count sent
-    /// with them already covers.
+    /// or the request's end reads it). Store planning needs no fresher count
+    /// (a chunk is stored only up to the hashed blocks, which the count sent
+    /// with them already covers) but with EAGLE draft groups
+    /// ([`Self::fresh_token_counts`]).
     /// Returns the number of hashes the scheduler has of the request then (0
     /// for one the connector does not track).
     fn sync(&mut self, py: Python<'_>, id: RequestId, force: bool) -> PyResult<usize> {
@@ -264,7 +272,7 @@ impl SchedulerCore {
 
     /// [`Self::sync`] when a block ending at or before `tokens` may have
     /// been hashed since the last one, `sent` hashes given so far (else
-    /// nothing is read). Returns the hashes the scheduler has then (`sent`
+    /// nothing is read; always, forced, with [`Self::fresh_token_counts`]). Returns the hashes the scheduler has then (`sent`
     /// when nothing was read).
     fn sync_until(
         &mut self,
@@ -274,6 +282,9 @@ impl SchedulerCore {
         tokens: u64,
     ) -> PyResult<usize> {
         let tpb = u64::from(self.cfg.tokens_per_block);
+        if self.fresh_token_counts {
+            return self.sync(py, id, true);
+        }
         if sent != usize::MAX && (sent as u64 + 1).saturating_mul(tpb) > tokens {
             return Ok(sent);
         }
@@ -837,6 +848,7 @@ impl SchedulerCore {
             manual,
             clock,
             hashes_per_block,
+            fresh_token_counts: !eagle_groups.is_empty(),
         })
     }
 

@@ -64,6 +64,15 @@ def kv_value(token: int, position: int, layer: int) -> float:
     return float((token * 7919 + position * 104729 + layer * 1299709) % (1 << 20)) / 16.0
 
 
+def draft_kv_value(token: int, next_token: int, position: int, layer: int) -> float:
+    """The KV value an EAGLE/MTP drafter writes at a position: a function
+    of the token there and of the next one (the drafter reads the target's
+    hidden state at the position with the embedding of the next token), so
+    a block's last position holds another value before its next token is
+    known, or after another next token (exact in float32)."""
+    return float((token * 7919 + next_token * 6007 + position * 104729 + layer * 1299709 + 524287) % (1 << 20)) / 16.0
+
+
 def state_value(req: Request, p: int, layer: int) -> float:
     """The recurrent state the fake model keeps after position `p` of a
     request in a Mamba layer: a function of every token up to `p` (so a
@@ -182,6 +191,25 @@ class Engine:
     #: drafts past the stop: vLLM drops them and rolls the computed tokens
     #: back to the last token but one).
     finished_past_stop: int = 0
+    #: The KV groups of an EAGLE drafter's layers, run for real (`build`'s
+    #: ``spec_method="eagle"``): the fake drafter writes them after each
+    #: step's sampling (`_draft`), each position's value a function of its
+    #: token and the next (`draft_kv_value`).
+    drafter_groups: frozenset[int] = frozenset()
+    #: Per position and the tokens up to it (``(p, hash of tokens 0..p)``),
+    #: the next tokens the fake drafter computed it with as a request's
+    #: true next token (`_draft`).
+    drafter_next_tokens: dict[tuple[int, int], set[int]] = field(default_factory=dict)
+    #: Drafter KV found at a block's last position computed for the same
+    #: tokens but another next token: a cached or loaded block whose own
+    #: key covers only its tokens, kept from the request that computed it
+    #: first (vLLM's drafter groups: its hit rule proves the next token
+    #: against the next block's key, which another request may have
+    #: stored). vLLM accepts it (a stale drafter value only lowers the
+    #: drafts' acceptance: the target verifies every draft); the checks
+    #: note each ``(request, group, position, block)`` found so
+    #: (`_check_slot`), and fail on any other value.
+    stale_drafter_tails: set[tuple[str, int, int, int]] = field(default_factory=set)
     #: This step's requests: their scheduled tokens, and where the model
     #: computes them (`_span`).
     scheduled: dict[str, int] = field(default_factory=dict)
@@ -345,7 +373,9 @@ class Engine:
             if req is None or req.is_finished():
                 continue
             n = req.num_tokens
-            count = hash((req.prompt_token_ids[0], n, 2)) % (self.spec_tokens + 2)
+            # An EAGLE drafter always drafts its number; an n-gram one finds
+            # fewer, or none.
+            count = self.spec_tokens if self.drafter_groups else hash((req.prompt_token_ids[0], n, 2)) % (self.spec_tokens + 2)
             ids.append(rid)
             drafts.append([self.draft_at(req, n + i) for i in range(min(count, self.spec_tokens))])
         if ids:
@@ -389,6 +419,8 @@ class Engine:
                 if g in self.scratch_groups:
                     self._compute_scratch(so, rid, req, g, layers, table, range(start, start + n))
                     continue
+                if g in self.drafter_groups:
+                    continue
                 if g in self.state_groups:
                     if self.spec_tokens:
                         self._compute_state_speculative(so, rid, req, g, layers, table, start, start + n)
@@ -402,6 +434,54 @@ class Engine:
                         for li, name in enumerate(layers):
                             v = kv_value(t, p, self._layer_ordinal(g, li)) + self._worker_offset(w)
                             self.caches[w][name][block, :, slot] = v
+
+    def _draft(self, rid: str, req: Request) -> None:
+        """The fake EAGLE drafter after the step's sampling, in the drafter
+        groups: at each position the step computed right, the value of its
+        token and the next (the last one's next token is the one just
+        sampled, or the next prompt token mid-prefill); past them (the
+        positions of rejected drafts, and those of the drafts it proposes
+        for the next step) values of guessed tokens, which the steps that
+        compute those positions right write again."""
+        start, drafts = self.spans[rid]
+        right = self.true_computed[rid]
+        end = max(start + self.scheduled[rid], right + self.spec_tokens - 1)
+        tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
+        for g in sorted(self.drafter_groups):
+            table, tpb, layers = tables[g], self.group_tpb(g), self.group_layers[g]
+            for p in range(start, end):
+                if p // (tpb * self.dcp) >= len(table):
+                    break
+                if p < right:
+                    t, nxt = self.token_at(req, p), self.token_at(req, p + 1)
+                    self.drafter_next_tokens.setdefault((p, self._prefix_key(req, p)), set()).add(nxt)
+                else:
+                    t = self.token_at(req, p) if p == right else self.draft_at(req, p)
+                    nxt = self.draft_at(req, p + 1)
+                for w, block, slot in self._places(table, tpb, p):
+                    if block == 0:
+                        # Past the blocks vLLM allocated (its lookahead slots).
+                        continue
+                    for li, name in enumerate(layers):
+                        v = draft_kv_value(t, nxt, p, self._layer_ordinal(g, li)) + self._worker_offset(w)
+                        self.caches[w][name][block, :, slot] = v
+
+    @staticmethod
+    def _prefix_key(req: Request, p: int) -> int:
+        """The request's tokens up to position `p`, as one number."""
+        return hash(tuple(Engine.token_at(req, i) for i in range(p + 1)))
+
+    def _stale_drafter_tail(self, req: Request, g: int, p: int, layer: int, got: float) -> bool:
+        """Whether `got`, found at position `p` of drafter group `g` (in
+        layer `layer`, less the worker's offset) where it is the last
+        position of a block, is the drafter's value for the request's
+        tokens up to `p` computed with another request's true next token
+        (`stale_drafter_tails`)."""
+        if (p + 1) % (self.group_tpb(g) * self.dcp) != 0:
+            return False
+        seen = self.drafter_next_tokens.get((p, self._prefix_key(req, p)), ())
+        t = self.token_at(req, p)
+        return any(draft_kv_value(t, nxt, p, layer) == got for nxt in seen)
 
     def _state_block(self, g: int, table: list[int], end: int) -> int:
         """The block of a Mamba group holding the state after `end` tokens
@@ -587,20 +667,42 @@ class Engine:
                 if block:
                     self._check_state(f"{rid}: after the step", req, g, layers, block, n)
                 continue
+            nxt = g in self.drafter_groups
             for p in range(n):
                 places = [place for place in self._places(table, tpb, p) if place[1] != 0]
-                self._check_slot(f"{rid}: token {p}", g, layers, places, self.token_at(req, p), p)
+                self._check_slot(
+                    f"{rid}: token {p}", g, layers, places, self.token_at(req, p), p,
+                    self.token_at(req, p + 1) if nxt else None, req if nxt else None,
+                )
         return n
 
     def _check_slot(
-        self, what: str, g: int, layers: list[str], places: list[tuple[int, int, int]], t: int, p: int
+        self,
+        what: str,
+        g: int,
+        layers: list[str],
+        places: list[tuple[int, int, int]],
+        t: int,
+        p: int,
+        next_token: int | None = None,
+        req: Request | None = None,
     ) -> None:
         """Each ``(worker, block, slot)`` of `places` holds token `t` at
-        position `p` of group `g`, in every layer (`what` names it)."""
+        position `p` of group `g`, in every layer (`what` names it); with
+        `next_token`, as a drafter group holds it before that token, or
+        (request `req`'s block's last position) computed with another
+        request's (counted: `stale_drafter_tails`)."""
         for w, block, slot in places:
             for li, name in enumerate(layers):
                 got = self.caches[w][name][block, :, slot]
-                want = kv_value(t, p, self._layer_ordinal(g, li)) + self._worker_offset(w)
+                layer = self._layer_ordinal(g, li)
+                value = kv_value(t, p, layer) if next_token is None else draft_kv_value(t, next_token, p, layer)
+                want = value + self._worker_offset(w)
+                if req is not None and not torch.all(got == want):
+                    found = float(got.flatten()[0]) - self._worker_offset(w)
+                    if torch.all(got == got.flatten()[0]) and self._stale_drafter_tail(req, g, p, layer, found):
+                        self.stale_drafter_tails.add((req.request_id, g, p, block))
+                        continue
                 assert torch.all(got == want), (
                     f"{what} (block {block}) of layer {name} on worker {w}: {got.flatten()[:4].tolist()} != {want}"
                 )
@@ -661,6 +763,11 @@ class Engine:
                     ),
                 )
             )
+        if self.workers and self.drafter_groups:
+            # vLLM's model runner drafts after the connector's hooks of the
+            # step (its stores are submitted at the next step's start).
+            for rid in so.num_scheduled_tokens:
+                self._draft(rid, self.scheduler.requests[rid])
         if self.fake_worker is not None:
             outs = [self._fake_output(so, w, sampled) for w in range(self.world)]
         mro = self.aggregator.aggregate(outs)
@@ -773,6 +880,7 @@ def build(
     dcp: int = 1,
     replicated: bool = False,
     spec_tokens: int = 0,
+    spec_method: str = "ngram",
 ) -> Engine:
     """An engine with the connector `connector` (loaded from `module`);
     `spec`: the KV cache group's spec (full attention of `tpb` tokens a
@@ -822,7 +930,7 @@ def build(
                 max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, fake_worker=fake_worker,
                 kv_events=kv_events, spec=spec, policy=policy, groups=groups, retention=retention,
                 eagle_groups=eagle_groups, hash_tokens=hash_tokens, layer_specs=layer_specs, dcp=dcp,
-                spec_tokens=spec_tokens,
+                spec_tokens=spec_tokens, spec_method=spec_method,
             )
         e.replicated = True
         return e
@@ -897,6 +1005,16 @@ def build(
             target_model_config=model_config,
             target_parallel_config=vllm_config.parallel_config,
         )
+        if spec_method == "eagle":
+            # An EAGLE drafter (no draft model here: the fake drafter stands
+            # in for it): vLLM's scheduler reserves lookahead slots for its
+            # drafts, never ends a prefill chunk right before the prompt's
+            # last token, and drops the last block of a prefix-cache hit in
+            # the drafter groups.
+            assert eagle_groups, "an EAGLE drafter needs its groups (eagle_groups)"
+            object.__setattr__(vllm_config.speculative_config, "method", "eagle")
+        else:
+            assert spec_method == "ngram", spec_method
     assert dcp == 1 or layer_specs is None, "DCP with layer_specs: not built"
     if kv_events:
         vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
@@ -973,6 +1091,7 @@ def build(
         if groups is not None
         else {},
         state_groups=state_groups,
+        drafter_groups=frozenset(eagle_groups) if spec_tokens and spec_method == "eagle" else frozenset(),
         checkpoints={
             g: (s.prefill_checkpoint_alignment, hash_block, kv_cache_config.cache_hit_alignment_tokens)
             for g, s in enumerate(specs)

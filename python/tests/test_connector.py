@@ -591,9 +591,10 @@ def test_a_sync_load_runs_its_request_in_the_same_step_with_the_computed_bytes(w
     leak_free(e)
 
 
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_speculative_decoding_never_brings_back_a_rejected_draft_s_kv(world_size, async_scheduling):
+def test_speculative_decoding_never_brings_back_a_rejected_draft_s_kv(world_size, async_scheduling, method):
     # Multi-turn chats under speculative decoding (harness: n-gram drafts,
     # about one in three rejected, their KV written at their positions):
     # each turn's prompt is the last turn's prompt and output plus new
@@ -604,6 +605,7 @@ def test_speculative_decoding_never_brings_back_a_rejected_draft_s_kv(world_size
     e = harness.build(
         num_gpu_blocks=32, world_size=world_size, spec_tokens=3, async_scheduling=async_scheduling,
         extra={"num_cpu_chunks": 256, "offload_prompt_only": False},
+        spec_method=method, eagle_groups=(0,) if method == "eagle" else (),
     )
     rng = random.Random(11)
     chats = [[rng.randrange(3, 900) for _ in range(rng.randrange(5, 14))] for _ in range(3)]
@@ -621,6 +623,59 @@ def test_speculative_decoding_never_brings_back_a_rejected_draft_s_kv(world_size
     assert e.drafts_accepted > 20 and e.drafts_rejected > 20, (e.drafts_accepted, e.drafts_rejected)
     assert loaded >= 6, f"{loaded} turns loaded their chat from the host tier"
     leak_free(e)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_an_eagle_drafter_s_last_block_is_not_loaded_before_another_next_token(world_size, async_scheduling):
+    # An EAGLE drafter run for real (harness: the drafter's KV at a position
+    # is a function of its token and the next one). A request computes a
+    # 40-token prefix and goes on with other tokens than the second
+    # request, which shares the 10 blocks: the drafter's KV at position 39
+    # was computed with the first request's token 40. The connector must
+    # leave that block out of the second request's hit (vLLM's volatile
+    # last chunk of a drafter group): loading it would hand the second
+    # request the first's drafter KV, which the KV check catches (tried:
+    # with kvoffload treating no group as the drafter's, this test fails).
+    e = harness.build(
+        num_gpu_blocks=32, world_size=world_size, async_scheduling=async_scheduling,
+        extra={"num_cpu_chunks": 256, "offload_prompt_only": False},
+        spec_tokens=3, spec_method="eagle", eagle_groups=(0,),
+    )
+    prefix_comes_back(e)
+    assert e.drafts_accepted > 0 and e.drafts_rejected > 0, (e.drafts_accepted, e.drafts_rejected)
+    # Not even the first request's drafter value (the harness would
+    # otherwise count it as vLLM's stale tail, `Engine.stale_drafter_tails`).
+    assert not e.stale_drafter_tails, e.stale_drafter_tails
+    leak_free(e)
+
+
+def test_vllms_own_prefix_cache_serves_a_drafter_block_computed_for_another_next_token():
+    # What vLLM's rule for drafter groups does not prove, shown on its own
+    # GPU prefix cache (kvoffload's host tier keeps the same rule, so the
+    # same holds there): a block's key covers its tokens only, and the
+    # drafter's KV at its last position also depends on the next token.
+    # The hit drops its last block, which proves the next token against
+    # the key of the block after it, but that block may be another
+    # request's. A computes blocks 0-1 of an 8-token prefix and goes on
+    # with token 50; B, going on with 60, hits block 0 only (block 1 is a
+    # hit's last) and computes its own block 1 and block 2; C shares B's
+    # first 12 tokens: it hits blocks 0-2, drops block 2, and keeps block 1
+    # as vLLM cached it first: A's, computed with next token 50.
+    e = harness.build(
+        num_gpu_blocks=48, spec_tokens=2, spec_method="eagle", eagle_groups=(0,),
+        extra={"num_cpu_chunks": 256, "offload_prompt_only": False},
+    )
+    prefix = list(range(300, 308))
+    e.add(prefix + [50, 51, 52], max_tokens=1)
+    run_checked(e)
+    e.add(prefix + [60, 61, 62, 63, 64], max_tokens=1)
+    run_checked(e)
+    c = e.add(prefix + [60, 61, 62, 63, 70, 71], max_tokens=2)
+    run_checked(e)
+    assert c not in e.loaded, "the hit came from vLLM's GPU prefix cache"
+    stale = {(rid, p) for rid, _, p, _ in e.stale_drafter_tails}
+    assert stale == {(c, 7)}, e.stale_drafter_tails
 
 
 def test_a_failed_sync_load_has_its_blocks_recomputed():

@@ -418,6 +418,16 @@ CASES = [
      {"spec_tokens": 2, "async_scheduling": True, "world_size": 2, "abort_share": 0.1, "stop_share": 0.5}),
     (42, {"offload_prompt_only": False, "self_describing_kv_events": True},
      {"spec_tokens": 4, "async_scheduling": True, "reset_share": 0.05, "params_share": 0.3, "stop_share": 0.5}),
+    # An EAGLE drafter (its group flagged as vLLM flags a drafter's layers,
+    # the scheduler's speculative method "eagle"): lookahead slots for the
+    # drafts, prefill chunks never ending right before the prompt's last
+    # token, a GPU prefix hit's last block dropped, the connector's last
+    # chunk volatile; sync, and async with sync loads and aborts.
+    (44, {"offload_prompt_only": False},
+     {"spec_tokens": 3, "spec_method": "eagle", "eagle_groups": (0,), "stop_share": 0.5}),
+    (45, {"block_size": 2 * TPB, "eviction_policy": "arc", "sync_load_budget_bytes": 4096},
+     {"spec_tokens": 2, "spec_method": "eagle", "eagle_groups": (0,), "async_scheduling": True, "abort_share": 0.1,
+      "stop_share": 0.5}),
     # Found by widening seed 42's configuration (2026-12-07): under async
     # scheduling a step's evictions are published once the next step ran,
     # after a reset in between; the binding had dropped the evicted chunks'

@@ -436,6 +436,30 @@ CASES = [
     (92, "full+ring", {"offload_prompt_only": False}, {"spec_tokens": 3, "async_scheduling": True}, 0),
     (93, "swa8", {"sync_load_budget_bytes": 8192, "offload_prompt_only": False},
      {"spec_tokens": 3, "async_scheduling": True}, 1),
+    # An EAGLE drafter run for real (the harness's ``spec_method="eagle"``):
+    # vLLM's scheduler reserves lookahead slots for the drafts, never ends a
+    # prefill chunk right before the prompt's last token, and drops the
+    # last block of a GPU prefix hit in the drafter groups; the fake
+    # drafter writes each position's KV in those groups from its token and
+    # the next one after the step's sampling, and guesses past them
+    # (`Engine._draft`), so a drafter block loaded where the next token
+    # differs holds wrong bytes. One draft group; a draft group beside a
+    # window, 8-token blocks, async; a draft window beside a draft group,
+    # 16-token blocks, dense retention, two workers; MLA with one draft
+    # (MTP), self-describing events, requests' kv_transfer_params;
+    # hashes every 2 tokens beside chunked-local attention, async; Mamba
+    # partial tails beside a draft group.
+    (94, "full", {"offload_prompt_only": False}, {"spec_tokens": 3, "spec_method": "eagle", "eagle_groups": [0]}, 1),
+    (95, "full+swa8", {"block_size": 2 * TPB, "offload_prompt_only": False},
+     {"spec_tokens": 2, "spec_method": "eagle", "eagle_groups": [0], "async_scheduling": True}, 1),
+    (96, "swa6+full", {"block_size": 4 * TPB, "offload_prompt_only": False},
+     {"spec_tokens": 3, "spec_method": "eagle", "eagle_groups": [0, 1], "retention": None, "world_size": 2}, 0),
+    (100, "mla", {"self_describing_kv_events": True, "offload_prompt_only": False},
+     {"spec_tokens": 1, "spec_method": "eagle", "eagle_groups": [0], "params": True}, 1),
+    (98, "full+local12", {"offload_prompt_only": False},
+     {"hash_tokens": 2, "spec_tokens": 3, "spec_method": "eagle", "eagle_groups": [0], "async_scheduling": True}, 1),
+    (99, "full+mamba", {"offload_prompt_only": False},
+     {"hash_tokens": 2, "spec_tokens": 3, "spec_method": "eagle", "eagle_groups": [0]}, 1),
 ]
 # Seeds the widening scripts found something on, kept with the
 # configuration they ran (added below the configurations they cycle
@@ -465,7 +489,8 @@ def select_cases(only: str | None) -> list[tuple]:
     vLLM's connector leaves out; ``params``: those whose requests carry
     ``kv_transfer_params``; ``dcp``: those with decode context
     parallelism; ``spec``: those with speculative decoding;
-    ``async-spec``: those of them with async scheduling)."""
+    ``async-spec``: those of them with async scheduling; ``eagle-spec``:
+    those with an EAGLE drafter run for real)."""
     if only is None:
         return list(_CONFIGS)
     if only == "params":
@@ -476,6 +501,8 @@ def select_cases(only: str | None) -> list[tuple]:
         return [c for c in _CONFIGS if c[3].get("spec_tokens")]
     if only == "async-spec":
         return [c for c in _CONFIGS if c[3].get("spec_tokens") and c[3].get("async_scheduling")]
+    if only == "eagle-spec":
+        return [c for c in _CONFIGS if c[3].get("spec_method") == "eagle"]
     if only == "eagle":
         return [c for c in _CONFIGS if c[3].get("eagle_groups")]
     if only == "hash":

@@ -136,6 +136,10 @@ def worker_run(
     seen["drafts_accepted"] = e.drafts_accepted
     seen["drafts_rejected"] = e.drafts_rejected
     seen["states_after_rejected_drafts"] = e.states_after_rejected_drafts
+    # EAGLE drafter groups: blocks found holding the drafter's value at
+    # their last position for another request's next token (vLLM's rule
+    # allows it: `Engine.stale_drafter_tails`).
+    seen["stale_drafter_tails"] = len(e.stale_drafter_tails)
     # Hand-offs whose block vLLM gave another request in the same step
     # (flushed: copied before that request's forward).
     seen["handoffs_flushed"] = e.connector._scheduler.core.metrics()["handoffs_flushed"]
