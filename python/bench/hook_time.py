@@ -24,7 +24,11 @@ is stored or offered in both groups, and a decoding request's window
 blocks are freed behind it. ``--groups full+mamba`` runs a hybrid
 Mamba model (a full-attention group and a Mamba group in vLLM's align
 mode): a decoding request's Mamba state is handed over, and stored, at
-each block boundary it reaches.
+each block boundary it reaches. ``--groups eagle`` runs one
+full-attention group holding an EAGLE drafter's layers (vLLM's
+``is_eagle_group``): the connectors keep a decoding request's last chunk
+back, and kvoffload's binding reads every scheduled request's token count
+each step.
 
 Usage (the project's vLLM venv, kvoffload installed in it):
     scripts/bench-vllm-hooks.sh [--requests 64,256,1024] [--steps 64] [--json out.json]
@@ -129,6 +133,8 @@ def measure(
                 block_size=TPB, shapes=((16, 4), (12, 16)), dtypes=(torch.float32,) * 2, mamba_cache_mode="align"
             )
             groups = [FullAttentionSpec(**common), state]
+        elif hybrid == "eagle":
+            groups = [FullAttentionSpec(**common)]
         else:
             groups = [FullAttentionSpec(**common), SlidingWindowSpec(sliding_window=WINDOW, **common)]
     ngroups = len(groups) if groups else 1
@@ -151,6 +157,7 @@ def measure(
         kv_events=kv_events,
         groups=groups,
         hash_tokens=hash_tokens,
+        eagle_groups=(0,) if hybrid == "eagle" else (),
     )
     timer = HookTimer(e.connector)
     for i in range(n):
@@ -217,9 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--groups",
         default="one",
-        choices=("one", "full+swa", "full+mamba"),
+        choices=("one", "full+swa", "full+mamba", "eagle"),
         help="one full-attention KV group, or a hybrid model (a full-attention and a "
-        f"{WINDOW}-token sliding-window group, or a Mamba group, vLLM's hybrid manager)",
+        f"{WINDOW}-token sliding-window group, or a Mamba group, vLLM's hybrid manager), "
+        "or one full-attention group holding an EAGLE drafter's layers (the connectors' "
+        "volatile last chunk; the binding reads every scheduled request's token count)",
     )
     ap.add_argument(
         "--hash-tokens",

@@ -560,8 +560,6 @@ class Engine:
           column, where the next step reads it."""
         tpb = self.group_tpb(g)
         drafts = self.spans[rid][1]
-        if self.async_scheduling:
-            raise AssertionError("Mamba groups under async speculative decoding: not modelled")
         if start > 0:
             idx = self.state_index.get((rid, g), (start - 1) // tpb)
             block = table[idx] if idx < len(table) else 0
@@ -981,12 +979,6 @@ def build(
     vllm_config.parallel_config.world_size = world_size
     vllm_config.parallel_config.decode_context_parallel_size = dcp
     if spec_tokens:
-        # Under async scheduling vLLM schedules placeholders and its model
-        # runner corrects the positions on the GPU (`Engine._span`); the
-        # Mamba states' columns under it are not modelled.
-        assert not async_scheduling or not any(isinstance(s, MambaSpec) for s in groups or ()), (
-            "Mamba groups under async speculative decoding: not modelled"
-        )
         if groups is not None:
             # vLLM sizes a Mamba layer's speculative blocks to the drafts
             # (one state column a draft).

@@ -460,6 +460,20 @@ CASES = [
      {"hash_tokens": 2, "spec_tokens": 3, "spec_method": "eagle", "eagle_groups": [0], "async_scheduling": True}, 1),
     (99, "full+mamba", {"offload_prompt_only": False},
      {"hash_tokens": 2, "spec_tokens": 3, "spec_method": "eagle", "eagle_groups": [0]}, 1),
+    # Mamba groups under async scheduling with drafts: in align mode vLLM's
+    # model runner applies the last step's rejections to its token counts
+    # before it places the states (`preprocess_mamba`), so the states go
+    # where they go under sync scheduling, from the corrected start
+    # (`Engine._span`). Beside full attention; first, beside a window, two
+    # workers; partial tails with self-describing events; one draft; an
+    # EAGLE drafter beside it.
+    (101, "full+mamba", {"offload_prompt_only": False}, {"spec_tokens": 3, "async_scheduling": True}, 1),
+    (102, "mamba+swa8", {}, {"spec_tokens": 2, "async_scheduling": True, "world_size": 2}, 0),
+    (103, "full+mamba", {"self_describing_kv_events": True, "offload_prompt_only": False},
+     {"spec_tokens": 3, "hash_tokens": 2, "async_scheduling": True}, 1),
+    (104, "full+mambasb", {"offload_prompt_only": False}, {"spec_tokens": 1, "async_scheduling": True}, 1),
+    (105, "full+mamba", {"offload_prompt_only": False},
+     {"spec_tokens": 2, "spec_method": "eagle", "eagle_groups": [0], "async_scheduling": True}, 1),
 ]
 # Seeds the widening scripts found something on, kept with the
 # configuration they ran (added below the configurations they cycle
