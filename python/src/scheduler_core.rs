@@ -32,6 +32,12 @@ struct Tracked {
     /// so a request is found by the object's address first.
     name: Py<PyAny>,
     hashes: Vec<BlockHash>,
+    /// Its prompt's tokens.
+    prompt_tokens: u64,
+    /// The token count last given to the scheduler exceeds the prompt: the
+    /// request decodes, which a fresher count would not change
+    /// ([`SchedulerCore::fresh_token_counts`]).
+    past_prompt: bool,
 }
 
 /// A scheduled request read from the scheduler output: the key object's
@@ -177,12 +183,15 @@ pub(crate) struct SchedulerCore {
     /// hash is the last one in it, the one that covers its whole prefix
     /// (vLLM's `BlockHashListWithBlockSize`).
     hashes_per_block: usize,
-    /// Store planning reads each scheduled request's current token count
-    /// (set with EAGLE draft groups): a draft group's last chunk is
-    /// volatile once the request decodes, which the count tells (vLLM's
-    /// `storable_chunks`); a count from when the last block completed
-    /// would keep a request that just began to decode in its prompt, and
-    /// store that chunk.
+    /// Store planning reads the current token count of each scheduled
+    /// request not yet known to decode (set with EAGLE draft groups): a
+    /// draft group's last chunk is volatile once the request decodes, which
+    /// the count tells (vLLM's `storable_chunks`); a count from when the
+    /// last block completed would keep a request that just began to decode
+    /// in its prompt, and store that chunk. Once a count given exceeds the
+    /// prompt, a fresher one changes nothing that store planning reads
+    /// (the count only grows while the request runs, and stores stop at
+    /// its hashed blocks).
     fresh_token_counts: bool,
 }
 
@@ -239,6 +248,7 @@ impl SchedulerCore {
             entry.1 = t.hashes.len();
         }
         let num_tokens: u64 = req.getattr(intern!(py, "num_tokens"))?.extract()?;
+        t.past_prompt = num_tokens > t.prompt_tokens;
         self.s
             .update_request(id, num_tokens, &t.hashes[sent..])
             .map_err(value_error)?;
@@ -282,7 +292,7 @@ impl SchedulerCore {
         tokens: u64,
     ) -> PyResult<usize> {
         let tpb = u64::from(self.cfg.tokens_per_block);
-        if self.fresh_token_counts {
+        if self.fresh_token_counts && self.tracked.get(&id).is_some_and(|t| !t.past_prompt) {
             return self.sync(py, id, true);
         }
         if sent != usize::MAX && (sent as u64 + 1).saturating_mul(tpb) > tokens {
@@ -945,6 +955,8 @@ impl SchedulerCore {
                 request: request.unbind(),
                 name: name_obj.unbind(),
                 hashes: Vec::new(),
+                prompt_tokens: prompt,
+                past_prompt: false,
             },
         );
         if let Some(old) = old {

@@ -460,7 +460,7 @@ class Engine:
                     nxt = self.draft_at(req, p + 1)
                 for w, block, slot in self._places(table, tpb, p):
                     if block == 0:
-                        # Past the blocks vLLM allocated (its lookahead slots).
+                        # No block there (a window's null block).
                         continue
                     for li, name in enumerate(layers):
                         v = draft_kv_value(t, nxt, p, self._layer_ordinal(g, li)) + self._worker_offset(w)

@@ -496,3 +496,4 @@ def test_same_steps_as_vllms_offloading_connector(seed: int, extra: dict, opts: 
     for n, (w, g) in enumerate(zip(want, got)):
         assert g == w, f"step {n}: kvoffload {g} != vLLM {w}"
     assert len(got) == len(want), f"{len(got)} steps != vLLM's {len(want)}"
+

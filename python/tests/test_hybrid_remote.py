@@ -85,6 +85,14 @@ REMOTE_CASES = [
     # boundary, fetched with the bridge chunk before it when it lies in the
     # second block past the complete hit.
     (62, "full+mamba", {"offload_prompt_only": False}, {"hash_tokens": 2, "eagle_groups": [0]}),
+    # Speculative decoding under async scheduling: an EAGLE drafter beside
+    # a window (the drafter's KV depends on the next token: node B may
+    # fetch a block whose last position node A computed with another next
+    # token, which vLLM's rule allows and the check counts); Mamba states
+    # placed from the model runner's corrected counts.
+    (95, "full+swa8", {"block_size": 2 * TPB, "offload_prompt_only": False},
+     {"spec_tokens": 2, "spec_method": "eagle", "eagle_groups": [0], "async_scheduling": True}),
+    (101, "full+mamba", {"offload_prompt_only": False}, {"spec_tokens": 3, "async_scheduling": True}),
 ]
 
 
@@ -100,6 +108,9 @@ def test_a_second_node_fetches_every_group_s_chunks_and_loads_the_computed_bytes
         e.drain_remote()
         e.step()  # the workers' last counters reach the scheduler's stats
         first.update(writes(e))
+        # The drafter values node A computed (node B checks a fetched
+        # block's last position against them: `Engine.stale_drafter_tails`).
+        first["drafter"] = e.drafter_next_tokens
 
     worker_run(seed, specs, cfg, opts, on_done=written, on_start=lambda e: prom.append(harness.PromRecorder(e)))
     assert first["puts_written"] > 0 and first["puts_failed"] == 0, first
@@ -116,7 +127,10 @@ def test_a_second_node_fetches_every_group_s_chunks_and_loads_the_computed_bytes
         second["workers"] = writes(e)
         second["state"] = e.connector.scheduler_state()
 
-    seen = worker_run(seed, specs, cfg, opts, on_done=fetched)
+    def shared_drafter_values(e: Any) -> None:
+        e.drafter_next_tokens = first["drafter"]
+
+    seen = worker_run(seed, specs, cfg, opts, on_done=fetched, on_start=shared_drafter_values)
     st = second["lookup"]
     # The second node's host tier starts empty: its hits come from chunks
     # the first node wrote, fetched into its host tier and loaded, every
