@@ -918,8 +918,11 @@ def build(
     `Engine.draft_at`), writing the rejected drafts' KV at their positions
     (and a Mamba group's states after them, marked wrong, in its
     speculative blocks, which are sized to the drafts as vLLM sizes them:
-    `Engine._compute_state_speculative`); with async scheduling, attention
-    groups only (the model runner's position correction: `Engine._span`)."""
+    `Engine._compute_state_speculative`); with async scheduling too (the
+    model runner's position correction: `Engine._span`).
+    `spec_method`: ``"ngram"``, or ``"eagle"`` (with `eagle_groups`): vLLM's
+    scheduler runs an EAGLE drafter's rules and the fake drafter writes
+    the drafter groups (`Engine._draft`)."""
     if replicated:
         with mock.patch("kvoffload.vllm._replicated_layout", lambda *_a: True):
             e = build(
