@@ -517,28 +517,45 @@ class Engine:
         block = self._state_block(g, table, end)
         assert block != 0, f"{rid}: Mamba state after {end} tokens of group {g} computed into the null block"
         writes = [(block, end)]
-        if g in self.checkpoints:
-            from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
-
-            alignment, hash_block, hit_alignment = self.checkpoints[g]
-            offsets, cols = compute_mamba_prefill_checkpoints(
-                [end], [end - start], hash_block, self.group_tpb(g), alignment, False, hit_alignment
-            )
-            if cols[0] >= 0:
-                at = start + offsets[0]
-                # At a block boundary, the block ending there; with hashes
-                # finer than the blocks, a block vLLM reserves (and keys at
-                # the checkpoint) where the prefill ends, elsewhere the null
-                # block, where vLLM's model runner writes it
-                # (`_gather_checkpoint_state_indices`): nothing kept.
-                assert at % self.group_tpb(g) or cols[0] == (at - 1) // self.group_tpb(g), (rid, start, end, cols)
-                if table[cols[0]] != 0:
-                    writes.append((table[cols[0]], at))
-                    self.checkpoints_written += 1
+        checkpoint = self._checkpoint(rid, g, table, start, end)
+        if checkpoint is not None:
+            writes.append(checkpoint)
         for block, at in writes:
             for w in range(len(self.workers)):
                 for li, name in enumerate(layers):
                     self.caches[w][name][block] = state_value(req, at - 1, self._layer_ordinal(g, li)) + self._worker_offset(w)
+
+    def _checkpoint(self, rid: str, g: int, table: list[int], start: int, end: int) -> tuple[int, int] | None:
+        """A Mamba2/GDN group's prefill checkpoint in a step computing
+        tokens `start` to `end` (vLLM's ``compute_mamba_prefill_checkpoints``,
+        as a backend calls it): ``(block, tokens)``, the block vLLM names
+        and the tokens the state there follows, or ``None``."""
+        if g not in self.checkpoints:
+            return None
+        from vllm.model_executor.layers.mamba.checkpoint import compute_mamba_prefill_checkpoints
+
+        alignment, hash_block, hit_alignment = self.checkpoints[g]
+        # An EAGLE drafter's rules drop the last block of a hit (vLLM's
+        # checkpoint builder follows them: `drop_eagle_block`).
+        offsets, cols = compute_mamba_prefill_checkpoints(
+            [end], [end - start], hash_block, self.group_tpb(g), alignment, bool(self.drafter_groups), hit_alignment
+        )
+        if cols[0] < 0:
+            return None
+        at = start + offsets[0]
+        # At a block boundary, the block ending there (with an EAGLE
+        # drafter's drop, the boundary a block earlier, in the same
+        # block); with hashes finer than the blocks, a block vLLM reserves
+        # (and keys at the checkpoint) where the prefill ends, elsewhere
+        # the null block, where vLLM's model runner writes it
+        # (`_gather_checkpoint_state_indices`): nothing kept.
+        assert (
+            at % self.group_tpb(g) or self.drafter_groups or cols[0] == (at - 1) // self.group_tpb(g)
+        ), (rid, start, end, cols)
+        if table[cols[0]] == 0:
+            return None
+        self.checkpoints_written += 1
+        return table[cols[0]], at
 
     def _compute_state_speculative(
         self, so: Any, rid: str, req: Request, g: int, layers: list[str], table: list[int], start: int, end: int
@@ -595,6 +612,14 @@ class Engine:
                 index = curr
         self.state_index[(rid, g)] = index
         self.state_ends[(rid, g)] = computed
+        # A prefill step (no drafts) of a Mamba2/GDN group also writes its
+        # prefill checkpoint, as without speculation.
+        checkpoint = None if drafts else self._checkpoint(rid, g, table, start, end)
+        if checkpoint is not None:
+            block, at = checkpoint
+            for w in range(len(self.workers)):
+                for li, name in enumerate(layers):
+                    self.caches[w][name][block] = state_value(req, at - 1, self._layer_ordinal(g, li)) + self._worker_offset(w)
 
     def _places(self, table: list[int], tpb: int, p: int) -> list[tuple[int, int, int]]:
         """Where token `p` lives: ``(worker, block, slot)`` on each worker
@@ -985,9 +1010,6 @@ def build(
         if groups is not None:
             # vLLM sizes a Mamba layer's speculative blocks to the drafts
             # (one state column a draft).
-            assert not any(getattr(s, "num_prefill_checkpoint_blocks", 0) for s in groups), (
-                "speculative decoding with Mamba2 prefill checkpoints: not modelled"
-            )
             groups = [
                 dataclasses.replace(s, num_speculative_blocks=spec_tokens) if isinstance(s, MambaSpec) else s
                 for s in groups

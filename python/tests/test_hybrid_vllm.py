@@ -474,6 +474,16 @@ CASES = [
     (104, "full+mambasb", {"offload_prompt_only": False}, {"spec_tokens": 1, "async_scheduling": True}, 1),
     (105, "full+mamba", {"offload_prompt_only": False},
      {"spec_tokens": 2, "spec_method": "eagle", "eagle_groups": [0], "async_scheduling": True}, 1),
+    # Mamba2 layers (prefill checkpoints, as Qwen3-Next's GDN layers)
+    # under speculative decoding: a prefill step writes its checkpoint as
+    # without speculation (`Engine._checkpoint`), decode steps keep the
+    # states in their columns. Beside full attention; beside a window,
+    # chunks of two blocks, async, requests' kv_transfer_params; beside an
+    # EAGLE drafter's group (MTP on a hybrid model).
+    (106, "full+mamba2", {"offload_prompt_only": False}, {"spec_tokens": 3}, 1),
+    (107, "mamba2+swa8", {"blocks_per_chunk": 2}, {"spec_tokens": 2, "async_scheduling": True, "params": True}, 0),
+    (108, "full+mamba2", {"offload_prompt_only": False},
+     {"spec_tokens": 2, "spec_method": "eagle", "eagle_groups": [0]}, 1),
 ]
 # Seeds the widening scripts found something on, kept with the
 # configuration they ran (added below the configurations they cycle
