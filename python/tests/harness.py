@@ -521,9 +521,17 @@ class Engine:
         if checkpoint is not None:
             writes.append(checkpoint)
         for block, at in writes:
-            for w in range(len(self.workers)):
-                for li, name in enumerate(layers):
-                    self.caches[w][name][block] = state_value(req, at - 1, self._layer_ordinal(g, li)) + self._worker_offset(w)
+            self._write_state(req, g, layers, block, at)
+
+    def _write_state(self, req: Request, g: int, layers: list[str], block: int, at: int, wrong: bool = False) -> None:
+        """Writes the state after the request's first `at` tokens into
+        `block` of Mamba group `g`, its whole page, on every worker;
+        `wrong`: marked wrong (states are multiples of 1/16: a marked one
+        is none), as a state after a rejected draft."""
+        for w in range(len(self.workers)):
+            for li, name in enumerate(layers):
+                v = state_value(req, at - 1, self._layer_ordinal(g, li)) + self._worker_offset(w)
+                self.caches[w][name][block] = v + (1 / 32 if wrong else 0)
 
     def _checkpoint(self, rid: str, g: int, table: list[int], start: int, end: int) -> tuple[int, int] | None:
         """A Mamba2/GDN group's prefill checkpoint in a step computing
@@ -595,11 +603,7 @@ class Engine:
             assert block != 0, f"{rid}: Mamba state column {j} of group {g} in the null block"
             wrong = j > accepted
             self.states_after_rejected_drafts += wrong
-            for w in range(len(self.workers)):
-                for li, name in enumerate(layers):
-                    v = state_value(req, first + j - 1, self._layer_ordinal(g, li)) + self._worker_offset(w)
-                    # States are multiples of 1/16: a marked one is none.
-                    self.caches[w][name][block] = v + (1 / 32 if wrong else 0)
+            self._write_state(req, g, layers, block, first + j, wrong)
         computed = first + accepted
         aligned = computed // tpb * tpb
         index = curr + accepted
@@ -616,10 +620,7 @@ class Engine:
         # prefill checkpoint, as without speculation.
         checkpoint = None if drafts else self._checkpoint(rid, g, table, start, end)
         if checkpoint is not None:
-            block, at = checkpoint
-            for w in range(len(self.workers)):
-                for li, name in enumerate(layers):
-                    self.caches[w][name][block] = state_value(req, at - 1, self._layer_ordinal(g, li)) + self._worker_offset(w)
+            self._write_state(req, g, layers, *checkpoint)
 
     def _places(self, table: list[int], tpb: int, p: int) -> list[tuple[int, int, int]]:
         """Where token `p` lives: ``(worker, block, slot)`` on each worker
