@@ -282,8 +282,9 @@ impl SchedulerCore {
 
     /// [`Self::sync`] when a block ending at or before `tokens` may have
     /// been hashed since the last one, `sent` hashes given so far (else
-    /// nothing is read; always, forced, with [`Self::fresh_token_counts`]). Returns the hashes the scheduler has then (`sent`
-    /// when nothing was read).
+    /// nothing is read), or forced while [`Self::fresh_token_counts`] asks
+    /// for the request's count. Returns the hashes the scheduler has then
+    /// (`sent` when nothing was read).
     fn sync_until(
         &mut self,
         py: Python<'_>,
