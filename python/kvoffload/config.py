@@ -38,6 +38,7 @@ KEYS: dict[str, str] = {
     "self_describing_kv_events": "KV events carry each stored chunk's block hashes, tokens, parent hash and LoRA, as vLLM's (vLLM's key, default false: each chunk's key hash only)",
     "strategy_table": "path of a CUDA strategy table written by `kvoffload bench --calibrate` (kvoffload; CUDA KV caches; default: the built-in table)",
     "sync_load_budget_bytes": "KV bytes per worker a step may load synchronously: a hit that fits is loaded inside the step and its request runs at once (vLLM's key, default 0: every load asynchronous)",
+    "canonical_layout": "vLLM's key (default false): a parallelism-free host page layout; with vLLM's CPU spec it changes who keeps one copy of replicated MLA KV (vLLM's replicated_layout rule for canonical pages) and lets every worker write its stores",
     "remote_tier": "a Redis (or Redis Cluster) store shared across nodes, as a dict (or its JSON) of the remote tier's keys (docs/remote-tier.md: url, cluster, username, password, tls_ca_file, timeouts, write, ...) plus 'deployment', a text kept in the namespace (kvoffload; default: no remote tier)",
 }
 
@@ -81,6 +82,11 @@ def _bool(extra: dict[str, Any], key: str, default: bool) -> bool:
     if isinstance(v, str) and v.lower() in ("true", "false"):
         return v.lower() == "true"
     raise ValueError(f"kv_connector_extra_config: {key} = {v!r} is not a boolean")
+
+
+def canonical_layout(extra: dict[str, Any]) -> bool:
+    """``canonical_layout`` of ``kv_connector_extra_config`` (a boolean)."""
+    return _bool(extra, "canonical_layout", False)
 
 
 def _strategy_table(extra: dict[str, Any]) -> str | None:
@@ -168,12 +174,23 @@ class EngineConfig:
     #: worker: a chunk takes one worker's part of host memory, rank 0 writes
     #: it and every rank loads from it.
     replicated_layout: bool = False
+    #: vLLM's ``canonical_layout``: the replicated decision above follows
+    #: vLLM's rule for canonical pages, and every worker writes its stores
+    #: (vLLM's ``_is_store_writer``), rank 0 alone no longer.
+    canonical_layout: bool = False
+    #: With ``canonical_layout`` and a remote tier over a layout whose heads
+    #: tensor parallelism shards (vLLM's parallelism-agnostic layouts): the
+    #: model's KV heads, the shares of a chunk in the store, so that nodes
+    #: of other tensor-parallel sizes read it (0: one share a worker).
+    remote_head_shares: int = 0
 
     @property
     def remote_shares(self) -> int:
-        """The shares of a chunk in a remote tier: one a worker, or one for
+        """The shares of a chunk in a remote tier: one a worker, one for
         every worker where they hold the same bytes (rank 0 puts and fetches
-        it)."""
+        it), or one a KV head (`remote_head_shares`)."""
+        if self.remote_head_shares:
+            return self.remote_head_shares
         return 1 if self.replicated_layout else self.world_size
 
     def to_json(self) -> str:
@@ -206,6 +223,7 @@ class EngineConfig:
         worker_bytes_per_block: int,
         kv_bytes_per_token: int = 0,
         replicated_layout: bool = False,
+        remote_head_shares: int = 0,
     ) -> "EngineConfig":
         """From ``kv_connector_extra_config`` and what vLLM knows of the engine:
         the GPU block size in tokens, the workers, one worker's KV bytes per
@@ -213,7 +231,8 @@ class EngineConfig:
         against ``sync_load_budget_bytes`` (default: per block / tokens), and
         whether every worker holds the same KV (``replicated_layout``: one
         copy of a chunk in host memory, as vLLM's, and one share of it in a
-        remote tier)."""
+        remote tier); `remote_head_shares`: the model's KV heads where they
+        are a remote tier's shares (taken only with a remote tier)."""
         unknown = sorted(set(extra) - set(KEYS))
         if unknown:
             allowed = ", ".join(sorted(KEYS))
@@ -295,4 +314,6 @@ class EngineConfig:
             sync_load_budget_bytes=_int(extra, "sync_load_budget_bytes", 0, 1 << 62) or 0,
             kv_bytes_per_token=kv_bytes_per_token or worker_bytes_per_block // max(tokens_per_block, 1),
             replicated_layout=replicated_layout,
+            canonical_layout=canonical_layout(extra),
+            remote_head_shares=remote_head_shares if remote is not None else 0,
         )

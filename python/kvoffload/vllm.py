@@ -56,6 +56,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     group_kernel_blocks,
+    iter_layer_specs,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
@@ -649,6 +650,7 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
     else:
         per_block = spec.page_size_bytes * len(groups[0].layer_names)
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    replicated = _replicated_layout(vllm_config, kv_cache_config, per_block, _canonical_layout(vllm_config))
     return EngineConfig.from_extra(
         extra,
         tokens_per_block=block_tokens,
@@ -657,7 +659,8 @@ def _engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> E
         # As vLLM counts a hit against sync_load_budget_bytes: a worker's
         # bytes of a block over the block's tokens.
         kv_bytes_per_token=spec.page_size_bytes * len(groups[0].layer_names) // block_tokens,
-        replicated_layout=_replicated_layout(vllm_config, kv_cache_config, per_block),
+        replicated_layout=replicated,
+        remote_head_shares=_remote_head_shares(vllm_config, kv_cache_config, replicated),
     )
 
 
@@ -684,13 +687,15 @@ def _hybrid_engine_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfi
             "If 'block_size' is specified in kv_connector_extra_config, all KV cache groups must have "
             f"the same block size (they have {sorted(set(block_tokens))}); set 'blocks_per_chunk' instead"
         )
+    replicated = _replicated_layout(vllm_config, kv_cache_config, per_block, _canonical_layout(vllm_config))
     return EngineConfig.from_extra(
         extra,
         tokens_per_block=kv_unit_block_tokens(kv_cache_config, dcp),
         world_size=vllm_config.parallel_config.world_size,
         worker_bytes_per_block=per_block,
         kv_bytes_per_token=sum(b // t for b, t in zip(page_bytes, block_tokens)),
-        replicated_layout=_replicated_layout(vllm_config, kv_cache_config, per_block),
+        replicated_layout=replicated,
+        remote_head_shares=_remote_head_shares(vllm_config, kv_cache_config, replicated),
     )
 
 
@@ -705,14 +710,87 @@ def _uses_shared_region() -> bool:
     )
 
 
-def _replicated_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, worker_bytes_per_block: int) -> bool:
-    """Whether vLLM's OffloadingConnector keeps one copy of each chunk for
-    every worker (its ``replicated_layout``, gated as its CPU spec gates it):
-    MLA KV replicated on every tensor-parallel rank, tensor parallelism alone
-    (no pipeline or context parallelism), one node, the ``mp`` executor, on
-    a platform where the host pool is a shared region."""
+def _canonical_layout(vllm_config: VllmConfig) -> bool:
+    """Whether ``kv_connector_extra_config`` asks for vLLM's
+    ``canonical_layout`` (a boolean; anything else raises ``ValueError``)."""
+    from kvoffload.config import canonical_layout
+
+    return canonical_layout(dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {}))
+
+
+def _parallelism_agnostic(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, canonical: bool) -> bool:
+    """vLLM's ``is_parallelism_agnostic``: whether an offloaded block's bytes
+    are the same under any tensor-parallel size. Without ``canonical_layout``:
+    one full-attention group (not MLA) whose heads are split over the ranks,
+    no per-token-head quantisation, no context parallelism, vLLM's first
+    model runner. With it, every layer of every group a spec whose canonical
+    page can be derived (head-sharded attention or sliding windows, MLA with
+    one token a state and a page of whole token rows), no context
+    parallelism, the workers exactly the tensor-parallel group."""
     pc = vllm_config.parallel_config
     mc = vllm_config.model_config
+    tp = pc.tensor_parallel_size
+    dcp = getattr(pc, "decode_context_parallel_size", 1)
+    pcp = getattr(pc, "prefill_context_parallel_size", 1)
+    total_heads = mc.get_total_num_kv_heads() if mc is not None else 0
+    groups = kv_cache_config.kv_cache_groups
+    single = groups[0].kv_cache_spec if len(groups) == 1 else None
+    agnostic = bool(
+        not getattr(vllm_config, "use_v2_model_runner", False)
+        and single is not None
+        and isinstance(single, FullAttentionSpec)
+        and not isinstance(single, MLAAttentionSpec)
+        and single.num_kv_heads * tp == total_heads
+        and not single.kv_quant_mode.is_per_token_head
+        and dcp == 1
+        and pcp == 1
+    )
+    if not canonical or agnostic:
+        return agnostic
+
+    def certifiable(spec: Any) -> bool:
+        if not isinstance(spec, AttentionSpec) or spec.kv_quant_mode.is_per_token_head:
+            return False
+        if type(spec) is MLAAttentionSpec:
+            return spec.tokens_per_state == 1 and spec.real_page_size_bytes % spec.block_size == 0
+        if isinstance(spec, (SlidingWindowMLASpec, MLAAttentionSpec)):
+            return False
+        if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+            return False
+        return (total_heads % tp == 0 or tp % total_heads == 0) and spec.num_kv_heads == max(1, total_heads // tp)
+
+    layer_specs = [s for g in groups for s in iter_layer_specs(g.kv_cache_spec)]
+    return bool(
+        layer_specs and all(certifiable(s) for s in layer_specs) and dcp == 1 and pcp == 1 and pc.world_size == tp
+    )
+
+
+def _replicated_layout(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, worker_bytes_per_block: int, canonical: bool = False
+) -> bool:
+    """Whether vLLM's OffloadingConnector keeps one copy of each chunk for
+    every worker (its ``replicated_layout``, gated as its CPU spec gates it,
+    on a platform where the host pool is a shared region). Without
+    ``canonical_layout``: MLA KV replicated on every tensor-parallel rank,
+    tensor parallelism alone (no pipeline or context parallelism), one
+    node, the ``mp`` executor. With it (vLLM's rule then replaces that
+    one): every offloaded layer plain MLA, the layout parallelism-agnostic
+    (`_parallelism_agnostic`), one node, one worker or the ``mp`` executor."""
+    pc = vllm_config.parallel_config
+    mc = vllm_config.model_config
+    if not _uses_shared_region():
+        return False
+    if canonical:
+        return bool(
+            _parallelism_agnostic(vllm_config, kv_cache_config, True)
+            and all(
+                type(s) is MLAAttentionSpec
+                for g in kv_offloaded_groups(kv_cache_config)
+                for s in iter_layer_specs(g.kv_cache_spec)
+            )
+            and getattr(pc, "nnodes_within_dp", 1) == 1
+            and (pc.world_size == 1 or pc.distributed_executor_backend == "mp")
+        )
     tp = pc.tensor_parallel_size
     return bool(
         mc is not None
@@ -726,8 +804,64 @@ def _replicated_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, 
         and pc.world_size == tp
         and pc.distributed_executor_backend == "mp"
         and getattr(pc, "nnodes_within_dp", 1) == 1
-        and _uses_shared_region()
     )
+
+
+def _remote_head_shares(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, replicated: bool) -> int:
+    """The model's KV heads where they are the shares of a chunk in the
+    remote tier, else 0. They are with ``canonical_layout`` where vLLM's
+    canonical rule calls the layout parallelism-agnostic (head-sharded
+    attention, sliding windows or MLA; no context parallelism; the workers
+    exactly the tensor-parallel group) and the offloaded layers are all of
+    one kind: attention whose heads tensor parallelism shards (the model's
+    KV heads), or MLA (one latent "head" every rank holds). A replicated
+    layout keeps its one share (rank 0 puts the whole chunk): that is
+    already the same at every tensor-parallel size."""
+    if replicated or not _canonical_layout(vllm_config):
+        return 0
+    if not _parallelism_agnostic(vllm_config, kv_cache_config, True):
+        return 0
+    specs = [s for g in kv_offloaded_groups(kv_cache_config) for s in iter_layer_specs(g.kv_cache_spec)]
+    if specs and all(type(s) is MLAAttentionSpec for s in specs):
+        return 1
+    if any(isinstance(s, MLAAttentionSpec) for s in specs):
+        return 0
+    mc = vllm_config.model_config
+    return int(mc.get_total_num_kv_heads()) if mc is not None else 0
+
+
+def _head_page(tensor: torch.Tensor, spec: Any, num_blocks: int) -> tuple[str, int, int, int, int] | None:
+    """How a layer's page holds its KV heads, for KV heads as remote shares
+    (``WorkerCore.attach_remote_heads``): ``(order, halves, block tokens,
+    heads, head bytes)``, read from the tensor's shape and strides as vLLM's
+    canonical mapping reads them (K and V apart, ``(blocks, 2, tokens,
+    heads, head)``, or side by side, ``(blocks, heads, tokens, 2 x head)``;
+    a token's heads together, NHD, or a head's tokens, HND); an MLA page is
+    one "head" of token rows. None: a layout it does not know."""
+    bs = spec.block_size
+    elem = tensor.element_size()
+    if type(spec) is MLAAttentionSpec:
+        page = spec.real_page_size_bytes
+        return None if page % bs else ("nhd", 1, bs, 1, page // bs)
+    heads, hd = spec.num_kv_heads, spec.head_size
+    shape, stride = tuple(tensor.shape), tensor.stride()
+    if shape == (num_blocks, heads, bs, 2 * hd):
+        _, head_stride, token_stride, inner = stride
+        halves, head_bytes = 1, 2 * hd * elem
+        nhd = head_stride == 2 * hd and token_stride == heads * 2 * hd
+        hnd = head_stride == bs * 2 * hd and token_stride == 2 * hd
+    elif shape == (num_blocks, 2, bs, heads, hd):
+        _, half_stride, token_stride, head_stride, inner = stride
+        if half_stride != bs * heads * hd:
+            return None
+        halves, head_bytes = 2, hd * elem
+        nhd = token_stride == heads * hd and head_stride == hd
+        hnd = head_stride == bs * hd and token_stride == hd
+    else:
+        return None
+    if inner != 1 or not (nhd or hnd) or halves * bs * heads * head_bytes != spec.real_page_size_bytes:
+        return None
+    return ("nhd" if nhd else "hnd", halves, bs, heads, head_bytes)
 
 
 def _all_workers_barrier() -> bool:
@@ -788,12 +922,15 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     mc = vllm_config.model_config
     model = f"{mc.model if mc else ''}@{(mc.revision if mc else None) or ''}|{cfg.remote_deployment}"
     attention = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    # KV heads as shares: a share is one head's bytes, whatever the
+    # tensor-parallel size; named by the model's heads, not a rank's.
+    head_shares = cfg.remote_head_shares
     layout = "|".join(
         str(x)
         for x in (
             "vllm-per-layer-LBHNC",
             type(spec).__name__,
-            getattr(spec, "num_kv_heads", ""),
+            f"kv-heads:{head_shares}" if head_shares else getattr(spec, "num_kv_heads", ""),
             getattr(spec, "head_size", ""),
             getattr(spec, "dtype", ""),
             vllm_config.cache_config.cache_dtype,
@@ -831,12 +968,17 @@ def _remote_namespace(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, c
     # Replicated KV (every worker holds a whole chunk's bytes, one share of
     # it is stored) is named as one worker: a node of one worker of the
     # same model and layout reads and writes the same chunks.
+    bytes_per_block = cfg.worker_chunk_bytes // cfg.blocks_per_chunk
+    if head_shares:
+        # One head's bytes a block (a worker holds its heads' or, with more
+        # ranks than heads, one head).
+        bytes_per_block //= max(1, head_shares // cfg.world_size)
     return remote_namespace(
         model,
         layout,
         cfg.tokens_per_block,
         cfg.blocks_per_chunk,
-        cfg.worker_chunk_bytes // cfg.blocks_per_chunk,
+        bytes_per_block,
         cfg.remote_shares,
     )
 
@@ -1311,6 +1453,8 @@ class _WorkerSide:
         #: blocks over its own regions).
         group_regions: list[list[int]] = []
         devices = set()
+        #: Per region, how its page holds the KV heads (KV heads as remote shares).
+        head_pages: dict[int, tuple[str, int, int, int, int]] = {}
         for group in groups:
             mine: list[int] = []
             for name in group.layer_names:
@@ -1340,6 +1484,15 @@ class _WorkerSide:
                     )
                 if r not in mine:
                     mine.append(r)
+                if self.cfg.remote_head_shares:
+                    hp = _head_page(t, layer_spec, num_blocks)
+                    if hp is None or head_pages.setdefault(r, hp) != hp:
+                        raise RuntimeError(
+                            f"kvoffload.vllm: canonical_layout with a remote tier keeps a chunk as its KV "
+                            f"heads, but the KV cache of layer {name} (shape {tuple(t.shape)}, strides "
+                            f"{t.stride()}) is not a layout whose heads it knows; remove canonical_layout "
+                            "from kv_connector_extra_config"
+                        )
             group_regions.append(mine)
         if len(devices) != 1:
             raise ValueError(f"kvoffload.vllm: the KV cache tensors are on several devices: {devices}")
@@ -1347,12 +1500,16 @@ class _WorkerSide:
         args = (regions, num_blocks, self.cfg.blocks_per_chunk, self.cfg.num_cpu_chunks, False)
         grouping = group_regions if len(groups) > 1 else None
         # Replicated KV (`_replicated_layout`): one host region every worker
-        # maps, rank 0 writing the stores, every rank loading from it.
+        # maps, rank 0 writing the stores (with ``canonical_layout`` every
+        # rank writes them, as vLLM's workers then do: the same bytes), every
+        # rank loading from it.
         shared: dict[str, Any] = {}
+        needs_rank = self.cfg.replicated_layout or self.cfg.remote_tier_json is not None
+        rank = _worker_rank(self.cfg.world_size) if needs_rank else 0
         if self.cfg.replicated_layout:
             shared = {
                 "shared_region": shared_region_path(_shared_region_name(self.vllm_config)),
-                "store_writer": _worker_rank(self.cfg.world_size) == 0,
+                "store_writer": self.cfg.canonical_layout or rank == 0,
             }
         if device.type == "cpu":
             self.core = WorkerCore.host(*args, groups=grouping, **shared)
@@ -1375,8 +1532,17 @@ class _WorkerSide:
         try:
             # With replicated KV only the writer (rank 0) puts and fetches the
             # chunk's one share; the others read the shared region it fills.
-            if self.cfg.remote_tier_json is not None and self.core.store_writer:
-                rank = 0 if self.cfg.replicated_layout else _worker_rank(self.cfg.world_size)
+            if self.cfg.remote_head_shares:
+                # KV heads as shares: this worker puts and fetches its heads'.
+                self.core.attach_remote_heads(
+                    self.cfg.remote_tier_json,
+                    _remote_namespace(self.vllm_config, self.kv_cache_config, self.cfg),
+                    [head_pages[r] for r in range(len(regions))],
+                    self.cfg.remote_head_shares,
+                    self.cfg.world_size,
+                    rank,
+                )
+            elif self.cfg.remote_tier_json is not None and (not self.cfg.replicated_layout or rank == 0):
                 self.core.attach_remote(
                     self.cfg.remote_tier_json,
                     _remote_namespace(self.vllm_config, self.kv_cache_config, self.cfg),

@@ -24,6 +24,9 @@ use crate::convert::{block_hash, block_list, blocks, int_u64, runtime_error, val
 use crate::kv_events::{ChunkSource, EventTracker, block_hash_index};
 use crate::names::Names;
 
+/// The most shares a chunk may have in a remote tier (KV heads as shares:
+/// models have at most a few hundred).
+const MAX_REMOTE_SHARES: u32 = 4096;
 /// A request the scheduler tracks: vLLM's `Request` object (read for its
 /// token count and block hashes) and the hashes already given to the scheduler.
 struct Tracked {
@@ -872,7 +875,8 @@ impl SchedulerCore {
     /// or a tier is already attached. An unreachable store is not an error.
     /// `shares`: the shares a chunk has in the store (default: one a
     /// worker; 1 where every worker holds the same bytes, a replicated
-    /// layout, whose writer alone puts and fetches them).
+    /// layout, whose writer alone puts and fetches them; the model's KV
+    /// heads where they are the shares, `WorkerCore.attach_remote_heads`).
     #[pyo3(signature = (config_json, namespace, shares = None))]
     fn attach_remote(
         &mut self,
@@ -884,10 +888,9 @@ impl SchedulerCore {
             return Err(runtime_error("a remote tier is already attached"));
         }
         let shares = shares.unwrap_or(self.cfg.world_size);
-        if shares == 0 || shares > self.cfg.world_size {
+        if shares == 0 || shares > MAX_REMOTE_SHARES {
             return Err(value_error(format!(
-                "shares = {shares} is out of range: allowed 1..={}",
-                self.cfg.world_size
+                "shares = {shares} is out of range: allowed 1..={MAX_REMOTE_SHARES}"
             )));
         }
         let tier = crate::remote::start_tier(config_json, namespace, shares, self.clock.clone())?;

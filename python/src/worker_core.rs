@@ -12,9 +12,9 @@ use kvoffload::worker::cuda::{
     CudaBackend, MAX_REGISTER_PIECE, PinnedBuffer, borrowed_stream, open_context,
 };
 use kvoffload::worker::{
-    Fault, FaultControl, FaultInjector, GpuLayout, GpuLayoutKind, GpuRegion, HostBackend,
-    HostBackendOptions, HostBuffer, HostRowLayout, OffloadWorker, SharedRegion, TransferBackend,
-    WorkerLayout, WorkerPlan, decode_plan,
+    Fault, FaultControl, FaultInjector, GpuLayout, GpuLayoutKind, GpuRegion, HeadOrder, HeadPage,
+    HeadPlacement, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, OffloadWorker,
+    RemoteShares, SharedRegion, SlotLayout, TransferBackend, WorkerLayout, WorkerPlan, decode_plan,
 };
 use pyo3::prelude::*;
 
@@ -78,6 +78,10 @@ pub(crate) struct WorkerCore {
     pool: Pool,
     plan: Option<WorkerPlan>,
     pool_bytes: u64,
+    /// This worker's slot of a chunk row and the blocks a chunk (where a
+    /// remote tier's shares lie).
+    slot: SlotLayout,
+    blocks_per_chunk: u32,
 }
 
 /// The GPU-side layout of `tensors` (`(address, block stride, page bytes)`)
@@ -171,6 +175,10 @@ impl WorkerCore {
             cross_layer,
         )?;
         let len = usize::try_from(pool_bytes).map_err(value_error)?;
+        let slot = row
+            .slot(0)
+            .cloned()
+            .ok_or_else(|| value_error("no worker slot"))?;
         let (pool, pool_addr) = match shared_region {
             Some(path) => {
                 let r = Arc::new(open_shared(&path, len)?);
@@ -199,6 +207,8 @@ impl WorkerCore {
             pool,
             plan: None,
             pool_bytes,
+            slot,
+            blocks_per_chunk,
         })
     }
 
@@ -242,6 +252,10 @@ impl WorkerCore {
             cross_layer,
         )?;
         let len = usize::try_from(pool_bytes).map_err(value_error)?;
+        let slot = row
+            .slot(0)
+            .cloned()
+            .ok_or_else(|| value_error("no worker slot"))?;
         let ctx = open_context(device).map_err(runtime_error)?;
         let pool = match shared_region {
             // Registered in pieces of whole rows, as vLLM registers its region.
@@ -275,6 +289,8 @@ impl WorkerCore {
             pool: Pool::Pinned(pool),
             plan: None,
             pool_bytes,
+            slot,
+            blocks_per_chunk,
         })
     }
 
@@ -459,6 +475,68 @@ impl WorkerCore {
             kvoffload::MonotonicClock::shared(),
         )?;
         with_worker!(&mut self.worker, w => w.set_remote_tier(tier, rank));
+        Ok(())
+    }
+
+    /// [`attach_remote`](Self::attach_remote) with KV heads as the shares of
+    /// a chunk (`docs/remote-tier.md`, "Keys and values": shares): a chunk has `total_heads`
+    /// shares, each one KV head's bytes in an order no parallel layout
+    /// changes, and this worker (tensor-parallel rank `tp_rank` of
+    /// `tp_size`) puts and fetches its heads', so that nodes of other
+    /// tensor-parallel sizes read its chunks. `head_pages`: per tensor, in
+    /// the order given at construction, `(order, halves, block_tokens,
+    /// heads, head_bytes)`: order `"nhd"` (a token's heads together) or
+    /// `"hnd"` (a head's tokens together), halves 2 (K and V apart) or 1
+    /// (side by side), this worker's heads in the page, the bytes of one
+    /// head of one token in one half. Raises `ValueError` where the pages or
+    /// the placement do not fit the tensors, as `attach_remote` otherwise.
+    fn attach_remote_heads(
+        &mut self,
+        config_json: &str,
+        namespace: u64,
+        head_pages: Vec<(String, u32, u64, u32, u64)>,
+        total_heads: u32,
+        tp_size: u32,
+        tp_rank: u32,
+    ) -> PyResult<()> {
+        let pages = head_pages
+            .into_iter()
+            .map(|(order, halves, block_tokens, heads, head_bytes)| {
+                let order = match order.as_str() {
+                    "nhd" => HeadOrder::TokenMajor,
+                    "hnd" => HeadOrder::HeadMajor,
+                    other => {
+                        return Err(value_error(format!(
+                            "head order {other:?} (allowed: \"nhd\", \"hnd\")"
+                        )));
+                    }
+                };
+                Ok(HeadPage {
+                    order,
+                    halves,
+                    block_tokens,
+                    heads,
+                    head_bytes,
+                })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let placement = HeadPlacement {
+            total_heads,
+            tp_size,
+            tp_rank,
+        };
+        let shares = RemoteShares::kv_heads(&pages, &self.slot, self.blocks_per_chunk, placement)
+            .map_err(value_error)?;
+        if with_worker!(&self.worker, w => w.remote_tier().is_some()) {
+            return Err(runtime_error("a remote tier is already attached"));
+        }
+        let tier = crate::remote::start_tier(
+            config_json,
+            namespace,
+            shares.total(),
+            kvoffload::MonotonicClock::shared(),
+        )?;
+        with_worker!(&mut self.worker, w => w.set_remote_tier_shares(tier, shares));
         Ok(())
     }
 

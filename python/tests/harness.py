@@ -48,6 +48,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MambaSpec,
     KVCacheGroupSpec,
     KVCacheTensor,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -123,6 +124,11 @@ class Engine:
     #: worker; else worker `w` writes them plus `w`, so a worker that loaded
     #: another's bytes is caught.
     replicated: bool = False
+    #: The model's KV heads, split over the workers as tensor parallelism
+    #: splits them (0: not modelled): the fake model writes each head's
+    #: value plus the head's index in the model, so that a worker's heads
+    #: read back are the same bytes whatever split wrote them.
+    kv_heads: int = 0
     #: vLLM's ``decode_context_parallel_size``: worker `w` (DCP rank
     #: ``w % dcp``) holds the tokens ``p`` with ``p % dcp`` its rank, in
     #: blocks of the group's ``tpb * dcp`` tokens (full-attention groups:
@@ -387,9 +393,16 @@ class Engine:
         if ids:
             self.scheduler.update_draft_token_ids(DraftTokenIds(ids, drafts))
 
-    def _worker_offset(self, w: int) -> int:
+    def _worker_offset(self, w: int) -> Any:
         """What worker `w` adds to every value the model writes (0 for all
-        with replicated KV)."""
+        with replicated KV; with `kv_heads`, each of its heads' index in the
+        model, a column that broadcasts over a slot's ``(2, heads, head)``)."""
+        if self.kv_heads:
+            tp = len(self.workers) or self.world
+            if self.kv_heads >= tp:
+                local = self.kv_heads // tp
+                return torch.arange(w * local, (w + 1) * local, dtype=torch.float32).unsqueeze(1)
+            return torch.tensor([[float(w // (tp // self.kv_heads))]])
         return 0 if self.replicated else w
 
     def group_tpb(self, group: int) -> int:
@@ -910,6 +923,7 @@ def build(
     replicated: bool = False,
     spec_tokens: int = 0,
     spec_method: str = "ngram",
+    kv_heads: int = 0,
 ) -> Engine:
     """An engine with the connector `connector` (loaded from `module`);
     `spec`: the KV cache group's spec (full attention of `tpb` tokens a
@@ -953,7 +967,10 @@ def build(
     model runner's position correction: `Engine._span`).
     `spec_method`: ``"ngram"``, or ``"eagle"`` (with `eagle_groups`): vLLM's
     scheduler runs an EAGLE drafter's rules and the fake drafter writes
-    the drafter groups (`Engine._draft`)."""
+    the drafter groups (`Engine._draft`).
+    `kv_heads`: the model's KV heads (vLLM's ``get_total_num_kv_heads``),
+    split over `world_size` tensor-parallel workers (the default spec holds
+    a worker's share of them; `Engine.kv_heads`)."""
     if replicated:
         with mock.patch("kvoffload.vllm._replicated_layout", lambda *_a: True):
             e = build(
@@ -1012,6 +1029,10 @@ def build(
     )
     vllm_config.parallel_config.world_size = world_size
     vllm_config.parallel_config.decode_context_parallel_size = dcp
+    if kv_heads:
+        # Tensor parallelism over the model's `kv_heads` heads.
+        vllm_config.parallel_config.tensor_parallel_size = world_size
+        object.__setattr__(model_config, "get_total_num_kv_heads", lambda: kv_heads)
     if spec_tokens:
         if groups is not None:
             # vLLM sizes a Mamba layer's speculative blocks to the drafts
@@ -1044,7 +1065,10 @@ def build(
     vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
     if spec is None:
         spec = FullAttentionSpec(
-            block_size=tpb, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32
+            block_size=tpb,
+            num_kv_heads=max(1, kv_heads // world_size) if kv_heads else HEADS,
+            head_size=HEAD_SIZE,
+            dtype=torch.float32,
         )
     if layer_specs is not None:
         names = [f"layer{i}" for i in range(len(layer_specs))]
@@ -1059,6 +1083,12 @@ def build(
         assert len({s.page_size_bytes for s in specs}) == 1, "hybrid groups need one page size"
         group_layers = [[f"g{g}.layer{i}" for i in range(num_layers)] for g in range(len(specs))]
     page = specs[0].page_size_bytes
+    # One group of full attention of other heads than the default: tensors
+    # of its heads (their page is the spec's).
+    heads, head_size = HEADS, HEAD_SIZE
+    first = specs[0]
+    if type(first) in (FullAttentionSpec, SlidingWindowSpec) and first.block_size == tpb:
+        heads, head_size = first.num_kv_heads, first.head_size
     kv_cache_config = KVCacheConfig(
         num_blocks=num_gpu_blocks,
         # One backing allocation, layer-outermost (vLLM's convention: its
@@ -1083,12 +1113,12 @@ def build(
         # Layer i of every group is one tensor: vLLM overlays the groups'
         # layers from byte 0 of one allocation.
         tensors = [
-            torch.zeros(num_gpu_blocks, 2, tpb, HEADS, HEAD_SIZE, dtype=torch.float32) for _ in range(num_layers)
+            torch.zeros(num_gpu_blocks, 2, tpb, heads, head_size, dtype=torch.float32) for _ in range(num_layers)
         ]
         # A group of larger blocks sees the same pages as fewer heads (vLLM
         # grows a smaller page's block to the common page size).
         return {
-            name: tensors[i].view(num_gpu_blocks, 2, bs, HEADS * tpb // bs, HEAD_SIZE)
+            name: tensors[i].view(num_gpu_blocks, 2, bs, heads * tpb // bs, head_size)
             for names, bs in zip(group_layers, sizes if groups is not None else [tpb])
             for i, name in enumerate(names)
         }
@@ -1104,7 +1134,7 @@ def build(
             kv_cache_config, vllm_config, sched_block, hash_block
         )
     layout = Layout(kv_cache_config, kv_cache_config, sched_block, hash_block, cache)
-    return _engine(
+    engine = _engine(
         vllm_config, layout, async_scheduling, world_size, fake_worker, extra, group_layers=group_layers, tpb=tpb,
         block_sizes=sizes if groups is not None else [],
         dcp=dcp,
@@ -1121,6 +1151,8 @@ def build(
             if g in state_groups and s.num_prefill_checkpoint_blocks > 0
         },
     )
+    engine.kv_heads = kv_heads
+    return engine
 
 
 def _scheduler(vllm_config: Any, kv_cache_config: Any, async_scheduling: bool, block: int, hash_block: int) -> Any:

@@ -356,6 +356,29 @@ def test_replicated_kv_is_kept_once_in_a_region_every_worker_maps(async_scheduli
         assert loaded == prom_two.value("vllm:kv_offload_load_bytes_total")
 
 
+def test_with_canonical_layout_every_worker_writes_the_replicated_stores():
+    """With ``canonical_layout`` vLLM's workers all write the stores of
+    replicated KV into the region they share (its ``_is_store_writer``), the
+    same bytes; rank 0 alone writes them without the key. The same run
+    both ways: every rank loads the prefix back with the computed bytes,
+    and the store bytes double with the key."""
+    extra = {"cpu_bytes_to_use": 256 * 4096, "offload_prompt_only": False}
+    stored = {}
+    for canonical in (False, True):
+        e = harness.build(num_gpu_blocks=32, world_size=2, replicated=True,
+                          extra={**extra, "canonical_layout": canonical})
+        cores = [w._worker.core for w in e.workers]
+        assert e.connector.engine_config.canonical_layout == canonical
+        assert [c.store_writer for c in cores] == [True, canonical]
+        assert cores[0].shared_region == cores[1].shared_region
+        prom = harness.PromRecorder(e)
+        prefix_comes_back(e)
+        stored[canonical] = (prom.value("vllm:kv_offload_store_bytes_total"),
+                             prom.value("vllm:kv_offload_load_bytes_total"))
+    assert stored[False][0] and stored[True][0] == 2 * stored[False][0], stored
+    assert stored[True][1] == stored[False][1], stored
+
+
 def test_the_shared_region_s_name_goes_once_every_worker_mapped_it_or_the_engine_fails(monkeypatch):
     """With vLLM's groups the name goes at registration, once every worker
     passed the barrier (its memory then goes with the last worker, however
@@ -497,6 +520,145 @@ def test_replicated_mla_is_decided_and_sized_as_vllm_decides(monkeypatch):
                                       replicated_layout=replicated)
         assert cfg.replicated_layout == replicated and cfg.remote_shares == shares
     assert not said
+
+
+def test_canonical_layout_decides_replicated_kv_as_vllm_decides(monkeypatch):
+    """With ``canonical_layout`` vLLM's connector decides replicated KV by
+    another rule: the layout parallelism-agnostic (every layer of every
+    group a spec whose canonical page it can derive), every offloaded layer
+    plain MLA, one node, one worker or the ``mp`` executor.
+    `_parallelism_agnostic` and `_replicated_layout` answer as vLLM's own
+    ``build_offloading_config`` over the same vLLM configuration, with the
+    key on and off, for single groups (full attention of every head count
+    against the model's, MLA, a sliding window), hybrid models (a window or
+    a Mamba group beside full attention) and every combination of the
+    facts the rules read (tensor and context parallel sizes, world size,
+    per-token-head quantisation, executor, nodes, model runner)."""
+    import itertools
+
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVQuantMode,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    import kvoffload.vllm as kv
+    from kvoffload.config import EngineConfig
+
+    monkeypatch.setattr(kv, "_uses_shared_region", lambda: True)
+    tpb, heads, hs = 4, harness.HEADS, harness.HEAD_SIZE
+    full = FullAttentionSpec(block_size=tpb, num_kv_heads=heads, head_size=hs, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=tpb, num_kv_heads=heads, head_size=hs, dtype=torch.float32, sliding_window=8)
+    mla = MLAAttentionSpec(block_size=tpb, num_kv_heads=1, head_size=2 * heads * hs, dtype=torch.float32)
+    mamba = MambaSpec(block_size=tpb, shapes=((4, 4), (6, 8)), dtypes=(torch.float32, torch.float32), mamba_cache_mode="align")
+    cases = {
+        "full": dict(spec=full),
+        "full, one head": dict(spec=dataclasses.replace(full, num_kv_heads=1, head_size=2 * hs)),
+        "mla": dict(spec=mla),
+        "window": dict(spec=window),
+        "full+window": dict(groups=[full, window]),
+        "full+mamba": dict(groups=[full, mamba]),
+    }
+    seen = {"agnostic": 0, "replicated": 0, "canonical widened": 0, "canonical replicated": 0}
+    # Every engine built before the class-level patches below.
+    sides = {name: harness.build(**options).workers[0]._worker for name, options in cases.items()}
+    for name, side in sides.items():
+        vllm_config, kv_cache_config = side.vllm_config, side.kv_cache_config
+        per_block = side.cfg.worker_chunk_bytes // side.cfg.blocks_per_chunk
+        pc = vllm_config.parallel_config
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        groups = kv_cache_config.kv_cache_groups
+        plain = [g.kv_cache_spec for g in groups]
+        is_mla = isinstance(plain[0], MLAAttentionSpec)
+        monkeypatch.setattr(type(vllm_config.model_config), "use_mla", property(lambda _self, m=is_mla: m))
+        for canonical, ptq, tp, total, wider, dcp, pcp, backend, nodes, v2 in itertools.product(
+            (False, True), (False, True), (1, 2, 4), (1, 2, 4, 8), (False, True), (1, 2), (1, 2), ("mp", "ray"), (1, 2), (False, True)
+        ):
+            monkeypatch.setitem(extra, "canonical_layout", canonical)
+            monkeypatch.setattr(type(vllm_config.model_config), "get_total_num_kv_heads", lambda _self, t=total: t)
+            monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda _self, v=v2: v))
+            for g, spec in zip(groups, plain):
+                quant = KVQuantMode.INT8_PER_TOKEN_HEAD if ptq and hasattr(spec, "kv_quant_mode") else None
+                g.kv_cache_spec = dataclasses.replace(spec, kv_quant_mode=quant) if quant else spec
+            for attr, value in (
+                ("tensor_parallel_size", tp), ("world_size", tp * (2 if wider else 1)),
+                ("pipeline_parallel_size", 2 if wider else 1), ("decode_context_parallel_size", dcp),
+                ("prefill_context_parallel_size", pcp), ("distributed_executor_backend", backend), ("nnodes", nodes),
+            ):
+                monkeypatch.setattr(pc, attr, value)
+            monkeypatch.setattr(kv_cache_config, "kv_tp_replicas", tp)
+            theirs = build_offloading_config(vllm_config, kv_cache_config)
+            facts = (name, canonical, ptq, tp, total, wider, dcp, pcp, backend, nodes, v2)
+            assert kv._canonical_layout(vllm_config) == canonical
+            agnostic = kv._parallelism_agnostic(vllm_config, kv_cache_config, canonical)
+            assert agnostic == theirs.parallel.is_parallelism_agnostic, facts
+            replicated = kv._replicated_layout(vllm_config, kv_cache_config, per_block, canonical)
+            assert replicated == theirs.replicated_layout, facts
+            seen["agnostic"] += agnostic
+            seen["replicated"] += replicated and not canonical
+            seen["canonical widened"] += canonical and agnostic and not kv._parallelism_agnostic(
+                vllm_config, kv_cache_config, False
+            )
+            seen["canonical replicated"] += replicated and canonical
+        for g, spec in zip(groups, plain):
+            g.kv_cache_spec = spec
+    assert all(seen.values()), seen
+    # The key is a boolean; anything else is refused by name.
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="canonical_layout"):
+            EngineConfig.from_extra(
+                {"num_cpu_chunks": 4, "canonical_layout": bad}, tokens_per_block=4, world_size=1, worker_bytes_per_block=64
+            )
+    cfg = EngineConfig.from_extra(
+        {"num_cpu_chunks": 4, "canonical_layout": "true"}, tokens_per_block=4, world_size=1, worker_bytes_per_block=64
+    )
+    assert cfg.canonical_layout
+
+
+def test_a_layer_s_heads_are_read_from_the_layouts_vllm_s_canonical_mapping_reads():
+    """KV heads as remote shares (`_head_page`) know the page layouts vLLM's
+    canonical mapping certifies (``_attention_byte_regions``: K and V apart
+    or side by side, a token's heads together or a head's tokens), and no
+    other: over shapes, strides, head counts and dtypes, one answers None
+    exactly where the other does, and the order read is the strides'."""
+    import itertools
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import _attention_byte_regions
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    import kvoffload.vllm as kv
+
+    nb, bs = 6, 4
+    known = 0
+    for heads, hd, dtype in itertools.product((1, 2, 4), (4, 8), (torch.float32, torch.float16)):
+        spec = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=hd, dtype=dtype)
+        z = lambda *shape: torch.zeros(*shape, dtype=dtype)  # noqa: E731
+        candidates = {
+            "split nhd": (z(nb, 2, bs, heads, hd), "nhd", 2),
+            "split hnd": (z(nb, 2, heads, bs, hd).transpose(2, 3), "hnd", 2),
+            "packed hnd": (z(nb, heads, bs, 2 * hd), "hnd", 1),
+            "packed nhd": (z(nb, bs, heads, 2 * hd).transpose(1, 2), "nhd", 1),
+            "blocks second": (z(2, nb, bs, heads, hd), None, 0),
+            "strided inner": (z(nb, 2, bs, heads, 2 * hd)[..., ::2], None, 0),
+            "halves apart": (z(nb, 2, bs + 1, heads, hd)[:, :, :bs], None, 0),
+            "other heads": (z(nb, 2, bs, heads + 1, hd), None, 0),
+        }
+        for name, (t, order, halves) in candidates.items():
+            theirs = _attention_byte_regions(t, spec, nb, 0, 1, 1)
+            ours = kv._head_page(t, spec, nb)
+            facts = (name, heads, hd, dtype)
+            assert (ours is None) == (theirs is None), (facts, ours, theirs)
+            if ours is not None:
+                if heads > 1:  # one head: both orders are the same bytes
+                    assert ours[0] == order, facts
+                head_bytes = (hd if halves == 2 else 2 * hd) * t.element_size()
+                assert ours[1:] == (halves, bs, heads, head_bytes), facts
+                known += 1
+    assert known == 4 * 12
 
 
 def test_one_group_holding_a_drafters_layers_takes_the_groups_path():

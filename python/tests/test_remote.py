@@ -16,8 +16,10 @@ import shutil
 import socket
 import subprocess
 import time
+from unittest import mock
 
 import pytest
+import torch
 
 from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
@@ -461,6 +463,105 @@ def test_replicated_kv_is_put_and_fetched_once_and_shared_with_a_one_worker_node
     two.add(PREFIX + [4, 5, 6], max_tokens=3)
     run_checked(two)
     assert remote_stats(two)["chunks_found"] == 0
+
+
+def _head_groups(kind: str, tp: int) -> dict:
+    """Build options of a node of `tp` workers over 4 KV heads: one group of
+    full attention, or full attention beside a sliding window (vLLM's
+    hybrid manager; both groups' layers overlay the same tensors)."""
+    if kind == "one group":
+        return {}
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    common = dict(block_size=4, num_kv_heads=4 // tp, head_size=harness.HEAD_SIZE, dtype=torch.float32)
+    return {"groups": [FullAttentionSpec(**common), SlidingWindowSpec(sliding_window=8, **common)]}
+
+
+@pytest.mark.parametrize(
+    "kind,writer_tp,reader_tp",
+    [("one group", 2, 1), ("one group", 1, 2), ("one group", 4, 2), ("one group", 2, 8), ("full+window", 2, 1),
+     ("full+window", 1, 4)],
+)
+def test_with_canonical_layout_nodes_of_other_tensor_parallel_sizes_share_chunks_as_kv_heads(
+    redis_url, kind, writer_tp, reader_tp
+):
+    """With ``canonical_layout`` a chunk's shares in the store are the
+    model's KV heads (4 here), each head's bytes in an order no
+    tensor-parallel split changes: a node splitting the heads over
+    `writer_tp` workers puts them, a node of `reader_tp` workers (fewer,
+    more, or more than the heads: two workers a head, the first writing it)
+    finds and fetches them, and every worker loads its own heads' computed
+    bytes (the fake model writes each head's index in the model into its
+    values). Without the key the shares are the ranks: another namespace."""
+    remote = {"url": redis_url}
+    extra = {**extra_for(remote), "canonical_layout": True}
+    a = harness.build(world_size=writer_tp, kv_heads=4, extra=extra, **_head_groups(kind, writer_tp))
+    assert a.connector.engine_config.remote_head_shares == 4
+    a.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(a)
+    a.drain_remote()
+    leak_free(a)
+    w = writes(a)
+    # 11 full blocks of 4 tokens, one chunk each (a window's too, but those
+    # behind its window), a share per head.
+    chunks = 11 if kind == "one group" else 11 + 2
+    assert w["puts_written"] == chunks * 4 and w["puts_failed"] == 0, w
+
+    b = harness.build(world_size=reader_tp, kv_heads=4, extra=extra, **_head_groups(kind, reader_tp))
+    r = b.add(PREFIX + [7, 8, 9], max_tokens=3)
+    assert run_checked(b) > 0
+    assert r in b.loaded and r not in b.failed
+    st = remote_stats(b)
+    found = st["chunks_fetched"]
+    assert found >= 10 and st["chunks_found"] == found and st["fetches_failed"] == 0, st
+    fetched = writes(b)
+    # Every worker fetched its heads' shares of the chunks.
+    held = max(1, 4 // reader_tp) * reader_tp
+    assert fetched["hits"] == found * held and fetched["misses"] == 0 and fetched["rejected_values"] == 0, fetched
+    leak_free(b)
+
+    plain = harness.build(world_size=reader_tp, kv_heads=4, extra=extra_for(remote), **_head_groups(kind, reader_tp))
+    assert plain.connector.engine_config.remote_head_shares == 0
+    plain.add(PREFIX + [4, 5, 6], max_tokens=3)
+    run_checked(plain)
+    assert remote_stats(plain)["chunks_found"] == 0
+
+
+def test_with_canonical_layout_mla_is_one_share_every_rank_fetches_and_a_strange_layout_stops_startup(redis_url):
+    """MLA's latent vectors are the same on every rank: with
+    ``canonical_layout`` (and no shared host region, as on this machine)
+    the chunk is one share, rank 0 puts it, and a node of another
+    tensor-parallel size fetches it into every worker. A KV cache whose
+    layout the heads cannot be read from stops the worker's startup,
+    naming the layer (vLLM's canonical layout fails closed too)."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    remote = {"url": redis_url}
+    extra = {**extra_for(remote), "canonical_layout": True}
+    mla = MLAAttentionSpec(block_size=4, num_kv_heads=1, head_size=2 * harness.HEADS * harness.HEAD_SIZE,
+                           dtype=torch.float32)
+    a = harness.build(world_size=2, kv_heads=1, spec=mla, extra=extra)
+    assert a.connector.engine_config.remote_head_shares == 1
+    assert not a.connector.engine_config.replicated_layout
+    a.add(PREFIX + [1, 2, 3], max_tokens=2)
+    run_checked(a)
+    a.drain_remote()
+    leak_free(a)
+    assert [w._worker.core.remote_stats()["puts_written"] for w in a.workers] == [11, 0]
+    b = harness.build(world_size=1, kv_heads=1, spec=mla, extra=extra)
+    r = b.add(PREFIX + [7, 8, 9], max_tokens=3)
+    assert run_checked(b) > 0
+    assert r in b.loaded and remote_stats(b)["chunks_fetched"] == 10
+
+    real = harness._workers
+
+    def strange_workers(vllm_config, kv_cache_config, count, cache):
+        # Each layer's tokens and K/V halves swapped: no layout vLLM knows.
+        return real(vllm_config, kv_cache_config, count, lambda: {n: t.transpose(1, 2) for n, t in cache().items()})
+
+    with mock.patch.object(harness, "_workers", strange_workers):
+        with pytest.raises(RuntimeError, match="layer0.*canonical_layout"):
+            harness.build(world_size=2, kv_heads=4, extra=extra)
 
 
 def test_a_worker_rank_needs_vllm_s_groups_beyond_one_worker():

@@ -180,6 +180,8 @@ pub struct RemoteTier {
     ready: Vec<(Ticket, Answer)>,
     next_ticket: u64,
     thread: Option<JoinHandle<()>>,
+    /// Shares a chunk has (a lookup finds it when all are there).
+    world_size: u32,
 }
 
 impl std::fmt::Debug for RemoteTier {
@@ -263,7 +265,14 @@ impl RemoteTier {
             ready: Vec::new(),
             next_ticket: 1,
             thread: Some(thread),
+            world_size: world_size.max(1),
         })
+    }
+
+    /// Shares a chunk has in the store (the workers' ranks, or the KV heads
+    /// where heads are the shares): a lookup finds a chunk when all are there.
+    pub fn world_size(&self) -> u32 {
+        self.world_size
     }
 
     /// When the workers write chunks to this tier.

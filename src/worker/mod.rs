@@ -25,6 +25,7 @@ mod host_buffer;
 mod layout;
 mod plan;
 mod plan_wire;
+mod remote_shares;
 mod shared_region;
 mod worker_hooks;
 
@@ -43,6 +44,9 @@ pub use plan::{
 };
 pub use plan_wire::{
     PLAN_WIRE_VERSION, PlanWireError, SpecParts, decode_plan, encode_plan, encode_plan_parts,
+};
+pub use remote_shares::{
+    HeadOrder, HeadPage, HeadPlacement, HeldShare, RemoteShares, ShareError, SlotRange,
 };
 pub use shared_region::{SharedRegion, SharedRegionError};
 pub use worker_hooks::{OffloadWorker, WorkerError};

@@ -18,6 +18,7 @@ use crate::remote::{Answer, RemoteTier, Ticket, WritePolicy};
 use super::backend::{TransferBackend, TransferResult};
 use super::error::BackendError;
 use super::plan::{FetchJob, StoreJob, WorkerPlan, WorkerReport};
+use super::remote_shares::RemoteShares;
 
 /// An error of a worker hook.
 #[derive(Debug, Error)]
@@ -31,14 +32,17 @@ pub enum WorkerError {
 #[derive(Debug)]
 struct RemoteWrite {
     tier: RemoteTier,
-    /// This worker's rank: its share of each chunk is stored under it.
-    rank: u32,
+    /// The shares of each chunk this worker puts and fetches.
+    shares: RemoteShares,
+    /// A share's bytes gathered from its slot before a put.
+    gathered: Vec<u8>,
     /// Stores submitted and not reported yet: their keys and chunks.
     pending: HashMap<JobId, Vec<(ChunkKey, ChunkId)>>,
     /// Fetch jobs in flight: chunks still to come, and whether one missed.
     fetching: HashMap<JobId, FetchProgress>,
-    /// Fetches asked of the tier -> their job and host slot.
-    tickets: HashMap<Ticket, (JobId, ChunkId)>,
+    /// Fetches asked of the tier -> their job, host slot and share (its
+    /// index in `shares.held()`).
+    tickets: HashMap<Ticket, (JobId, ChunkId, usize)>,
     answers: Vec<(Ticket, Answer)>,
     /// Host slots whose last store wrote only part of the chunk (a window's
     /// hole, an unaligned start): the rest is what the slot held before,
@@ -97,9 +101,19 @@ impl<B: TransferBackend> OffloadWorker<B> {
     /// that hold it behind a reference), before its first step. A tier set
     /// before is dropped, with its fetches in flight (never reported).
     pub fn set_remote_tier(&mut self, tier: RemoteTier, rank: u32) {
+        let total = tier.world_size();
+        self.set_remote_tier_shares(tier, RemoteShares::whole_slot(rank, total, true));
+    }
+
+    /// [`Self::set_remote_tier`] with the shares of each chunk this worker
+    /// holds given (for example KV heads as shares,
+    /// [`RemoteShares::kv_heads`]); the tier counts `shares.total()` shares
+    /// a chunk.
+    pub fn set_remote_tier_shares(&mut self, tier: RemoteTier, shares: RemoteShares) {
         self.remote = Some(RemoteWrite {
             tier,
-            rank,
+            shares,
+            gathered: Vec::new(),
             pending: HashMap::new(),
             fetching: HashMap::new(),
             tickets: HashMap::new(),
@@ -179,7 +193,7 @@ impl<B: TransferBackend> OffloadWorker<B> {
     /// (a load's request). Returns whether the worker was tracking it.
     pub fn forget_job(&mut self, job: JobId) -> bool {
         let remote = self.remote.as_mut().is_some_and(|r| {
-            r.tickets.retain(|_, (j, _)| *j != job);
+            r.tickets.retain(|_, (j, _, _)| *j != job);
             let fetch = r.fetching.remove(&job).is_some();
             r.pending.remove(&job).is_some() || fetch
         });
@@ -332,13 +346,18 @@ impl<B: TransferBackend> OffloadWorker<B> {
             for (&key, &chunk) in f.keys.iter().zip(&f.chunks) {
                 // A fetch fills the whole slot (or fails, and the slot is freed).
                 rw.partial.remove(&chunk);
-                match self.backend.host_share(chunk) {
-                    Some(share) => {
-                        let t = rw.tier.fetch(key, rw.rank, Some(share.len));
-                        rw.tickets.insert(t, (f.job, chunk));
-                        progress.remaining += 1;
-                    }
-                    None => progress.failed = true,
+                let Some(slot) = self.backend.host_share(chunk) else {
+                    progress.failed = true;
+                    continue;
+                };
+                for (i, share) in rw.shares.held().iter().enumerate() {
+                    let Some(len) = share.len_in(slot.len) else {
+                        progress.failed = true;
+                        continue;
+                    };
+                    let t = rw.tier.fetch(key, share.index, Some(len));
+                    rw.tickets.insert(t, (f.job, chunk, i));
+                    progress.remaining += 1;
                 }
             }
         }
@@ -358,29 +377,26 @@ impl<B: TransferBackend> OffloadWorker<B> {
         rw.tier.poll(&mut rw.answers);
         let mut ended = Vec::new();
         for (ticket, answer) in rw.answers.drain(..) {
-            let Some((job, chunk)) = rw.tickets.remove(&ticket) else {
+            let Some((job, chunk, i)) = rw.tickets.remove(&ticket) else {
                 continue;
             };
-            let ok = match answer {
-                Answer::Fetched(p) => match self.backend.host_share(chunk) {
-                    Some(share) if share.len == p.bytes().len() => {
-                        // SAFETY: the share lies in the backend's host pool,
+            let ok = match (answer, rw.shares.held().get(i)) {
+                (Answer::Fetched(p), Some(share)) => match self.backend.host_share(chunk) {
+                    Some(slot) => {
+                        // SAFETY: the slot lies in the backend's host pool,
                         // valid for writes while the backend lives (its
                         // constructor's contract). The scheduler allocated
                         // this slot to this fetch job alone (as for a store):
                         // no transfer reads or writes it until the job is
-                        // reported, which happens after this copy; the
-                        // source is the fetched value, a separate buffer.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                p.bytes().as_ptr(),
-                                share.addr as *mut u8,
-                                share.len,
-                            );
-                        }
-                        true
+                        // reported, which happens after every share's copy;
+                        // this worker's shares are disjoint ranges of it;
+                        // the source is the fetched value, a separate buffer.
+                        let dst = unsafe {
+                            std::slice::from_raw_parts_mut(slot.addr as *mut u8, slot.len)
+                        };
+                        share.scatter(p.bytes(), dst)
                     }
-                    _ => false,
+                    None => false,
                 },
                 _ => false,
             };
@@ -495,7 +511,7 @@ fn write_through<B: TransferBackend>(
             rw.tier.note_partial_chunk_not_put();
             continue;
         }
-        let Some(share) = backend.host_share(chunk) else {
+        let Some(slot) = backend.host_share(chunk) else {
             continue;
         };
         // SAFETY: the share lies in the backend's host pool, which is valid
@@ -507,7 +523,13 @@ fn write_through<B: TransferBackend>(
         // plan that evicted it, none of which has been submitted yet (this
         // runs in the plan's first hook). `put` copies the bytes before
         // returning.
-        let bytes = unsafe { std::slice::from_raw_parts(share.addr as *const u8, share.len) };
-        rw.tier.put(key, rw.rank, bytes);
+        let bytes = unsafe { std::slice::from_raw_parts(slot.addr as *const u8, slot.len) };
+        for share in rw.shares.held().iter().filter(|s| s.writes) {
+            if share.ranges.is_none() {
+                rw.tier.put(key, share.index, bytes);
+            } else if share.gather(bytes, &mut rw.gathered) {
+                rw.tier.put(key, share.index, &rw.gathered);
+            }
+        }
     }
 }
