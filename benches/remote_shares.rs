@@ -50,7 +50,10 @@ fn bench(c: &mut Criterion) {
             black_box(&out);
         })
     });
-    for (name, order) in [("nhd", HeadOrder::TokenMajor), ("hnd", HeadOrder::HeadMajor)] {
+    for (name, order) in [
+        ("nhd", HeadOrder::TokenMajor),
+        ("hnd", HeadOrder::HeadMajor),
+    ] {
         let (s, _) = shares(order);
         let mut buf = Vec::with_capacity(slot_bytes / HEADS as usize);
         g.bench_function(format!("gather_every_head_{name}"), |b| {

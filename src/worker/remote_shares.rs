@@ -401,58 +401,59 @@ mod tests {
         out
     }
 
-    fn shares_of(
+    /// A worker's pages: `layers` tensors of `tokens`-token blocks, `bpc`
+    /// blocks a chunk, heads of `hb` bytes a half, in `order`.
+    #[derive(Clone, Copy)]
+    struct Case {
         order: HeadOrder,
         halves: u32,
         tokens: u64,
         hb: u64,
         layers: usize,
         bpc: u32,
-        placement: HeadPlacement,
-    ) -> (RemoteShares, SlotLayout) {
-        let heads = (placement.total_heads / placement.tp_size).max(1);
-        let page_bytes = u64::from(halves) * tokens * u64::from(heads) * hb;
-        let row = HostRowLayout::uniform(bpc, 1, &vec![page_bytes; layers]).unwrap();
-        let slot = row.slot(0).unwrap().clone();
-        let p = HeadPage {
-            order,
-            halves,
-            block_tokens: tokens,
-            heads,
-            head_bytes: hb,
-        };
-        let s = RemoteShares::kv_heads(&vec![p; layers], &slot, bpc, placement).unwrap();
-        (s, slot)
     }
 
-    /// A slot filled as rank `placement.tp_rank` holds it: every tensor and
-    /// block the same pattern plus its tensor and block index.
-    fn slot_bytes(
-        order: HeadOrder,
-        halves: u32,
-        tokens: u64,
-        hb: u64,
-        layers: usize,
-        bpc: u32,
-        p: HeadPlacement,
-    ) -> Vec<u8> {
-        let heads = u64::from((p.total_heads / p.tp_size).max(1));
-        let first = if p.total_heads >= p.tp_size {
-            u64::from(p.tp_rank) * heads
-        } else {
-            u64::from(p.tp_rank / (p.tp_size / p.total_heads))
-        };
-        let mut out = Vec::new();
-        for t in 0..layers {
-            for b in 0..bpc {
-                let mut pg = page(order, u64::from(halves), tokens, heads, first, hb);
-                for x in &mut pg {
-                    *x = x.wrapping_add((t * 13 + b as usize * 5) as u8);
-                }
-                out.extend(pg);
-            }
+    impl Case {
+        /// The shares rank `placement` holds, and its slot.
+        fn shares(self, placement: HeadPlacement) -> (RemoteShares, SlotLayout) {
+            let (tokens, hb, layers, bpc) = (self.tokens, self.hb, self.layers, self.bpc);
+            let heads = (placement.total_heads / placement.tp_size).max(1);
+            let page_bytes = u64::from(self.halves) * tokens * u64::from(heads) * hb;
+            let row = HostRowLayout::uniform(bpc, 1, &vec![page_bytes; layers]).unwrap();
+            let slot = row.slot(0).unwrap().clone();
+            let p = HeadPage {
+                order: self.order,
+                halves: self.halves,
+                block_tokens: tokens,
+                heads,
+                head_bytes: hb,
+            };
+            let s = RemoteShares::kv_heads(&vec![p; layers], &slot, bpc, placement).unwrap();
+            (s, slot)
         }
-        out
+
+        /// A slot filled as rank `p.tp_rank` holds it: every tensor and
+        /// block the same pattern plus its tensor and block index.
+        fn slot_bytes(self, p: HeadPlacement) -> Vec<u8> {
+            let heads = u64::from((p.total_heads / p.tp_size).max(1));
+            let first = if p.total_heads >= p.tp_size {
+                u64::from(p.tp_rank) * heads
+            } else {
+                u64::from(p.tp_rank / (p.tp_size / p.total_heads))
+            };
+            let mut out = Vec::new();
+            for t in 0..self.layers {
+                for b in 0..self.bpc {
+                    let halves = u64::from(self.halves);
+                    let mut pg = page(self.order, halves, self.tokens, heads, first, self.hb);
+                    for x in &mut pg {
+                        *x = x.wrapping_add((t * 13 + b as usize * 5) as u8);
+                    }
+                    out.extend(pg);
+                }
+            }
+            out
+        }
     }
 
     #[test]
@@ -468,9 +469,17 @@ mod tests {
                             tp_size: tp,
                             tp_rank: rank,
                         };
-                        let (s, _) = shares_of(order, halves, tokens, hb, layers, bpc, placement);
+                        let case = Case {
+                            order,
+                            halves,
+                            tokens,
+                            hb,
+                            layers,
+                            bpc,
+                        };
+                        let (s, _) = case.shares(placement);
                         assert_eq!(s.total(), total);
-                        let slot = slot_bytes(order, halves, tokens, hb, layers, bpc, placement);
+                        let slot = case.slot_bytes(placement);
                         let mut buf = Vec::new();
                         for h in s.held() {
                             assert_eq!(h.writes, tp <= total || rank % (tp / total) == 0);
@@ -500,8 +509,16 @@ mod tests {
                 tp_size: 1,
                 tp_rank: 0,
             };
-            let (s1, _) = shares_of(order, 2, tokens, hb, layers, bpc, one);
-            let full = slot_bytes(order, 2, tokens, hb, layers, bpc, one);
+            let case = Case {
+                order,
+                halves: 2,
+                tokens,
+                hb,
+                layers,
+                bpc,
+            };
+            let (s1, _) = case.shares(one);
+            let full = case.slot_bytes(one);
             let mut values = std::collections::HashMap::new();
             for h in s1.held() {
                 let mut buf = Vec::new();
@@ -515,8 +532,8 @@ mod tests {
                     tp_size: 2,
                     tp_rank: rank,
                 };
-                let (s2, slot_layout) = shares_of(order, 2, tokens, hb, layers, bpc, p);
-                let want = slot_bytes(order, 2, tokens, hb, layers, bpc, p);
+                let (s2, slot_layout) = case.shares(p);
+                let want = case.slot_bytes(p);
                 let mut got = vec![0u8; slot_layout.bytes as usize];
                 for h in s2.held() {
                     assert!(h.scatter(&values[&h.index], &mut got));
@@ -531,6 +548,18 @@ mod tests {
         }
     }
 
+    /// Pages of 16-token blocks, heads of 8 bytes a half, K and V apart.
+    fn sixteen_tokens(order: HeadOrder, layers: usize, bpc: u32) -> Case {
+        Case {
+            order,
+            halves: 2,
+            tokens: 16,
+            hb: 8,
+            layers,
+            bpc,
+        }
+    }
+
     #[test]
     fn head_major_heads_are_one_range_a_half_and_token_major_ones_a_range_a_token() {
         let p = HeadPlacement {
@@ -538,9 +567,9 @@ mod tests {
             tp_size: 1,
             tp_rank: 0,
         };
-        let (s, _) = shares_of(HeadOrder::HeadMajor, 2, 16, 8, 1, 1, p);
+        let (s, _) = sixteen_tokens(HeadOrder::HeadMajor, 1, 1).shares(p);
         assert_eq!(s.held()[0].ranges.as_ref().unwrap().len(), 2);
-        let (s, _) = shares_of(HeadOrder::TokenMajor, 2, 16, 8, 1, 1, p);
+        let (s, _) = sixteen_tokens(HeadOrder::TokenMajor, 1, 1).shares(p);
         assert_eq!(s.held()[0].ranges.as_ref().unwrap().len(), 32);
         // One head a page: its ranges merge into the whole page.
         let one = HeadPlacement {
@@ -548,7 +577,7 @@ mod tests {
             tp_size: 2,
             tp_rank: 1,
         };
-        let (s, slot) = shares_of(HeadOrder::TokenMajor, 2, 16, 8, 2, 2, one);
+        let (s, slot) = sixteen_tokens(HeadOrder::TokenMajor, 2, 2).shares(one);
         assert_eq!(
             s.held()[0].ranges.as_ref().unwrap(),
             &vec![SlotRange {
