@@ -28,6 +28,12 @@ stay in each node's host tier; `--only spec`: those with speculative
 decoding; `--only async-spec`: those of them with async scheduling;
 `--only eagle-spec`: those with an EAGLE drafter run for real),
 from seed 40,000.
+`--heads` runs the configurations whose KV heads can be the store's
+shares (full attention and sliding windows of one block size, or MLA; no
+context parallelism) with `canonical_layout`, the two nodes on different
+tensor-parallel sizes over 4 KV heads (node A on 2 workers and node B on
+1, 1 and 2, 4 and 2, 1 and 4, by seed): node B loads the heads node A's
+workers wrote.
 `--from SEED` starts at SEED instead (each seed keeps its configuration).
 `--stress K` runs K busy processes beside it (`cpu_stress.py`).
 Exits 1 if a node moved a wrong byte, leaked, or a fetch failed.
@@ -52,8 +58,11 @@ import test_remote as tr  # noqa: E402
 def main() -> int:
     p = widen_options.parser(__doc__, 20_000, 40_000)
     p.add_argument("--cluster", action="store_true", help="a Redis Cluster of three masters")
+    p.add_argument("--heads", action="store_true", help="KV heads as shares, nodes of different tensor-parallel sizes")
     args = p.parse_args()
     cases = hy.select_cases(args.only)
+    if args.heads:
+        cases = [c for c in cases if hw.heads_case(c[1], c[3])]
     if not cases:
         p.error(f"no configuration's groups contain {args.only!r}")
     if not (tr.REDIS and tr.REDIS_CLI):
@@ -65,18 +74,22 @@ def main() -> int:
             servers = tr.redis_cluster.__wrapped__(Path(d))
             url = next(servers)
             try:
-                return widen(seeds, {"url": str(url), "cluster": True}, cases)
+                return widen(seeds, {"url": str(url), "cluster": True}, cases, args.heads)
             finally:
                 next(servers, None)
         port = tr._free_port()
         proc = tr._start(Path(d), port)
         try:
-            return widen(seeds, {"url": f"redis://127.0.0.1:{port}"}, cases)
+            return widen(seeds, {"url": f"redis://127.0.0.1:{port}"}, cases, args.heads)
         finally:
             tr._stop([proc])
 
 
-def widen(seeds: widen_options.Seeds, remote: dict, cases: list) -> int:
+#: With `--heads`: node A's and node B's tensor-parallel sizes, by seed.
+TP_PAIRS = [(2, 1), (1, 2), (4, 2), (1, 4)]
+
+
+def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = False) -> int:
     good = wrong = stalled = pool = 0
     total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0,
              "partial_tails_fetched": 0, "partial_not_put": 0, "not_yet": 0}
@@ -85,6 +98,13 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list) -> int:
         seed = seeds.seed(k)
         _, specs, extra, opts, _ = cases[seeds.case_index(seed, len(cases))]
         cfg = {**extra, "remote_tier": {**remote, "deployment": f"seed{seed}"}}
+        tp_a = tp_b = None
+        if heads:
+            cfg["canonical_layout"] = True
+            tp_a, tp_b = TP_PAIRS[seed % len(TP_PAIRS)]
+            specs_shown = f"{specs} tp {tp_a}->{tp_b}"
+        else:
+            specs_shown = specs
         got: dict = {}
 
         def written(e) -> None:
@@ -113,19 +133,19 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list) -> int:
             e.connector.get_num_new_matched_tokens = counted
 
         try:
-            hw.worker_run(seed, specs, cfg, opts, on_done=written)
-            seen = hw.worker_run(seed, specs, cfg, opts, on_done=fetched, on_start=count_not_yet)
+            hw.worker_run(seed, specs, cfg, opts, on_done=written, tp=tp_a)
+            seen = hw.worker_run(seed, specs, cfg, opts, on_done=fetched, on_start=count_not_yet, tp=tp_b)
         except hw.VllmStalled as e:
             stalled += 1
-            print(f"seed {seed} {specs}: {e}", flush=True)
+            print(f"seed {seed} {specs_shown}: {e}", flush=True)
             continue
         except hw.VllmPoolError as e:
             pool += 1
-            print(f"seed {seed} {specs}: {e}", flush=True)
+            print(f"seed {seed} {specs_shown}: {e}", flush=True)
             continue
         except AssertionError as e:
             wrong += 1
-            print(f"seed {seed} {specs}: {str(e)[:300]}", flush=True)
+            print(f"seed {seed} {specs_shown}: {str(e)[:300]}", flush=True)
             continue
         for key in total:
             total[key] += got.get(key, 0)
@@ -136,7 +156,7 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list) -> int:
         else:
             good += 1
         print(
-            f"seed {seed} {specs}: node B fetched {got['chunks_fetched']} chunks in {got['fetch_jobs']} jobs "
+            f"seed {seed} {specs_shown}: node B fetched {got['chunks_fetched']} chunks in {got['fetch_jobs']} jobs "
             f"({got['partial_tails_fetched']} partial tails), {seen['loads']} loads, {got['not_yet']} lookups "
             "answered not yet, every byte right",
             flush=True,

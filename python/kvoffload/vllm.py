@@ -1118,9 +1118,20 @@ class _SchedulerSide:
             _remote_namespace(vllm_config, kv_cache_config, self.cfg),
             self.cfg.remote_shares,
         )
+        heads = self.cfg.remote_head_shares
+        if self.cfg.canonical_layout and not heads and not self.cfg.replicated_layout:
+            logger.info(
+                "kvoffload: canonical_layout: the remote tier keeps one share of a chunk a worker, not one "
+                "a KV head: vLLM does not call this layout parallelism-agnostic (context parallelism, "
+                "pipeline stages, layers whose heads are not split over the ranks), or its layers mix "
+                "MLA and other attention; only nodes of this tensor-parallel size read its chunks"
+            )
         logger.info(
-            "kvoffload: remote tier %s attached (lookups that miss the host tier ask it)",
+            "kvoffload: remote tier %s attached (lookups that miss the host tier ask it; a chunk's shares: %s)",
             check_remote_config(self.cfg.remote_tier_json),
+            f"the model's {heads} KV heads, read by nodes of any tensor-parallel size"
+            if heads
+            else f"{self.cfg.remote_shares} (one a worker, or one where every worker holds the same bytes)",
         )
 
     def on_new_request(self, request: Request) -> None:

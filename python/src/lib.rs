@@ -17,7 +17,9 @@ mod worker_core;
 
 use pyo3::prelude::*;
 
-use plan_tools::{chunk_key, plan_group_transfers, plan_jobs, plan_sync_loads, plan_transfers};
+use plan_tools::{
+    chunk_key, plan_debug, plan_group_transfers, plan_jobs, plan_sync_loads, plan_transfers,
+};
 use remote::{check_remote_config, remote_namespace};
 use scheduler_core::SchedulerCore;
 use strategy_table::check_strategy_table;
@@ -32,6 +34,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_jobs, m)?)?;
     m.add_function(wrap_pyfunction!(plan_transfers, m)?)?;
     m.add_function(wrap_pyfunction!(plan_group_transfers, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_debug, m)?)?;
     m.add_function(wrap_pyfunction!(plan_sync_loads, m)?)?;
     m.add_function(wrap_pyfunction!(check_strategy_table, m)?)?;
     m.add_function(wrap_pyfunction!(check_remote_config, m)?)?;

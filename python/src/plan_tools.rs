@@ -98,6 +98,13 @@ pub(crate) fn plan_group_transfers(
     ))
 }
 
+/// A step plan decoded, in Rust's debug form: every job with its GPU
+/// blocks, host chunks and keys, the fetches and evictions (debugging).
+#[pyfunction]
+pub(crate) fn plan_debug(plan: &[u8]) -> PyResult<String> {
+    Ok(format!("{:?}", decode_plan(plan).map_err(value_error)?))
+}
+
 /// The key kvoffload gives a block hash (for tests and events).
 #[pyfunction]
 pub(crate) fn chunk_key(block_hash: Vec<u8>) -> u64 {

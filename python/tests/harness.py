@@ -741,8 +741,11 @@ class Engine:
                 value = kv_value(t, p, layer) if next_token is None else draft_kv_value(t, next_token, p, layer)
                 want = value + self._worker_offset(w)
                 if req is not None and not torch.all(got == want):
-                    found = float(got.flatten()[0]) - self._worker_offset(w)
-                    if torch.all(got == got.flatten()[0]) and self._stale_drafter_tail(req, g, p, layer, found):
+                    # One value at every element once the worker's (or each
+                    # head's) offset is taken off: a drafter value.
+                    base = got - self._worker_offset(w)
+                    found = float(base.flatten()[0])
+                    if torch.all(base == found) and self._stale_drafter_tail(req, g, p, layer, found):
                         self.stale_drafter_tails.add((req.request_id, g, p, block))
                         continue
                 assert torch.all(got == want), (

@@ -152,6 +152,87 @@ def test_a_second_node_fetches_every_group_s_chunks_and_loads_the_computed_bytes
     assert second["state"]["remote_probes"] == 0, second["state"]
 
 
+#: (seed, group specs, extra config, engine options, node A's and node B's
+#: tensor-parallel sizes): KV heads as shares (``canonical_layout``) between
+#: nodes of other sizes, over windows, async scheduling, EAGLE draft
+#: groups, an EAGLE drafter run for real, MLA.
+HEAD_CASES = [
+    (1, "full+swa8", {"offload_prompt_only": False}, {}, 2, 1),
+    (4, "swa6+full", {}, {"async_scheduling": True}, 1, 2),
+    (20, "full+swa8", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"eagle_groups": [0]}, 4, 2),
+    (23, "mla", {"offload_prompt_only": False}, {"eagle_groups": [0]}, 2, 1),
+    (95, "full+swa8", {"block_size": 2 * TPB, "offload_prompt_only": False},
+     {"spec_tokens": 2, "spec_method": "eagle", "eagle_groups": [0], "async_scheduling": True}, 1, 4),
+]
+
+
+@pytest.mark.parametrize(
+    "seed,specs,extra,opts,tp_a,tp_b", HEAD_CASES, ids=[f"seed{c[0]}-{c[1]}-tp{c[4]}to{c[5]}" for c in HEAD_CASES]
+)
+def test_with_canonical_layout_a_node_of_another_tensor_parallel_size_loads_every_group_s_heads(
+    redis_url: str, seed: int, specs: str, extra: dict, opts: dict, tp_a: int, tp_b: int
+) -> None:
+    """With ``canonical_layout`` a chunk's shares are the model's KV heads:
+    node A on `tp_a` workers writes every group's chunks through, node B on
+    `tp_b` workers fetches the heads each of its workers holds and loads
+    them, every group's bytes right (the fake model writes each head's
+    index in the model into its values: a worker given another head's
+    bytes fails the check)."""
+    cfg = {**extra, "canonical_layout": True, "remote_tier": {"url": redis_url}}
+    first: dict[str, Any] = {}
+
+    def written(e: Any) -> None:
+        e.drain_remote()
+        first.update(writes(e))
+        first["shares"] = e.connector.engine_config.remote_shares
+        first["drafter"] = e.drafter_next_tokens
+
+    worker_run(seed, specs, cfg, opts, on_done=written, tp=tp_a)
+    heads = 1 if specs == "mla" else 4
+    assert first["shares"] == heads
+    assert first["puts_written"] > 0 and first["puts_written"] % heads == 0 and first["puts_failed"] == 0, first
+    second: dict[str, Any] = {}
+
+    def fetched(e: Any) -> None:
+        second["lookup"] = remote_stats(e)
+        second["workers"] = writes(e)
+
+    def shared_drafter_values(e: Any) -> None:
+        e.drafter_next_tokens = first["drafter"]
+
+    seen = worker_run(seed, specs, cfg, opts, on_done=fetched, on_start=shared_drafter_values, tp=tp_b)
+    st = second["lookup"]
+    assert st["chunks_fetched"] > 0 and st["fetches_failed"] == 0, st
+    assert seen["loads"] > 0 and seen["checked"] > 0, seen
+    # Every worker fetched the shares of the heads it holds (MLA's one
+    # "head": every worker).
+    w = second["workers"]
+    held = tp_b if heads == 1 else heads
+    assert w["hits"] == st["chunks_fetched"] * held and w["misses"] == 0 and w["rejected_values"] == 0, (w, st)
+
+
+def test_a_hit_never_loads_a_window_block_its_store_left_unwritten(redis_url: str) -> None:
+    """vLLM's connector stores a sliding window's chunk without the blocks
+    the storing request's window has passed, where its reachable-block mask
+    says no hit needs them; a hit cut by a request's ``max_load_tokens``
+    can end where the mask did not look, and vLLM 0.33.0 then loads the
+    unwritten block. Seed 50088 of the "params" configuration with a host
+    tier twice the usual (found by ``widen-hybrid-remote.py --heads``; the
+    remote tier's lookups shift vLLM's schedule onto it): request q60, its
+    load capped at 12 tokens, hits 8 whose window chunk was stored without
+    its first block. kvoffload cuts such a hit before the chunk
+    (`hybrid/holes.rs`): every byte right (checked each step), and the cut
+    counted."""
+    specs, extra, opts = "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"params": True}
+    _, usual = engine_options(specs, extra, opts)
+    cfg = {**extra, "cpu_bytes_to_use": 2 * usual["cpu_bytes_to_use"], "remote_tier": {"url": redis_url}}
+    state: dict[str, Any] = {}
+    seen = worker_run(50088, specs, cfg, opts, on_done=lambda e: state.update(e.connector.scheduler_state()))
+    assert seen["loads"] > 0 and seen["checked"] > 0, seen
+    assert state["hits_cut_at_partial_chunks"] > 0, state
+    assert 0 < state["partial_chunk_records"], state
+
+
 def test_written_on_eviction_a_second_node_finds_every_group_s_evicted_chunks(redis_url: str) -> None:
     """With ``write = "on_eviction"`` and a host tier a tenth of the usual,
     node A writes the chunks its host tier evicts, of every group; node B

@@ -8,19 +8,22 @@ each group's own bytes (docs/hybrid-groups.md, step 5)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import pytest
 from vllm.v1.request import RequestStatus
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
 import kvoffload._native as native
 from harness import build
 from test_hybrid_vllm import (
     CASES,
     HANDOFF_REALLOCATED,
+    HOST_CHUNKS,
     SPECS,
     TPB,
+    case_blocks_per_chunk,
     drive,
     engine_options,
     offloaded,
@@ -60,6 +63,36 @@ class VllmPoolError(Exception):
     scripts count these seeds apart."""
 
 
+#: The model's KV heads in `worker_run`'s tensor-parallel runs.
+KV_HEADS = 4
+
+
+def heads_case(specs: str, opts: dict) -> bool:
+    """Whether a case's KV heads can be a remote tier's shares with
+    ``canonical_layout`` (vLLM's parallelism-agnostic layouts): every group
+    full attention or a sliding window of the case's block size, or every
+    group MLA; no context parallelism."""
+    groups = SPECS[specs]()
+    if opts.get("dcp", 1) > 1:
+        return False
+    if all(type(g) is MLAAttentionSpec for g in groups):
+        return True
+    return all(type(g) in (FullAttentionSpec, SlidingWindowSpec) and g.block_size == TPB for g in groups)
+
+
+def on_tensor_parallel_workers(groups: list, common: dict, cfg: dict, extra: dict, tp: int) -> tuple:
+    """A case's groups, engine options and configuration on `tp`
+    tensor-parallel workers over `KV_HEADS` heads (`heads_case`)."""
+    mla = all(type(g) is MLAAttentionSpec for g in groups)
+    heads = 1 if mla else KV_HEADS
+    if not mla:
+        groups = [dataclasses.replace(g, num_kv_heads=heads // tp) for g in groups]
+    common = {**common, "world_size": tp, "kv_heads": heads}
+    chunk_bytes = groups[0].page_size_bytes * 2 * case_blocks_per_chunk(extra)
+    cfg = {**cfg, "cpu_bytes_to_use": HOST_CHUNKS * chunk_bytes * tp}
+    return groups, common, cfg
+
+
 def worker_run(
     seed: int,
     specs: str,
@@ -68,6 +101,7 @@ def worker_run(
     on_done: Callable[[Any], None] | None = None,
     on_start: Callable[[Any], None] | None = None,
     failed_loads_expected: bool = False,
+    tp: int | None = None,
 ) -> dict[str, int]:
     """The case's workload end to end with real workers, every running
     request's KV checked in every group after every step (an
@@ -77,9 +111,14 @@ def worker_run(
     requests loaded. `on_done` gets the engine once the run has ended and
     been checked; `on_start` gets it once built (to inject faults, with
     `failed_loads_expected`: loads may fail). Raises
-    `VllmStalled` when vLLM's scheduler stalls with kvoffload idle."""
+    `VllmStalled` when vLLM's scheduler stalls with kvoffload idle.
+    `tp`: the case on `tp` tensor-parallel workers over the model's
+    `KV_HEADS` KV heads (`heads_case`; an MLA case's one latent "head"
+    on every worker), each group holding a worker's share of them."""
     common, cfg = engine_options(specs, extra, opts)
     groups = SPECS[specs]()
+    if tp is not None:
+        groups, common, cfg = on_tensor_parallel_workers(groups, common, cfg, extra, tp)
     e = build(extra=cfg, tpb=TPB, groups=groups, **common)
     if on_start is not None:
         on_start(e)

@@ -201,6 +201,13 @@ pub struct Scheduler {
     reset_fence: HashMap<JobId, FencedReset, KeyBuildHasher>,
     fences: FenceIndex,
     being_loaded: HashMap<ChunkKey, u32, KeyBuildHasher>,
+    /// With several groups: chunks a store wrote in part (a sliding-window
+    /// block the storing request no longer held), with the sub-blocks it
+    /// wrote; a hit that would load an unwritten one into a block its
+    /// request reads stops before it (`hybrid/holes.rs`).
+    partial_chunks: HashMap<ChunkKey, Box<[bool]>, KeyBuildHasher>,
+    /// Hits cut before such a chunk (counter; lookups run on `&self`).
+    hits_cut_at_partial_chunks: std::sync::atomic::AtomicU64,
     batch: Batch,
     stalled: HashMap<JobId, StalledJob, KeyBuildHasher>,
     /// Quarantined slots of stalled loads (since a reset) -> how many stalled
@@ -286,6 +293,8 @@ impl Scheduler {
             reset_fence: HashMap::default(),
             fences: FenceIndex::default(),
             being_loaded: HashMap::default(),
+            partial_chunks: HashMap::default(),
+            hits_cut_at_partial_chunks: std::sync::atomic::AtomicU64::new(0),
             batch: Batch::default(),
             stalled: HashMap::default(),
             load_holds: HashMap::default(),

@@ -489,6 +489,8 @@ impl Scheduler {
             return None;
         };
         let count = out.keys_to_store.len();
+        let fetched_keys = out.keys_to_store.clone();
+        self.forget_partial_chunks(&fetched_keys);
         let job = self.new_job_id();
         let now = self.now_ns();
         let deadline = self.jobs.deadline_for(now);

@@ -23,6 +23,7 @@
 
 mod boundary_store;
 mod groups;
+mod holes;
 mod load;
 mod lookup;
 mod on_alloc;

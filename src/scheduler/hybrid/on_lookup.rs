@@ -76,25 +76,49 @@ impl Scheduler {
             .requests
             .get(&req)
             .ok_or(SchedulerError::UnknownRequest(req))?;
-        let mut keys = TierKeys {
-            manager: &self.manager,
-            being_loaded: &self.being_loaded,
-            request,
-            hashes_per_chunk: &groups.hashes_per_chunk,
-            windowed: &groups.windowed,
-            found,
-        };
-        let lookup = HybridLookup {
+        let mut lookup = HybridLookup {
             computed: computed_tokens,
             num_tokens: request.num_tokens,
             max_load_tokens: request.caps.max_load_tokens,
             max_new_tokens: None,
         };
-        Ok(
-            match lookup_complete_chunks_with_ends(&groups.shapes, &mut keys, lookup, hit_ends) {
-                Some(hit) => LookupOutcome::Hit(hit),
-                None => LookupOutcome::Defer,
-            },
-        )
+        // vLLM records the chunks its own lookup found; a lookup asked again
+        // with a narrower end (below) records nothing more.
+        let mut again = Vec::new();
+        let mut first = true;
+        loop {
+            let mut keys = TierKeys {
+                manager: &self.manager,
+                being_loaded: &self.being_loaded,
+                request,
+                hashes_per_chunk: &groups.hashes_per_chunk,
+                windowed: &groups.windowed,
+                found: if first { &mut *found } else { &mut again },
+            };
+            first = false;
+            let Some(hit) =
+                lookup_complete_chunks_with_ends(&groups.shapes, &mut keys, lookup, hit_ends)
+            else {
+                return Ok(LookupOutcome::Defer);
+            };
+            // vLLM's hit may load a chunk's unwritten sub-block into a block
+            // the request reads (`hybrid/holes.rs`): stop before that chunk.
+            let end = computed_tokens + hit;
+            match (hit > 0)
+                .then(|| self.hole_limit(groups, request, computed_tokens, end))
+                .flatten()
+            {
+                Some(limit) => {
+                    tracing::debug!(%req, end, limit, "hit cut before a chunk stored in part");
+                    self.hits_cut_at_partial_chunks
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if limit <= computed_tokens {
+                        return Ok(LookupOutcome::Hit(0));
+                    }
+                    lookup.max_new_tokens = Some(limit - computed_tokens);
+                }
+                None => return Ok(LookupOutcome::Hit(hit)),
+            }
+        }
     }
 }

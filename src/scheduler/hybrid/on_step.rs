@@ -225,6 +225,7 @@ impl Scheduler {
         let mut blocks = JobBlocks::new();
         let mut window_blocks = JobBlocks::new();
         let mut deferred = Vec::new();
+        let mut partial = Vec::new();
         let mut spans = Vec::with_capacity(n);
         let (mut next_stored, mut next_offered) = (0, 0);
         for (group, chosen) in offered.iter().enumerate() {
@@ -251,6 +252,11 @@ impl Scheduler {
                 next_stored += 1;
                 span.num_keys += 1;
                 let start = chunk * bpc;
+                // What of the chunk this store writes (`hybrid/holes.rs`).
+                let written: smallvec::SmallVec<[bool; 8]> = (start..start + bpc)
+                    .map(|i| table.get(i).is_some_and(|b| b.0 != 0))
+                    .collect();
+                partial.push((key, written));
                 for (i, &b) in table.iter().enumerate().skip(start).take(bpc) {
                     if b.0 == 0 {
                         holes += u32::from(first.is_some());
@@ -275,6 +281,9 @@ impl Scheduler {
             spans.push(span);
         }
         advance(rs);
+        for (key, written) in partial {
+            self.note_chunk_written(key, &written);
+        }
         let job = self.new_job_id();
         if let Some(rs) = self.requests.at_mut(slot) {
             rs.jobs.push(job);
