@@ -93,7 +93,8 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = F
     good = wrong = stalled = pool = 0
     total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0,
              "partial_tails_fetched": 0, "partial_not_put": 0, "not_yet": 0}
-    moved = {"checked": 0, "loads": 0, "window_loads": 0, "states_restored_inside_block": 0, "stale_drafter_tails": 0}
+    moved = {"checked": 0, "loads": 0, "window_loads": 0, "states_restored_inside_block": 0, "stale_drafter_tails": 0,
+             "hits_cut_at_partial_chunks": 0}
     for k in range(seeds.count):
         seed = seeds.seed(k)
         _, specs, extra, opts, _ = cases[seeds.case_index(seed, len(cases))]
@@ -171,7 +172,9 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = F
         f"{total['partial_not_put']} chunks stored in part out of the store; {moved['loads']} loads "
         f"({moved['window_loads']} into groups other than full attention, {moved['states_restored_inside_block']} Mamba "
         f"states inside a block), {moved['checked']} tokens checked; node B found {moved['stale_drafter_tails']} "
-        "drafter blocks whose last position held another next token's value (vLLM's rule allows it)",
+        "drafter blocks whose last position held another next token's value (vLLM's rule allows it); "
+        f"{moved['hits_cut_at_partial_chunks']} hits cut before a window chunk stored in part (vLLM's would load "
+        "an unwritten block)",
         flush=True,
     )
     return 1 if wrong else 0

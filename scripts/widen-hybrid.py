@@ -71,6 +71,7 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
         "states_restored": 0,
         "states_restored_inside_block": 0,
         "stale_drafter_tails": 0,
+        "hits_cut_at_partial_chunks": 0,
     }
     for k in range(seeds.count):
         seed = seeds.seed(k)
@@ -125,7 +126,9 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
         f"{moved['loads']} loads ({moved['window_loads']} into windowed groups), {moved['stores']} stores "
         f"({moved['holes']} holes kept in place); {moved['states_restored']} Mamba states read back and checked "
         f"({moved['states_restored_inside_block']} inside a block); {moved['stale_drafter_tails']} drafter "
-        "blocks whose last position held another next token's value (vLLM's rule allows it)",
+        "blocks whose last position held another next token's value (vLLM's rule allows it); "
+        f"{moved['hits_cut_at_partial_chunks']} hits cut before a window chunk stored in part (vLLM's would "
+        "load an unwritten block)",
         flush=True,
     )
     return 1 if differ or wrong else 0

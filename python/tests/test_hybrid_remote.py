@@ -215,8 +215,8 @@ def test_a_hit_never_loads_a_window_block_its_store_left_unwritten(redis_url: st
     """vLLM's connector stores a sliding window's chunk without the blocks
     the storing request's window has passed, where its reachable-block mask
     says no hit needs them; a hit cut by a request's ``max_load_tokens``
-    can end where the mask did not look, and vLLM 0.33.0 then loads the
-    unwritten block. Seed 50088 of the "params" configuration with a host
+    can end where the mask did not look, and vLLM 0.33.0's lookup (which
+    kvoffload's follows step for step) then loads the unwritten block. Seed 50088 of the "params" configuration with a host
     tier twice the usual (found by ``widen-hybrid-remote.py --heads``; the
     remote tier's lookups shift vLLM's schedule onto it): request q60, its
     load capped at 12 tokens, hits 8 whose window chunk was stored without

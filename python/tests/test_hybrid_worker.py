@@ -182,6 +182,9 @@ def worker_run(
     # Hand-offs whose block vLLM gave another request in the same step
     # (flushed: copied before that request's forward).
     seen["handoffs_flushed"] = e.connector._scheduler.core.metrics()["handoffs_flushed"]
+    # Hits cut before a window chunk stored in part, where vLLM's would load
+    # an unwritten sub-block (`docs/vllm-connector.md`, item 8).
+    seen["hits_cut_at_partial_chunks"] = e.connector.scheduler_state()["hits_cut_at_partial_chunks"]
     if on_done is not None:
         on_done(e)
     return seen
