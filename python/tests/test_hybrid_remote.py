@@ -211,19 +211,25 @@ def test_with_canonical_layout_a_node_of_another_tensor_parallel_size_loads_ever
     assert w["hits"] == st["chunks_fetched"] * held and w["misses"] == 0 and w["rejected_values"] == 0, (w, st)
 
 
+#: The configuration of the seed (50088) whose hit read an unwritten
+#: window block: full attention beside windows of 8 and 13 tokens, chunks
+#: of two blocks, requests' `kv_transfer_params`.
+HOLE_CASE = ("full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"params": True})
+
+
 def test_a_hit_never_loads_a_window_block_its_store_left_unwritten(redis_url: str) -> None:
     """vLLM's connector stores a sliding window's chunk without the blocks
     the storing request's window has passed, where its reachable-block mask
     says no hit needs them; a hit cut by a request's ``max_load_tokens``
-    can end where the mask did not look, and vLLM 0.33.0's lookup (which
-    kvoffload's follows step for step) then loads the unwritten block. Seed 50088 of the "params" configuration with a host
+    can end where the mask did not look, and vLLM 0.33.0 then loads the
+    unwritten block (the next test shows it with vLLM's own connector). Seed 50088 of the "params" configuration with a host
     tier twice the usual (found by ``widen-hybrid-remote.py --heads``; the
     remote tier's lookups shift vLLM's schedule onto it): request q60, its
     load capped at 12 tokens, hits 8 whose window chunk was stored without
     its first block. kvoffload cuts such a hit before the chunk
     (`hybrid/holes.rs`): every byte right (checked each step), and the cut
     counted."""
-    specs, extra, opts = "full+swa8+swa13", {"block_size": 2 * TPB, "offload_prompt_only": False}, {"params": True}
+    specs, extra, opts = HOLE_CASE
     _, usual = engine_options(specs, extra, opts)
     cfg = {**extra, "cpu_bytes_to_use": 2 * usual["cpu_bytes_to_use"], "remote_tier": {"url": redis_url}}
     state: dict[str, Any] = {}
@@ -231,6 +237,92 @@ def test_a_hit_never_loads_a_window_block_its_store_left_unwritten(redis_url: st
     assert seen["loads"] > 0 and seen["checked"] > 0, seen
     assert state["hits_cut_at_partial_chunks"] > 0, state
     assert 0 < state["partial_chunk_records"], state
+
+
+def test_vllm_s_own_connector_loads_the_unwritten_window_block_on_that_schedule(redis_url: str, monkeypatch) -> None:
+    """The previous test's schedule with vLLM 0.33.0's own
+    ``OffloadingConnector`` (its scheduler side, fake workers): kvoffload's
+    run gives the lookups its remote tier answered "not yet", and vLLM's
+    scheduler gets the same answers at the same steps. vLLM stores the
+    13-token window's first chunk without its first block (request q2, at
+    step 3: group 2 from block 1) and later loads that chunk whole into
+    two blocks request q60 holds: the unwritten sub-block reaches the
+    model. (Were vLLM fixed, this fails; kvoffload then need no longer cut.)"""
+    import test_hybrid_vllm as hy
+    from harness import build
+
+    specs, extra, opts = HOLE_CASE
+    usual = engine_options
+
+    def doubled(*args: Any) -> Any:
+        common, cfg = usual(*args)
+        return common, {**cfg, "cpu_bytes_to_use": 2 * cfg["cpu_bytes_to_use"]}
+
+    monkeypatch.setattr(hy, "engine_options", doubled)
+    import test_hybrid_worker as hw
+
+    monkeypatch.setattr(hw, "engine_options", doubled)
+    deferred: set[tuple[int, str]] = set()
+
+    def record_deferrals(e: Any) -> None:
+        inner = e.connector.get_num_new_matched_tokens
+
+        def lookup(request: Any, n: int, *a: Any, **k: Any) -> Any:
+            got = inner(request, n, *a, **k)
+            if got[0] is None:
+                deferred.add((e.steps, request.request_id))
+            return got
+
+        e.connector.get_num_new_matched_tokens = lookup
+
+    worker_run(50088, specs, {**extra, "remote_tier": {"url": redis_url}}, opts, on_start=record_deferrals)
+    assert deferred
+    common, cfg = doubled(specs, extra, opts)
+    e = build(connector="OffloadingConnector", module=None, extra=cfg, fake_worker=hy.vllm_worker(1), tpb=TPB,
+              groups=SPECS[specs](), **common)
+    inner = e.connector.get_num_new_matched_tokens
+
+    def not_yet_as_kvoffload(request: Any, n: int, *a: Any, **k: Any) -> Any:
+        if (e.steps, request.request_id) in deferred:
+            return None, False
+        return inner(request, n, *a, **k)
+
+    e.connector.get_num_new_matched_tokens = not_yet_as_kvoffload
+    stores: list[tuple[str, list, list, list]] = []
+    q60: list[tuple[list, list, list]] = []
+    build_meta = e.connector.build_connector_meta
+
+    def meta(so: Any) -> Any:
+        m = build_meta(so)
+        for tj in m.store_jobs.values():
+            src = tj.src_spec
+            stores.append((tj.req_id, list(src.group_sizes), list(src.block_indices), [int(x) for x in tj.dst_spec.block_ids]))
+        for tj in m.load_jobs.values():
+            if tj.req_id == "q60":
+                dst = tj.dst_spec
+                q60.append(([int(x) for x in tj.src_spec.block_ids], list(dst.group_sizes), list(dst.block_indices)))
+        return m
+
+    e.connector.build_connector_meta = meta
+    hy.drive(e, 50088, lambda so: {}, opts)
+    bpc = 2
+
+    def chunks_of(chunks: list, sizes: list, first: list) -> list[list]:
+        out, at = [], 0
+        for size, index in zip(sizes, first):
+            n = -(-(index % bpc + size) // bpc) if size else 0
+            out.append(chunks[at:at + n])
+            at += n
+        return out
+
+    assert q60, "vLLM never loaded for q60"
+    chunks, sizes, first = q60[0]
+    # q60's hit: 8 tokens, every group's first chunk, both blocks each.
+    assert sizes == [2, 2, 2] and first == [0, 0, 0], q60[0]
+    window_chunk = chunks_of(chunks, sizes, first)[2][0]
+    writes = [(rid, idx[2], size[2]) for rid, size, idx, c in stores if window_chunk in chunks_of(c, size, idx)[2]]
+    # The one store of that chunk wrote its second block only.
+    assert writes == [("q2", 1, 1)], writes
 
 
 def test_written_on_eviction_a_second_node_finds_every_group_s_evicted_chunks(redis_url: str) -> None:

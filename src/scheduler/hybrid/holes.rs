@@ -5,11 +5,11 @@
 //! and vLLM's `reachable_block_mask` says no hit needs it. That mask assumes
 //! hits end where vLLM's own prefix-cache hits can end; a hit cut by a
 //! request's `max_load_tokens` (or by another group) can end elsewhere, and
-//! then vLLM 0.33.0's lookup loads the hole: a block the model reads holds
-//! whatever the host slot held before (found by `scripts/widen-hybrid-remote.py
-//! --heads`, seed 50088, in kvoffload following vLLM's rules step for step;
-//! `docs/vllm-connector.md`, item 8 under "What the differential test
-//! found"). kvoffload records the sub-blocks each such
+//! then vLLM 0.33.0 loads the hole: a block the model reads holds whatever
+//! the host slot held before (found by `scripts/widen-hybrid-remote.py
+//! --heads`, seed 50088, and shown with vLLM's own connector on that
+//! schedule; `docs/vllm-connector.md`, item 8 under "What the differential
+//! test found"). kvoffload records the sub-blocks each such
 //! store wrote and cuts a hit before the first chunk whose unwritten
 //! sub-block a block of the request would receive: a smaller hit than
 //! vLLM's where vLLM's would load bytes nobody wrote, the same everywhere
