@@ -119,6 +119,11 @@ impl Scheduler {
         let bpc = self.geo.blocks_per_chunk;
         let mut limit: Option<u64> = None;
         for (g, shape) in groups.shapes.iter().enumerate() {
+            // Only windowed groups hold null blocks: the others' chunks
+            // are always written whole.
+            if !groups.windowed[g] {
+                continue;
+            }
             let hpc = groups.hashes_per_chunk(g);
             for chunk in load_chunks(shape, computed, end, request.num_keys(hpc)) {
                 let key = request.group_key(g, chunk, hpc);
