@@ -42,6 +42,22 @@ KEYS: dict[str, str] = {
     "remote_tier": "a Redis (or Redis Cluster) store shared across nodes, as a dict (or its JSON) of the remote tier's keys (docs/remote-tier.md: url, cluster, username, password, tls_ca_file, timeouts, write, ...) plus 'deployment', a text kept in the namespace (kvoffload; default: no remote tier)",
 }
 
+#: vLLM 0.33.0 keys of ``kv_connector_extra_config`` this connector does not
+#: take, with the reason it gives (an unknown key otherwise).
+VLLM_KEYS_NOT_TAKEN: dict[str, str] = {
+    "cache_policy_module_path": "a Python eviction policy class runs inside vLLM's CPUOffloadingManager; "
+    'kvoffload\'s host tier is Rust: eviction_policy takes "lru" or "arc"',
+    "spec_module_path": "an out-of-tree offloading spec; kvoffload is its own offloading engine (leave it out)",
+    "secondary_tiers": "a key of vLLM's TieringOffloadingSpec; kvoffload's tier past host memory is "
+    "remote_tier (a Redis or Redis Cluster store, docs/remote-tier.md)",
+    "tier_poll_interval_s": "a key of vLLM's TieringOffloadingSpec; kvoffload's remote_tier runs its own I/O "
+    "threads (docs/remote-tier.md)",
+    "backpressure": "a key of vLLM's TieringOffloadingSpec; kvoffload's remote_tier bounds its writes with "
+    "its queue_capacity (a put that finds the queue full is dropped and counted, never waited for)",
+    "enable_telemetry": "a key of vLLM's tiering (kvcr) manager; kvoffload's metrics are always on "
+    "(vLLM's kv_offload names, docs/vllm-connector.md)",
+}
+
 #: The connector's own key inside ``remote_tier`` (the rest go to the Rust
 #: library, which rejects unknown ones).
 REMOTE_DEPLOYMENT_KEY = "deployment"
@@ -234,6 +250,11 @@ class EngineConfig:
         remote tier); `remote_head_shares`: the model's KV heads where they
         are a remote tier's shares (taken only with a remote tier)."""
         unknown = sorted(set(extra) - set(KEYS))
+        for key in unknown:
+            if key in VLLM_KEYS_NOT_TAKEN:
+                raise ValueError(
+                    f"kv_connector_extra_config: {key!r} is not supported: {VLLM_KEYS_NOT_TAKEN[key]}"
+                )
         if unknown:
             allowed = ", ".join(sorted(KEYS))
             raise ValueError(

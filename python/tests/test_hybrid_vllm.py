@@ -891,10 +891,15 @@ def engine_options(specs: str, extra: dict, opts: dict) -> tuple[dict, dict]:
         "max_num_batched_tokens": 64,
         **{k: v for k, v in opts.items() if k != "params"},
     }
-    groups = SPECS[specs]()
-    chunk_bytes = groups[0].page_size_bytes * 2 * case_blocks_per_chunk(extra)
-    cfg = {"cpu_bytes_to_use": HOST_CHUNKS * chunk_bytes * common.get("world_size", 1), **extra}
+    cfg = {"cpu_bytes_to_use": host_bytes(SPECS[specs](), extra, common.get("world_size", 1)), **extra}
     return common, cfg
+
+
+def host_bytes(groups: list, extra: dict, world: int) -> int:
+    """`HOST_CHUNKS` host chunks of one group's layers (2 layers, K and V)
+    on each of `world` workers, each holding `groups`' pages."""
+    chunk_bytes = groups[0].page_size_bytes * 2 * case_blocks_per_chunk(extra)
+    return HOST_CHUNKS * chunk_bytes * world
 
 
 def block_tokens(spec: Any, opts: dict) -> int:

@@ -20,12 +20,11 @@ from harness import build
 from test_hybrid_vllm import (
     CASES,
     HANDOFF_REALLOCATED,
-    HOST_CHUNKS,
     SPECS,
     TPB,
-    case_blocks_per_chunk,
     drive,
     engine_options,
+    host_bytes,
     offloaded,
     partial_tail_case,
 )
@@ -88,8 +87,7 @@ def on_tensor_parallel_workers(groups: list, common: dict, cfg: dict, extra: dic
     if not mla:
         groups = [dataclasses.replace(g, num_kv_heads=heads // tp) for g in groups]
     common = {**common, "world_size": tp, "kv_heads": heads}
-    chunk_bytes = groups[0].page_size_bytes * 2 * case_blocks_per_chunk(extra)
-    cfg = {**cfg, "cpu_bytes_to_use": HOST_CHUNKS * chunk_bytes * tp}
+    cfg = {**cfg, "cpu_bytes_to_use": host_bytes(groups, extra, tp), **extra}
     return groups, common, cfg
 
 
