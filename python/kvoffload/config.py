@@ -249,6 +249,8 @@ class EngineConfig:
         copy of a chunk in host memory, as vLLM's, and one share of it in a
         remote tier); `remote_head_shares`: the model's KV heads where they
         are a remote tier's shares (taken only with a remote tier)."""
+        # vLLM's keys it does not take, set to None (vLLM's default for them), are absent.
+        extra = {k: v for k, v in extra.items() if not (k in VLLM_KEYS_NOT_TAKEN and v is None)}
         unknown = sorted(set(extra) - set(KEYS))
         for key in unknown:
             if key in VLLM_KEYS_NOT_TAKEN:

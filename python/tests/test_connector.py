@@ -259,6 +259,11 @@ def test_bad_configuration_stops_startup_naming_the_key(extra, needle):
         harness.build(extra=extra)
 
 
+def test_vllm_s_keys_kvoffload_does_not_take_are_absent_when_none():
+    e = harness.build(extra={"cpu_bytes_to_use": 10**9, "cache_policy_module_path": None, "secondary_tiers": None})
+    assert e.connector.engine_config.num_cpu_chunks > 0
+
+
 def test_a_strategy_table_is_checked_at_startup_and_a_bad_one_named(tmp_path):
     good = tmp_path / "table.json"
     good.write_text(
