@@ -90,7 +90,7 @@ TP_PAIRS = [(2, 1), (1, 2), (4, 2), (1, 4)]
 
 
 def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = False) -> int:
-    good = wrong = stalled = pool = 0
+    good = wrong = stalled = too_large = pool = 0
     total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0,
              "partial_tails_fetched": 0, "partial_not_put": 0, "not_yet": 0}
     moved = {"checked": 0, "loads": 0, "window_loads": 0, "states_restored_inside_block": 0, "stale_drafter_tails": 0,
@@ -138,6 +138,7 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = F
             seen = hw.worker_run(seed, specs, cfg, opts, on_done=fetched, on_start=count_not_yet, tp=tp_b)
         except hw.VllmStalled as e:
             stalled += 1
+            too_large += "never fits" in str(e)
             print(f"seed {seed} {specs_shown}: {e}", flush=True)
             continue
         except hw.VllmPoolError as e:
@@ -163,7 +164,8 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = F
             flush=True,
         )
     print(
-        f"{good} seeds right, {wrong} wrong, {stalled} stalled in vLLM's scheduler, {pool} failed in vLLM's "
+        f"{good} seeds right, {wrong} wrong, {stalled} stalled in vLLM's scheduler ({too_large} at a waiting "
+        f"request larger than the GPU pool), {pool} failed in vLLM's "
         f"block pool; node B: "
         f"{total['lookups']} remote lookups ({total['not_yet']} of vLLM's lookups answered not yet), "
         f"{total['chunks_found']} chunks found, {total['fetch_jobs']} fetch "

@@ -61,7 +61,7 @@ def main() -> int:
 
 
 def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
-    same = differ = wrong = stalled = pool = 0
+    same = differ = wrong = stalled = too_large = pool = unrecorded = unrecorded_too_large = 0
     moved = {
         "checked": 0,
         "loads": 0,
@@ -89,6 +89,8 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
             # while waiting for KV behind a head request that cannot be
             # allocated, in these small GPU pools): nothing to compare.
             print(f"seed {seed} {specs}: not recorded: {e}", flush=True)
+            unrecorded += 1
+            unrecorded_too_large += "never fits" in str(e)
             continue
         hy.write_case(out / f"seed{seed}-{specs}.json.gz", seed, specs, extra, opts, delay, steps, derived)
         want = [hy.comparable(st, hy.first_index_modulus(specs, extra, opts)) for st in steps]
@@ -106,6 +108,7 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
             seen = hw.worker_run(seed, specs, extra, opts)
         except hw.VllmStalled as e:
             stalled += 1
+            too_large += "never fits" in str(e)
             print(f"seed {seed} {specs}: with workers: {e}", flush=True)
             continue
         except hw.VllmPoolError as e:
@@ -118,10 +121,14 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
             continue
         for k2 in moved:
             moved[k2] += seen[k2]
-    print(f"{same} seeds the same as vLLM, {differ} different", flush=True)
+    print(
+        f"{same} seeds the same as vLLM, {differ} different; {unrecorded} not recorded as vLLM's own run did not "
+        f"end ({unrecorded_too_large} at a waiting request larger than the GPU pool)",
+        flush=True,
+    )
     print(
         f"with workers: {wrong} seeds with a wrong byte or a leak, {stalled} stalled in vLLM's scheduler "
-        f"with kvoffload idle, {pool} failed in vLLM's block pool; "
+        f"with kvoffload idle ({too_large} at a waiting request larger than the GPU pool), {pool} failed in vLLM's block pool; "
         f"{moved['checked']} tokens checked, "
         f"{moved['loads']} loads ({moved['window_loads']} into windowed groups), {moved['stores']} stores "
         f"({moved['holes']} holes kept in place); {moved['states_restored']} Mamba states read back and checked "

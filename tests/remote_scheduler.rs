@@ -81,10 +81,13 @@ fn a_remote_hit_is_fetched_into_the_host_tier_then_loaded() {
     }
     // The host tier misses: the remote tier is asked; not yet.
     assert_eq!(t.lookup(1), LookupOutcome::Defer);
+    assert_eq!(t.s.remote_in_flight(), 1, "the lookup is in flight");
     t.s.wait_remote_lookups(WAIT);
+    assert_eq!(t.s.remote_in_flight(), 0, "its answer came");
     // The answer: chunks 0..3 are there (3 is not): a fetch job for them.
     assert_eq!(t.lookup(1), LookupOutcome::Defer);
     let plan = t.step();
+    assert_eq!(t.s.remote_in_flight(), 1, "the fetch job is in flight");
     assert_eq!(plan.fetches.len(), 1);
     let f = &plan.fetches[0];
     assert_eq!(
@@ -96,6 +99,12 @@ fn a_remote_hit_is_fetched_into_the_host_tier_then_loaded() {
     // Deferred while the fetch is in flight (the request's own job).
     assert_eq!(t.lookup(1), LookupOutcome::Defer);
     t.report(f.job, false);
+    assert_eq!(
+        t.s.remote_in_flight(),
+        0,
+        "nothing in flight; the request keeps its probe"
+    );
+    assert!(t.s.remote_probes() > 0);
     // The chunks are host hits now: 3 chunks of 4 tokens, no second ask.
     assert_eq!(t.lookup(1), LookupOutcome::Hit(12));
     let st = t.s.remote_lookup_stats().unwrap();

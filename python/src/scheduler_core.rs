@@ -1416,6 +1416,7 @@ impl SchedulerCore {
         d.set_item("pending_chunks", st.manager.pending)?;
         d.set_item("cached_chunks", st.manager.cached)?;
         d.set_item("remote_probes", self.s.remote_probes())?;
+        d.set_item("remote_in_flight", self.s.remote_in_flight())?;
         d.set_item(
             "hits_cut_at_partial_chunks",
             self.s.hits_cut_at_partial_chunks(),

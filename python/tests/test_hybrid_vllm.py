@@ -876,9 +876,34 @@ def drive(e: Any, seed: int, snapshot: Any, opts: dict) -> list[dict]:
             continue
         steps.append(snapshot(e.step()))
     else:
-        raise AssertionError(f"seed {seed}: requests still running after 600 steps")
+        cause = "" if e.scheduler.running else f"; {stall_cause(e.scheduler)}"
+        raise AssertionError(f"seed {seed}: requests still running after 600 steps{cause}")
     e.flush_async()
     return steps
+
+
+def stall_cause(sched: Any) -> str:
+    """Why vLLM's scheduler stalled (`test_hybrid_worker.VllmStalled`): the
+    request at the head of its KV-holding queue (drained first) or of its
+    waiting queue, and whether it is larger than the GPU pool (one group)."""
+    if sched.kv_holding_waiting:
+        queue, head = "KV-holding", sched.kv_holding_waiting.peek_request()
+    elif sched.waiting:
+        queue, head = "waiting", sched.waiting.peek_request()
+    else:
+        return "no request waits"
+    # vLLM's allocate_slots: the tokens so far and the speculative lookahead.
+    tokens = head.num_tokens + sched.num_lookahead_tokens
+    pool = sched.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    groups = sched.kv_cache_config.kv_cache_groups
+    if len(groups) == 1:
+        need = -(-tokens // groups[0].kv_cache_spec.block_size)
+        if need > pool:
+            return (
+                f"the head of the {queue} queue ({head.request_id}) needs {need} blocks for its {tokens} tokens "
+                f"(with its lookahead) and the GPU pool has {pool}: it never fits"
+            )
+    return f"the head of the {queue} queue ({head.request_id}, {tokens} tokens with its lookahead) cannot be allocated"
 
 
 def engine_options(specs: str, extra: dict, opts: dict) -> tuple[dict, dict]:

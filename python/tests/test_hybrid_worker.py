@@ -27,6 +27,7 @@ from test_hybrid_vllm import (
     host_bytes,
     offloaded,
     partial_tail_case,
+    stall_cause,
 )
 
 #: The cases run with real workers: every kind of group mix, chunks of one,
@@ -46,11 +47,16 @@ def leak_free(e: Any) -> None:
 
 class VllmStalled(Exception):
     """vLLM's scheduler stopped scheduling with requests left, kvoffload
-    idle (nothing running, no job in flight, every invariant held): seen
-    when the request at the head of vLLM's queue of waiting requests that
+    idle (nothing running, no job in flight, no remote lookup pending,
+    every invariant held). Two causes are seen (`stall_cause` names the
+    one): the request at the head of vLLM's queue of waiting requests that
     hold KV blocks cannot be allocated, and the requests behind it (a
-    finished load among them) are never reached. vLLM's own connector
-    reaches it too (``scripts/widen-hybrid.py`` notes the seeds)."""
+    finished load among them) are never reached; or the request at the
+    head of its waiting queue needs more blocks for its tokens (with its
+    speculative lookahead) than these tests' small GPU pool has, so it
+    never fits and vLLM, first come first served, schedules nothing behind
+    it (a real deployment's pool holds ``max_model_len`` tokens). vLLM's own connector
+    reaches both (``scripts/widen-hybrid.py`` notes the seeds)."""
 
 
 class VllmPoolError(Exception):
@@ -150,13 +156,15 @@ def worker_run(
     except AssertionError as err:
         sched = e.scheduler
         st = e.connector.scheduler_state()
-        idle = st["jobs"] == 0 and st["invariants"] is None and all(w._worker.core.in_flight() == 0 for w in e.workers)
+        idle = (
+            st["jobs"] == 0
+            and st["remote_in_flight"] == 0
+            and st["invariants"] is None
+            and all(w._worker.core.in_flight() == 0 for w in e.workers)
+        )
         if "still running" in str(err) and not sched.running and idle:
-            head = sched.kv_holding_waiting.peek_request() if sched.kv_holding_waiting else None
-            raise VllmStalled(
-                f"seed {seed}: vLLM schedules nothing with {len(sched.requests)} requests left, kvoffload idle; "
-                f"head of the KV-holding queue: {head.request_id if head else None}"
-            ) from err
+            raise VllmStalled(f"seed {seed}: vLLM schedules nothing with {len(sched.requests)} requests left, "
+                              f"kvoffload idle; {stall_cause(sched)}") from err
         raise
     assert failed_loads_expected or not e.failed, f"loads failed: {sorted(e.failed)}"
     seen["failed_loads"] = len(e.failed)
@@ -375,3 +383,20 @@ def test_vllm_serves_a_wrong_mamba2_state_inside_a_block_on_its_own(monkeypatch:
 
     with pytest.raises(AssertionError, match=r"q62: step from 20: Mamba state after 20 tokens"):
         worker_run(50127, "full+mamba2", {"offload_prompt_only": False}, {"hash_tokens": 2}, on_start=no_loads)
+
+
+def test_a_stall_at_a_request_larger_than_the_gpu_pool_is_named() -> None:
+    """`stall_cause` tells the widening scripts' stalls apart: a waiting
+    request whose tokens need more blocks than the GPU pool has never fits,
+    and vLLM schedules nothing behind it (first come, first served)."""
+    e = build(extra={"cpu_bytes_to_use": 10**6}, tpb=4, num_gpu_blocks=8)
+    e.add(list(range(1, 41)), max_tokens=2, req_id="big")
+    e.add(list(range(50, 58)), max_tokens=2, req_id="small")
+    for _ in range(3):
+        e.step()
+    assert not e.scheduler.running, "nothing runs: the big request blocks the queue"
+    cause = stall_cause(e.scheduler)
+    assert "(big) needs 10 blocks for its 40 tokens" in cause and "has 7: it never fits" in cause, cause
+    e.scheduler.finish_requests(["big"], RequestStatus.FINISHED_ABORTED)
+    e.step()
+    assert stall_cause(e.scheduler) == "no request waits", "the small request ran once the big one went"

@@ -350,6 +350,19 @@ impl Scheduler {
         self.remote.as_ref().map(|r| r.stats)
     }
 
+    /// Remote lookups whose answer has not come, and fetch jobs in flight: 0
+    /// when the remote side waits on nothing (an answer that came waits for
+    /// its request's next lookup without counting).
+    pub fn remote_in_flight(&self) -> usize {
+        self.remote.as_ref().map_or(0, |r| {
+            r.asked
+                .keys()
+                .filter(|t| !r.answered.contains_key(t))
+                .count()
+                + r.fetch_jobs.len()
+        })
+    }
+
     /// Requests the remote side still holds state for (a leak check: 0 once
     /// every request has finished).
     pub fn remote_probes(&self) -> usize {
