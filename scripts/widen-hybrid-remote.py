@@ -164,8 +164,8 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = F
             flush=True,
         )
     print(
-        f"{good} seeds right, {wrong} wrong, {stalled} stalled in vLLM's scheduler ({too_large} at a waiting "
-        f"request larger than the GPU pool), {pool} failed in vLLM's "
+        f"{good} seeds right, {wrong} wrong, {stalled} stalled in vLLM's scheduler ({too_large} at a request "
+        f"larger than the GPU pool), {pool} failed in vLLM's "
         f"block pool; node B: "
         f"{total['lookups']} remote lookups ({total['not_yet']} of vLLM's lookups answered not yet), "
         f"{total['chunks_found']} chunks found, {total['fetch_jobs']} fetch "

@@ -123,12 +123,12 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
             moved[k2] += seen[k2]
     print(
         f"{same} seeds the same as vLLM, {differ} different; {unrecorded} not recorded as vLLM's own run did not "
-        f"end ({unrecorded_too_large} at a waiting request larger than the GPU pool)",
+        f"end ({unrecorded_too_large} at a request larger than the GPU pool)",
         flush=True,
     )
     print(
         f"with workers: {wrong} seeds with a wrong byte or a leak, {stalled} stalled in vLLM's scheduler "
-        f"with kvoffload idle ({too_large} at a waiting request larger than the GPU pool), {pool} failed in vLLM's block pool; "
+        f"with kvoffload idle ({too_large} at a request larger than the GPU pool), {pool} failed in vLLM's block pool; "
         f"{moved['checked']} tokens checked, "
         f"{moved['loads']} loads ({moved['window_loads']} into windowed groups), {moved['stores']} stores "
         f"({moved['holes']} holes kept in place); {moved['states_restored']} Mamba states read back and checked "
