@@ -885,7 +885,8 @@ def drive(e: Any, seed: int, snapshot: Any, opts: dict) -> list[dict]:
 def stall_cause(sched: Any) -> str:
     """Why vLLM's scheduler stalled (`test_hybrid_worker.VllmStalled`): the
     request at the head of its KV-holding queue (drained first) or of its
-    waiting queue, and whether it is larger than the GPU pool (one group)."""
+    waiting queue, and whether it is larger than the GPU pool (one group:
+    a block a token; a waiting request: vLLM's own admission count)."""
     if sched.kv_holding_waiting:
         queue, head = "KV-holding", sched.kv_holding_waiting.peek_request()
     elif sched.waiting:
@@ -894,15 +895,32 @@ def stall_cause(sched: Any) -> str:
         return "no request waits"
     # vLLM's allocate_slots: the tokens so far and the speculative lookahead.
     tokens = head.num_tokens + sched.num_lookahead_tokens
-    pool = sched.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    mgr = sched.kv_cache_manager
+    pool = mgr.block_pool.num_gpu_blocks - 1
     groups = sched.kv_cache_config.kv_cache_groups
+    need = 0
     if len(groups) == 1:
+        # One group: its last step holds a block for every token.
         need = -(-tokens // groups[0].kv_cache_spec.block_size)
-        if need > pool:
-            return (
-                f"the head of the {queue} queue ({head.request_id}) needs {need} blocks for its {tokens} tokens "
-                f"(with its lookahead) and the GPU pool has {pool}: it never fits"
-            )
+    if queue == "waiting":
+        # vLLM's admission gate (the whole sequence, windows capped as vLLM
+        # caps them) for a request that holds no block yet.
+        need = max(need, mgr.coordinator.get_num_blocks_to_allocate(
+            request_id=head.request_id,
+            num_tokens=head.num_tokens,
+            new_computed_blocks=mgr.empty_kv_cache_blocks.blocks,
+            num_encoder_tokens=0,
+            total_computed_tokens=0,
+            num_local_computed_tokens=0,
+            num_tokens_main_model=head.num_tokens,
+            apply_admission_cap=True,
+            prefill_end=max(head.num_prompt_tokens, head.num_tokens - 1),
+        ))
+    if need > pool:
+        return (
+            f"the head of the {queue} queue ({head.request_id}) needs {need} blocks for its {tokens} tokens "
+            f"(with its lookahead) and the GPU pool has {pool}: it never fits"
+        )
     return f"the head of the {queue} queue ({head.request_id}, {tokens} tokens with its lookahead) cannot be allocated"
 
 

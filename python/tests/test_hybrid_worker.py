@@ -400,3 +400,11 @@ def test_a_stall_at_a_request_larger_than_the_gpu_pool_is_named() -> None:
     e.scheduler.finish_requests(["big"], RequestStatus.FINISHED_ABORTED)
     e.step()
     assert stall_cause(e.scheduler) == "no request waits", "the small request ran once the big one went"
+    # Two groups (a window beside full attention): vLLM's admission count.
+    e = build(extra={"cpu_bytes_to_use": 10**6}, tpb=TPB, groups=SPECS["swa6+full"](), num_gpu_blocks=16)
+    e.add(list(range(1, 61)), max_tokens=2, req_id="big")
+    for _ in range(3):
+        e.step()
+    assert not e.scheduler.running
+    cause = stall_cause(e.scheduler)
+    assert "(big) needs" in cause and "has 15: it never fits" in cause, cause
