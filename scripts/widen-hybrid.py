@@ -85,9 +85,10 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
             print(f"seed {seed} {specs}: not recorded: vLLM's block pool: {e}", flush=True)
             continue
         except AssertionError as e:
-            # vLLM's own run did not end (seen: requests holding blocks
-            # while waiting for KV behind a head request that cannot be
-            # allocated, in these small GPU pools): nothing to compare.
+            # vLLM's own run did not end (`test_hybrid_vllm.stall_cause`
+            # says why: most often a request larger than these small GPU
+            # pools at the head of the queue, else the head of the
+            # KV-holding queue that cannot be allocated): nothing to compare.
             print(f"seed {seed} {specs}: not recorded: {e}", flush=True)
             unrecorded += 1
             unrecorded_too_large += "never fits" in str(e)
