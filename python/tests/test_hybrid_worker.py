@@ -55,8 +55,9 @@ class VllmStalled(Exception):
     head of its waiting queue needs more blocks for its tokens (with its
     speculative lookahead) than these tests' small GPU pool has, so it
     never fits and vLLM, first come first served, schedules nothing behind
-    it (a real deployment's pool holds ``max_model_len`` tokens). vLLM's own connector
-    reaches both (``scripts/widen-hybrid.py`` notes the seeds)."""
+    it (a real deployment's pool holds ``max_model_len`` tokens). vLLM's
+    own connector reaches both (``scripts/widen-hybrid.py`` notes the
+    seeds)."""
 
 
 class VllmPoolError(Exception):
