@@ -23,8 +23,8 @@ use kvoffload::worker::cuda::{
     open_context,
 };
 use kvoffload::worker::{
-    GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, SharedRegion,
-    TransferBackend, TransferResult, TransferSpec, WorkerLayout,
+    GpuLayout, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, KeptChunks,
+    SharedRegion, TransferBackend, TransferResult, TransferSpec, WorkerLayout, keep_chunks,
 };
 
 const LONG: Option<Duration> = Some(Duration::from_secs(60));
@@ -780,6 +780,15 @@ fn gpu_a_shared_region_pool_matches_the_host_backend_and_another_mapping_sees_it
             assert!(seen == reference, "{what}: the other mapping differs");
             p.check(Direction::Load, JobId(20 + i as u64), &sp, &what)
                 .unwrap();
+            // One turn of two (replicated KV written by turns): the other
+            // turn's chunks are holes this store leaves as they are.
+            if let KeptChunks::Some(turn) = keep_chunks(&sp, s.bpc, |c| c.0 % 2 == 1) {
+                let what = format!("{what}, odd chunks' turn");
+                // New bytes on both sides: a hole copied would show.
+                p.randomise(&mut rng).unwrap();
+                p.check(Direction::Store, JobId(30 + i as u64), &turn, &what)
+                    .unwrap();
+            }
         }
     }
 }

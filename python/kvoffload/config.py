@@ -39,6 +39,7 @@ KEYS: dict[str, str] = {
     "strategy_table": "path of a CUDA strategy table written by `kvoffload bench --calibrate` (kvoffload; CUDA KV caches; default: the built-in table)",
     "sync_load_budget_bytes": "KV bytes per worker a step may load synchronously: a hit that fits is loaded inside the step and its request runs at once (vLLM's key, default 0: every load asynchronous)",
     "canonical_layout": "vLLM's key (default false): a parallelism-free host page layout; with vLLM's CPU spec it changes who keeps one copy of replicated MLA KV (vLLM's replicated_layout rule for canonical pages) and lets every worker write its stores",
+    "replicated_writes": '"turns" (kvoffload; default) or "vllm": who copies the stores of KV replicated on every worker into the one host region they share: "turns", the workers by turns of host chunk (each chunk once, its traffic spread over every GPU\'s link); "vllm", vLLM\'s writers (rank 0 alone, or every rank with canonical_layout)',
     "remote_tier": "a Redis (or Redis Cluster) store shared across nodes, as a dict (or its JSON) of the remote tier's keys (docs/remote-tier.md: url, cluster, username, password, tls_ca_file, timeouts, write, ...) plus 'deployment', a text kept in the namespace (kvoffload; default: no remote tier)",
 }
 
@@ -103,6 +104,15 @@ def _bool(extra: dict[str, Any], key: str, default: bool) -> bool:
 def canonical_layout(extra: dict[str, Any]) -> bool:
     """``canonical_layout`` of ``kv_connector_extra_config`` (a boolean)."""
     return _bool(extra, "canonical_layout", False)
+
+
+def _replicated_writes(extra: dict[str, Any]) -> str:
+    v = extra.get("replicated_writes", "turns")
+    if v not in ("turns", "vllm"):
+        raise ValueError(
+            f'kv_connector_extra_config: replicated_writes = {v!r} is not allowed: allowed "turns", "vllm"'
+        )
+    return v
 
 
 def _strategy_table(extra: dict[str, Any]) -> str | None:
@@ -194,6 +204,12 @@ class EngineConfig:
     #: vLLM's rule for canonical pages, and every worker writes its stores
     #: (vLLM's ``_is_store_writer``), rank 0 alone no longer.
     canonical_layout: bool = False
+    #: Who copies the stores of replicated KV (``replicated_layout``):
+    #: ``"turns"``, the workers by turns of host chunk (each chunk once, by
+    #: the worker whose turn it is, which also puts and fetches it);
+    #: ``"vllm"``, vLLM's writers (rank 0, or every rank with
+    #: ``canonical_layout``).
+    replicated_writes: str = "turns"
     #: With ``canonical_layout`` and a remote tier over a layout whose heads
     #: tensor parallelism shards (vLLM's parallelism-agnostic layouts): the
     #: model's KV heads, the shares of a chunk in the store, so that nodes
@@ -338,5 +354,6 @@ class EngineConfig:
             kv_bytes_per_token=kv_bytes_per_token or worker_bytes_per_block // max(tokens_per_block, 1),
             replicated_layout=replicated_layout,
             canonical_layout=canonical_layout(extra),
+            replicated_writes=_replicated_writes(extra),
             remote_head_shares=remote_head_shares if remote is not None else 0,
         )

@@ -1511,17 +1511,24 @@ class _WorkerSide:
         args = (regions, num_blocks, self.cfg.blocks_per_chunk, self.cfg.num_cpu_chunks, False)
         grouping = group_regions if len(groups) > 1 else None
         # Replicated KV (`_replicated_layout`): one host region every worker
-        # maps, rank 0 writing the stores (with ``canonical_layout`` every
-        # rank writes them, as vLLM's workers then do: the same bytes), every
-        # rank loading from it.
+        # maps, every rank loading from it. By default the ranks write the
+        # stores by turns of host chunk (each chunk once, its writer also
+        # putting and fetching it); with ``replicated_writes: "vllm"``, as
+        # vLLM's workers: rank 0 (every rank with ``canonical_layout``, the
+        # same bytes).
         shared: dict[str, Any] = {}
         needs_rank = self.cfg.replicated_layout or self.cfg.remote_tier_json is not None
         rank = _worker_rank(self.cfg.world_size) if needs_rank else 0
+        turns = (
+            self.cfg.replicated_layout and self.cfg.replicated_writes == "turns" and self.cfg.world_size > 1
+        )
         if self.cfg.replicated_layout:
             shared = {
                 "shared_region": shared_region_path(_shared_region_name(self.vllm_config)),
                 "store_writer": self.cfg.canonical_layout or rank == 0,
             }
+            if turns:
+                shared["store_turn"] = (rank, self.cfg.world_size)
         if device.type == "cpu":
             self.core = WorkerCore.host(*args, groups=grouping, **shared)
         elif device.type == "cuda":
@@ -1541,8 +1548,9 @@ class _WorkerSide:
                 f"kvoffload.vllm: KV caches on {device.type} (supported: cpu, cuda)"
             )
         try:
-            # With replicated KV only the writer (rank 0) puts and fetches the
-            # chunk's one share; the others read the shared region it fills.
+            # With replicated KV a chunk has one share: its writer (the
+            # chunk's turn, or rank 0 with vLLM's writers) puts and fetches
+            # it; the others read the shared region it fills.
             if self.cfg.remote_head_shares:
                 # KV heads as shares: this worker puts and fetches its heads'.
                 self.core.attach_remote_heads(
@@ -1553,11 +1561,11 @@ class _WorkerSide:
                     self.cfg.world_size,
                     rank,
                 )
-            elif self.cfg.remote_tier_json is not None and (not self.cfg.replicated_layout or rank == 0):
+            elif self.cfg.remote_tier_json is not None and (not self.cfg.replicated_layout or rank == 0 or turns):
                 self.core.attach_remote(
                     self.cfg.remote_tier_json,
                     _remote_namespace(self.vllm_config, self.kv_cache_config, self.cfg),
-                    rank,
+                    0 if self.cfg.replicated_layout else rank,
                     self.cfg.remote_shares,
                 )
             # The shared region's name goes once every worker has mapped it
@@ -1584,7 +1592,13 @@ class _WorkerSide:
             self.core.pool_bytes,
             self.core.backend,
             f", shared region {self.core.shared_region}, "
-            f"{'writing' if self.core.store_writer else 'reading'} it"
+            + (
+                f"writing its turn of chunks ({self.core.store_turn[0]} of {self.core.store_turn[1]})"
+                if self.core.store_turn
+                else "writing it"
+                if self.core.store_writer
+                else "reading it"
+            )
             if self.core.shared_region
             else "",
         )

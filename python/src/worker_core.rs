@@ -14,7 +14,8 @@ use kvoffload::worker::cuda::{
 use kvoffload::worker::{
     Fault, FaultControl, FaultInjector, GpuLayout, GpuLayoutKind, GpuRegion, HeadOrder, HeadPage,
     HeadPlacement, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, OffloadWorker,
-    RemoteShares, SharedRegion, SlotLayout, TransferBackend, WorkerLayout, WorkerPlan, decode_plan,
+    RemoteShares, SharedRegion, SlotLayout, StoreWriters, TransferBackend, WorkerLayout,
+    WorkerPlan, decode_plan,
 };
 use pyo3::prelude::*;
 
@@ -51,6 +52,16 @@ impl Pool {
             Pool::Shared(r) => Some(r.path().to_path_buf()),
             Pool::Pinned(p) => p.shared_path().map(|p| p.to_path_buf()),
         }
+    }
+}
+
+/// Which stores a worker copies: its turn where given, else every store or
+/// none (`store_writer`).
+fn store_writers(store_writer: bool, store_turn: Option<(u32, u32)>) -> PyResult<StoreWriters> {
+    match store_turn {
+        Some((index, count)) => StoreWriters::turn(index, count).map_err(value_error),
+        None if store_writer => Ok(StoreWriters::Every),
+        None => Ok(StoreWriters::Reader),
     }
 }
 
@@ -152,11 +163,15 @@ impl WorkerCore {
     /// as its host pool (one copy of KV replicated on every rank), in place
     /// of a pool of its own; `store_writer`: whether this worker writes the
     /// stores (with a shared region, one rank does; the others acknowledge
-    /// them without copying). An existing file of another size raises
-    /// `RuntimeError`.
+    /// them without copying); `store_turn`: `(index, count)`, this worker's
+    /// turn of the `count` workers that share the region and take turns by
+    /// host chunk (it copies, puts and fetches the chunks whose id is
+    /// `index` modulo `count`; `store_writer` is then ignored). An existing
+    /// file of another size raises `RuntimeError`; a turn out of range
+    /// `ValueError`.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, groups=None, shared_region=None, store_writer=true))]
+    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, groups=None, shared_region=None, store_writer=true, store_turn=None))]
     fn host(
         tensors: Vec<(u64, u64, u64)>,
         num_blocks: u32,
@@ -166,7 +181,9 @@ impl WorkerCore {
         groups: Option<Vec<Vec<usize>>>,
         shared_region: Option<String>,
         store_writer: bool,
+        store_turn: Option<(u32, u32)>,
     ) -> PyResult<Self> {
+        let writers = store_writers(store_writer, store_turn)?;
         let (gpu, row, pool_bytes) = layouts(
             &tensors,
             num_blocks,
@@ -200,10 +217,9 @@ impl WorkerCore {
         // and untouched during their jobs by the caller (documented above).
         let backend = unsafe { HostBackend::from_raw(layout, HostBackendOptions::default()) };
         Ok(Self {
-            worker: Worker::Host(Box::new(OffloadWorker::new(
-                FaultInjector::new(backend),
-                store_writer,
-            ))),
+            worker: Worker::Host(Box::new(
+                OffloadWorker::new(FaultInjector::new(backend), true).with_store_writers(writers),
+            )),
             pool,
             plan: None,
             pool_bytes,
@@ -229,7 +245,7 @@ impl WorkerCore {
     /// this object, as for `host`.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, device, stream, strategy_table=None, groups=None, shared_region=None, store_writer=true))]
+    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, device, stream, strategy_table=None, groups=None, shared_region=None, store_writer=true, store_turn=None))]
     fn cuda(
         tensors: Vec<(u64, u64, u64)>,
         num_blocks: u32,
@@ -242,7 +258,9 @@ impl WorkerCore {
         groups: Option<Vec<Vec<usize>>>,
         shared_region: Option<String>,
         store_writer: bool,
+        store_turn: Option<(u32, u32)>,
     ) -> PyResult<Self> {
+        let writers = store_writers(store_writer, store_turn)?;
         let options = crate::strategy_table::cuda_options(strategy_table.as_deref())?;
         let (gpu, row, pool_bytes) = layouts(
             &tensors,
@@ -282,10 +300,9 @@ impl WorkerCore {
         let backend =
             unsafe { CudaBackend::new(ctx, layout, compute, options) }.map_err(runtime_error)?;
         Ok(Self {
-            worker: Worker::Cuda(Box::new(OffloadWorker::new(
-                FaultInjector::new(backend),
-                store_writer,
-            ))),
+            worker: Worker::Cuda(Box::new(
+                OffloadWorker::new(FaultInjector::new(backend), true).with_store_writers(writers),
+            )),
             pool: Pool::Pinned(pool),
             plan: None,
             pool_bytes,
@@ -323,6 +340,16 @@ impl WorkerCore {
     #[getter]
     fn store_writer(&self) -> bool {
         with_worker!(&self.worker, w => w.is_store_writer())
+    }
+
+    /// `(index, count)`: this worker's turn of the workers writing the
+    /// shared region by turns; None where it writes every store or none.
+    #[getter]
+    fn store_turn(&self) -> Option<(u32, u32)> {
+        match with_worker!(&self.worker, w => w.store_writers()) {
+            StoreWriters::Turn { index, count } => Some((index, count)),
+            StoreWriters::Every | StoreWriters::Reader => None,
+        }
     }
 
     /// Removes the shared region's file name, once every worker has mapped

@@ -251,6 +251,7 @@ def test_a_stalled_store_and_a_stalled_load_end_with_every_request_finished_and_
         ({"cpu_bytes_to_use": 10**9, "secondary_tiers": []}, "'secondary_tiers' is not supported: .* remote_tier"),
         ({"cpu_bytes_to_use": 10**9, "backpressure": {}}, "'backpressure' is not supported: .*queue_capacity"),
         ({"cpu_bytes_to_use": 10**9, "self_describing_kv_events": "yes"}, "self_describing_kv_events"),
+        ({"cpu_bytes_to_use": 10**9, "replicated_writes": "rank0"}, 'replicated_writes = .rank0. is not allowed: allowed "turns", "vllm"'),
         ({"cpu_bytes_to_use": 10**9, "stall_timeout_s": 1, "stall_scan_interval_s": 5}, "stall_scan_interval_ms"),
     ],
 )
@@ -302,31 +303,17 @@ def test_cpu_bytes_to_use_sizes_the_tier_as_vllm_does():
 def test_replicated_kv_is_kept_once_in_a_region_every_worker_maps(async_scheduling, shape):
     """vLLM keeps one copy of MLA KV replicated on every tensor-parallel rank
     (its ``replicated_layout``): one host region every worker maps, rank 0
-    writing the stores, every rank loading from it. Here too: rank 1 never
-    copies a store, yet loads the prefix back with the bytes the model
-    computed (which it can only have from rank 0's writes)."""
+    writing the stores, every rank loading from it. Here too, with vLLM's
+    writers (``replicated_writes: "vllm"``): rank 1 never copies a store,
+    yet loads the prefix back with the bytes the model computed (which it
+    can only have from rank 0's writes)."""
     import os
-
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     page = 2 * harness.HEADS * harness.HEAD_SIZE * 4 * 4  # K,V x heads x head x tpb x float32
     chunk = 2 * page  # two layers, one block a chunk: 512 bytes, a 4 KiB host page
-    extra = {"cpu_bytes_to_use": 256 * 4096, "offload_prompt_only": False}
-    common = dict(block_size=4, head_size=harness.HEAD_SIZE, dtype=torch.float32)
-    shapes = {
-        "one group": {},
-        # DeepSeek V3.2's MLA and indexer layers: one group, two page sizes.
-        "layers of two page sizes": {
-            "layer_specs": [FullAttentionSpec(num_kv_heads=harness.HEADS, **common),
-                            FullAttentionSpec(num_kv_heads=1, **common)]
-        },
-        "sliding and full groups": {
-            "groups": [FullAttentionSpec(num_kv_heads=harness.HEADS, **common),
-                       SlidingWindowSpec(num_kv_heads=harness.HEADS, sliding_window=8, **common)]
-        },
-    }
+    extra = {"cpu_bytes_to_use": 256 * 4096, "offload_prompt_only": False, "replicated_writes": "vllm"}
     e = harness.build(num_gpu_blocks=32, world_size=2, replicated=True, async_scheduling=async_scheduling,
-                      extra=extra, **shapes[shape])
+                      extra=extra, **_replicated_shapes()[shape])
     cfg = e.connector.engine_config
     cores = [w._worker.core for w in e.workers]
     if shape == "one group":
@@ -344,6 +331,7 @@ def test_replicated_kv_is_kept_once_in_a_region_every_worker_maps(async_scheduli
     assert path is not None and path == cores[1].shared_region and os.path.exists(path), path
     assert path.startswith("/dev/shm/kvoffload_") and str(os.getppid()) in path
     assert [c.store_writer for c in cores] == [True, False]
+    assert [c.store_turn for c in cores] == [None, None]
     prom = harness.PromRecorder(e)
     if shape == "one group":
         prefix_comes_back(e)
@@ -368,23 +356,98 @@ def test_with_canonical_layout_every_worker_writes_the_replicated_stores():
     """With ``canonical_layout`` vLLM's workers all write the stores of
     replicated KV into the region they share (its ``_is_store_writer``), the
     same bytes; rank 0 alone writes them without the key. The same run
-    both ways: every rank loads the prefix back with the computed bytes,
-    and the store bytes double with the key."""
+    both ways with vLLM's writers (``replicated_writes: "vllm"``): every
+    rank loads the prefix back with the computed bytes, and the store bytes
+    double with the key. By turns (the default) the key changes nothing:
+    each chunk is written once either way."""
     extra = {"cpu_bytes_to_use": 256 * 4096, "offload_prompt_only": False}
     stored = {}
-    for canonical in (False, True):
-        e = harness.build(num_gpu_blocks=32, world_size=2, replicated=True,
-                          extra={**extra, "canonical_layout": canonical})
-        cores = [w._worker.core for w in e.workers]
-        assert e.connector.engine_config.canonical_layout == canonical
-        assert [c.store_writer for c in cores] == [True, canonical]
-        assert cores[0].shared_region == cores[1].shared_region
+    for writes in ("vllm", "turns"):
+        for canonical in (False, True):
+            e = harness.build(num_gpu_blocks=32, world_size=2, replicated=True,
+                              extra={**extra, "canonical_layout": canonical, "replicated_writes": writes})
+            cores = [w._worker.core for w in e.workers]
+            assert e.connector.engine_config.canonical_layout == canonical
+            if writes == "vllm":
+                assert [c.store_writer for c in cores] == [True, canonical]
+            else:
+                assert [c.store_turn for c in cores] == [(0, 2), (1, 2)]
+            assert cores[0].shared_region == cores[1].shared_region
+            prom = harness.PromRecorder(e)
+            prefix_comes_back(e)
+            stored[writes, canonical] = (prom.value("vllm:kv_offload_store_bytes_total"),
+                                         prom.value("vllm:kv_offload_load_bytes_total"))
+    one_copy = stored["vllm", False]
+    assert one_copy[0] and stored["vllm", True][0] == 2 * one_copy[0], stored
+    assert stored["vllm", True][1] == one_copy[1], stored
+    assert stored["turns", False] == stored["turns", True] == one_copy, stored
+
+
+def _replicated_shapes() -> dict:
+    """Build options of the replicated-KV tests' model shapes."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    common = dict(block_size=4, head_size=harness.HEAD_SIZE, dtype=torch.float32)
+    return {
+        "one group": {},
+        # DeepSeek V3.2's MLA and indexer layers: one group, two page sizes.
+        "layers of two page sizes": {
+            "layer_specs": [FullAttentionSpec(num_kv_heads=harness.HEADS, **common),
+                            FullAttentionSpec(num_kv_heads=1, **common)]
+        },
+        "sliding and full groups": {
+            "groups": [FullAttentionSpec(num_kv_heads=harness.HEADS, **common),
+                       SlidingWindowSpec(num_kv_heads=harness.HEADS, sliding_window=8, **common)]
+        },
+    }
+
+
+class _StoreBytes:
+    """A worker core that counts the store bytes its worker copied."""
+
+    def __init__(self, core):
+        self.core = core
+        self.stored = 0
+
+    def __getattr__(self, name):
+        return getattr(self.core, name)
+
+    def get_finished(self):
+        completed, failed, stats = self.core.get_finished()
+        self.stored += stats["store"][0]
+        return completed, failed, stats
+
+
+@pytest.mark.parametrize("shape", ["one group", "layers of two page sizes", "sliding and full groups"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_replicated_kv_is_written_once_by_turns_of_host_chunk(async_scheduling, shape):
+    """By default the workers sharing one copy of replicated KV take turns
+    by host chunk: each copies the chunks whose slot is its turn, so both
+    ranks write part of every long store (vLLM's rank 0 writes them all,
+    over one GPU's link), together each chunk once, the same bytes as
+    vLLM's writers, and every rank loads the prefix back with the bytes the
+    model computed (each rank half of them from the other's writes)."""
+    copied = {}
+    for writes in ("vllm", "turns"):
+        extra = {"cpu_bytes_to_use": 256 * 4096, "offload_prompt_only": False, "replicated_writes": writes}
+        e = harness.build(num_gpu_blocks=32, world_size=2, replicated=True, async_scheduling=async_scheduling,
+                          extra=extra, **_replicated_shapes()[shape])
+        counters = []
+        for w in e.workers:
+            counters.append(_StoreBytes(w._worker.core))
+            w._worker.core = counters[-1]
         prom = harness.PromRecorder(e)
-        prefix_comes_back(e)
-        stored[canonical] = (prom.value("vllm:kv_offload_store_bytes_total"),
-                             prom.value("vllm:kv_offload_load_bytes_total"))
-    assert stored[False][0] and stored[True][0] == 2 * stored[False][0], stored
-    assert stored[True][1] == stored[False][1], stored
+        if shape == "one group":
+            prefix_comes_back(e)
+        else:
+            prefix_comes_back_from_the_host_tier(e)
+        copied[writes] = ([c.stored for c in counters], prom.value("vllm:kv_offload_store_bytes_total"),
+                          prom.value("vllm:kv_offload_load_bytes_total"))
+    (rank0, rank1), total, loaded = copied["vllm"]
+    assert rank0 == total and rank1 == 0, copied
+    turns, turns_total, turns_loaded = copied["turns"]
+    assert all(turns) and sum(turns) == turns_total == total, copied
+    assert turns_loaded == loaded, copied
 
 
 def test_the_shared_region_s_name_goes_once_every_worker_mapped_it_or_the_engine_fails(monkeypatch):

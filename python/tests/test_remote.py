@@ -426,23 +426,34 @@ def test_an_abort_and_a_reset_with_a_fetch_in_flight_leak_nothing(redis_url):
     leak_free(b)
 
 
-def test_replicated_kv_is_put_and_fetched_once_and_shared_with_a_one_worker_node(redis_url):
+@pytest.mark.parametrize("replicated_writes", ["turns", "vllm"])
+def test_replicated_kv_is_put_and_fetched_once_and_shared_with_a_one_worker_node(redis_url, replicated_writes):
     """Replicated KV (MLA on every tensor-parallel rank: one host region
-    every worker maps) has one share of a chunk in the store: rank 0 puts
-    it, rank 0 of another node fetches it into the shared region, and that
-    node's rank 1 loads the computed bytes from there. A node of one worker
-    of the same model and layout names the same namespace and finds them."""
+    every worker maps) has one share of a chunk in the store, put by the
+    chunk's writer: by turns of host chunk (kvoffload's default), each rank
+    its chunks; with vLLM's writers, rank 0 all of them. A node of two
+    workers fetches each chunk once into its shared region (by turns, each
+    rank its chunks), and each rank loads the computed bytes from there. A
+    node of one worker of the same model and layout names the same
+    namespace and finds them."""
     remote = {"url": redis_url}
-    a = harness.build(world_size=2, replicated=True, extra=extra_for(remote))
+    extra = {**extra_for(remote), "replicated_writes": replicated_writes}
+    a = harness.build(world_size=2, replicated=True, extra=extra)
     a.add(PREFIX + [1, 2, 3], max_tokens=2)
     run_checked(a)
     a.drain_remote()
     leak_free(a)
-    assert [w._worker.core.remote_stats() is not None for w in a.workers] == [True, False]
+    per_worker = [w._worker.core.remote_stats() for w in a.workers]
+    if replicated_writes == "vllm":
+        assert [st is not None for st in per_worker] == [True, False]
+    else:
+        # Each rank put its turn's chunks, none twice.
+        puts = [st["puts_written"] for st in per_worker]
+        assert all(puts), puts
     w = writes(a)
     assert w["puts_written"] == 11 and w["puts_failed"] == 0, w
 
-    b = harness.build(world_size=2, replicated=True, extra=extra_for(remote))
+    b = harness.build(world_size=2, replicated=True, extra=extra)
     r = b.add(PREFIX + [7, 8, 9], max_tokens=3)
     assert run_checked(b) > 0
     assert r in b.loaded and r not in b.failed
@@ -450,6 +461,9 @@ def test_replicated_kv_is_put_and_fetched_once_and_shared_with_a_one_worker_node
     assert st["chunks_found"] == 10 and st["chunks_fetched"] == 10 and st["fetches_failed"] == 0, st
     fetched = writes(b)
     assert fetched["hits"] == 10 and fetched["misses"] == 0 and fetched["rejected_values"] == 0, fetched
+    if replicated_writes == "turns":
+        hits = [w._worker.core.remote_stats()["hits"] for w in b.workers]
+        assert all(hits), hits
     leak_free(b)
 
     one = harness.build(world_size=1, extra=extra_for(remote))

@@ -9,7 +9,7 @@
 //! - [`HostBackend`]: memcpy on threads, the reference and no-GPU default;
 //! - [`cuda`]: DMA, custom kernels and CUDA graphs (needs a driver at run time);
 //! - [`SharedRegion`]: a host pool mapped by every worker process of an
-//!   engine (one copy of replicated KV);
+//!   engine (one copy of replicated KV), written by turns ([`StoreWriters`]);
 //! - [`OffloadWorker`]: the worker's hooks, driven by a [`WorkerPlan`] each step;
 //! - [`encode_plan`] / [`decode_plan`]: the step plan as compact bytes, for
 //!   workers in other processes.
@@ -27,6 +27,7 @@ mod plan;
 mod plan_wire;
 mod remote_shares;
 mod shared_region;
+mod store_turns;
 mod worker_hooks;
 
 pub use backend::{HostShare, TransferBackend, TransferResult};
@@ -49,4 +50,5 @@ pub use remote_shares::{
     HeadOrder, HeadPage, HeadPlacement, HeldShare, RemoteShares, ShareError, SlotRange,
 };
 pub use shared_region::{SharedRegion, SharedRegionError};
+pub use store_turns::{KeptChunks, StoreWriters, TurnError, keep_chunks};
 pub use worker_hooks::{OffloadWorker, WorkerError};

@@ -19,6 +19,7 @@ use super::backend::{TransferBackend, TransferResult};
 use super::error::BackendError;
 use super::plan::{FetchJob, StoreJob, WorkerPlan, WorkerReport};
 use super::remote_shares::RemoteShares;
+use super::store_turns::{KeptChunks, StoreWriters, keep_chunks};
 
 /// An error of a worker hook.
 #[derive(Debug, Error)]
@@ -61,7 +62,7 @@ struct FetchProgress {
 #[derive(Debug)]
 pub struct OffloadWorker<B> {
     backend: B,
-    store_writer: bool,
+    writers: StoreWriters,
     wait_timeout: Option<Duration>,
     load_jobs: HashMap<JobId, Option<RequestId>>,
     unsubmitted: Vec<StoreJob>,
@@ -75,9 +76,14 @@ impl<B: TransferBackend> OffloadWorker<B> {
     /// replicated layout's rank > 0, over a host pool the writer fills)
     /// acknowledges stores and remote fetches without copying.
     pub fn new(backend: B, store_writer: bool) -> Self {
+        let writers = if store_writer {
+            StoreWriters::Every
+        } else {
+            StoreWriters::Reader
+        };
         Self {
             backend,
-            store_writer,
+            writers,
             wait_timeout: None,
             load_jobs: HashMap::new(),
             unsubmitted: Vec::new(),
@@ -179,9 +185,23 @@ impl<B: TransferBackend> OffloadWorker<B> {
         &mut self.backend
     }
 
-    /// Whether this worker copies stores.
+    /// Sets which stores this worker copies (for example its turn of the
+    /// workers sharing one host pool, [`StoreWriters::Turn`]): a chunk it
+    /// does not write is left to another worker, and so are the chunk's
+    /// remote puts and fetches.
+    pub fn with_store_writers(mut self, writers: StoreWriters) -> Self {
+        self.writers = writers;
+        self
+    }
+
+    /// Whether this worker copies stores (all of them, or its turn's chunks).
     pub fn is_store_writer(&self) -> bool {
-        self.store_writer
+        self.writers.writes_any()
+    }
+
+    /// Which stores this worker copies.
+    pub fn store_writers(&self) -> StoreWriters {
+        self.writers
     }
 
     /// Loads submitted and not reported yet.
@@ -327,12 +347,32 @@ impl<B: TransferBackend> OffloadWorker<B> {
     /// Asks the tier for each chunk share of fetch job `f`; a worker without
     /// a tier, or a slot outside its host pool view, fails it.
     fn start_fetch(&mut self, f: &FetchJob) {
-        if !self.store_writer {
-            // A replicated layout's reader: the writer's fetch fills the
-            // shared slot (and reports its failure); this one only counts.
-            *self.report.completed.entry(f.job).or_insert(0) += 1;
-            return;
-        }
+        let mine;
+        let f = match self.writers {
+            StoreWriters::Every => f,
+            _ if f.keys.len() != f.chunks.len() => f,
+            writers => {
+                // Another worker's chunks: its fetch fills their shared
+                // slots (and reports a miss); a job of none of this
+                // worker's chunks is only counted.
+                let (keys, chunks) = f
+                    .keys
+                    .iter()
+                    .zip(&f.chunks)
+                    .filter(|&(_, &c)| writers.writes(c))
+                    .unzip();
+                mine = FetchJob {
+                    job: f.job,
+                    keys,
+                    chunks,
+                };
+                if mine.chunks.is_empty() {
+                    *self.report.completed.entry(f.job).or_insert(0) += 1;
+                    return;
+                }
+                &mine
+            }
+        };
         let Some(rw) = self.remote.as_mut() else {
             tracing::warn!(job = %f.job, "remote fetch without a remote tier; reported as failed");
             self.fail(f.job, None);
@@ -426,7 +466,17 @@ impl<B: TransferBackend> OffloadWorker<B> {
         if rw.tier.write_policy() != WritePolicy::OnEviction {
             return;
         }
-        write_through(&self.backend, rw, evictions);
+        if self.writers == StoreWriters::Every {
+            write_through(&self.backend, rw, evictions);
+            return;
+        }
+        // The chunk's writer filled its slot: it alone puts it.
+        let mine: Vec<(ChunkKey, ChunkId)> = evictions
+            .iter()
+            .copied()
+            .filter(|&(_, c)| self.writers.writes(c))
+            .collect();
+        write_through(&self.backend, rw, &mine);
     }
 
     fn end_fetch(&mut self, job: JobId, failed: bool) {
@@ -437,11 +487,26 @@ impl<B: TransferBackend> OffloadWorker<B> {
         }
     }
 
-    fn queue_store(&mut self, s: StoreJob) {
-        if self.store_writer {
-            self.unsubmitted.push(s);
-        } else {
-            *self.report.completed.entry(s.job).or_insert(0) += 1;
+    fn queue_store(&mut self, mut s: StoreJob) {
+        let kept = match self.writers {
+            StoreWriters::Every => KeptChunks::All,
+            StoreWriters::Reader => KeptChunks::Nothing,
+            writers => match self.backend.blocks_per_chunk() {
+                Some(bpc) => keep_chunks(&s.spec, bpc, |c| writers.writes(c)),
+                // Without the chunk geometry every chunk is copied: the
+                // same bytes as its writer's, never a chunk left unwritten.
+                None => KeptChunks::All,
+            },
+        };
+        match kept {
+            KeptChunks::All => self.unsubmitted.push(s),
+            KeptChunks::Some(spec) => {
+                s.spec = spec;
+                self.unsubmitted.push(s);
+            }
+            // Every chunk is another worker's: acknowledged without copying
+            // (the scheduler still counts every worker's report).
+            KeptChunks::Nothing => *self.report.completed.entry(s.job).or_insert(0) += 1,
         }
     }
 
@@ -458,7 +523,12 @@ impl<B: TransferBackend> OffloadWorker<B> {
                         .map(|bpc| s.spec.whole_chunks(bpc));
                     let is_whole =
                         |i: usize| whole.as_ref().is_none_or(|w| w.get(i) == Some(&true));
+                    let writers = self.writers;
                     for (i, &chunk) in s.spec.chunks.iter().enumerate() {
+                        if !writers.writes(chunk) {
+                            // Another worker's turn: it tracks and puts it.
+                            continue;
+                        }
                         if is_whole(i) {
                             rw.partial.remove(&chunk);
                         } else {
@@ -470,6 +540,7 @@ impl<B: TransferBackend> OffloadWorker<B> {
                     }
                     if s.keys.len() == s.spec.chunks.len() {
                         let items = s.keys.iter().copied().zip(s.spec.chunks.iter().copied());
+                        let items = items.filter(|&(_, c)| writers.writes(c));
                         rw.pending.insert(s.job, items.collect());
                     } else {
                         tracing::debug!(job = %s.job, "store without its chunk keys: not written through");
