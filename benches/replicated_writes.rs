@@ -128,6 +128,16 @@ fn bench(c: &mut Criterion) {
                 });
             })
         });
+        // Every chunk of the step was written (by one rank or the other):
+        // the pool holds the "GPU" bytes (7) where it was filled with 1.
+        // SAFETY: every job was reported; none is in flight.
+        let written = unsafe { pool.read(0, bytes as usize) };
+        assert!(
+            written.iter().all(|&b| b == 7),
+            "{name}: a chunk not written"
+        );
+        // SAFETY: as above.
+        unsafe { pool.fill(1) };
     }
     g.finish();
 }
