@@ -235,6 +235,10 @@ run() {
         # copies a store and must load the first one's bytes.
         step "binding_roundtrip.py cuda, shared region" 60 env PYTHONPATH="$carry/python" \
             python3 "$carry/python/binding_roundtrip.py" --backend cuda --shared-region
+        # The same written by turns of host chunk (the connector's default
+        # for replicated KV): each worker copies half, loads the other's half.
+        step "binding_roundtrip.py cuda, shared, turns" 60 env PYTHONPATH="$carry/python" \
+            python3 "$carry/python/binding_roundtrip.py" --backend cuda --shared-region --turns
         # Again with a table given to the worker: every job on the kernel,
         # a tuned launch shape and a ring of 2 (the binding's table path).
         printf '%s\n' '{"rules": [], "fallback": "kernel", "tuning": {"kernel_ctas": 16, "ring_slots": 2}}' \

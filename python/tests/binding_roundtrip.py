@@ -7,7 +7,10 @@ for it inside `start_transfers`, so the bytes must be back before any poll.
 With `--shared-region` two workers hold the same KV (vLLM's replicated MLA
 layout) and map one host region: the first writes the stores, the second
 never copies one (its KV memory starts empty), and both must get the bytes
-back, the second from what the first wrote.
+back, the second from what the first wrote. With `--turns` as well, the two
+workers write the stores by turns of host chunk (the connector's default for
+replicated KV): each copies half the chunks, and each loads the other's half
+back from what the other wrote.
 
 It runs on the host backend here (pytest: `test_binding_roundtrip.py`) and,
 with `--backend cuda`, on the CUDA backend over device memory allocated
@@ -119,6 +122,8 @@ class Workers:
     def __init__(self, cores: list[Any]) -> None:
         self.cores = cores
         self.backend = cores[0].backend
+        #: Store bytes each worker copied.
+        self.stored = [0] * len(cores)
 
     def bind(self, plan: bytes) -> None:
         for c in self.cores:
@@ -139,8 +144,9 @@ class Workers:
     def get_finished(self) -> tuple[dict[int, int], set[int], Any]:
         completed: dict[int, int] = {}
         failed: set[int] = set()
-        for c in self.cores:
-            done, bad, _ = c.get_finished()
+        for i, c in enumerate(self.cores):
+            done, bad, stats = c.get_finished()
+            self.stored[i] += stats["store"][0]
             for job, n in done.items():
                 completed[job] = completed.get(job, 0) + n
             failed |= set(bad)
@@ -192,10 +198,10 @@ def wrong_blocks(got: bytes, first: list[int], second: list[int]) -> list[tuple[
 
 
 def roundtrip(backend: str, strategy_table: str | None = None, sync: bool = False,
-              shared_region: str | None = None) -> dict[str, Any]:
+              shared_region: str | None = None, turns: bool = False) -> dict[str, Any]:
     """The round trip on `backend`; with `shared_region` (a file path), two
     workers of the same KV over one host region mapped there, the second
-    never copying a store."""
+    never copying a store, or with `turns` each copying its turn's chunks."""
     size = LAYERS * NUM_BLOCKS * PAGE
     ranks = 2 if shared_region else 1
     mems = [CudaMemory(size) if backend == "cuda" else HostMemory(size) for _ in range(ranks)]
@@ -211,6 +217,8 @@ def roundtrip(backend: str, strategy_table: str | None = None, sync: bool = Fals
         # Layer-outermost, as vLLM's kernel blocks: layer l, block b at (l * NUM_BLOCKS + b) * PAGE.
         tensors = [(mem.addr + l * NUM_BLOCKS * PAGE, PAGE, PAGE) for l in range(LAYERS)]
         shared = {"shared_region": shared_region, "store_writer": rank == 0} if shared_region else {}
+        if shared_region and turns:
+            shared["store_turn"] = (rank, ranks)
         if backend == "cuda":
             cores.append(native.WorkerCore.cuda(tensors, NUM_BLOCKS, 1, 32, False, 0, 0, strategy_table, **shared))
         else:
@@ -223,8 +231,10 @@ def roundtrip(backend: str, strategy_table: str | None = None, sync: bool = Fals
         for b in range(NUM_BLOCKS):
             image[(l * NUM_BLOCKS + b) * PAGE:(l * NUM_BLOCKS + b + 1) * PAGE] = pattern(l, b)
     # With a shared region the second worker's KV starts empty: what it
-    # loads back can only come from the first worker's stores.
-    mems[0].write(bytes(image))
+    # loads back can only come from the first worker's stores. By turns
+    # both hold the KV (each writes half of it).
+    for mem in mems[: 2 if turns else 1]:
+        mem.write(bytes(image))
 
     tokens = PROMPT_BLOCKS * TOKENS_PER_BLOCK
     hashes = [hashlib.sha256(f"prefix-{i}".encode()).digest() for i in range(PROMPT_BLOCKS)]
@@ -269,9 +279,14 @@ def roundtrip(backend: str, strategy_table: str | None = None, sync: bool = Fals
             raise AssertionError(
                 f"{len(wrong)} blocks came back wrong on worker {rank}, first (layer, block): {wrong[0]}"
             )
+    one_copy = PROMPT_BLOCKS * LAYERS * PAGE
+    if sum(worker.stored) != one_copy:
+        raise AssertionError(f"the workers stored {worker.stored} bytes, {one_copy} (one copy) expected")
+    if turns and not all(worker.stored):
+        raise AssertionError(f"by turns every worker copies part of the stores: {worker.stored}")
     state = core.state()
     return {"backend": worker.backend, "sync": sync, "blocks": PROMPT_BLOCKS * LAYERS,
-            "bytes": PROMPT_BLOCKS * LAYERS * PAGE, "jobs_left": state["jobs"], "workers": ranks}
+            "bytes": one_copy, "jobs_left": state["jobs"], "workers": ranks, "stored": worker.stored}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,9 +298,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="a strategy table for the CUDA worker (kvoffload bench --calibrate's format)")
     ap.add_argument("--shared-region", action="store_true",
                     help="two workers of the same KV over one host region (a file under the temp directory)")
+    ap.add_argument("--turns", action="store_true",
+                    help="with --shared-region: the workers write the stores by turns of host chunk")
     args = ap.parse_args(argv)
     if args.strategy_table and args.backend != "cuda":
         ap.error("--strategy-table goes with --backend cuda")
+    if args.turns and not args.shared_region:
+        ap.error("--turns goes with --shared-region")
     region = None
     if args.shared_region:
         import os
@@ -293,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
         region = os.path.join(tempfile.gettempdir(), f"kvoffload-roundtrip-{os.getpid()}.mmap")
     try:
-        out = roundtrip(args.backend, args.strategy_table, args.sync, region)
+        out = roundtrip(args.backend, args.strategy_table, args.sync, region, args.turns)
     except Unavailable as e:
         print(f"SKIP: binding round trip on {args.backend}: {e}")
         return 2
@@ -306,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAIL: binding round trip on {args.backend}: {e}")
         return 1
     kind = ("sync load, " if out["sync"] else "") + ("2 workers over one shared region, " if region else "")
+    if args.turns:
+        kind += f"by turns (store bytes {out['stored']}), "
     print(f"PASS: binding round trip on {out['backend']} ({kind}{out['blocks']} blocks, {out['bytes']} bytes): "
           f"stored, wiped and loaded back equal; jobs left {out['jobs_left']}")
     return 0

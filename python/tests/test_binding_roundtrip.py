@@ -26,6 +26,14 @@ def test_two_workers_over_one_shared_region_both_get_the_bytes_back(tmp_path, sy
     out = rt.roundtrip("host", sync=sync, shared_region=str(region))
     assert out["workers"] == 2 and out["jobs_left"] == 0
     assert not region.exists(), "the name goes once both mapped it"
+    assert out["stored"] == [out["bytes"], 0]
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_two_workers_writing_a_shared_region_by_turns_each_load_the_other_s_chunks(tmp_path, sync):
+    out = rt.roundtrip("host", sync=sync, shared_region=str(tmp_path / "region.mmap"), turns=True)
+    assert out["workers"] == 2 and out["jobs_left"] == 0
+    assert all(out["stored"]) and sum(out["stored"]) == out["bytes"], out
 
 
 def test_round_trip_on_the_cuda_backend():
