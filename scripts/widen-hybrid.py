@@ -29,6 +29,10 @@ sizes; `--only left-out`: those with groups vLLM's connector leaves out;
 from seed 30,000.
 `--from SEED` starts at SEED instead (each seed keeps its configuration:
 `400 DIR` and then `400 DIR --from 10400` run seeds 10,000 to 10,799).
+`--replicated` runs the workers' half on two workers holding the same KV
+over one shared host region (vLLM's MLA replicated on every rank), written
+by turns of host chunk, for each configuration of one worker without
+context parallelism (the others run as without it).
 `--stress K` runs K busy processes beside it (`cpu_stress.py`): races
 between the copies and the model's writes show only when the cores are
 busy.
@@ -52,15 +56,17 @@ from pathlib import Path  # noqa: E402
 def main() -> int:
     p = widen_options.parser(__doc__, 10_000, 30_000)
     p.add_argument("out", type=Path, help="the folder the recorded seeds go to")
+    p.add_argument("--replicated", action="store_true",
+                   help="workers: two holding the same KV, one shared region written by turns")
     args = p.parse_args()
     cases = hy.select_cases(args.only)
     if not cases:
         p.error(f"no configuration's groups contain {args.only!r}")
     with cpu_stress.busy(args.stress):
-        return widen(widen_options.seeds(args), args.out, cases)
+        return widen(widen_options.seeds(args), args.out, cases, args.replicated)
 
 
-def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
+def widen(seeds: widen_options.Seeds, out: Path, cases: list, replicated: bool = False) -> int:
     same = differ = wrong = stalled = too_large = pool = unrecorded = unrecorded_too_large = 0
     moved = {
         "checked": 0,
@@ -73,6 +79,10 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
         "stale_drafter_tails": 0,
         "hits_cut_at_partial_chunks": 0,
     }
+    # With --replicated: seeds run on two workers sharing one region, and
+    # the store bytes each copied.
+    on_shared = 0
+    turn_bytes = [0, 0]
     for k in range(seeds.count):
         seed = seeds.seed(k)
         _, specs, extra, opts, delay = cases[seeds.case_index(seed, len(cases))]
@@ -106,7 +116,8 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
             differ += 1
             print(f"seed {seed} {specs}: kvoffload differs at step {diff}", flush=True)
         try:
-            seen = hw.worker_run(seed, specs, extra, opts)
+            shared = replicated and hw.replicated_case(opts)
+            seen = hw.worker_run(seed, specs, extra, opts, replicated=2 if shared else None)
         except hw.VllmStalled as e:
             stalled += 1
             too_large += "never fits" in str(e)
@@ -122,6 +133,10 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
             continue
         for k2 in moved:
             moved[k2] += seen[k2]
+        if shared:
+            on_shared += 1
+            for i, b in enumerate(seen["stored_by_worker"]):
+                turn_bytes[i] += b
     print(
         f"{same} seeds the same as vLLM, {differ} different; {unrecorded} not recorded as vLLM's own run did not "
         f"end ({unrecorded_too_large} at a request larger than the GPU pool)",
@@ -139,6 +154,9 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list) -> int:
         "load an unwritten block)",
         flush=True,
     )
+    if replicated:
+        print(f"{on_shared} seeds on two workers over one shared region, by turns: store bytes {turn_bytes}",
+              flush=True)
     return 1 if differ or wrong else 0
 
 

@@ -98,6 +98,29 @@ def on_tensor_parallel_workers(groups: list, common: dict, cfg: dict, extra: dic
     return groups, common, cfg
 
 
+def replicated_case(opts: dict) -> bool:
+    """Whether a case can run on workers that hold the same KV
+    (`worker_run`'s `replicated`): one worker of its own, no context
+    parallelism."""
+    return opts.get("world_size", 1) == 1 and opts.get("dcp", 1) == 1
+
+
+class _StoreBytes:
+    """A worker core that counts the store bytes its worker copied."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.stored = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.core, name)
+
+    def get_finished(self) -> Any:
+        completed, failed, stats = self.core.get_finished()
+        self.stored += stats["store"][0]
+        return completed, failed, stats
+
+
 def worker_run(
     seed: int,
     specs: str,
@@ -107,6 +130,7 @@ def worker_run(
     on_start: Callable[[Any], None] | None = None,
     failed_loads_expected: bool = False,
     tp: int | None = None,
+    replicated: int | None = None,
 ) -> dict[str, int]:
     """The case's workload end to end with real workers, every running
     request's KV checked in every group after every step (an
@@ -119,12 +143,25 @@ def worker_run(
     `VllmStalled` when vLLM's scheduler stalls with kvoffload idle.
     `tp`: the case on `tp` tensor-parallel workers over the model's
     `KV_HEADS` KV heads (`heads_case`; an MLA case's one latent "head"
-    on every worker), each group holding a worker's share of them."""
+    on every worker), each group holding a worker's share of them.
+    `replicated`: the case on that many workers holding the same KV
+    (`replicated_case`; vLLM's MLA replicated on every tensor-parallel
+    rank: one host region they share, the case's host chunks once, written
+    by turns of host chunk unless the case's extra config says otherwise);
+    `seen["stored_by_worker"]` is then each worker's store bytes."""
     common, cfg = engine_options(specs, extra, opts)
     groups = SPECS[specs]()
     if tp is not None:
         groups, common, cfg = on_tensor_parallel_workers(groups, common, cfg, extra, tp)
+    if replicated is not None:
+        assert replicated_case(opts), "a case of one worker without context parallelism"
+        common = {**common, "world_size": replicated, "replicated": True}
     e = build(extra=cfg, tpb=TPB, groups=groups, **common)
+    counters = []
+    if replicated is not None:
+        for w in e.workers:
+            counters.append(_StoreBytes(w._worker.core))
+            w._worker.core = counters[-1]
     if on_start is not None:
         on_start(e)
     # Sliding-window and chunked-local groups, among those offloaded (a
@@ -192,6 +229,7 @@ def worker_run(
     # Hits cut before a window chunk stored in part, where vLLM's would load
     # an unwritten sub-block (`docs/vllm-connector.md`, item 8).
     seen["hits_cut_at_partial_chunks"] = e.connector.scheduler_state()["hits_cut_at_partial_chunks"]
+    seen["stored_by_worker"] = [c.stored for c in counters]
     if on_done is not None:
         on_done(e)
     return seen
@@ -222,6 +260,35 @@ def test_every_group_comes_back_from_the_host_tier_with_its_computed_bytes(
         # Mamba: states after rejected drafts were written (marked wrong)
         # and none was read back.
         assert seen["states_after_rejected_drafts"] > 20 or not mamba, seen
+
+
+#: Cases run on two workers holding the same KV (`worker_run`'s
+#: `replicated`): one group and windows, chunks of one, two and four blocks,
+#: async scheduling, sync loads, MLA beside a window, an EAGLE drafter group.
+REPLICATED_CASES = [c for c in WORKER_CASES if c[0] in (1, 3, 4, 8, 9, 12, 20, 22, 23)]
+
+
+@pytest.mark.parametrize("writes", ["turns", "vllm"])
+@pytest.mark.parametrize(
+    "seed,specs,extra,opts,delay", REPLICATED_CASES, ids=[f"seed{c[0]}-{c[1]}" for c in REPLICATED_CASES]
+)
+def test_replicated_kv_written_by_turns_comes_back_with_its_computed_bytes(
+    seed: int, specs: str, extra: dict, opts: dict, delay: int, writes: str
+) -> None:
+    """Two workers holding the same KV over one shared host region (vLLM's
+    MLA replicated on every rank): by turns of host chunk (the default)
+    both copy part of the stores, the holes of a window and of a chunk
+    stored in part kept, and each worker's KV is checked in every group
+    after every step, half of what it loads written by the other; with
+    vLLM's writers, rank 0 copies everything."""
+    seen = worker_run(seed, specs, {**extra, "replicated_writes": writes}, opts, replicated=2)
+    assert seen["loads"] > 0 and seen["stores"] > 0 and seen["checked"] > 0, seen
+    assert seen["loaded"] or seen["sync_loads"], "no request came back from the host tier"
+    stored = seen["stored_by_worker"]
+    if writes == "turns":
+        assert all(stored), stored
+    else:
+        assert stored[0] and not stored[1], stored
 
 
 @pytest.mark.parametrize(
