@@ -34,6 +34,11 @@ context parallelism) with `canonical_layout`, the two nodes on different
 tensor-parallel sizes over 4 KV heads (node A on 2 workers and node B on
 1, 1 and 2, 4 and 2, 1 and 4, by seed): node B loads the heads node A's
 workers wrote.
+`--replicated` runs the configurations of one worker without context
+parallelism on nodes whose workers hold the same KV (vLLM's MLA replicated
+on every rank): node A on two workers over one shared region, written by
+turns of host chunk (each rank puts its chunks), node B on two such workers
+(each rank fetches its turn's chunks) or on one worker, by seed.
 `--from SEED` starts at SEED instead (each seed keeps its configuration).
 `--stress K` runs K busy processes beside it (`cpu_stress.py`).
 Exits 1 if a node moved a wrong byte, leaked, or a fetch failed.
@@ -59,10 +64,16 @@ def main() -> int:
     p = widen_options.parser(__doc__, 20_000, 40_000)
     p.add_argument("--cluster", action="store_true", help="a Redis Cluster of three masters")
     p.add_argument("--heads", action="store_true", help="KV heads as shares, nodes of different tensor-parallel sizes")
+    p.add_argument("--replicated", action="store_true",
+                   help="workers holding the same KV, one shared region written by turns")
     args = p.parse_args()
+    if args.heads and args.replicated:
+        p.error("--heads and --replicated do not go together")
     cases = hy.select_cases(args.only)
     if args.heads:
         cases = [c for c in cases if hw.heads_case(c[1], c[3])]
+    if args.replicated:
+        cases = [c for c in cases if hw.replicated_case(c[3])]
     if not cases:
         p.error(f"no configuration's groups contain {args.only!r}")
     if not (tr.REDIS and tr.REDIS_CLI):
@@ -74,13 +85,13 @@ def main() -> int:
             servers = tr.redis_cluster.__wrapped__(Path(d))
             url = next(servers)
             try:
-                return widen(seeds, {"url": str(url), "cluster": True}, cases, args.heads)
+                return widen(seeds, {"url": str(url), "cluster": True}, cases, args.heads, args.replicated)
             finally:
                 next(servers, None)
         port = tr._free_port()
         proc = tr._start(Path(d), port)
         try:
-            return widen(seeds, {"url": f"redis://127.0.0.1:{port}"}, cases, args.heads)
+            return widen(seeds, {"url": f"redis://127.0.0.1:{port}"}, cases, args.heads, args.replicated)
         finally:
             tr._stop([proc])
 
@@ -88,8 +99,13 @@ def main() -> int:
 #: With `--heads`: node A's and node B's tensor-parallel sizes, by seed.
 TP_PAIRS = [(2, 1), (1, 2), (4, 2), (1, 4)]
 
+#: With `--replicated`: node B's workers holding the same KV (None: one
+#: worker of its own), by seed.
+REPLICATED_B = [2, None]
 
-def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = False) -> int:
+
+def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = False,
+          replicated: bool = False) -> int:
     good = wrong = stalled = too_large = pool = 0
     total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0,
              "partial_tails_fetched": 0, "partial_not_put": 0, "not_yet": 0}
@@ -99,8 +115,11 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = F
         seed = seeds.seed(k)
         _, specs, extra, opts, _ = cases[seeds.case_index(seed, len(cases))]
         cfg = {**extra, "remote_tier": {**remote, "deployment": f"seed{seed}"}}
-        tp_a = tp_b = None
-        if heads:
+        tp_a = tp_b = rep_a = rep_b = None
+        if replicated:
+            rep_a, rep_b = 2, REPLICATED_B[seed % len(REPLICATED_B)]
+            specs_shown = f"{specs} replicated 2->{rep_b or 1}"
+        elif heads:
             cfg["canonical_layout"] = True
             tp_a, tp_b = TP_PAIRS[seed % len(TP_PAIRS)]
             specs_shown = f"{specs} tp {tp_a}->{tp_b}"
@@ -134,8 +153,9 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = F
             e.connector.get_num_new_matched_tokens = counted
 
         try:
-            hw.worker_run(seed, specs, cfg, opts, on_done=written, tp=tp_a)
-            seen = hw.worker_run(seed, specs, cfg, opts, on_done=fetched, on_start=count_not_yet, tp=tp_b)
+            hw.worker_run(seed, specs, cfg, opts, on_done=written, tp=tp_a, replicated=rep_a)
+            seen = hw.worker_run(seed, specs, cfg, opts, on_done=fetched, on_start=count_not_yet, tp=tp_b,
+                                 replicated=rep_b)
         except hw.VllmStalled as e:
             stalled += 1
             too_large += "never fits" in str(e)

@@ -1289,6 +1289,32 @@ def done_requests(engine: Engine) -> int:
     return sum(1 for r in engine.scheduler.requests.values() if r.status == RequestStatus.RUNNING)
 
 
+class StoreBytes:
+    """A worker core that counts the store bytes its worker copied (wraps
+    ``WorkerCore``; `count_store_bytes` installs it on every worker)."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.stored = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.core, name)
+
+    def get_finished(self) -> Any:
+        completed, failed, stats = self.core.get_finished()
+        self.stored += stats["store"][0]
+        return completed, failed, stats
+
+
+def count_store_bytes(e: Engine) -> list[StoreBytes]:
+    """Wraps each of `e`'s workers' cores in a `StoreBytes`, in rank order."""
+    counters = []
+    for w in e.workers:
+        counters.append(StoreBytes(w._worker.core))
+        w._worker.core = counters[-1]
+    return counters
+
+
 class PromRecorder:
     """Feeds every stats payload the connector gives vLLM's scheduler into
     the connector's Prometheus metrics (`build_prom_metrics`, as vLLM's

@@ -402,22 +402,6 @@ def _replicated_shapes() -> dict:
     }
 
 
-class _StoreBytes:
-    """A worker core that counts the store bytes its worker copied."""
-
-    def __init__(self, core):
-        self.core = core
-        self.stored = 0
-
-    def __getattr__(self, name):
-        return getattr(self.core, name)
-
-    def get_finished(self):
-        completed, failed, stats = self.core.get_finished()
-        self.stored += stats["store"][0]
-        return completed, failed, stats
-
-
 @pytest.mark.parametrize("shape", ["one group", "layers of two page sizes", "sliding and full groups"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_replicated_kv_is_written_once_by_turns_of_host_chunk(async_scheduling, shape):
@@ -432,10 +416,7 @@ def test_replicated_kv_is_written_once_by_turns_of_host_chunk(async_scheduling, 
         extra = {"cpu_bytes_to_use": 256 * 4096, "offload_prompt_only": False, "replicated_writes": writes}
         e = harness.build(num_gpu_blocks=32, world_size=2, replicated=True, async_scheduling=async_scheduling,
                           extra=extra, **_replicated_shapes()[shape])
-        counters = []
-        for w in e.workers:
-            counters.append(_StoreBytes(w._worker.core))
-            w._worker.core = counters[-1]
+        counters = harness.count_store_bytes(e)
         prom = harness.PromRecorder(e)
         if shape == "one group":
             prefix_comes_back(e)

@@ -16,7 +16,7 @@ from vllm.v1.request import RequestStatus
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
 import kvoffload._native as native
-from harness import build
+from harness import build, count_store_bytes
 from test_hybrid_vllm import (
     CASES,
     HANDOFF_REALLOCATED,
@@ -105,22 +105,6 @@ def replicated_case(opts: dict) -> bool:
     return opts.get("world_size", 1) == 1 and opts.get("dcp", 1) == 1
 
 
-class _StoreBytes:
-    """A worker core that counts the store bytes its worker copied."""
-
-    def __init__(self, core: Any) -> None:
-        self.core = core
-        self.stored = 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.core, name)
-
-    def get_finished(self) -> Any:
-        completed, failed, stats = self.core.get_finished()
-        self.stored += stats["store"][0]
-        return completed, failed, stats
-
-
 def worker_run(
     seed: int,
     specs: str,
@@ -157,11 +141,7 @@ def worker_run(
         assert replicated_case(opts), "a case of one worker without context parallelism"
         common = {**common, "world_size": replicated, "replicated": True}
     e = build(extra=cfg, tpb=TPB, groups=groups, **common)
-    counters = []
-    if replicated is not None:
-        for w in e.workers:
-            counters.append(_StoreBytes(w._worker.core))
-            w._worker.core = counters[-1]
+    counters = count_store_bytes(e) if replicated is not None else []
     if on_start is not None:
         on_start(e)
     # Sliding-window and chunked-local groups, among those offloaded (a
