@@ -218,6 +218,79 @@ mod tests {
         assert_eq!(ids(&m), vec![0, 0, 3, 0, 4]);
     }
 
+    proptest::proptest! {
+        /// Over any spans, holes and chunk ids, each block the spec moves
+        /// is kept by exactly one of `n` turns (the one whose chunk it is)
+        /// and is a hole for the others; holes stay holes; chunks, spans
+        /// and the kept chunks' wholeness do not change.
+        #[test]
+        #[cfg_attr(miri, ignore)] // proptest persistence needs the file system
+        fn each_moved_block_is_kept_by_exactly_its_chunk_s_turn(
+            spans in proptest::collection::vec((0u32..9, 1usize..12), 0..4),
+            holes in proptest::collection::vec(proptest::bool::weighted(0.2), 48),
+            bpc in 1u32..5,
+            n in 1u32..5,
+            salt in 0u32..1000,
+        ) {
+            let one_group = spans.is_empty();
+            let spans = if one_group { vec![(salt % 7, 1 + salt as usize % 9)] } else { spans };
+            let mut blocks = Vec::new();
+            let mut chunks = Vec::new();
+            let mut groups = Vec::new();
+            for &(first, nb) in &spans {
+                let probe = TransferSpec::new(&vec![1; nb], first, &[]);
+                let nk = probe.chunks_needed(bpc);
+                for _ in 0..nb {
+                    let at = blocks.len();
+                    let hole = !one_group && holes[at % holes.len()];
+                    blocks.push(if hole { 0 } else { 1 + at as u32 });
+                }
+                for _ in 0..nk {
+                    chunks.push((salt + 13 * chunks.len() as u32) % 4096);
+                }
+                groups.push(GroupSpan {
+                    num_keys: nk as u32,
+                    num_blocks: nb as u32,
+                    first_block_index: first,
+                });
+            }
+            let mut spec = TransferSpec::new(&blocks, spans[0].0, &chunks);
+            if !one_group {
+                spec.groups = groups.clone();
+            }
+            let whole = spec.whole_chunks(bpc);
+            let mut kept_by = vec![0u32; blocks.len()];
+            for index in 0..n {
+                let turn = StoreWriters::turn(index, n).unwrap();
+                let masked = match keep_chunks(&spec, bpc, |c| turn.writes(c)) {
+                    KeptChunks::All => spec.clone(),
+                    KeptChunks::Nothing => continue,
+                    KeptChunks::Some(m) => m,
+                };
+                proptest::prop_assert_eq!(&masked.chunks, &spec.chunks);
+                // A one-group spec kept whole has no span; any other has the spans.
+                if !masked.groups.is_empty() {
+                    proptest::prop_assert_eq!(&masked.groups, &groups);
+                }
+                for (i, (b, orig)) in masked.gpu_blocks.iter().zip(&spec.gpu_blocks).enumerate() {
+                    proptest::prop_assert!(b.0 == orig.0 || b.0 == 0);
+                    kept_by[i] += u32::from(b.0 != 0);
+                }
+                let masked_whole = masked.whole_chunks(bpc);
+                for (i, c) in spec.chunks.iter().enumerate() {
+                    if turn.writes(*c) {
+                        proptest::prop_assert_eq!(masked_whole[i], whole[i]);
+                    } else {
+                        proptest::prop_assert!(!masked_whole[i]);
+                    }
+                }
+            }
+            for (i, b) in spec.gpu_blocks.iter().enumerate() {
+                proptest::prop_assert_eq!(kept_by[i], u32::from(b.0 != 0), "block {}", i);
+            }
+        }
+    }
+
     #[test]
     fn the_turns_together_copy_every_block_once() {
         for first in 0..4u32 {
