@@ -106,7 +106,7 @@ REPLICATED_B = [2, None]
 
 def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = False,
           replicated: bool = False) -> int:
-    good = wrong = stalled = too_large = pool = 0
+    good = wrong = stalled = too_large = pool = stale = 0
     total = {"lookups": 0, "chunks_found": 0, "fetch_jobs": 0, "chunks_fetched": 0, "fetches_failed": 0,
              "partial_tails_fetched": 0, "partial_not_put": 0, "not_yet": 0}
     moved = {"checked": 0, "loads": 0, "window_loads": 0, "states_restored_inside_block": 0, "stale_drafter_tails": 0,
@@ -165,6 +165,10 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = F
             pool += 1
             print(f"seed {seed} {specs_shown}: {e}", flush=True)
             continue
+        except hw.VllmStaleCopy as e:
+            stale += 1
+            print(f"seed {seed} {specs_shown}: {e}", flush=True)
+            continue
         except AssertionError as e:
             wrong += 1
             print(f"seed {seed} {specs_shown}: {str(e)[:300]}", flush=True)
@@ -186,7 +190,7 @@ def widen(seeds: widen_options.Seeds, remote: dict, cases: list, heads: bool = F
     print(
         f"{good} seeds right, {wrong} wrong, {stalled} stalled in vLLM's scheduler ({too_large} at a request "
         f"larger than the GPU pool), {pool} failed in vLLM's "
-        f"block pool; node B: "
+        f"block pool, {stale} read a block vLLM copied before another request computed it; node B: "
         f"{total['lookups']} remote lookups ({total['not_yet']} of vLLM's lookups answered not yet), "
         f"{total['chunks_found']} chunks found, {total['fetch_jobs']} fetch "
         f"jobs, {total['chunks_fetched']} chunks fetched ({total['partial_tails_fetched']} partial tails), "

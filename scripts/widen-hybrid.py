@@ -67,7 +67,7 @@ def main() -> int:
 
 
 def widen(seeds: widen_options.Seeds, out: Path, cases: list, replicated: bool = False) -> int:
-    same = differ = wrong = stalled = too_large = pool = unrecorded = unrecorded_too_large = 0
+    same = differ = wrong = stalled = too_large = pool = unrecorded = unrecorded_too_large = stale = 0
     moved = {
         "checked": 0,
         "loads": 0,
@@ -127,6 +127,10 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list, replicated: bool =
             pool += 1
             print(f"seed {seed} {specs}: with workers: {e}", flush=True)
             continue
+        except hw.VllmStaleCopy as e:
+            stale += 1
+            print(f"seed {seed} {specs}: with workers: {e}", flush=True)
+            continue
         except AssertionError as e:
             wrong += 1
             print(f"seed {seed} {specs}: with workers: {str(e)[:300]}", flush=True)
@@ -144,7 +148,8 @@ def widen(seeds: widen_options.Seeds, out: Path, cases: list, replicated: bool =
     )
     print(
         f"with workers: {wrong} seeds with a wrong byte or a leak, {stalled} stalled in vLLM's scheduler "
-        f"with kvoffload idle ({too_large} at a request larger than the GPU pool), {pool} failed in vLLM's block pool; "
+        f"with kvoffload idle ({too_large} at a request larger than the GPU pool), {pool} failed in vLLM's block pool, "
+        f"{stale} read a block vLLM copied before another request computed it; "
         f"{moved['checked']} tokens checked, "
         f"{moved['loads']} loads ({moved['window_loads']} into windowed groups), {moved['stores']} stores "
         f"({moved['holes']} holes kept in place); {moved['states_restored']} Mamba states read back and checked "

@@ -176,6 +176,13 @@ class Engine:
     checkpoints_written: int = 0
     #: Blocks copied as vLLM's scheduler asked (``kv_cache_block_copies``).
     block_copies: int = 0
+    #: Copies whose source block another request computes in the same
+    #: step (vLLM 0.33.0's copy-on-write of a partial prefix-cache hit
+    #: reads a block cached at schedule time, before the step's forward
+    #: writes it: the copy holds stale bytes): ``(request given the copy,
+    #: destination block)`` -> ``(step, source block, the request computing
+    #: it)``.
+    copies_before_computed: dict[tuple[str, int], tuple[int, int, str]] = field(default_factory=dict)
     #: Per request and Mamba group, the tokens after which the fake model
     #: last wrote its state.
     state_ends: dict[tuple[str, int], int] = field(default_factory=dict)
@@ -847,11 +854,33 @@ class Engine:
         manager copies a state it caches inside a block out of the running
         block (copy-on-write), in every layer on every worker."""
         for src, dst in getattr(so, "kv_cache_block_copies", None) or ():
+            writer = self._computing_block(src)
+            if writer is not None:
+                mgr = self.scheduler.kv_cache_manager
+                for rid in self.scheduled:
+                    if any(dst in table for table in mgr.get_block_ids(rid)):
+                        self.copies_before_computed[(rid, dst)] = (self.steps, src, writer)
             for cache in self.caches:
                 for layers in self.group_layers:
                     for name in layers:
                         cache[name][dst] = cache[name][src]
             self.block_copies += 1
+
+    def _computing_block(self, block: int) -> str | None:
+        """The request that computes tokens in `block` in this step (in an
+        attention group's table, at a position of its span), or None. (A
+        Mamba group's copies preserve the state before the step on purpose.)"""
+        mgr = self.scheduler.kv_cache_manager
+        for rid, n in self.scheduled.items():
+            start = self.spans[rid][0]
+            for g, table in enumerate(mgr.get_block_ids(rid)):
+                if g in self.state_groups or g in self.scratch_groups:
+                    continue
+                span = self.group_tpb(g) * self.dcp
+                first, last = start // span, (start + n - 1) // span
+                if block in table[first:last + 1]:
+                    return rid
+        return None
 
     def _output(self, so: Any, sampled: list[list[int]], kv: KVConnectorOutput) -> ModelRunnerOutput:
         """One worker's model output for the step: the tokens sampled for

@@ -9,6 +9,7 @@ each group's own bytes (docs/hybrid-groups.md, step 5)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Callable
 
 import pytest
@@ -60,6 +61,18 @@ class VllmStalled(Exception):
     seeds)."""
 
 
+class VllmStaleCopy(Exception):
+    """A request's KV was wrong in a block vLLM 0.33.0 filled by its
+    copy-on-write of a partial prefix-cache hit (block hashes finer than
+    the blocks) from a block another request computes in the same step:
+    vLLM caches that block's hashes when it schedules it, and the model
+    runner copies the blocks before the step's forward pass writes them,
+    so the copy holds the block's stale bytes (`harness.Engine.
+    copies_before_computed`). vLLM guards its Mamba groups against this
+    (``cached_blocks_this_step``), not its attention groups. No kvoffload
+    transfer is involved."""
+
+
 class VllmPoolError(Exception):
     """vLLM's core scheduler raised its block pool's "Cannot get N free
     blocks from the pool" (``allocate_slots`` allocating more blocks than
@@ -103,6 +116,22 @@ def replicated_case(opts: dict) -> bool:
     (`worker_run`'s `replicated`): one worker of its own, no context
     parallelism."""
     return opts.get("world_size", 1) == 1 and opts.get("dcp", 1) == 1
+
+
+def stale_copy(e: Any, failure: str) -> str | None:
+    """Where a failed KV check's block (its ``(block N)``) was filled by
+    vLLM's copy of a block another request computed in the same step
+    (`VllmStaleCopy`): a sentence naming the copy, or None."""
+    m = re.match(r"(\S+): .*?\(block (\d+)\)", failure)
+    if m is None:
+        return None
+    hit = e.copies_before_computed.get((m.group(1), int(m.group(2))))
+    if hit is None:
+        return None
+    step, src, writer = hit
+    return (f"vLLM copied block {src} into block {m.group(2)} of {m.group(1)} at step {step}, before {writer} "
+            "computed it in that "
+            "step (a partial prefix-cache hit's copy-on-write)")
 
 
 def worker_run(
@@ -183,6 +212,9 @@ def worker_run(
         if "still running" in str(err) and not sched.running and idle:
             raise VllmStalled(f"seed {seed}: vLLM schedules nothing with {len(sched.requests)} requests left, "
                               f"kvoffload idle; {stall_cause(sched)}") from err
+        copied = stale_copy(e, str(err))
+        if copied is not None:
+            raise VllmStaleCopy(f"seed {seed}: {copied}; {str(err)[:200]}") from err
         raise
     assert failed_loads_expected or not e.failed, f"loads failed: {sorted(e.failed)}"
     seen["failed_loads"] = len(e.failed)
@@ -409,6 +441,23 @@ def test_a_block_vllm_gives_a_group_left_out_flushes_the_store_still_reading_it(
         # The race itself showed (a wrong byte, copies running late).
         untold = -1
     assert told > untold, (told, untold)
+
+
+def test_vllm_copies_a_partial_hit_s_block_before_another_request_computes_it() -> None:
+    """vLLM 0.33.0's copy-on-write of a partial prefix-cache hit (hashes
+    every 2 tokens, 4-token blocks) may copy a block another request
+    computes in the same step: vLLM caches a block's hashes when it
+    schedules it, and copies blocks before the step's forward pass. Here
+    (found by `widen-hybrid.py --replicated --stress 1`, seed 69581, and
+    the same on one worker) q17 hits 22 tokens at step 30, whose last block
+    vLLM copies from block 11, which q16 computes in that step: q17's token
+    20 holds what block 11 held before (a Mamba state of q13's). No
+    kvoffload transfer touches either block after step 15. When this test
+    fails, vLLM has fixed it (or the workload changed): drop
+    `VllmStaleCopy`."""
+    opts = {"hash_tokens": 2, "spec_tokens": 3, "spec_method": "eagle", "eagle_groups": [0]}
+    with pytest.raises(VllmStaleCopy, match=r"copied block 11 into block 19 of q17 at step 30, before q16"):
+        worker_run(69581, "full+mamba", {"offload_prompt_only": False}, opts)
 
 
 def test_vllm_serves_a_wrong_mamba2_state_inside_a_block_on_its_own(monkeypatch: Any) -> None:
