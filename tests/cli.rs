@@ -164,6 +164,44 @@ fn sim_with_a_sync_load_budget_counts_its_synchronous_loads() {
 }
 
 #[test]
+fn sim_with_replicated_workers_says_so_and_stores_one_copy() {
+    let run = |replicated: bool| {
+        let report = tmp(&format!("replicated-{replicated}.json"));
+        let mut args = vec![
+            "sim",
+            "--requests",
+            "120",
+            "--no-faults",
+            "--report",
+            report.to_str().unwrap(),
+        ];
+        if replicated {
+            args.push("--replicated");
+        }
+        let out = kvoffload(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let stdout = text(&out.stdout);
+        assert_eq!(
+            stdout.contains("(same KV: one copy, stores by turns)"),
+            replicated,
+            "{stdout}"
+        );
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+        assert_eq!(r["replicated"], replicated);
+        assert_eq!(r["content"]["mismatches"], 0);
+        assert_eq!(r["leaks"]["total"], 0);
+        r
+    };
+    let same = run(true);
+    let own = run(false);
+    // Two workers (the sim's default): one copy of each chunk, not two.
+    let stored = |r: &serde_json::Value| r["transfers"]["bytes_stored"].as_u64().unwrap();
+    assert!(stored(&same) > 0);
+    assert_eq!(2 * stored(&same), stored(&own));
+}
+
+#[test]
 fn sim_same_seed_same_report_counts() {
     let run = |seed: &str| {
         let out = kvoffload(&["sim", "--requests", "60", "--seed", seed]);
@@ -578,6 +616,42 @@ fn gpu_sim_on_cuda_moves_the_same_bytes_as_on_host() {
     let cuda = run("cuda");
     let host = run("host");
     assert_eq!(decision_counters(&cuda), decision_counters(&host));
+}
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_gpu),
+    ignore = "needs an NVIDIA GPU: no driver where this was built (scripts/gpu-check.sh runs it)"
+)]
+fn gpu_sim_on_cuda_with_replicated_workers_loads_the_model_s_bytes() {
+    if gpu_missing("gpu_sim_on_cuda_with_replicated_workers_loads_the_model_s_bytes").is_some() {
+        return;
+    }
+    // Two workers over one pinned pool, writing it by turns of host chunk:
+    // each loads the chunks the other wrote (the content check).
+    let report = tmp("replicated-cuda.json");
+    let out = kvoffload(&[
+        "sim",
+        "--backend",
+        "cuda",
+        "--replicated",
+        "--requests",
+        "120",
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["replicated"], true);
+    assert!(r["content"]["loaded_checked"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(r["content"]["mismatches"], 0, "{r}");
+    assert_eq!(r["leaks"]["total"], 0, "{r}");
 }
 
 #[test]

@@ -682,3 +682,45 @@ fn open_conversations_stay_within_the_population() {
     let unbounded = peak(u64::MAX);
     assert!(unbounded > 4 * 16, "peak {unbounded} without a bound");
 }
+
+/// Workers holding the same KV (`SimOptions::replicated`): one copy of a
+/// chunk in the host pool, the stores written by turns of host chunk. With
+/// no faults the decisions are those of a run of workers with KV of their
+/// own, and the store bytes one copy where that run's are one per worker;
+/// under heavy faults the run drains to zero leaks, every stall named, and
+/// every block loaded or hit is the model's (the content check: each
+/// worker loads the chunks the others wrote).
+#[test]
+fn replicated_workers_store_one_copy_by_turns_and_load_the_model_s_bytes() {
+    for world in [2u32, 3] {
+        let mut cfg = default_config();
+        cfg.world_size = world;
+        let run = |replicated: bool, faults: FaultRates, seed: u64| {
+            let o = SimOptions {
+                replicated,
+                ..opts(seed, 300, faults)
+            };
+            Sim::new(cfg.clone(), o).unwrap().run(&mut |_| {}).unwrap()
+        };
+        let own = run(false, FaultRates::none(), 11).summary;
+        let same = run(true, FaultRates::none(), 11).summary;
+        assert!(same.replicated && !own.replicated);
+        assert_eq!(same.work, own.work, "{world} workers: the same decisions");
+        assert!(own.transfers.bytes_stored > 0);
+        assert_eq!(
+            same.transfers.bytes_stored * u64::from(world),
+            own.transfers.bytes_stored,
+            "{world} workers: one copy, not one a worker"
+        );
+        assert_eq!(same.transfers.bytes_loaded, own.transfers.bytes_loaded);
+        assert_eq!(same.content.mismatches, 0, "{:?}", same.content);
+        assert!(same.content.loaded_checked > 0);
+        let faulty = run(true, heavy_faults(), 12).summary;
+        assert_eq!(faulty.work.finished, 300);
+        assert_eq!(faulty.invariant_error, None);
+        assert_eq!(faulty.leaks.total, 0, "leaks: {:?}", faulty.leaks);
+        assert_eq!(faulty.content.mismatches, 0, "{:?}", faulty.content);
+        assert!(faulty.faults.injected_stalls > 0 && faulty.faults.injected_failures > 0);
+        assert_every_stall_has_a_named_cause(&faulty.faults, "replicated");
+    }
+}

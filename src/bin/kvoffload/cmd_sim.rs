@@ -33,6 +33,11 @@ pub struct SimArgs {
     /// Worker threads (simulated GPUs); overrides `world_size`.
     #[arg(long)]
     world_size: Option<u32>,
+    /// Every worker holds the same KV (MLA replicated on every
+    /// tensor-parallel rank): one copy of a chunk in the host pool, which
+    /// every worker maps, the stores written by turns of host chunk.
+    #[arg(long)]
+    replicated: bool,
     /// Host chunk slots; overrides `num_cpu_chunks`.
     #[arg(long)]
     num_cpu_chunks: Option<u64>,
@@ -191,6 +196,7 @@ pub fn run(a: SimArgs) -> ExitCode {
         opts.faults = kvoffload::harness::sim::FaultRates::none();
     }
     opts.content_check = !a.no_content_check;
+    opts.replicated = a.replicated;
     if let Some(kb) = cfg.kv_bytes_per_block {
         opts.block_bytes = kb;
     }

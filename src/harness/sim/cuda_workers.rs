@@ -100,12 +100,17 @@ impl WorkerPool {
             block_bytes,
             blocks_per_chunk,
             num_chunks,
+            ..
         } = geometry;
         let world = world_size.max(1);
         let first = open_context(0).map_err(PoolError::CudaUnavailable)?;
         let devices = device_count();
         let cuda = |worker: u32| move |source: CudaError| PoolError::Cuda { worker, source };
-        let row = HostRowLayout::uniform(blocks_per_chunk.max(1), world, &[block_bytes])?;
+        let row = HostRowLayout::uniform(
+            blocks_per_chunk.max(1),
+            geometry.row_slots(),
+            &[block_bytes],
+        )?;
         let pool_bytes = row
             .pool_bytes(num_chunks)
             .ok_or(LayoutError::Overflow("host pool size"))?;
@@ -130,7 +135,7 @@ impl WorkerPool {
             let layout = WorkerLayout::new(
                 GpuLayout::cross_layer(dev.addr(), gpu_blocks, block_bytes, block_bytes)?,
                 row.clone(),
-                rank,
+                geometry.slot_of(rank),
                 pool.addr(),
                 num_chunks,
             )?;
@@ -146,7 +151,7 @@ impl WorkerPool {
                     buf: Arc::clone(&dev),
                     staging: Vec::new(),
                 }),
-                rank,
+                geometry.slot_of(rank),
                 block_bytes,
             );
             let remote = remote.clone();
@@ -162,8 +167,9 @@ impl WorkerPool {
                 let backend = unsafe { CudaBackend::new(ctx, layout, compute, options) }
                     .map_err(cuda(rank))?;
                 let w = OffloadWorker::new(FaultInjector::new(backend), true)
+                    .with_store_writers(geometry.writers_of(rank))
                     .with_wait_timeout(Some(STEP_WAIT));
-                attach_remote(w, rank, world, remote)
+                attach_remote(w, rank, geometry, remote)
             })?;
         }
         Ok(me)
@@ -187,6 +193,7 @@ mod tests {
                 block_bytes: 4096,
                 blocks_per_chunk: 1,
                 num_chunks: 8,
+                replicated: false,
             },
             table,
             None,

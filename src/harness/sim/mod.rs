@@ -106,6 +106,11 @@ pub struct SimOptions {
     /// written with a pattern of their hash, loaded blocks and GPU prefix
     /// hits compared with it. It changes no decision.
     pub content_check: bool,
+    /// Every worker holds the same KV (vLLM's MLA replicated on every
+    /// tensor-parallel rank): one copy of a chunk in the host pool, mapped
+    /// by every worker, the stores written by turns of host chunk, one
+    /// share of a chunk in a remote tier.
+    pub replicated: bool,
 }
 
 impl Default for SimOptions {
@@ -127,6 +132,7 @@ impl Default for SimOptions {
             backend: SimBackend::Host,
             remote: None,
             content_check: true,
+            replicated: false,
         }
     }
 }

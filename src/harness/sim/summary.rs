@@ -278,6 +278,8 @@ pub struct SimSummary {
     pub world_size: u32,
     /// Backend name.
     pub backend: String,
+    /// The workers held the same KV: one copy of a chunk, stores by turns.
+    pub replicated: bool,
     /// Steps run (drain included).
     pub steps: u64,
     /// Simulated seconds.
@@ -395,7 +397,17 @@ impl SimSummary {
         };
         row(
             "seed / workers / backend",
-            format!("{} / {} / {}", self.seed, self.world_size, self.backend),
+            format!(
+                "{} / {}{} / {}",
+                self.seed,
+                self.world_size,
+                if self.replicated {
+                    " (same KV: one copy, stores by turns)"
+                } else {
+                    ""
+                },
+                self.backend
+            ),
         );
         row(
             "steps (simulated time)",

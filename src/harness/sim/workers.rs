@@ -27,8 +27,8 @@ use crate::remote::{Namespace, RedisConnector, RemoteStats, RemoteTier, RemoteTi
 use crate::worker::cuda::CudaError;
 use crate::worker::{
     Fault, FaultControl, FaultInjector, GpuLayout, HostBackend, HostBackendOptions, HostBuffer,
-    HostBufferError, HostRowLayout, LayoutError, OffloadWorker, TransferBackend, WorkerLayout,
-    WorkerPlan, WorkerReport,
+    HostBufferError, HostRowLayout, LayoutError, OffloadWorker, StoreWriters, TransferBackend,
+    WorkerLayout, WorkerPlan, WorkerReport,
 };
 
 /// Bound on one wait for a step's transfers (a wedged copy thread, not a stall).
@@ -157,6 +157,40 @@ pub struct PoolGeometry {
     pub blocks_per_chunk: u32,
     /// Rows (chunks) of the shared host pool.
     pub num_chunks: u32,
+    /// Every worker holds the same KV (vLLM's MLA replicated on every
+    /// tensor-parallel rank): a row keeps one copy of a chunk, which every
+    /// worker maps, and the workers write the stores by turns of host chunk
+    /// (`docs/dataplane.md`, "Replicated KV by turns").
+    pub replicated: bool,
+}
+
+impl PoolGeometry {
+    /// Worker slots in a host row: one where the workers hold the same KV,
+    /// else one a worker.
+    pub fn row_slots(&self) -> u32 {
+        if self.replicated {
+            1
+        } else {
+            self.world_size.max(1)
+        }
+    }
+
+    /// The host slot of worker `rank`, which is also the rank its content
+    /// pattern and its remote share are drawn for (0 for every worker
+    /// where they hold the same KV).
+    pub fn slot_of(&self, rank: u32) -> u32 {
+        if self.replicated { 0 } else { rank }
+    }
+
+    /// Which stores worker `rank` copies: every one, or its turn of host
+    /// chunk where the workers hold the same KV.
+    pub fn writers_of(&self, rank: u32) -> StoreWriters {
+        if self.replicated {
+            StoreWriters::turn(rank, self.world_size.max(1)).unwrap_or(StoreWriters::Every)
+        } else {
+            StoreWriters::Every
+        }
+    }
 }
 
 /// Worker threads (one per simulated GPU), each owning its backend.
@@ -258,9 +292,14 @@ impl WorkerPool {
             block_bytes,
             blocks_per_chunk,
             num_chunks,
+            ..
         } = geometry;
         let world = world_size.max(1);
-        let row = HostRowLayout::uniform(blocks_per_chunk.max(1), world, &[block_bytes])?;
+        let row = HostRowLayout::uniform(
+            blocks_per_chunk.max(1),
+            geometry.row_slots(),
+            &[block_bytes],
+        )?;
         let pool_bytes = row
             .pool_bytes(num_chunks)
             .ok_or(LayoutError::Overflow("host pool size"))?;
@@ -273,7 +312,7 @@ impl WorkerPool {
             let layout = WorkerLayout::new(
                 GpuLayout::cross_layer(gpu.addr(), gpu_blocks, block_bytes, block_bytes)?,
                 row.clone(),
-                rank,
+                geometry.slot_of(rank),
                 pool.addr(),
                 num_chunks,
             )?;
@@ -285,13 +324,14 @@ impl WorkerPool {
             let remote = remote.clone();
             let checker = ContentChecker::new(
                 Box::new(HostGpuMemory::new(Arc::clone(&gpu))),
-                rank,
+                geometry.slot_of(rank),
                 block_bytes,
             );
             me.spawn(rank, (), checker, move || {
                 let w = OffloadWorker::new(FaultInjector::new(backend), true)
+                    .with_store_writers(geometry.writers_of(rank))
                     .with_wait_timeout(Some(STEP_WAIT));
-                attach_remote(w, rank, world, remote)
+                attach_remote(w, rank, geometry, remote)
             })?;
         }
         Ok(me)
@@ -346,10 +386,12 @@ const REMOTE_FLUSH_WAIT: Duration = Duration::from_secs(30);
 
 /// `w` writing through to its own tier on `remote` (if any), as `rank` of
 /// `world` ranks.
+/// Attaches worker `rank` to the remote tier, its share of a chunk the
+/// geometry's (one share for every worker where they hold the same KV).
 pub(super) fn attach_remote<B: TransferBackend>(
     w: OffloadWorker<B>,
     rank: u32,
-    world: u32,
+    geometry: PoolGeometry,
     remote: Option<RemoteAttach>,
 ) -> Result<OffloadWorker<B>, PoolError> {
     let Some(r) = remote else {
@@ -360,9 +402,10 @@ pub(super) fn attach_remote<B: TransferBackend>(
         message,
     };
     let connector = RedisConnector::new(&r.config).map_err(|e| err(e.to_string()))?;
-    let tier = RemoteTier::start(Box::new(connector), &r.config, r.namespace, world, r.clock)
+    let shares = geometry.row_slots();
+    let tier = RemoteTier::start(Box::new(connector), &r.config, r.namespace, shares, r.clock)
         .map_err(|e| err(e.to_string()))?;
-    Ok(w.with_remote_tier(tier, rank))
+    Ok(w.with_remote_tier(tier, geometry.slot_of(rank)))
 }
 
 /// The worker's remote stats once its queued puts are written (or the wait
@@ -527,6 +570,7 @@ mod tests {
             block_bytes: 256,
             blocks_per_chunk: 1,
             num_chunks: 4,
+            replicated: false,
         }
     }
     use crate::ids::RequestId;

@@ -234,6 +234,15 @@ impl Sim {
         let num_chunks = cfg.num_chunks()?;
         let clock = ManualClock::new();
         let mut sched = Scheduler::new(&cfg, clock.shared())?;
+        let geometry = PoolGeometry {
+            world_size: cfg.world_size,
+            gpu_blocks: opts.gpu_blocks,
+            block_bytes: opts.block_bytes,
+            blocks_per_chunk: cfg.blocks_per_chunk,
+            num_chunks,
+            replicated: opts.replicated,
+        };
+        let shares = geometry.row_slots();
         let remote = match &opts.remote {
             None => None,
             Some(rc) => {
@@ -246,7 +255,8 @@ impl Sim {
                         tokens_per_block: cfg.tokens_per_block,
                         blocks_per_chunk: cfg.blocks_per_chunk,
                         bytes_per_block: opts.block_bytes,
-                        world_size: cfg.world_size,
+                        // One share a chunk where every worker holds it.
+                        world_size: shares,
                     }),
                     // The workers' tiers time their batches in real time, as
                     // the workers' copies are; the scheduler's lookups run on
@@ -267,7 +277,7 @@ impl Sim {
                 Box::new(connector),
                 &r.config,
                 r.namespace.clone(),
-                cfg.world_size,
+                shares,
                 clock.shared(),
             )
             .map_err(|e| {
@@ -278,13 +288,6 @@ impl Sim {
             })?;
             sched.attach_remote(tier);
         }
-        let geometry = PoolGeometry {
-            world_size: cfg.world_size,
-            gpu_blocks: opts.gpu_blocks,
-            block_bytes: opts.block_bytes,
-            blocks_per_chunk: cfg.blocks_per_chunk,
-            num_chunks,
-        };
         let pool = match (&opts.backend, remote) {
             (SimBackend::Host, Some(r)) => WorkerPool::host_with_remote(geometry, r)?,
             (SimBackend::Host, None) => WorkerPool::new(geometry)?,
@@ -307,6 +310,7 @@ impl Sim {
             seed: opts.seed,
             world_size: cfg.world_size,
             backend: opts.backend.name().into(),
+            replicated: opts.replicated,
             content: ContentCounts {
                 enabled: opts.content_check,
                 lines_per_block: if opts.content_check {
@@ -602,6 +606,13 @@ impl Sim {
                     continue;
                 }
                 if let Some((w, f)) = self.faults.for_job(j.job) {
+                    // Workers that hold the same KV take turns by host
+                    // chunk: a store's fault goes to the worker that copies
+                    // its first chunk (another would never submit it).
+                    let w = match (self.opts.replicated, kind, j.chunk_ids.first()) {
+                        (true, Direction::Store, Some(c)) => c.0 % world as u32,
+                        _ => w,
+                    };
                     // A synchronous load is waited in its step: a stall would
                     // hold the engine (as in vLLM, where it has no timeout),
                     // and its report cannot come late. It can only fail.
