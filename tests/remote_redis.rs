@@ -1180,3 +1180,53 @@ fn on_eviction_the_sim_writes_only_evicted_chunks_and_still_drains_clean() {
     assert_eq!(evicting.leaks.total, 0, "{:?}", evicting.leaks);
     assert_eq!(evicting.work.finished, evicting.work.requests);
 }
+
+#[test]
+#[cfg_attr(
+    not(kvoffload_redis),
+    ignore = "redis-server not found: scripts/setup-redis.sh installs Debian's redis-server"
+)]
+fn replicated_sim_nodes_fetch_the_chunks_each_worker_put_by_its_turn() {
+    // Two nodes of two workers that hold the same KV: each worker puts the
+    // chunks of its turn (one share of a chunk), the second node's workers
+    // fetch their turns' chunks into the region they share, and every block
+    // loaded is the model's (a mismatch or a leak exits 1).
+    let server = RedisServer::start(&[]);
+    let url = format!("redis://127.0.0.1:{}", server.port);
+    let out = kvoffload(&[
+        "sim",
+        "--replicated",
+        "--requests",
+        "200",
+        "--nodes",
+        "2",
+        "--remote-tier",
+        &url,
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let node2 = stdout
+        .split("node 2 of 2")
+        .nth(1)
+        .expect("a summary of node 2");
+    let fetched = node2
+        .lines()
+        .find(|l| l.contains("remote tier (reads)"))
+        .and_then(|l| l.split("; ").nth(1))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|n| n.parse::<u64>().ok())
+        .expect("node 2's fetched chunks");
+    assert!(fetched > 0, "{node2}");
+    assert!(node2.contains(" 0 fetches failed"), "{node2}");
+    assert_eq!(
+        stdout
+            .matches("(same KV: one copy, stores by turns)")
+            .count(),
+        2
+    );
+    assert_eq!(stdout.matches("; 0 mismatches").count(), 2, "{stdout}");
+}
