@@ -1192,7 +1192,7 @@ fn replicated_sim_nodes_fetch_the_chunks_each_worker_put_by_its_turn() {
     // fetch their turns' chunks into the region they share, and every block
     // loaded is the model's (a mismatch or a leak exits 1).
     let server = RedisServer::start(&[]);
-    let url = format!("redis://127.0.0.1:{}", server.port);
+    let url = server.url();
     let out = kvoffload(&[
         "sim",
         "--replicated",
