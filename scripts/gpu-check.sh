@@ -44,7 +44,8 @@
 # not start there), and the vLLM
 # connector's binding over device memory (python/tests/binding_roundtrip.py
 # --backend cuda: store, wipe, load back, compare; no vLLM or torch needed;
-# once more with a strategy table forcing the kernel).
+# once more with a strategy table forcing the kernel, once with the pinned
+# pool placed on the first NUMA node, which prints where its pages are).
 # Pass `--quick` after
 # `run` for a short sweep and short sims.
 set -euo pipefail
@@ -227,6 +228,11 @@ run() {
     if command -v python3 >/dev/null; then
         step "binding_roundtrip.py --backend cuda" 60 env PYTHONPATH="$carry/python" \
             python3 "$carry/python/binding_roundtrip.py" --backend cuda
+        # The pinned pool placed on the first NUMA node online (cuMemHostAlloc
+        # on a thread bound there): its line says where the sampled pages are.
+        numa_node=$(cut -d, -f1 /sys/devices/system/node/online 2>/dev/null | cut -d- -f1)
+        step "binding_roundtrip.py cuda, pool on a node" 60 env PYTHONPATH="$carry/python" \
+            python3 "$carry/python/binding_roundtrip.py" --backend cuda --numa "${numa_node:-0}"
         # A synchronous load: the bytes must be back when start_transfers returns.
         step "binding_roundtrip.py --backend cuda --sync" 60 env PYTHONPATH="$carry/python" \
             python3 "$carry/python/binding_roundtrip.py" --backend cuda --sync

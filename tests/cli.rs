@@ -201,6 +201,73 @@ fn sim_with_replicated_workers_says_so_and_stores_one_copy() {
     assert_eq!(2 * stored(&same), stored(&own));
 }
 
+/// The first NUMA node online here (sysfs), as text.
+fn first_numa_node() -> String {
+    let online =
+        std::fs::read_to_string("/sys/devices/system/node/online").unwrap_or_else(|_| "0".into());
+    let first = online.trim().split([',', '-']).next().unwrap_or("0");
+    first.to_string()
+}
+
+#[test]
+fn sim_reports_where_the_host_pool_was_placed_and_refuses_a_node_not_online() {
+    let report = tmp("numa.json");
+    let node = first_numa_node();
+    let args = |numa: &str| {
+        kvoffload(&[
+            "sim",
+            "--requests",
+            "40",
+            "--numa",
+            numa,
+            "--report",
+            report.to_str().unwrap(),
+        ])
+    };
+    let out = args(&node);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("host pool NUMA placement"))
+        .unwrap_or_else(|| panic!("no placement line: {stdout}"));
+    // Every sampled page of the pool is on the node asked for.
+    let tail = line
+        .split(&format!("node {node} (asked for): "))
+        .nth(1)
+        .expect(line);
+    let (there, rest) = tail.split_once(" of ").expect(line);
+    let sampled = rest.split(' ').next().unwrap();
+    assert_eq!(there, sampled, "{line}");
+    assert!(there.parse::<u64>().unwrap() > 0, "{line}");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(
+        r["host_placement"].as_str().unwrap(),
+        line.split_once("placement").unwrap().1.trim()
+    );
+    // The host backend has no GPU: `auto` (the default) does not place.
+    let auto = kvoffload(&["sim", "--requests", "40"]);
+    assert!(
+        text(&auto.stdout).contains("not placed (no GPU to place it near)"),
+        "{}",
+        text(&auto.stdout)
+    );
+    let far = args("1023");
+    assert_eq!(far.status.code(), Some(1));
+    assert!(
+        text(&far.stderr).contains("NUMA node 1023 is not online (online: "),
+        "{}",
+        text(&far.stderr)
+    );
+    let bad = args("near");
+    assert_eq!(bad.status.code(), Some(2));
+    assert_eq!(
+        text(&bad.stderr),
+        "kvoffload sim: NUMA placement \"near\": expected auto, off or a node number\n"
+    );
+}
+
 #[test]
 fn sim_same_seed_same_report_counts() {
     let run = |seed: &str| {
@@ -553,6 +620,10 @@ fn gpu_sim_on_the_cuda_backend_ends_with_no_leaks() {
     assert_eq!(r["backend"], "cuda");
     assert_eq!(r["leaks"]["total"], 0, "{r}");
     assert!(text(&out.stdout).contains("leaks after drain                0"));
+    // The pinned pool's placement is reported (the GPU's node where the
+    // machine has several, else why not), with where its pages are.
+    let placement = r["host_placement"].as_str().unwrap();
+    assert!(placement.contains("sampled pages"), "{placement}");
 }
 
 /// The counters of a sim report that follow from its decisions alone (no
@@ -856,8 +927,15 @@ fn bench_refuses_zero_tensors_and_a_negative_slowdown_by_name() {
 
 #[test]
 fn cuda_sweep_flags_with_the_host_backend_are_refused_by_name() {
-    for flag in ["--contend", "--sweep-launch", "--sweep-ring", "--no-verify"] {
-        let out = kvoffload(&["bench", "--backend", "host", flag]);
+    for flag in [
+        &["--contend"][..],
+        &["--sweep-launch"],
+        &["--sweep-ring"],
+        &["--no-verify"],
+        &["--numa", "0"],
+    ] {
+        let out = kvoffload(&[&["bench", "--backend", "host"][..], flag].concat());
+        let flag = flag[0];
         assert_eq!(out.status.code(), Some(2), "{flag}");
         assert!(
             text(&out.stderr).contains(&format!("{flag} measures the CUDA backend")),

@@ -40,6 +40,7 @@ KEYS: dict[str, str] = {
     "sync_load_budget_bytes": "KV bytes per worker a step may load synchronously: a hit that fits is loaded inside the step and its request runs at once (vLLM's key, default 0: every load asynchronous)",
     "canonical_layout": "vLLM's key (default false): a parallelism-free host page layout; with vLLM's CPU spec it changes who keeps one copy of replicated MLA KV (vLLM's replicated_layout rule for canonical pages) and lets every worker write its stores",
     "replicated_writes": '"turns" (kvoffload; default) or "vllm": who copies the stores of KV replicated on every worker into the one host region they share: "turns", the workers by turns of host chunk (each chunk once, its traffic spread over every GPU\'s link); "vllm", vLLM\'s writers (rank 0 alone, or every rank with canonical_layout)',
+    "host_numa_node": '"auto" (kvoffload; default), "off", or a NUMA node number: where each worker\'s host pool goes. "auto": the node of the worker\'s GPU where the machine has several nodes and the GPU names one (elsewhere, and on CPU KV caches, wherever the kernel puts it); "off": wherever the kernel puts it, as vLLM; a number: that node (an error where it is not online or the system refuses the binding)',
     "remote_tier": "a Redis (or Redis Cluster) store shared across nodes, as a dict (or its JSON) of the remote tier's keys (docs/remote-tier.md: url, cluster, username, password, tls_ca_file, timeouts, write, ...) plus 'deployment', a text kept in the namespace (kvoffload; default: no remote tier)",
 }
 
@@ -113,6 +114,22 @@ def _replicated_writes(extra: dict[str, Any]) -> str:
             f'kv_connector_extra_config: replicated_writes = {v!r} is not allowed: allowed "turns", "vllm"'
         )
     return v
+
+
+def _host_numa_node(extra: dict[str, Any]) -> str:
+    v = extra.get("host_numa_node")
+    if v is None:
+        return "auto"
+    if v in ("auto", "off"):
+        return v
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1024:
+        return str(v)
+    if isinstance(v, str) and v.isascii() and v.isdigit() and int(v) < 1024:
+        return str(int(v))
+    raise ValueError(
+        f'kv_connector_extra_config: host_numa_node = {v!r} is not allowed: allowed "auto", "off", '
+        "or a NUMA node number (0..1023)"
+    )
 
 
 def _strategy_table(extra: dict[str, Any]) -> str | None:
@@ -210,6 +227,9 @@ class EngineConfig:
     #: ``"vllm"``, vLLM's writers (rank 0, or every rank with
     #: ``canonical_layout``).
     replicated_writes: str = "turns"
+    #: Where each worker's host pool goes: ``"auto"`` (its GPU's NUMA node
+    #: where there are several), ``"off"``, or a node number (as text).
+    host_numa_node: str = "auto"
     #: With ``canonical_layout`` and a remote tier over a layout whose heads
     #: tensor parallelism shards (vLLM's parallelism-agnostic layouts): the
     #: model's KV heads, the shares of a chunk in the store, so that nodes
@@ -355,5 +375,6 @@ class EngineConfig:
             replicated_layout=replicated_layout,
             canonical_layout=canonical_layout(extra),
             replicated_writes=_replicated_writes(extra),
+            host_numa_node=_host_numa_node(extra),
             remote_head_shares=remote_head_shares if remote is not None else 0,
         )

@@ -1530,7 +1530,7 @@ class _WorkerSide:
             if turns:
                 shared["store_turn"] = (rank, self.cfg.world_size)
         if device.type == "cpu":
-            self.core = WorkerCore.host(*args, groups=grouping, **shared)
+            self.core = WorkerCore.host(*args, groups=grouping, numa=self.cfg.host_numa_node, **shared)
         elif device.type == "cuda":
             # Stores read blocks the model wrote on this stream: they are
             # ordered after its work (the CUDA backend records an event on it).
@@ -1541,6 +1541,8 @@ class _WorkerSide:
                 self.stream.cuda_stream,
                 self.cfg.strategy_table,
                 groups=grouping,
+                # The pool on the GPU's NUMA node (`host_numa_node`).
+                numa=self.cfg.host_numa_node,
                 **shared,
             )
         else:
@@ -1601,6 +1603,12 @@ class _WorkerSide:
             )
             if self.core.shared_region
             else "",
+        )
+        # Where the pool's pages went (`host_numa_node`); a warning where
+        # some are on another node than the one it was placed on.
+        placement = self.core.host_placement
+        (logger.warning if placement["elsewhere"] else logger.info)(
+            "kvoffload: host pool NUMA placement: %s", placement["summary"]
         )
 
     def bind(self, meta: KvOffloadMetadata) -> None:

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use kvoffload::JobId;
 use kvoffload::worker::cuda::{
-    CudaBackend, MAX_REGISTER_PIECE, PinnedBuffer, borrowed_stream, open_context,
+    CudaBackend, MAX_REGISTER_PIECE, PinnedBuffer, borrowed_stream, open_context, pci_address,
 };
+use kvoffload::worker::numa::{self, HostPlacement, PoolPlacement, SysfsTopology};
 use kvoffload::worker::{
     Fault, FaultControl, FaultInjector, GpuLayout, GpuLayoutKind, GpuRegion, HeadOrder, HeadPage,
     HeadPlacement, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, OffloadWorker,
@@ -65,6 +66,11 @@ fn store_writers(store_writer: bool, store_turn: Option<(u32, u32)>) -> PyResult
     }
 }
 
+/// The placement `numa` names (`"auto"`, `"off"` or a node number).
+fn parse_placement(numa: &str) -> PyResult<HostPlacement> {
+    numa.parse().map_err(value_error)
+}
+
 /// Opens the shared region at `path` for a pool of `len` bytes.
 fn open_shared(path: &str, len: usize) -> PyResult<SharedRegion> {
     SharedRegion::open(std::path::Path::new(path), len).map_err(runtime_error)
@@ -89,6 +95,8 @@ pub(crate) struct WorkerCore {
     pool: Pool,
     plan: Option<WorkerPlan>,
     pool_bytes: u64,
+    /// Where the host pool was placed (its NUMA node).
+    placement: PoolPlacement,
     /// This worker's slot of a chunk row and the blocks a chunk (where a
     /// remote tier's shares lie).
     slot: SlotLayout,
@@ -171,7 +179,7 @@ impl WorkerCore {
     /// `ValueError`.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, groups=None, shared_region=None, store_writer=true, store_turn=None))]
+    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, groups=None, shared_region=None, store_writer=true, store_turn=None, numa="auto"))]
     fn host(
         tensors: Vec<(u64, u64, u64)>,
         num_blocks: u32,
@@ -182,8 +190,10 @@ impl WorkerCore {
         shared_region: Option<String>,
         store_writer: bool,
         store_turn: Option<(u32, u32)>,
+        numa: &str,
     ) -> PyResult<Self> {
         let writers = store_writers(store_writer, store_turn)?;
+        let asked = parse_placement(numa)?;
         let (gpu, row, pool_bytes) = layouts(
             &tensors,
             num_blocks,
@@ -196,6 +206,9 @@ impl WorkerCore {
             .slot(0)
             .cloned()
             .ok_or_else(|| value_error("no worker slot"))?;
+        // The host backend has no GPU to be near: `auto` leaves the pool
+        // where the kernel puts it; a node asked for is applied.
+        let guard = numa::enter(asked, None, &SysfsTopology::system()).map_err(value_error)?;
         let (pool, pool_addr) = match shared_region {
             Some(path) => {
                 let r = Arc::new(open_shared(&path, len)?);
@@ -208,6 +221,7 @@ impl WorkerCore {
                 (Pool::Host(b), addr)
             }
         };
+        let placement = guard.finish(pool_addr as usize, len);
         let layout = with_groups(
             WorkerLayout::new(gpu, row, 0, pool_addr, num_chunks).map_err(value_error)?,
             groups,
@@ -223,6 +237,7 @@ impl WorkerCore {
             pool,
             plan: None,
             pool_bytes,
+            placement,
             slot,
             blocks_per_chunk,
         })
@@ -245,7 +260,7 @@ impl WorkerCore {
     /// this object, as for `host`.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, device, stream, strategy_table=None, groups=None, shared_region=None, store_writer=true, store_turn=None))]
+    #[pyo3(signature = (tensors, num_blocks, blocks_per_chunk, num_chunks, cross_layer, device, stream, strategy_table=None, groups=None, shared_region=None, store_writer=true, store_turn=None, numa="auto"))]
     fn cuda(
         tensors: Vec<(u64, u64, u64)>,
         num_blocks: u32,
@@ -259,8 +274,10 @@ impl WorkerCore {
         shared_region: Option<String>,
         store_writer: bool,
         store_turn: Option<(u32, u32)>,
+        numa: &str,
     ) -> PyResult<Self> {
         let writers = store_writers(store_writer, store_turn)?;
+        let asked = parse_placement(numa)?;
         let options = crate::strategy_table::cuda_options(strategy_table.as_deref())?;
         let (gpu, row, pool_bytes) = layouts(
             &tensors,
@@ -275,6 +292,11 @@ impl WorkerCore {
             .cloned()
             .ok_or_else(|| value_error("no worker slot"))?;
         let ctx = open_context(device).map_err(runtime_error)?;
+        // The pool is allocated (its pages placed and pinned) on this
+        // thread, bound meanwhile to the GPU's NUMA node.
+        let gpu_pci = pci_address(&ctx).ok();
+        let guard =
+            numa::enter(asked, gpu_pci.as_ref(), &SysfsTopology::system()).map_err(value_error)?;
         let pool = match shared_region {
             // Registered in pieces of whole rows, as vLLM registers its region.
             Some(path) => PinnedBuffer::over_shared(
@@ -286,6 +308,7 @@ impl WorkerCore {
             None => PinnedBuffer::host_alloc(&ctx, len),
         }
         .map_err(runtime_error)?;
+        let placement = guard.finish(pool.addr() as usize, len);
         let layout = with_groups(
             WorkerLayout::new(gpu, row, 0, pool.addr(), num_chunks).map_err(value_error)?,
             groups,
@@ -306,6 +329,7 @@ impl WorkerCore {
             pool: Pool::Pinned(pool),
             plan: None,
             pool_bytes,
+            placement,
             slot,
             blocks_per_chunk,
         })
@@ -315,6 +339,28 @@ impl WorkerCore {
     #[getter]
     fn pool_bytes(&self) -> u64 {
         self.pool_bytes
+    }
+
+    /// Where the host pool was placed: `asked` (`"auto"`, `"off"` or the
+    /// node), `node` (the NUMA node it was placed on, or None: wherever the
+    /// kernel put it), `reason`, and a sample of its pages: `sampled`,
+    /// `by_node` ({node: pages}), `absent`, `unknown`, `elsewhere` (pages of
+    /// a placed pool on another node); `summary`, one line.
+    #[getter]
+    fn host_placement<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let p = &self.placement;
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("asked", p.asked.to_string())?;
+        d.set_item("node", p.node.map(|n| n.0))?;
+        d.set_item("reason", &p.reason)?;
+        d.set_item("sampled", p.pages.sampled)?;
+        let by_node: HashMap<u32, usize> = p.pages.by_node.iter().map(|(n, c)| (n.0, *c)).collect();
+        d.set_item("by_node", by_node)?;
+        d.set_item("absent", p.pages.absent)?;
+        d.set_item("unknown", p.pages.unknown)?;
+        d.set_item("elsewhere", p.pages_elsewhere())?;
+        d.set_item("summary", p.to_string())?;
+        Ok(d)
     }
 
     /// The backend: `"host"` or `"cuda"`.

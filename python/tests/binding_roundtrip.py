@@ -198,10 +198,12 @@ def wrong_blocks(got: bytes, first: list[int], second: list[int]) -> list[tuple[
 
 
 def roundtrip(backend: str, strategy_table: str | None = None, sync: bool = False,
-              shared_region: str | None = None, turns: bool = False) -> dict[str, Any]:
+              shared_region: str | None = None, turns: bool = False, numa: str = "auto") -> dict[str, Any]:
     """The round trip on `backend`; with `shared_region` (a file path), two
     workers of the same KV over one host region mapped there, the second
-    never copying a store, or with `turns` each copying its turn's chunks."""
+    never copying a store, or with `turns` each copying its turn's chunks.
+    `numa`: where each worker's host pool goes (``"auto"``, ``"off"`` or a
+    NUMA node)."""
     size = LAYERS * NUM_BLOCKS * PAGE
     ranks = 2 if shared_region else 1
     mems = [CudaMemory(size) if backend == "cuda" else HostMemory(size) for _ in range(ranks)]
@@ -220,9 +222,10 @@ def roundtrip(backend: str, strategy_table: str | None = None, sync: bool = Fals
         if shared_region and turns:
             shared["store_turn"] = (rank, ranks)
         if backend == "cuda":
-            cores.append(native.WorkerCore.cuda(tensors, NUM_BLOCKS, 1, 32, False, 0, 0, strategy_table, **shared))
+            cores.append(native.WorkerCore.cuda(tensors, NUM_BLOCKS, 1, 32, False, 0, 0, strategy_table,
+                                                numa=numa, **shared))
         else:
-            cores.append(native.WorkerCore.host(tensors, NUM_BLOCKS, 1, 32, False, **shared))
+            cores.append(native.WorkerCore.host(tensors, NUM_BLOCKS, 1, 32, False, numa=numa, **shared))
     if shared_region:
         cores[0].unlink_shared_region()
     worker = Workers(cores)
@@ -286,7 +289,8 @@ def roundtrip(backend: str, strategy_table: str | None = None, sync: bool = Fals
         raise AssertionError(f"by turns every worker copies part of the stores: {worker.stored}")
     state = core.state()
     return {"backend": worker.backend, "sync": sync, "blocks": PROMPT_BLOCKS * LAYERS,
-            "bytes": one_copy, "jobs_left": state["jobs"], "workers": ranks, "stored": worker.stored}
+            "bytes": one_copy, "jobs_left": state["jobs"], "workers": ranks, "stored": worker.stored,
+            "placement": [c.host_placement for c in cores]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="two workers of the same KV over one host region (a file under the temp directory)")
     ap.add_argument("--turns", action="store_true",
                     help="with --shared-region: the workers write the stores by turns of host chunk")
+    ap.add_argument("--numa", default="auto", metavar="auto|off|NODE",
+                    help="where each worker's host pool goes (default auto: the GPU's NUMA node where there are several)")
     args = ap.parse_args(argv)
     if args.strategy_table and args.backend != "cuda":
         ap.error("--strategy-table goes with --backend cuda")
@@ -312,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 
         region = os.path.join(tempfile.gettempdir(), f"kvoffload-roundtrip-{os.getpid()}.mmap")
     try:
-        out = roundtrip(args.backend, args.strategy_table, args.sync, region, args.turns)
+        out = roundtrip(args.backend, args.strategy_table, args.sync, region, args.turns, args.numa)
     except Unavailable as e:
         print(f"SKIP: binding round trip on {args.backend}: {e}")
         return 2
@@ -328,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.turns:
         kind += f"by turns (store bytes {out['stored']}), "
     print(f"PASS: binding round trip on {out['backend']} ({kind}{out['blocks']} blocks, {out['bytes']} bytes): "
-          f"stored, wiped and loaded back equal; jobs left {out['jobs_left']}")
+          f"stored, wiped and loaded back equal; jobs left {out['jobs_left']}; "
+          f"host pool NUMA placement: {out['placement'][0]['summary']}")
     return 0
 
 

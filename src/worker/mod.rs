@@ -8,6 +8,7 @@
 //! - the [`TransferBackend`] trait;
 //! - [`HostBackend`]: memcpy on threads, the reference and no-GPU default;
 //! - [`cuda`]: DMA, custom kernels and CUDA graphs (needs a driver at run time);
+//! - [`numa`]: placing a worker's host pool on its GPU's NUMA node;
 //! - [`SharedRegion`]: a host pool mapped by every worker process of an
 //!   engine (one copy of replicated KV), written by turns ([`StoreWriters`]);
 //! - [`OffloadWorker`]: the worker's hooks, driven by a [`WorkerPlan`] each step;
@@ -23,6 +24,7 @@ mod fault_injector;
 mod host_backend;
 mod host_buffer;
 mod layout;
+pub mod numa;
 mod plan;
 mod plan_wire;
 mod remote_shares;

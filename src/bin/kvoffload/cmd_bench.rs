@@ -10,6 +10,7 @@ use kvoffload::harness::bench::{
     calibrated_table, check_table_swap, open_device, run_remote,
 };
 use kvoffload::remote::RemoteTierConfig;
+use kvoffload::worker::numa::HostPlacement;
 
 /// Which backends `bench` measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -100,6 +101,11 @@ pub struct BenchArgs {
     /// The remote store is a Redis Cluster.
     #[arg(long)]
     remote_cluster: bool,
+    /// Where the CUDA sweep's pinned pool goes: auto (default: the GPU's
+    /// NUMA node where the machine has several), off, or a NUMA node number
+    /// (run once per node to see what a pool on the far socket costs).
+    #[arg(long, default_value = "auto", value_name = "auto|off|NODE")]
+    numa: String,
 }
 
 fn fail(msg: impl std::fmt::Display, code: u8) -> ExitCode {
@@ -140,6 +146,10 @@ pub fn run(a: BenchArgs) -> ExitCode {
     if a.tensors.as_ref().is_some_and(|t| t.contains(&0)) {
         return fail("tensors = 0 is out of range: allowed 1..", 2);
     }
+    let numa = match a.numa.parse::<HostPlacement>() {
+        Ok(p) => p,
+        Err(e) => return fail(e, 2),
+    };
     if !(a.max_compute_slowdown.is_finite() && a.max_compute_slowdown >= 0.0) {
         return fail(
             format!(
@@ -206,6 +216,7 @@ pub fn run(a: BenchArgs) -> ExitCode {
         }
         sweep.verify = !a.no_verify;
         sweep.contend = a.contend;
+        sweep.numa = numa;
         if a.sweep_launch {
             sweep.launches = LaunchVariant::standard();
         }
@@ -224,6 +235,7 @@ pub fn run(a: BenchArgs) -> ExitCode {
             out.ceiling_gbps[0],
             out.ceiling_gbps[1]
         );
+        eprintln!("cuda: pinned pool NUMA placement: {}", out.host_placement);
         for (block, count, tensors, stats) in &out.stats {
             eprintln!("cuda: stats {block} B x {count} ({tensors} tensors): {stats:?}");
         }
@@ -312,6 +324,7 @@ fn cuda_only_flag(a: &BenchArgs) -> Option<&'static str> {
         (a.sweep_launch, "--sweep-launch"),
         (a.sweep_batch_overlap, "--sweep-batch-overlap"),
         (a.sweep_ring, "--sweep-ring"),
+        (a.numa != "auto", "--numa"),
     ]
     .into_iter()
     .find_map(|(given, flag)| given.then_some(flag))

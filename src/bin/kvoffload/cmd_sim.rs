@@ -13,6 +13,7 @@ use kvoffload::harness::sim::{
 use kvoffload::metrics::{MetricsServer, SharedMetricsText};
 use kvoffload::remote::{RemoteTierConfig, WritePolicy};
 use kvoffload::worker::cuda::StrategyTable;
+use kvoffload::worker::numa::HostPlacement;
 
 /// Arguments of `kvoffload sim`.
 #[derive(Debug, Args)]
@@ -57,6 +58,11 @@ pub struct SimArgs {
     /// the built-in defaults without it. Used by `--backend cuda`.
     #[arg(long)]
     strategy_table: Option<PathBuf>,
+    /// Where the host pool goes: auto (default: on the CUDA backend, the
+    /// NUMA node of the first GPU where the machine has several), off
+    /// (wherever the kernel puts it), or a NUMA node number.
+    #[arg(long, default_value = "auto", value_name = "auto|off|NODE")]
+    numa: String,
     /// Turn fault injection off.
     #[arg(long)]
     no_faults: bool,
@@ -141,6 +147,10 @@ pub fn run(a: SimArgs) -> ExitCode {
             );
         }
     };
+    let numa = match a.numa.parse::<HostPlacement>() {
+        Ok(p) => p,
+        Err(e) => return fail(e, 2),
+    };
     if a.remote_cluster && a.remote_tier.is_none() {
         return fail("--remote-cluster needs --remote-tier URL", 2);
     }
@@ -181,6 +191,7 @@ pub fn run(a: SimArgs) -> ExitCode {
         seed: a.seed,
         backend,
         remote,
+        numa,
         ..SimOptions::default()
     };
     if let Some(r) = a.requests {

@@ -12,8 +12,9 @@ use cudarc::driver::CudaContext;
 
 use crate::worker::cuda::{
     CudaBackend, CudaBackendOptions, CudaError, DeviceBuffer, PinnedBuffer, SharedStrategyTable,
-    context::guarded, error::driver, open_context,
+    context::guarded, error::driver, open_context, pci_address,
 };
+use crate::worker::numa::{self, SysfsTopology};
 use crate::worker::{
     FaultInjector, GpuLayout, HostRowLayout, LayoutError, OffloadWorker, WorkerLayout,
 };
@@ -118,9 +119,13 @@ impl WorkerPool {
             usize::try_from(pool_bytes).map_err(|_| LayoutError::Overflow("host pool size"))?;
         let gpu_len = usize::try_from(u64::from(gpu_blocks).saturating_mul(block_bytes))
             .map_err(|_| LayoutError::Overflow("GPU buffer size"))?;
+        // One pool for every worker: on the NUMA node of the first GPU.
+        let gpu_pci = pci_address(&first).ok();
+        let guard = numa::enter(geometry.numa, gpu_pci.as_ref(), &SysfsTopology::system())?;
         let pool = Arc::new(PinnedBuffer::host_alloc(&first, pool_len).map_err(cuda(0))?);
         let mut contexts: Vec<Arc<CudaContext>> = vec![first];
         let mut me = Self::empty();
+        me.set_host_placement(guard.finish(pool.addr() as usize, pool_len));
         for rank in 0..world {
             let ordinal = rank as usize % devices;
             let ctx = match contexts.get(ordinal) {
@@ -194,6 +199,7 @@ mod tests {
                 blocks_per_chunk: 1,
                 num_chunks: 8,
                 replicated: false,
+                numa: crate::worker::numa::HostPlacement::Auto,
             },
             table,
             None,

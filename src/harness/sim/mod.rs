@@ -111,6 +111,9 @@ pub struct SimOptions {
     /// by every worker, the stores written by turns of host chunk, one
     /// share of a chunk in a remote tier.
     pub replicated: bool,
+    /// Where the host pool goes: `auto` (the first GPU's NUMA node on the
+    /// CUDA backend, where the machine has several), `off`, or a node.
+    pub numa: crate::worker::numa::HostPlacement,
 }
 
 impl Default for SimOptions {
@@ -133,6 +136,7 @@ impl Default for SimOptions {
             remote: None,
             content_check: true,
             replicated: false,
+            numa: crate::worker::numa::HostPlacement::Auto,
         }
     }
 }

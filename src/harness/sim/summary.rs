@@ -280,6 +280,9 @@ pub struct SimSummary {
     pub backend: String,
     /// The workers held the same KV: one copy of a chunk, stores by turns.
     pub replicated: bool,
+    /// Where the host pool was placed (its NUMA node), and where a sample
+    /// of its pages is.
+    pub host_placement: String,
     /// Steps run (drain included).
     pub steps: u64,
     /// Simulated seconds.
@@ -409,6 +412,9 @@ impl SimSummary {
                 self.backend
             ),
         );
+        if !self.host_placement.is_empty() {
+            row("host pool NUMA placement", self.host_placement.clone());
+        }
         row(
             "steps (simulated time)",
             format!(

@@ -25,6 +25,7 @@ use crate::clock::SharedClock;
 use crate::ids::JobId;
 use crate::remote::{Namespace, RedisConnector, RemoteStats, RemoteTier, RemoteTierConfig};
 use crate::worker::cuda::CudaError;
+use crate::worker::numa::{self, HostPlacement, NumaError, PoolPlacement, SysfsTopology};
 use crate::worker::{
     Fault, FaultControl, FaultInjector, GpuLayout, HostBackend, HostBackendOptions, HostBuffer,
     HostBufferError, HostRowLayout, LayoutError, OffloadWorker, StoreWriters, TransferBackend,
@@ -67,6 +68,9 @@ pub enum PoolError {
         /// What went wrong (never a password).
         message: String,
     },
+    /// The host pool could not be placed on the NUMA node asked for.
+    #[error("host pool placement: {0}")]
+    Numa(#[from] NumaError),
     /// A worker hook failed, or a worker thread is gone.
     #[error("worker {worker}: {message}")]
     Worker {
@@ -162,6 +166,8 @@ pub struct PoolGeometry {
     /// worker maps, and the workers write the stores by turns of host chunk
     /// (`docs/dataplane.md`, "Replicated KV by turns").
     pub replicated: bool,
+    /// Where the host pool goes (its NUMA node).
+    pub numa: HostPlacement,
 }
 
 impl PoolGeometry {
@@ -199,6 +205,7 @@ pub struct WorkerPool {
     txs: Vec<Sender<WorkerCommand>>,
     rxs: Vec<Receiver<Reply>>,
     handles: Vec<JoinHandle<()>>,
+    placement: Option<PoolPlacement>,
 }
 
 impl std::fmt::Debug for Reply {
@@ -214,6 +221,7 @@ impl WorkerPool {
             txs: Vec::new(),
             rxs: Vec::new(),
             handles: Vec::new(),
+            placement: None,
         }
     }
 
@@ -303,8 +311,11 @@ impl WorkerPool {
         let pool_bytes = row
             .pool_bytes(num_chunks)
             .ok_or(LayoutError::Overflow("host pool size"))?;
+        // No GPU to be near: `auto` leaves the pool where the kernel puts it.
+        let guard = numa::enter(geometry.numa, None, &SysfsTopology::system())?;
         let pool = Arc::new(HostBuffer::new(pool_bytes as usize)?);
         let mut me = Self::empty();
+        me.placement = Some(guard.finish(pool.addr() as usize, pool.len()));
         for rank in 0..world {
             let gpu = Arc::new(HostBuffer::new(
                 (u64::from(gpu_blocks) * block_bytes) as usize,
@@ -335,6 +346,16 @@ impl WorkerPool {
             })?;
         }
         Ok(me)
+    }
+
+    /// Where the host pool was placed (its NUMA node), once allocated.
+    pub fn host_placement(&self) -> Option<&PoolPlacement> {
+        self.placement.as_ref()
+    }
+
+    /// Where the host pool was placed, kept (the CUDA pool sets it).
+    pub(crate) fn set_host_placement(&mut self, p: PoolPlacement) {
+        self.placement = Some(p);
     }
 
     /// Number of workers.
@@ -571,6 +592,7 @@ mod tests {
             blocks_per_chunk: 1,
             num_chunks: 4,
             replicated: false,
+            numa: HostPlacement::Auto,
         }
     }
     use crate::ids::RequestId;

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream, sys};
 
 use super::error::CudaError;
+use crate::worker::numa::PciAddress;
 
 /// Whether `libcuda.so` can be loaded.
 pub fn driver_present() -> bool {
@@ -46,6 +47,33 @@ pub fn open_context(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
     }
     guarded("cuCtxCreate", || {
         CudaContext::new(ordinal).map_err(|e| CudaError::NoDevice(format!("{e:?}")))
+    })
+}
+
+/// The PCI address of `ctx`'s device (for placing host memory on its NUMA
+/// node, [`crate::worker::numa`]).
+pub fn pci_address(ctx: &Arc<CudaContext>) -> Result<PciAddress, CudaError> {
+    use sys::CUdevice_attribute as A;
+    guarded("cuDeviceGetAttribute", || {
+        let get = |a: A| {
+            ctx.attribute(a).map_err(|e| CudaError::Driver {
+                op: "cuDeviceGetAttribute",
+                message: format!("{a:?}: {e:?}"),
+            })
+        };
+        let domain = get(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?;
+        let bus = get(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?;
+        let device = get(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?;
+        let bad = |what: &str, v: i32| CudaError::Driver {
+            op: "cuDeviceGetAttribute",
+            message: format!("PCI {what} {v} out of range"),
+        };
+        Ok(PciAddress {
+            domain: u32::try_from(domain).map_err(|_| bad("domain", domain))?,
+            bus: u8::try_from(bus).map_err(|_| bad("bus", bus))?,
+            device: u8::try_from(device).map_err(|_| bad("device", device))?,
+            function: 0,
+        })
     })
 }
 

@@ -18,8 +18,9 @@ use thiserror::Error;
 use crate::worker::cuda::error::driver;
 use crate::worker::cuda::{
     CudaBackend, CudaBackendOptions, CudaError, DeviceBuffer, LaunchShape, PinnedBuffer, Strategy,
-    open_context,
+    open_context, pci_address,
 };
+use crate::worker::numa::{self, SysfsTopology};
 use crate::worker::{BackendError, HostRowLayout, TransferSpec, WorkerLayout};
 
 mod buffers;
@@ -110,8 +111,13 @@ pub fn run_cuda(
         .and_then(|d| d.checked_add(usize::try_from(max_block).ok()?))
         .ok_or_else(|| CudaBenchError::Options("device buffer size overflows".into()))?;
     let device = ctx.name().unwrap_or_else(|_| "?".into());
+    let gpu_pci = pci_address(ctx).ok();
+    let guard = numa::enter(sweep.numa, gpu_pci.as_ref(), &SysfsTopology::system())
+        .map_err(|e| CudaBenchError::Options(format!("host pool placement: {e}")))?;
+    let pool = PinnedBuffer::host_alloc(ctx, max_job)?;
+    let host_placement = guard.finish(pool.addr() as usize, max_job).to_string();
     let bufs = Buffers {
-        pool: PinnedBuffer::host_alloc(ctx, max_job)?,
+        pool,
         dev: DeviceBuffer::new(ctx, dev_len)?,
     };
     let ceiling_gbps = [
@@ -134,6 +140,7 @@ pub fn run_cuda(
         stats: Vec::new(),
         mismatches: Vec::new(),
         contended: burn.is_some(),
+        host_placement,
     };
     let mut job = 0u64;
     for &tensors in &sweep.tensors {

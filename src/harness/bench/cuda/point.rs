@@ -112,6 +112,8 @@ pub struct CudaSweepOutput {
     /// Whether contention was measured (`false` where it was asked for but
     /// the burn kernel was not built).
     pub contended: bool,
+    /// Where the pinned pool was placed (its NUMA node), one line.
+    pub host_placement: String,
 }
 
 impl CudaSweepOutput {
@@ -217,6 +219,7 @@ mod tests {
             stats: Vec::new(),
             mismatches: Vec::new(),
             contended: true,
+            host_placement: String::new(),
         };
         let rows = out.rows();
         assert_eq!(rows[0].backend, "cuda");
@@ -261,6 +264,7 @@ mod tests {
             stats: Vec::new(),
             mismatches: Vec::new(),
             contended: false,
+            host_placement: String::new(),
         };
         let best = out.best_launches();
         assert_eq!(best.len(), 1, "only where variants ran: {best:?}");

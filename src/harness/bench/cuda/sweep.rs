@@ -4,6 +4,7 @@
 
 use crate::Direction;
 use crate::worker::cuda::Strategy;
+use crate::worker::numa::HostPlacement;
 
 /// Jobs in flight together in a ring-depth measurement.
 pub const PIPELINE: u32 = 16;
@@ -84,6 +85,9 @@ pub struct CudaSweep {
     /// pipelined ([`PIPELINE`] in flight before the first is waited for),
     /// on the same points as `launches`.
     pub ring_depths: Vec<usize>,
+    /// Where the pinned pool goes (`auto`: the device's NUMA node where the
+    /// machine has several); a node number measures the copies from there.
+    pub numa: HostPlacement,
 }
 
 impl Default for CudaSweep {
@@ -114,6 +118,7 @@ impl Default for CudaSweep {
             launches: Vec::new(),
             batch_prefer_overlap: false,
             ring_depths: Vec::new(),
+            numa: HostPlacement::Auto,
         }
     }
 }

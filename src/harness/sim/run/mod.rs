@@ -241,6 +241,7 @@ impl Sim {
             blocks_per_chunk: cfg.blocks_per_chunk,
             num_chunks,
             replicated: opts.replicated,
+            numa: opts.numa,
         };
         let shares = geometry.row_slots();
         let remote = match &opts.remote {
@@ -311,6 +312,10 @@ impl Sim {
             world_size: cfg.world_size,
             backend: opts.backend.name().into(),
             replicated: opts.replicated,
+            host_placement: pool
+                .host_placement()
+                .map(|p| p.to_string())
+                .unwrap_or_default(),
             content: ContentCounts {
                 enabled: opts.content_check,
                 lines_per_block: if opts.content_check {

@@ -1,0 +1,92 @@
+"""Where each worker's host pool goes (the connector's ``host_numa_node``,
+``WorkerCore.host/cuda(..., numa=)``): on the NUMA node asked for, with
+every sampled page of the pool there; ``auto`` over CPU KV caches leaves it
+where the kernel puts it (there is no GPU to be near), and says so; a node
+that is not online, or a value that is not a placement, is refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+import binding_roundtrip as rt
+import harness
+
+
+def first_node() -> int:
+    """The first NUMA node online on this machine."""
+    online = Path("/sys/devices/system/node/online")
+    text = online.read_text().strip() if online.exists() else "0"
+    return int(text.replace("-", ",").split(",")[0])
+
+
+def test_a_pool_asked_for_on_a_node_has_every_sampled_page_there():
+    node = first_node()
+    out = rt.roundtrip("host", numa=str(node))
+    p = out["placement"][0]
+    assert p["asked"] == str(node) and p["node"] == node and p["reason"] == "asked for"
+    assert p["sampled"] > 0 and p["by_node"] == {node: p["sampled"]}, p
+    assert p["absent"] == 0 and p["unknown"] == 0, p
+    assert p["summary"] == f"node {node} (asked for): {p['sampled']} of {p['sampled']} sampled pages there"
+
+
+@pytest.mark.parametrize("numa, reason", [("auto", "no GPU to place it near"), ("off", "placement off")])
+def test_a_pool_not_placed_says_why(numa, reason):
+    p = rt.roundtrip("host", numa=numa)["placement"][0]
+    assert p["node"] is None and p["reason"] == reason, p
+    assert p["summary"].startswith(f"not placed ({reason}): "), p
+
+
+def test_two_workers_over_a_shared_region_place_it_on_the_node(tmp_path):
+    node = first_node()
+    out = rt.roundtrip("host", shared_region=str(tmp_path / "region.mmap"), turns=True, numa=str(node))
+    for p in out["placement"]:
+        assert p["node"] == node and p["by_node"] == {node: p["sampled"]}, p
+
+
+@pytest.mark.parametrize(
+    "numa, needle",
+    [
+        ("1023", "NUMA node 1023 is not online (online: "),
+        ("near", 'NUMA placement "near": expected auto, off or a node number'),
+        ("-1", 'NUMA placement "-1"'),
+    ],
+)
+def test_a_placement_that_cannot_apply_is_refused_by_name(numa, needle):
+    with pytest.raises(ValueError) as err:
+        rt.roundtrip("host", numa=numa)
+    assert needle in str(err.value), err.value
+
+
+def test_the_connector_places_each_worker_s_pool_and_logs_where_it_went(caplog):
+    node = first_node()
+    with caplog.at_level(logging.INFO, logger="kvoffload.vllm"):
+        e = harness.build(world_size=2, extra={"cpu_bytes_to_use": 10**7, "host_numa_node": node})
+    for w in e.workers:
+        p = w._worker.core.host_placement
+        assert p["node"] == node and p["by_node"] == {node: p["sampled"]}, p
+    lines = [r.getMessage() for r in caplog.records if "host pool NUMA placement" in r.getMessage()]
+    assert lines == [f"kvoffload: host pool NUMA placement: {p['summary']}"] * 2, lines
+    default = harness.build(extra={"cpu_bytes_to_use": 10**7})
+    assert default.connector.engine_config.host_numa_node == "auto"
+    assert default.workers[0]._worker.core.host_placement["reason"] == "no GPU to place it near"
+
+
+def no_worker(worker, metadata):
+    """No worker role: the scheduler role alone reads the configuration."""
+    return set(), None
+
+
+@pytest.mark.parametrize("value, want", [("auto", "auto"), ("off", "off"), (0, "0"), ("3", "3"), (None, "auto")])
+def test_host_numa_node_takes_auto_off_or_a_node(value, want):
+    e = harness.build(extra={"cpu_bytes_to_use": 10**7, "host_numa_node": value}, fake_worker=no_worker)
+    assert e.connector.engine_config.host_numa_node == want
+
+
+@pytest.mark.parametrize("value", ["near", -1, 1024, True, 1.5, "0x1", "", "٣"])
+def test_a_bad_host_numa_node_stops_startup_naming_the_key(value):
+    with pytest.raises(ValueError, match="host_numa_node = .* is not allowed"):
+        harness.build(extra={"cpu_bytes_to_use": 10**7, "host_numa_node": value}, fake_worker=no_worker)

@@ -1,0 +1,384 @@
+//! Deciding where a pool goes, binding the allocating thread there, and
+//! reporting where the pool's pages went.
+
+use std::fmt;
+
+use super::{
+    HostPlacement, NodeBoundThread, NumaError, NumaNode, PageNodes, PciAddress, SysfsTopology,
+    sample_page_nodes,
+};
+
+/// Pages a report samples (a 64 GiB pool: one page every 16 MiB).
+const SAMPLED_PAGES: usize = 4096;
+
+/// Where a pool was placed, why, and where its pages went.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolPlacement {
+    /// What was asked for.
+    pub asked: HostPlacement,
+    /// The node the pool was placed on; `None`: wherever the kernel put it.
+    pub node: Option<NumaNode>,
+    /// Why that node, or why none.
+    pub reason: String,
+    /// Where a sample of the pool's pages is.
+    pub pages: PageNodes,
+}
+
+impl PoolPlacement {
+    /// Sampled pages of a placed pool that are on another node (the node
+    /// ran out of memory, or the pages were there before the placement).
+    pub fn pages_elsewhere(&self) -> usize {
+        self.node.map_or(0, |n| self.pages.elsewhere(n))
+    }
+}
+
+impl fmt::Display for PoolPlacement {
+    /// `node 1 (GPU 0000:3b:00.0 is on node 1): 4096 of 4096 sampled pages
+    /// there` (and the others' whereabouts where some are not), or `not
+    /// placed (one NUMA node online): 4096 sampled pages: node 0 4096, 0
+    /// absent, 0 unknown`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = &self.pages;
+        match self.node {
+            Some(n) => {
+                write!(
+                    f,
+                    "{n} ({}): {} of {} sampled pages there",
+                    self.reason,
+                    p.on(n),
+                    p.sampled
+                )?;
+                if p.on(n) < p.sampled {
+                    write!(
+                        f,
+                        ", {} on other nodes, {} absent, {} unknown",
+                        p.elsewhere(n),
+                        p.absent,
+                        p.unknown
+                    )?;
+                }
+                Ok(())
+            }
+            None => write!(f, "not placed ({}): {p}", self.reason),
+        }
+    }
+}
+
+/// The allocating thread's binding while a pool is allocated
+/// ([`enter`]); [`PlacementGuard::finish`] ends it and reports.
+#[derive(Debug)]
+pub struct PlacementGuard {
+    asked: HostPlacement,
+    node: Option<NumaNode>,
+    reason: String,
+    bound: Option<NodeBoundThread>,
+}
+
+impl PlacementGuard {
+    fn unplaced(asked: HostPlacement, reason: impl Into<String>) -> Self {
+        Self {
+            asked,
+            node: None,
+            reason: reason.into(),
+            bound: None,
+        }
+    }
+
+    /// The node the calling thread is bound to, if any.
+    pub fn node(&self) -> Option<NumaNode> {
+        self.node
+    }
+
+    /// Ends the binding (the thread's policy and CPUs are as before) and
+    /// reports where the `len` bytes at `addr`, the pool allocated
+    /// meanwhile, went.
+    pub fn finish(mut self, addr: usize, len: usize) -> PoolPlacement {
+        drop(self.bound.take());
+        let p = PoolPlacement {
+            asked: self.asked,
+            node: self.node,
+            reason: std::mem::take(&mut self.reason),
+            pages: sample_page_nodes(addr, len, SAMPLED_PAGES),
+        };
+        if p.pages_elsewhere() > 0 {
+            tracing::warn!(placement = %p, "host pool: some pages are not on its node");
+        } else {
+            tracing::info!(placement = %p, "host pool placement");
+        }
+        p
+    }
+}
+
+/// Decides where a pool near `device` (its GPU's PCI address; `None` on the
+/// host backend) goes for `asked`, and binds the calling thread there until
+/// [`PlacementGuard::finish`]. Allocate the pool on this thread meanwhile.
+///
+/// `auto` never fails: where it cannot place the pool it says why in the
+/// report (logged). A node asked for by number fails where it is not
+/// online or the system refuses the binding.
+pub fn enter(
+    asked: HostPlacement,
+    device: Option<&PciAddress>,
+    topo: &SysfsTopology,
+) -> Result<PlacementGuard, NumaError> {
+    match asked {
+        HostPlacement::Off => Ok(PlacementGuard::unplaced(asked, "placement off")),
+        HostPlacement::Node(node) => {
+            let online = topo.online_nodes()?;
+            if !online.contains(&node) {
+                return Err(NumaError::NodeNotOnline { node, online });
+            }
+            let cpus = topo.node_cpus(node)?;
+            let bound = NodeBoundThread::enter(node, &cpus)?;
+            Ok(PlacementGuard {
+                asked,
+                node: Some(node),
+                reason: "asked for".to_string(),
+                bound: Some(bound),
+            })
+        }
+        HostPlacement::Auto => Ok(auto(device, topo)),
+    }
+}
+
+/// `auto`: the GPU's node, or the reason there is none.
+fn auto(device: Option<&PciAddress>, topo: &SysfsTopology) -> PlacementGuard {
+    let asked = HostPlacement::Auto;
+    let Some(device) = device else {
+        return PlacementGuard::unplaced(asked, "no GPU to place it near");
+    };
+    let online = match topo.online_nodes() {
+        Ok(o) => o,
+        Err(e) => return PlacementGuard::unplaced(asked, format!("NUMA nodes unknown: {e}")),
+    };
+    if online.len() <= 1 {
+        return PlacementGuard::unplaced(asked, "one NUMA node online");
+    }
+    let node = match topo.device_node(device) {
+        Ok(Some(n)) if online.contains(&n) => n,
+        Ok(Some(n)) => {
+            return PlacementGuard::unplaced(asked, format!("GPU {device} names {n}, not online"));
+        }
+        Ok(None) => {
+            return PlacementGuard::unplaced(asked, format!("GPU {device} names no NUMA node"));
+        }
+        Err(e) => {
+            return PlacementGuard::unplaced(
+                asked,
+                format!("the NUMA node of GPU {device} is unknown: {e}"),
+            );
+        }
+    };
+    let cpus = topo.node_cpus(node).unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "the CPUs of the GPU's NUMA node are unknown: not pinning them");
+        Vec::new()
+    });
+    match NodeBoundThread::enter(node, &cpus) {
+        Ok(bound) => PlacementGuard {
+            asked,
+            node: Some(node),
+            reason: format!("GPU {device} is on {node}"),
+            bound: Some(bound),
+        },
+        Err(e) => PlacementGuard::unplaced(asked, format!("GPU {device} is on {node}, but {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::thread_policy::preferred_node_of_thread;
+    use super::super::topology::tests::fake_sysfs;
+    use super::*;
+    use crate::worker::HostBuffer;
+
+    const GPU: &str = "0000:3b:00.0";
+
+    fn gpu() -> PciAddress {
+        GPU.parse().unwrap()
+    }
+
+    /// This machine's first node and its CPUs, as a sysfs list.
+    fn real_node0() -> (NumaNode, String) {
+        let t = SysfsTopology::system();
+        let n = t.online_nodes().unwrap()[0];
+        let cpus: Vec<String> = t
+            .node_cpus(n)
+            .unwrap()
+            .iter()
+            .map(|c| c.to_string())
+            .collect();
+        (n, cpus.join(","))
+    }
+
+    /// Runs `f` on a thread of its own (placements change the thread).
+    fn on_own_thread(f: impl FnOnce() + Send + 'static) {
+        std::thread::spawn(f).join().unwrap();
+    }
+
+    #[test]
+    fn auto_places_the_pool_on_the_gpu_s_node_and_every_sampled_page_is_there() {
+        on_own_thread(|| {
+            let (n, cpus) = real_node0();
+            let other = n.0 + 1;
+            let sys = fake_sysfs(
+                &format!("{},{other}", n.0),
+                &[(n.0, &cpus), (other, "")],
+                &[(GPU, &n.0.to_string())],
+            );
+            let g = enter(
+                HostPlacement::Auto,
+                Some(&gpu()),
+                &SysfsTopology::at(sys.path()),
+            )
+            .unwrap();
+            assert_eq!(g.node(), Some(n));
+            assert_eq!(preferred_node_of_thread().unwrap(), Some(n));
+            let pool = HostBuffer::new(8 << 20).unwrap();
+            let p = g.finish(pool.addr() as usize, pool.len());
+            assert_eq!(
+                preferred_node_of_thread().unwrap(),
+                None,
+                "finish restores the thread"
+            );
+            assert_eq!(p.node, Some(n));
+            assert_eq!(p.reason, format!("GPU {GPU} is on {n}"));
+            assert_eq!(p.pages.sampled, (8 << 20) / 4096);
+            assert_eq!(p.pages.on(n), p.pages.sampled, "{p}");
+            assert_eq!(
+                p.to_string(),
+                format!("{n} (GPU {GPU} is on {n}): 2048 of 2048 sampled pages there")
+            );
+            assert_eq!(p.pages_elsewhere(), 0);
+            // Where some pages are elsewhere, the line says where.
+            let mut off = p.clone();
+            off.pages.by_node.insert(n, 2000);
+            off.pages.by_node.insert(NumaNode(n.0 + 1), 40);
+            off.pages.absent = 8;
+            assert_eq!(off.pages_elsewhere(), 40);
+            assert!(
+                off.to_string().ends_with(
+                    "2000 of 2048 sampled pages there, 40 on other nodes, 8 absent, 0 unknown"
+                ),
+                "{off}"
+            );
+        });
+    }
+
+    #[test]
+    fn auto_says_why_it_does_not_place() {
+        on_own_thread(|| {
+            let cases: Vec<(tempfile::TempDir, Option<PciAddress>, &str)> = vec![
+                (
+                    fake_sysfs("0-1", &[], &[(GPU, "1")]),
+                    None,
+                    "no GPU to place it near",
+                ),
+                (
+                    fake_sysfs("0", &[], &[(GPU, "0")]),
+                    Some(gpu()),
+                    "one NUMA node online",
+                ),
+                (
+                    fake_sysfs("0-1", &[], &[(GPU, "-1")]),
+                    Some(gpu()),
+                    "GPU 0000:3b:00.0 names no NUMA node",
+                ),
+                (
+                    fake_sysfs("0-1", &[], &[(GPU, "4")]),
+                    Some(gpu()),
+                    "GPU 0000:3b:00.0 names node 4, not online",
+                ),
+                (
+                    fake_sysfs("0-1", &[], &[]),
+                    Some(gpu()),
+                    "the NUMA node of GPU 0000:3b:00.0 is unknown: PCI device 0000:3b:00.0 not found under /sys/bus/pci/devices",
+                ),
+            ];
+            for (sys, device, why) in cases {
+                let g = enter(
+                    HostPlacement::Auto,
+                    device.as_ref(),
+                    &SysfsTopology::at(sys.path()),
+                )
+                .unwrap();
+                assert_eq!(g.node(), None, "{why}");
+                assert_eq!(preferred_node_of_thread().unwrap(), None, "{why}");
+                let p = g.finish(0, 0);
+                assert_eq!(p.reason, why);
+                assert!(
+                    p.to_string().starts_with(&format!("not placed ({why})")),
+                    "{p}"
+                );
+            }
+        });
+    }
+
+    #[test]
+    fn auto_on_a_node_the_kernel_refuses_says_so_and_leaves_the_thread_alone() {
+        on_own_thread(|| {
+            // sysfs says node 700 holds the GPU; this kernel has no node 700.
+            let sys = fake_sysfs("0,700", &[(700, "0")], &[(GPU, "700")]);
+            let g = enter(
+                HostPlacement::Auto,
+                Some(&gpu()),
+                &SysfsTopology::at(sys.path()),
+            )
+            .unwrap();
+            assert_eq!(g.node(), None);
+            assert_eq!(preferred_node_of_thread().unwrap(), None);
+            let p = g.finish(0, 0);
+            assert!(
+                p.reason
+                    .starts_with("GPU 0000:3b:00.0 is on node 700, but set_mempolicy refused"),
+                "{}",
+                p.reason
+            );
+        });
+    }
+
+    #[test]
+    fn a_node_asked_for_is_placed_or_refused_by_name() {
+        on_own_thread(|| {
+            let (n, _) = real_node0();
+            let sys = SysfsTopology::system();
+            let g = enter(HostPlacement::Node(n), None, &sys).unwrap();
+            assert_eq!(preferred_node_of_thread().unwrap(), Some(n));
+            let pool = HostBuffer::new(1 << 20).unwrap();
+            let p = g.finish(pool.addr() as usize, pool.len());
+            assert_eq!((p.node, p.reason.as_str()), (Some(n), "asked for"));
+            assert_eq!(p.pages.on(n), 256);
+            let e = enter(HostPlacement::Node(NumaNode(999)), None, &sys).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    NumaError::NodeNotOnline {
+                        node: NumaNode(999),
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            // sysfs lists node 700 online, the kernel refuses it: an error.
+            let fake = fake_sysfs("0,700", &[(700, "0")], &[]);
+            let e = enter(
+                HostPlacement::Node(NumaNode(700)),
+                None,
+                &SysfsTopology::at(fake.path()),
+            )
+            .unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    NumaError::Refused {
+                        op: "set_mempolicy",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert_eq!(preferred_node_of_thread().unwrap(), None);
+            let off = enter(HostPlacement::Off, Some(&gpu()), &sys).unwrap();
+            assert_eq!(off.finish(0, 0).reason, "placement off");
+        });
+    }
+}
