@@ -11,7 +11,7 @@ use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use kvoffload::worker::HostBuffer;
-use kvoffload::worker::numa::{self, HostPlacement, SysfsTopology, sample_page_nodes};
+use kvoffload::worker::numa::{self, HostPlacement, PoolNear, SysfsTopology, sample_page_nodes};
 
 const POOL: usize = 256 << 20;
 
@@ -25,7 +25,8 @@ fn placement(c: &mut Criterion) {
     });
     g.bench_function("placed_on_a_node", |b| {
         b.iter(|| {
-            let guard = numa::enter(HostPlacement::Node(node), None, &topo).expect("placement");
+            let guard =
+                numa::enter(HostPlacement::Node(node), &PoolNear::NoGpu, &topo).expect("placement");
             let pool = HostBuffer::new(POOL).expect("pool");
             let p = guard.finish(pool.addr() as usize, pool.len());
             assert_eq!(p.pages.on(node), p.pages.sampled, "{p}");

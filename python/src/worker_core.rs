@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use kvoffload::JobId;
 use kvoffload::worker::cuda::{
-    CudaBackend, MAX_REGISTER_PIECE, PinnedBuffer, borrowed_stream, open_context, pci_address,
+    CudaBackend, MAX_REGISTER_PIECE, PinnedBuffer, borrowed_stream, open_context, pool_near,
 };
-use kvoffload::worker::numa::{self, HostPlacement, PoolPlacement, SysfsTopology};
+use kvoffload::worker::numa::{self, HostPlacement, PoolNear, PoolPlacement, SysfsTopology};
 use kvoffload::worker::{
     Fault, FaultControl, FaultInjector, GpuLayout, GpuLayoutKind, GpuRegion, HeadOrder, HeadPage,
     HeadPlacement, HostBackend, HostBackendOptions, HostBuffer, HostRowLayout, OffloadWorker,
@@ -208,7 +208,8 @@ impl WorkerCore {
             .ok_or_else(|| value_error("no worker slot"))?;
         // The host backend has no GPU to be near: `auto` leaves the pool
         // where the kernel puts it; a node asked for is applied.
-        let guard = numa::enter(asked, None, &SysfsTopology::system()).map_err(value_error)?;
+        let guard =
+            numa::enter(asked, &PoolNear::NoGpu, &SysfsTopology::system()).map_err(value_error)?;
         let (pool, pool_addr) = match shared_region {
             Some(path) => {
                 let r = Arc::new(open_shared(&path, len)?);
@@ -294,9 +295,8 @@ impl WorkerCore {
         let ctx = open_context(device).map_err(runtime_error)?;
         // The pool is allocated (its pages placed and pinned) on this
         // thread, bound meanwhile to the GPU's NUMA node.
-        let gpu_pci = pci_address(&ctx).ok();
         let guard =
-            numa::enter(asked, gpu_pci.as_ref(), &SysfsTopology::system()).map_err(value_error)?;
+            numa::enter(asked, &pool_near(&ctx), &SysfsTopology::system()).map_err(value_error)?;
         let pool = match shared_region {
             // Registered in pieces of whole rows, as vLLM registers its region.
             Some(path) => PinnedBuffer::over_shared(

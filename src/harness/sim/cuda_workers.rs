@@ -12,7 +12,7 @@ use cudarc::driver::CudaContext;
 
 use crate::worker::cuda::{
     CudaBackend, CudaBackendOptions, CudaError, DeviceBuffer, PinnedBuffer, SharedStrategyTable,
-    context::guarded, error::driver, open_context, pci_address,
+    context::guarded, error::driver, open_context, pool_near,
 };
 use crate::worker::numa::{self, SysfsTopology};
 use crate::worker::{
@@ -120,8 +120,7 @@ impl WorkerPool {
         let gpu_len = usize::try_from(u64::from(gpu_blocks).saturating_mul(block_bytes))
             .map_err(|_| LayoutError::Overflow("GPU buffer size"))?;
         // One pool for every worker: on the NUMA node of the first GPU.
-        let gpu_pci = pci_address(&first).ok();
-        let guard = numa::enter(geometry.numa, gpu_pci.as_ref(), &SysfsTopology::system())?;
+        let guard = numa::enter(geometry.numa, &pool_near(&first), &SysfsTopology::system())?;
         let pool = Arc::new(PinnedBuffer::host_alloc(&first, pool_len).map_err(cuda(0))?);
         let mut contexts: Vec<Arc<CudaContext>> = vec![first];
         let mut me = Self::empty();

@@ -25,7 +25,7 @@ use crate::clock::SharedClock;
 use crate::ids::JobId;
 use crate::remote::{Namespace, RedisConnector, RemoteStats, RemoteTier, RemoteTierConfig};
 use crate::worker::cuda::CudaError;
-use crate::worker::numa::{self, HostPlacement, NumaError, PoolPlacement, SysfsTopology};
+use crate::worker::numa::{self, HostPlacement, NumaError, PoolNear, PoolPlacement, SysfsTopology};
 use crate::worker::{
     Fault, FaultControl, FaultInjector, GpuLayout, HostBackend, HostBackendOptions, HostBuffer,
     HostBufferError, HostRowLayout, LayoutError, OffloadWorker, StoreWriters, TransferBackend,
@@ -312,7 +312,7 @@ impl WorkerPool {
             .pool_bytes(num_chunks)
             .ok_or(LayoutError::Overflow("host pool size"))?;
         // No GPU to be near: `auto` leaves the pool where the kernel puts it.
-        let guard = numa::enter(geometry.numa, None, &SysfsTopology::system())?;
+        let guard = numa::enter(geometry.numa, &PoolNear::NoGpu, &SysfsTopology::system())?;
         let pool = Arc::new(HostBuffer::new(pool_bytes as usize)?);
         let mut me = Self::empty();
         me.placement = Some(guard.finish(pool.addr() as usize, pool.len()));

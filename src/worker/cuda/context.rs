@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaStream, sys};
 
 use super::error::CudaError;
-use crate::worker::numa::PciAddress;
+use crate::worker::numa::{PciAddress, PoolNear};
 
 /// Whether `libcuda.so` can be loaded.
 pub fn driver_present() -> bool {
@@ -75,6 +75,15 @@ pub fn pci_address(ctx: &Arc<CudaContext>) -> Result<PciAddress, CudaError> {
             function: 0,
         })
     })
+}
+
+/// What a pool for `ctx`'s device is near: its GPU, by PCI address, or
+/// why the address is unknown.
+pub fn pool_near(ctx: &Arc<CudaContext>) -> PoolNear {
+    match pci_address(ctx) {
+        Ok(a) => PoolNear::Gpu(a),
+        Err(e) => PoolNear::UnknownGpu(e.to_string()),
+    }
 }
 
 /// A stream another library owns, for ordering transfers after its work

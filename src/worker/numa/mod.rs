@@ -12,7 +12,7 @@
 //!   the machine has several nodes and the GPU names one), `off` (wherever the
 //!   kernel puts it), or a node number;
 //! - [`enter`] decides the node ([`SysfsTopology`], the device's
-//!   [`PciAddress`]) and binds the calling thread to it (a preferred memory
+//!   [`PciAddress`], [`PoolNear`]) and binds the calling thread to it (a preferred memory
 //!   policy and that node's CPUs) while the pool is allocated;
 //!   [`PlacementGuard::finish`] restores the thread and reports where the
 //!   pool's pages went ([`PoolPlacement`], sampled with `move_pages`).
@@ -35,7 +35,7 @@ use thiserror::Error;
 
 pub use pages::{PageNodes, sample_page_nodes};
 pub use pci::PciAddress;
-pub use placement::{PlacementGuard, PoolPlacement, enter};
+pub use placement::{PlacementGuard, PoolNear, PoolPlacement, enter};
 pub use thread_policy::{NodeBoundThread, preferred_node_of_thread};
 pub use topology::{SysfsTopology, parse_list};
 

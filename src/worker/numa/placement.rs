@@ -11,6 +11,17 @@ use super::{
 /// Pages a report samples (a 64 GiB pool: one page every 16 MiB).
 const SAMPLED_PAGES: usize = 4096;
 
+/// What a pool is allocated for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PoolNear {
+    /// No GPU (the host backend).
+    NoGpu,
+    /// The GPU at this PCI address.
+    Gpu(PciAddress),
+    /// A GPU whose PCI address the driver did not give (why).
+    UnknownGpu(String),
+}
+
 /// Where a pool was placed, why, and where its pages went.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolPlacement {
@@ -109,8 +120,8 @@ impl PlacementGuard {
     }
 }
 
-/// Decides where a pool near `device` (its GPU's PCI address; `None` on the
-/// host backend) goes for `asked`, and binds the calling thread there until
+/// Decides where a pool for `near` (its GPU, or none on the host backend)
+/// goes for `asked`, and binds the calling thread there until
 /// [`PlacementGuard::finish`]. Allocate the pool on this thread meanwhile.
 ///
 /// `auto` never fails: where it cannot place the pool it says why in the
@@ -118,7 +129,7 @@ impl PlacementGuard {
 /// online or the system refuses the binding.
 pub fn enter(
     asked: HostPlacement,
-    device: Option<&PciAddress>,
+    near: &PoolNear,
     topo: &SysfsTopology,
 ) -> Result<PlacementGuard, NumaError> {
     match asked {
@@ -137,15 +148,22 @@ pub fn enter(
                 bound: Some(bound),
             })
         }
-        HostPlacement::Auto => Ok(auto(device, topo)),
+        HostPlacement::Auto => Ok(auto(near, topo)),
     }
 }
 
 /// `auto`: the GPU's node, or the reason there is none.
-fn auto(device: Option<&PciAddress>, topo: &SysfsTopology) -> PlacementGuard {
+fn auto(near: &PoolNear, topo: &SysfsTopology) -> PlacementGuard {
     let asked = HostPlacement::Auto;
-    let Some(device) = device else {
-        return PlacementGuard::unplaced(asked, "no GPU to place it near");
+    let device = match near {
+        PoolNear::Gpu(d) => d,
+        PoolNear::NoGpu => return PlacementGuard::unplaced(asked, "no GPU to place it near"),
+        PoolNear::UnknownGpu(why) => {
+            return PlacementGuard::unplaced(
+                asked,
+                format!("the GPU's PCI address is unknown: {why}"),
+            );
+        }
     };
     let online = match topo.online_nodes() {
         Ok(o) => o,
@@ -227,7 +245,7 @@ mod tests {
             );
             let g = enter(
                 HostPlacement::Auto,
-                Some(&gpu()),
+                &PoolNear::Gpu(gpu()),
                 &SysfsTopology::at(sys.path()),
             )
             .unwrap();
@@ -267,40 +285,40 @@ mod tests {
     #[test]
     fn auto_says_why_it_does_not_place() {
         on_own_thread(|| {
-            let cases: Vec<(tempfile::TempDir, Option<PciAddress>, &str)> = vec![
+            let cases: Vec<(tempfile::TempDir, PoolNear, &str)> = vec![
                 (
                     fake_sysfs("0-1", &[], &[(GPU, "1")]),
-                    None,
+                    PoolNear::NoGpu,
                     "no GPU to place it near",
                 ),
                 (
+                    fake_sysfs("0-1", &[], &[(GPU, "1")]),
+                    PoolNear::UnknownGpu("no attribute".into()),
+                    "the GPU's PCI address is unknown: no attribute",
+                ),
+                (
                     fake_sysfs("0", &[], &[(GPU, "0")]),
-                    Some(gpu()),
+                    PoolNear::Gpu(gpu()),
                     "one NUMA node online",
                 ),
                 (
                     fake_sysfs("0-1", &[], &[(GPU, "-1")]),
-                    Some(gpu()),
+                    PoolNear::Gpu(gpu()),
                     "GPU 0000:3b:00.0 names no NUMA node",
                 ),
                 (
                     fake_sysfs("0-1", &[], &[(GPU, "4")]),
-                    Some(gpu()),
+                    PoolNear::Gpu(gpu()),
                     "GPU 0000:3b:00.0 names node 4, not online",
                 ),
                 (
                     fake_sysfs("0-1", &[], &[]),
-                    Some(gpu()),
+                    PoolNear::Gpu(gpu()),
                     "the NUMA node of GPU 0000:3b:00.0 is unknown: PCI device 0000:3b:00.0 not found under /sys/bus/pci/devices",
                 ),
             ];
-            for (sys, device, why) in cases {
-                let g = enter(
-                    HostPlacement::Auto,
-                    device.as_ref(),
-                    &SysfsTopology::at(sys.path()),
-                )
-                .unwrap();
+            for (sys, near, why) in cases {
+                let g = enter(HostPlacement::Auto, &near, &SysfsTopology::at(sys.path())).unwrap();
                 assert_eq!(g.node(), None, "{why}");
                 assert_eq!(preferred_node_of_thread().unwrap(), None, "{why}");
                 let p = g.finish(0, 0);
@@ -320,7 +338,7 @@ mod tests {
             let sys = fake_sysfs("0,700", &[(700, "0")], &[(GPU, "700")]);
             let g = enter(
                 HostPlacement::Auto,
-                Some(&gpu()),
+                &PoolNear::Gpu(gpu()),
                 &SysfsTopology::at(sys.path()),
             )
             .unwrap();
@@ -341,13 +359,13 @@ mod tests {
         on_own_thread(|| {
             let (n, _) = real_node0();
             let sys = SysfsTopology::system();
-            let g = enter(HostPlacement::Node(n), None, &sys).unwrap();
+            let g = enter(HostPlacement::Node(n), &PoolNear::NoGpu, &sys).unwrap();
             assert_eq!(preferred_node_of_thread().unwrap(), Some(n));
             let pool = HostBuffer::new(1 << 20).unwrap();
             let p = g.finish(pool.addr() as usize, pool.len());
             assert_eq!((p.node, p.reason.as_str()), (Some(n), "asked for"));
             assert_eq!(p.pages.on(n), 256);
-            let e = enter(HostPlacement::Node(NumaNode(999)), None, &sys).unwrap_err();
+            let e = enter(HostPlacement::Node(NumaNode(999)), &PoolNear::NoGpu, &sys).unwrap_err();
             assert!(
                 matches!(
                     e,
@@ -362,7 +380,7 @@ mod tests {
             let fake = fake_sysfs("0,700", &[(700, "0")], &[]);
             let e = enter(
                 HostPlacement::Node(NumaNode(700)),
-                None,
+                &PoolNear::NoGpu,
                 &SysfsTopology::at(fake.path()),
             )
             .unwrap_err();
@@ -377,7 +395,7 @@ mod tests {
                 "{e}"
             );
             assert_eq!(preferred_node_of_thread().unwrap(), None);
-            let off = enter(HostPlacement::Off, Some(&gpu()), &sys).unwrap();
+            let off = enter(HostPlacement::Off, &PoolNear::Gpu(gpu()), &sys).unwrap();
             assert_eq!(off.finish(0, 0).reason, "placement off");
         });
     }

@@ -18,7 +18,7 @@ use thiserror::Error;
 use crate::worker::cuda::error::driver;
 use crate::worker::cuda::{
     CudaBackend, CudaBackendOptions, CudaError, DeviceBuffer, LaunchShape, PinnedBuffer, Strategy,
-    open_context, pci_address,
+    open_context, pool_near,
 };
 use crate::worker::numa::{self, SysfsTopology};
 use crate::worker::{BackendError, HostRowLayout, TransferSpec, WorkerLayout};
@@ -111,8 +111,7 @@ pub fn run_cuda(
         .and_then(|d| d.checked_add(usize::try_from(max_block).ok()?))
         .ok_or_else(|| CudaBenchError::Options("device buffer size overflows".into()))?;
     let device = ctx.name().unwrap_or_else(|_| "?".into());
-    let gpu_pci = pci_address(ctx).ok();
-    let guard = numa::enter(sweep.numa, gpu_pci.as_ref(), &SysfsTopology::system())
+    let guard = numa::enter(sweep.numa, &pool_near(ctx), &SysfsTopology::system())
         .map_err(|e| CudaBenchError::Options(format!("host pool placement: {e}")))?;
     let pool = PinnedBuffer::host_alloc(ctx, max_job)?;
     let host_placement = guard.finish(pool.addr() as usize, max_job).to_string();
