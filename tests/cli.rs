@@ -418,7 +418,21 @@ fn bench_json_csv_and_plot() {
 fn info_and_help_still_work() {
     let out = kvoffload(&["info"]);
     assert!(out.status.success());
-    assert!(text(&out.stdout).contains("CUDA kernels"));
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("CUDA kernels"));
+    // The machine's NUMA nodes, and its GPUs (none without a driver).
+    assert!(
+        stdout.contains(&format!("NUMA node {}: ", first_numa_node())),
+        "{stdout}"
+    );
+    if let Some(reason) = cuda_unavailable() {
+        assert!(
+            stdout.contains(&format!("GPUs: none ({reason})")),
+            "{stdout}"
+        );
+    } else {
+        assert!(stdout.contains("GPU 0: "), "{stdout}");
+    }
     let out = kvoffload(&["--help"]);
     assert!(out.status.success());
     for c in ["sim", "bench", "replay", "info"] {

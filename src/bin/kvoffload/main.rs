@@ -149,7 +149,54 @@ fn info() -> ExitCode {
     } else {
         println!("CUDA kernels: not built (no nvcc at build time)");
     }
+    topology();
     ExitCode::SUCCESS
+}
+
+/// The NUMA nodes online and each GPU's node (where a host pool placed
+/// `auto` goes: `docs/dataplane.md`, "NUMA placement of the host pool").
+fn topology() {
+    use kvoffload::worker::cuda::{device_count, open_context, pci_address};
+    use kvoffload::worker::numa::SysfsTopology;
+    let topo = SysfsTopology::system();
+    match topo.online_nodes() {
+        Ok(nodes) => {
+            for n in nodes {
+                match topo.node_cpus(n) {
+                    Ok(cpus) => println!("NUMA {n}: {} CPUs", cpus.len()),
+                    Err(e) => println!("NUMA {n}: CPUs unknown ({e})"),
+                }
+            }
+        }
+        Err(e) => println!("NUMA nodes: unknown ({e})"),
+    }
+    let count = match device_count() {
+        Ok(c) => c,
+        Err(e) => {
+            println!("GPUs: none ({e})");
+            return;
+        }
+    };
+    if count == 0 {
+        println!("GPUs: none (the driver shows no device)");
+    }
+    for ordinal in 0..count {
+        let line = open_context(ordinal).and_then(|ctx| {
+            let name = ctx.name().unwrap_or_else(|_| "?".into());
+            Ok((name, pci_address(&ctx)?))
+        });
+        match line {
+            Ok((name, pci)) => {
+                let node = match topo.device_node(&pci) {
+                    Ok(Some(n)) => n.to_string(),
+                    Ok(None) => "no NUMA node".to_string(),
+                    Err(e) => format!("NUMA node unknown ({e})"),
+                };
+                println!("GPU {ordinal}: {name}, PCI {pci}, {node}");
+            }
+            Err(e) => println!("GPU {ordinal}: {e}"),
+        }
+    }
 }
 
 fn main() -> ExitCode {

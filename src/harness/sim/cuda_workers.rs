@@ -12,7 +12,7 @@ use cudarc::driver::CudaContext;
 
 use crate::worker::cuda::{
     CudaBackend, CudaBackendOptions, CudaError, DeviceBuffer, PinnedBuffer, SharedStrategyTable,
-    context::guarded, error::driver, open_context, pool_near,
+    device_count, error::driver, open_context, pool_near,
 };
 use crate::worker::numa::{self, SysfsTopology};
 use crate::worker::{
@@ -70,14 +70,8 @@ impl GpuMemory for DeviceGpuMemory {
 }
 
 /// Number of CUDA devices (at least 1 once a context opened).
-fn device_count() -> usize {
-    guarded("cuDeviceGetCount", || {
-        CudaContext::device_count().map_err(driver("cuDeviceGetCount"))
-    })
-    .ok()
-    .and_then(|n| usize::try_from(n).ok())
-    .unwrap_or(1)
-    .max(1)
+fn devices() -> usize {
+    device_count().unwrap_or(1).max(1)
 }
 
 impl WorkerPool {
@@ -105,7 +99,7 @@ impl WorkerPool {
         } = geometry;
         let world = world_size.max(1);
         let first = open_context(0).map_err(PoolError::CudaUnavailable)?;
-        let devices = device_count();
+        let devices = devices();
         let cuda = |worker: u32| move |source: CudaError| PoolError::Cuda { worker, source };
         let row = HostRowLayout::uniform(
             blocks_per_chunk.max(1),

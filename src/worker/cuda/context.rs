@@ -50,6 +50,20 @@ pub fn open_context(ordinal: usize) -> Result<Arc<CudaContext>, CudaError> {
     })
 }
 
+/// How many CUDA devices the driver shows this process.
+pub fn device_count() -> Result<usize, CudaError> {
+    if !driver_present() {
+        return Err(CudaError::NoDriver);
+    }
+    let n = guarded("cuDeviceGetCount", || {
+        CudaContext::device_count().map_err(|e| CudaError::Driver {
+            op: "cuDeviceGetCount",
+            message: format!("{e:?}"),
+        })
+    })?;
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
 /// The PCI address of `ctx`'s device (for placing host memory on its NUMA
 /// node, [`crate::worker::numa`]).
 pub fn pci_address(ctx: &Arc<CudaContext>) -> Result<PciAddress, CudaError> {

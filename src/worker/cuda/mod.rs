@@ -15,7 +15,9 @@ mod strategy;
 mod tuning;
 
 pub use backend::{CudaBackend, CudaBackendOptions, CudaBackendStats};
-pub use context::{borrowed_stream, driver_present, open_context, pci_address, pool_near};
+pub use context::{
+    borrowed_stream, device_count, driver_present, open_context, pci_address, pool_near,
+};
 pub use error::CudaError;
 pub use kernel::{LaunchShape, kernel_pieces, table_header};
 pub use memory::{DeviceBuffer, MAX_REGISTER_PIECE, PinnedBuffer, PinnedKind};
