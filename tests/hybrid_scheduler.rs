@@ -848,6 +848,44 @@ fn a_hand_off_whose_block_goes_to_another_request_in_its_step_is_flushed() {
 }
 
 #[test]
+fn a_hand_off_of_an_earlier_state_whose_block_its_request_gets_back_in_its_step_is_flushed() {
+    // vLLM 0.33.0 under speculative decoding (seed 72006): the state after
+    // 8 tokens, committed in an earlier step, is handed over in block 5 in
+    // the step whose allocation retired it and gave block 5 back to the
+    // same request as its next speculative column. This step's forward
+    // writes that column: the store is flushed (copied before it).
+    let (mut s, _clock) = full_and_state();
+    let r1 = RequestId(1);
+    s.add_request(r1, 12, &hashes(3, 3)).unwrap();
+    assert_eq!(s.lookup(r1, 0).unwrap(), LookupOutcome::Hit(0));
+    assert_eq!(
+        alloc_groups(&mut s, r1, &[ids(&[1, 2]), ids(&[0, 5])], 0),
+        None
+    );
+    let first = s
+        .build_step(&step_of(vec![entry(1, 0, 8, &[1, 2], &[0, 5])]))
+        .unwrap();
+    s.on_worker_output(&all_done(&first));
+    let mut step = step_of(vec![entry(1, 8, 4, &[3], &[5])]);
+    step.boundary_states = vec![BoundaryState {
+        req: r1,
+        group: 1,
+        block: GpuBlockId(5),
+        boundary: 8,
+    }];
+    let plan = s.build_step(&step).unwrap();
+    let handed = plan
+        .stores
+        .iter()
+        .find(|t| t.block_ids.to_vec() == ids(&[5]))
+        .expect("the hand-off's store");
+    assert_eq!(plan.flush, vec![handed.job]);
+    assert_eq!(s.handoff_flushes(), &[handed.job]);
+    assert_eq!(s.metrics().handoffs_flushed, 1);
+    s.check_invariants().unwrap();
+}
+
+#[test]
 fn a_group_of_larger_blocks_keys_each_chunk_by_the_last_hash_in_it() {
     // Group 0: full attention over 4-token blocks; group 1: a 16-token
     // window over 8-token blocks (vLLM grows a group of smaller pages to

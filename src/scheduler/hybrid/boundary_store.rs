@@ -98,9 +98,21 @@ impl Scheduler {
             // by its new owner in this step's forward. Flushed, the workers
             // copy it before that forward. (vLLM 0.33.0 checks reallocated
             // blocks before it plans hand-off stores, and stores the new
-            // owner's bytes.) A block the request itself got in this step
-            // is the one this step computes: it is stored after the forward.
-            if self.batch.allocated.contains(s.block) && !allocated_to(input, s.req, s.block) {
+            // owner's bytes.) The same holds for a block the request itself
+            // got back in this step when its state was committed before
+            // the step (vLLM retires the request's interior states, then
+            // takes the freed block for its next speculative column, which
+            // this step's forward writes: seed 72006). A block the request
+            // got in this step for a state this step computes is stored
+            // after the forward.
+            let committed_before = input
+                .scheduled
+                .iter()
+                .find(|e| e.req == s.req)
+                .is_none_or(|e| s.boundary <= e.computed_tokens);
+            if self.batch.allocated.contains(s.block)
+                && (committed_before || !allocated_to(input, s.req, s.block))
+            {
                 self.batch.flush.push(job);
                 self.batch.handoff_flushes.push(job);
                 self.counters.handoffs_flushed += 1;
