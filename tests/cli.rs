@@ -240,6 +240,15 @@ fn sim_reports_where_the_host_pool_was_placed_and_refuses_a_node_not_online() {
     let sampled = rest.split(' ').next().unwrap();
     assert_eq!(there, sampled, "{line}");
     assert!(there.parse::<u64>().unwrap() > 0, "{line}");
+    // Every worker's two copy threads run on the node's CPUs.
+    let (on, of) = line
+        .split_once("host copy threads on its CPUs: ")
+        .expect(line)
+        .1
+        .split_once(" of ")
+        .expect(line);
+    assert_eq!(on, of, "{line}");
+    assert!(of.parse::<u64>().unwrap() >= 2, "{line}");
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
     assert_eq!(

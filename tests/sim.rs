@@ -12,6 +12,7 @@ use kvoffload::harness::sim::{
     set_sync_load_budget,
 };
 use kvoffload::metrics::{MetricsServer, SharedMetricsText};
+use kvoffload::worker::numa::{HostPlacement, SysfsTopology};
 use serde_json::Value;
 
 fn opts(seed: u64, requests: u64, faults: FaultRates) -> SimOptions {
@@ -477,6 +478,45 @@ fn metrics_are_served_over_http_with_vllm_names() {
     println!("lookups resolved: {sync} sync, {deferred} after deferring");
     let resp = http_get(server.local_addr(), "/other");
     assert!(resp.starts_with("HTTP/1.1 404"));
+}
+
+/// The metrics say where the host pool went: placed on the node asked for
+/// (every sampled page there, both copy threads of each worker on its
+/// CPUs), or not placed under `auto` on the host backend.
+#[test]
+fn metrics_report_the_host_pool_s_numa_placement() {
+    let node = SysfsTopology::system().online_nodes().unwrap()[0];
+    let served = |numa: HostPlacement| {
+        let text = SharedMetricsText::default();
+        let mut sim = Sim::new(
+            default_config(),
+            SimOptions {
+                numa,
+                ..opts(7, 30, FaultRates::default())
+            },
+        )
+        .unwrap();
+        sim.publish_metrics(text.clone());
+        sim.run(&mut |_| {}).unwrap();
+        let body = text.get();
+        move |name: &str| -> f64 {
+            body.lines()
+                .find_map(|l| l.strip_prefix(&format!("{name} ")))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("missing {name}: {body}"))
+        }
+    };
+    let placed = served(HostPlacement::Node(node));
+    let world = f64::from(default_config().world_size);
+    assert_eq!(placed("kvoffload_host_pools"), 1.0);
+    assert_eq!(placed("kvoffload_host_pools_placed"), 1.0);
+    assert!(placed("kvoffload_host_pool_sampled_pages") > 0.0);
+    assert_eq!(placed("kvoffload_host_pool_pages_elsewhere"), 0.0);
+    assert_eq!(placed("kvoffload_host_copy_threads_on_node"), 2.0 * world);
+    let auto = served(HostPlacement::Auto);
+    assert_eq!(auto("kvoffload_host_pools"), 1.0);
+    assert_eq!(auto("kvoffload_host_pools_placed"), 0.0);
+    assert_eq!(auto("kvoffload_host_copy_threads_on_node"), 0.0);
 }
 
 /// The generic fault injector (every sim backend, host and CUDA, runs in one)

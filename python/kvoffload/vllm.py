@@ -103,6 +103,9 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
     #: The remote tier's worker counters since the last report (the non-zero
     #: ones of ``_REMOTE_WORKER_COUNTERS``: writes, and the fetches' reads).
     remote: dict[str, int] = field(default_factory=dict)
+    #: Where the worker's host pool went (``_PLACEMENT_GAUGES``' keys),
+    #: in the worker's first report only.
+    placement: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvOffloadWorkerMetadata)
@@ -118,7 +121,10 @@ class KvOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         remote = dict(self.remote)
         for k, n in other.remote.items():
             remote[k] = remote.get(k, 0) + n
-        return KvOffloadWorkerMetadata(completed, self.failed | other.failed, stats, remote)
+        placement = dict(self.placement)
+        for k, n in other.placement.items():
+            placement[k] = placement.get(k, 0) + n
+        return KvOffloadWorkerMetadata(completed, self.failed | other.failed, stats, remote, placement)
 
 
 def _histogram_tag() -> str:
@@ -217,6 +223,37 @@ REMOTE_METRICS = {
     "kvoffload_remote_connected": OffloadingGaugeMetadata(
         documentation="1 while the scheduler's connection to the remote store is up.",
     ),
+}
+
+#: Where the workers' host pools went (NUMA placement), summed over the
+#: workers: each reports its pool (its mapping of a shared region) once.
+#: The names of kvoffload's own exporter (``kvoffload sim --metrics-addr``).
+PLACEMENT_METRICS = {
+    "kvoffload_host_pools": OffloadingGaugeMetadata(
+        documentation="Host pools reported (one per worker).",
+    ),
+    "kvoffload_host_pools_placed": OffloadingGaugeMetadata(
+        documentation="Host pools placed on a NUMA node (host_numa_node).",
+    ),
+    "kvoffload_host_pool_sampled_pages": OffloadingGaugeMetadata(
+        documentation="Pages of the host pools sampled for their NUMA node.",
+    ),
+    "kvoffload_host_pool_pages_elsewhere": OffloadingGaugeMetadata(
+        documentation="Sampled pages of placed host pools on another NUMA node than theirs.",
+    ),
+    "kvoffload_host_copy_threads_on_node": OffloadingGaugeMetadata(
+        documentation="Host backend copy threads running on their pool's NUMA node.",
+    ),
+}
+
+#: ``WorkerCore.host_placement``'s keys each gauge sums (``pools`` counts
+#: the reports; ``placed`` is 1 where the pool has a node).
+_PLACEMENT_GAUGES = {
+    "pools": "kvoffload_host_pools",
+    "placed": "kvoffload_host_pools_placed",
+    "sampled": "kvoffload_host_pool_sampled_pages",
+    "elsewhere": "kvoffload_host_pool_pages_elsewhere",
+    "copy_threads_on_node": "kvoffload_host_copy_threads_on_node",
 }
 
 #: The worker's remote counters (``WorkerCore.remote_stats``: its writes and
@@ -1066,6 +1103,8 @@ class _SchedulerSide:
         )
         #: The remote stats already reported (the payload carries increments).
         self.remote_last: dict[str, int] = {}
+        #: The workers' host pool placements, summed (``_PLACEMENT_GAUGES``).
+        self.placement: dict[str, int] = {}
         #: Whether lookups may reserve a sync load (``sync_load_budget_bytes``).
         self.sync_loads = cfg.sync_load_budget_bytes > 0
         if cfg.remote_tier_json is not None:
@@ -1280,6 +1319,8 @@ class _SchedulerSide:
             name = _REMOTE_WORKER_COUNTERS.get(key)
             if name is not None and n:
                 self.stats.increase_counter(name, n)
+        for key, n in meta.placement.items():
+            self.placement[key] = self.placement.get(key, 0) + n
         for name, (b, t, sizes) in meta.stats.items():
             if not (b or t or sizes):
                 continue
@@ -1416,6 +1457,9 @@ class _SchedulerSide:
             for key, n in _increments(remote, self.remote_last, _REMOTE_LOOKUP_COUNTERS).items():
                 out.increase_counter(_REMOTE_LOOKUP_COUNTERS[key], n)
             out.set_gauge("kvoffload_remote_connected", int(remote["tier"]["connected"]))
+        if self.placement:
+            for key, name in _PLACEMENT_GAUGES.items():
+                out.set_gauge(name, self.placement.get(key, 0))
         if not self.info_sent:
             out.set_info([self.info])
             self.info_sent = True
@@ -1610,6 +1654,12 @@ class _WorkerSide:
         (logger.warning if placement["elsewhere"] else logger.info)(
             "kvoffload: host pool NUMA placement: %s", placement["summary"]
         )
+        # For the scheduler's gauges, in the first report.
+        self.meta.placement = {
+            "pools": 1,
+            "placed": int(placement["node"] is not None),
+            **{k: int(placement[k]) for k in ("sampled", "elsewhere", "copy_threads_on_node")},
+        }
 
     def bind(self, meta: KvOffloadMetadata) -> None:
         assert self.core is not None, "register_kv_caches first"
@@ -1705,7 +1755,7 @@ class _WorkerSide:
         return out
 
     def build_connector_worker_meta(self) -> KvOffloadWorkerMetadata | None:
-        if not self.meta.completed and not self.meta.stats and not self.meta.remote:
+        if not (self.meta.completed or self.meta.stats or self.meta.remote or self.meta.placement):
             return None
         out, self.meta = self.meta, KvOffloadWorkerMetadata()
         return out
@@ -1716,7 +1766,7 @@ class KvOffloadPromMetrics(OffloadPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        for name, metadata in {**STALL_METRICS, **REMOTE_METRICS}.items():
+        for name, metadata in {**STALL_METRICS, **REMOTE_METRICS, **PLACEMENT_METRICS}.items():
             self._offloading_metric_metadata[name] = metadata
             self._offloading_metric_defs[name] = self._create_metric(name, metadata)
 

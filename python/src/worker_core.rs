@@ -97,6 +97,9 @@ pub(crate) struct WorkerCore {
     pool_bytes: u64,
     /// Where the host pool was placed (its NUMA node).
     placement: PoolPlacement,
+    /// Host copy threads running on the pool's node's CPUs (the host
+    /// backend, with the pool placed; 0 otherwise).
+    copy_threads_on_node: usize,
     /// This worker's slot of a chunk row and the blocks a chunk (where a
     /// remote tier's shares lie).
     slot: SlotLayout,
@@ -227,10 +230,16 @@ impl WorkerCore {
             WorkerLayout::new(gpu, row, 0, pool_addr, num_chunks).map_err(value_error)?,
             groups,
         )?;
+        // The copy threads run on the pool's node, where it was placed.
+        let options = HostBackendOptions {
+            home: placement.home(),
+            ..HostBackendOptions::default()
+        };
         // SAFETY: the pool is owned by this object (dropped after the worker,
         // whose threads end in its drop); the tensors' memory is kept alive
         // and untouched during their jobs by the caller (documented above).
-        let backend = unsafe { HostBackend::from_raw(layout, HostBackendOptions::default()) };
+        let backend = unsafe { HostBackend::from_raw(layout, options) };
+        let copy_threads_on_node = backend.copy_threads_on_home_node();
         Ok(Self {
             worker: Worker::Host(Box::new(
                 OffloadWorker::new(FaultInjector::new(backend), true).with_store_writers(writers),
@@ -239,6 +248,7 @@ impl WorkerCore {
             plan: None,
             pool_bytes,
             placement,
+            copy_threads_on_node,
             slot,
             blocks_per_chunk,
         })
@@ -330,6 +340,7 @@ impl WorkerCore {
             plan: None,
             pool_bytes,
             placement,
+            copy_threads_on_node: 0,
             slot,
             blocks_per_chunk,
         })
@@ -345,7 +356,10 @@ impl WorkerCore {
     /// node), `node` (the NUMA node it was placed on, or None: wherever the
     /// kernel put it), `reason`, and a sample of its pages: `sampled`,
     /// `by_node` ({node: pages}), `absent`, `unknown`, `elsewhere` (pages of
-    /// a placed pool on another node); `summary`, one line.
+    /// a placed pool on another node); `copy_threads_on_node` (the host
+    /// backend's copy threads running on the placed pool's node: 2, or 0
+    /// where the pool was not placed, the backend is CUDA's (no copy
+    /// threads) or the system refused); `summary`, one line.
     #[getter]
     fn host_placement<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         let p = &self.placement;
@@ -359,7 +373,15 @@ impl WorkerCore {
         d.set_item("absent", p.pages.absent)?;
         d.set_item("unknown", p.pages.unknown)?;
         d.set_item("elsewhere", p.pages_elsewhere())?;
-        d.set_item("summary", p.to_string())?;
+        d.set_item("copy_threads_on_node", self.copy_threads_on_node)?;
+        let summary = match (&self.worker, p.node) {
+            (Worker::Host(_), Some(_)) => format!(
+                "{p}; host copy threads on its CPUs: {} of 2",
+                self.copy_threads_on_node
+            ),
+            _ => p.to_string(),
+        };
+        d.set_item("summary", summary)?;
         Ok(d)
     }
 

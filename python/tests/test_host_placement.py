@@ -30,7 +30,11 @@ def test_a_pool_asked_for_on_a_node_has_every_sampled_page_there():
     assert p["asked"] == str(node) and p["node"] == node and p["reason"] == "asked for"
     assert p["sampled"] > 0 and p["by_node"] == {node: p["sampled"]}, p
     assert p["absent"] == 0 and p["unknown"] == 0, p
-    assert p["summary"] == f"node {node} (asked for): {p['sampled']} of {p['sampled']} sampled pages there"
+    assert p["copy_threads_on_node"] == 2, p
+    assert p["summary"] == (
+        f"node {node} (asked for): {p['sampled']} of {p['sampled']} sampled pages there; "
+        "host copy threads on its CPUs: 2 of 2"
+    )
 
 
 @pytest.mark.parametrize("numa, reason", [("auto", "no GPU to place it near"), ("off", "placement off")])
@@ -38,6 +42,7 @@ def test_a_pool_not_placed_says_why(numa, reason):
     p = rt.roundtrip("host", numa=numa)["placement"][0]
     assert p["node"] is None and p["reason"] == reason, p
     assert p["summary"].startswith(f"not placed ({reason}): "), p
+    assert p["copy_threads_on_node"] == 0 and "copy threads" not in p["summary"], p
 
 
 def test_two_workers_over_a_shared_region_place_it_on_the_node(tmp_path):
@@ -45,6 +50,7 @@ def test_two_workers_over_a_shared_region_place_it_on_the_node(tmp_path):
     out = rt.roundtrip("host", shared_region=str(tmp_path / "region.mmap"), turns=True, numa=str(node))
     for p in out["placement"]:
         assert p["node"] == node and p["by_node"] == {node: p["sampled"]}, p
+        assert p["copy_threads_on_node"] == 2, p
 
 
 @pytest.mark.parametrize(
@@ -73,6 +79,31 @@ def test_the_connector_places_each_worker_s_pool_and_logs_where_it_went(caplog):
     default = harness.build(extra={"cpu_bytes_to_use": 10**7})
     assert default.connector.engine_config.host_numa_node == "auto"
     assert default.workers[0]._worker.core.host_placement["reason"] == "no GPU to place it near"
+
+
+def test_the_placement_reaches_vllm_s_prometheus_metrics_summed_over_workers():
+    # Each worker reports its pool once, in its first step's metadata; vLLM
+    # sums the workers' metadata and the scheduler's stats carry the gauges.
+    node = first_node()
+    e = harness.build(world_size=2, extra={"cpu_bytes_to_use": 10**7, "host_numa_node": node})
+    prom = harness.PromRecorder(e)
+    e.add(list(range(40)), 4)
+    e.run()
+    sampled = sum(w._worker.core.host_placement["sampled"] for w in e.workers)
+    assert sampled > 0
+    assert prom.value("kvoffload_host_pools") == 2
+    assert prom.value("kvoffload_host_pools_placed") == 2
+    assert prom.value("kvoffload_host_pool_sampled_pages") == sampled
+    assert prom.value("kvoffload_host_pool_pages_elsewhere") == 0
+    assert prom.value("kvoffload_host_copy_threads_on_node") == 4
+    # Not placed (`auto` over CPU caches): the gauges say so.
+    e = harness.build(world_size=2, extra={"cpu_bytes_to_use": 10**7})
+    prom = harness.PromRecorder(e)
+    e.add(list(range(40)), 4)
+    e.run()
+    assert prom.value("kvoffload_host_pools") == 2
+    assert prom.value("kvoffload_host_pools_placed") == 0
+    assert prom.value("kvoffload_host_copy_threads_on_node") == 0
 
 
 def no_worker(worker, metadata):

@@ -9,6 +9,7 @@ use std::fmt::Write;
 use crate::manager::ManagerStats;
 use crate::scheduler::{LookupDelays, SchedulerMetrics};
 use crate::worker::TransferStats;
+use crate::worker::numa::PoolPlacement;
 
 pub use crate::histogram::Histogram;
 pub use server::{MetricsServer, SharedMetricsText};
@@ -40,6 +41,34 @@ impl Default for DirectionMetrics {
     }
 }
 
+/// Where the workers' host pools went (NUMA placement), as gauges: one
+/// [`Self::add_pool`] per pool (per worker's mapping of a shared region).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlacementMetrics {
+    /// Host pools reported.
+    pub pools: u64,
+    /// Of those, pools placed on a NUMA node.
+    pub placed: u64,
+    /// Pages sampled over the pools.
+    pub sampled_pages: u64,
+    /// Sampled pages of placed pools that are on another node than theirs
+    /// (the node ran out of memory, or the pages were there before).
+    pub pages_elsewhere: u64,
+    /// Host backend copy threads running on their pool's node's CPUs.
+    pub copy_threads_on_node: u64,
+}
+
+impl PlacementMetrics {
+    /// Adds one pool's placement, with its copy threads on the pool's node.
+    pub fn add_pool(&mut self, p: &PoolPlacement, copy_threads_on_node: usize) {
+        self.pools += 1;
+        self.placed += u64::from(p.node.is_some());
+        self.sampled_pages += p.pages.sampled as u64;
+        self.pages_elsewhere += p.pages_elsewhere() as u64;
+        self.copy_threads_on_node += copy_threads_on_node as u64;
+    }
+}
+
 /// Every metric the engine exports.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct OffloadMetrics {
@@ -53,6 +82,8 @@ pub struct OffloadMetrics {
     pub lookup: LookupDelays,
     /// The host tier's occupancy.
     pub manager: ManagerStats,
+    /// Where the host pools went.
+    pub placement: PlacementMetrics,
 }
 
 impl OffloadMetrics {
@@ -210,6 +241,32 @@ impl OffloadMetrics {
             "Host tier chunk slots",
             f64::from(self.manager.num_chunks),
         );
+        let p = &self.placement;
+        for (name, help, v) in [
+            ("kvoffload_host_pools", "Host pools reported", p.pools),
+            (
+                "kvoffload_host_pools_placed",
+                "Host pools placed on a NUMA node",
+                p.placed,
+            ),
+            (
+                "kvoffload_host_pool_sampled_pages",
+                "Pages of the host pools sampled for their NUMA node",
+                p.sampled_pages,
+            ),
+            (
+                "kvoffload_host_pool_pages_elsewhere",
+                "Sampled pages of placed host pools on another NUMA node than theirs",
+                p.pages_elsewhere,
+            ),
+            (
+                "kvoffload_host_copy_threads_on_node",
+                "Host copy threads running on their pool's NUMA node",
+                p.copy_threads_on_node,
+            ),
+        ] {
+            gauge(&mut o, name, help, v as f64);
+        }
         o
     }
 }

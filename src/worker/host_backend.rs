@@ -12,6 +12,10 @@
 //! skips the hand-off; [`HostBackendOptions::help_in_wait`]). Either way the jobs
 //! of one direction are copied one at a time, in submission order.
 //!
+//! Where the host pool was placed on a NUMA node
+//! ([`HostBackendOptions::home`]), the copy threads run on that node's CPUs:
+//! the pool's side of every copy is then local memory.
+//!
 //! It is the default backend where no GPU is present and the reference every
 //! GPU result is checked against. It has no fault injection of its own: wrap it
 //! in a [`FaultInjector`](super::FaultInjector) to delay, stall or fail jobs.
@@ -32,6 +36,7 @@ use super::descriptors::{CopyDesc, DescriptorTable, plan};
 use super::error::{BackendError, LayoutError};
 use super::host_buffer::HostBuffer;
 use super::layout::{TransferSpec, WorkerLayout};
+use super::numa::{NodeBoundThread, NodeCpus};
 
 /// Completion checks `wait` makes (spinning, yielding every 64) before it parks.
 const WAIT_SPINS: u32 = 1 << 14;
@@ -46,7 +51,7 @@ fn finished(state: u8) -> bool {
 }
 
 /// Tuning of the host backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostBackendOptions {
     /// Empty-queue checks a copy thread makes before it blocks (0: block at once).
     pub spin_checks: u32,
@@ -54,6 +59,10 @@ pub struct HostBackendOptions {
     /// claimed them yet (in FIFO order, never past a job that is being copied):
     /// the flush path then does not pay a thread hand-off.
     pub help_in_wait: bool,
+    /// The NUMA node the host pool was placed on, with its CPUs
+    /// ([`PoolPlacement::home`](super::numa::PoolPlacement::home)): the copy
+    /// threads run there. `None`: wherever the scheduler runs them.
+    pub home: Option<NodeCpus>,
 }
 
 impl Default for HostBackendOptions {
@@ -61,8 +70,18 @@ impl Default for HostBackendOptions {
         Self {
             spin_checks: 4096,
             help_in_wait: true,
+            home: None,
         }
     }
+}
+
+/// What a copy thread tells the backend when it starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CopyThreadStart {
+    /// Its kernel thread id.
+    tid: i32,
+    /// The home node's CPUs it runs on (0: not bound to the node).
+    pinned_cpus: usize,
 }
 
 /// One submitted job, shared with its copy thread.
@@ -107,6 +126,7 @@ pub struct HostBackend {
     _memory: Vec<Arc<HostBuffer>>,
     senders: [Option<Sender<Arc<HostJob>>>; 2],
     threads: [Option<JoinHandle<()>>; 2],
+    started: [Option<CopyThreadStart>; 2],
     queues: [VecDeque<Pending>; 2],
     ids: HashSet<JobId>,
     table: DescriptorTable,
@@ -172,26 +192,48 @@ impl HostBackend {
         let wake = Arc::new(WakeHook::default());
         let mut senders = [None, None];
         let mut threads = [None, None];
+        let mut started = [None, None];
         for dir in Direction::ALL {
             let (tx, rx) = mpsc::channel();
+            let (start_tx, start_rx) = mpsc::channel();
             let hook = wake.clone();
             let spin = options.spin_checks;
+            let home = options.home.clone();
             let handle = thread::Builder::new()
                 .name(format!("kvoffload-host-{dir}"))
-                .spawn(move || copy_thread(rx, hook, spin));
+                .spawn(move || {
+                    let bound = home.as_ref().and_then(|h| bind_copy_thread(dir, h));
+                    let _ = start_tx.send(CopyThreadStart {
+                        // SAFETY: gettid has no preconditions.
+                        tid: unsafe { libc::gettid() },
+                        pinned_cpus: bound.as_ref().map_or(0, NodeBoundThread::pinned_cpus),
+                    });
+                    copy_thread(rx, hook, spin);
+                    drop(bound);
+                });
             match handle {
                 Ok(h) => {
                     senders[dir.index()] = Some(tx);
                     threads[dir.index()] = Some(h);
+                    started[dir.index()] = start_rx.recv().ok();
                 }
                 Err(e) => tracing::error!(%dir, error = %e, "cannot spawn a host copy thread"),
             }
+        }
+        if let Some(home) = &options.home {
+            let pinned = started
+                .iter()
+                .flatten()
+                .filter(|s| s.pinned_cpus > 0)
+                .count();
+            tracing::debug!(node = %home.node, pinned, "host copy threads on the pool's node");
         }
         Self {
             layout,
             _memory: memory,
             senders,
             threads,
+            started,
             queues: [VecDeque::new(), VecDeque::new()],
             ids: HashSet::new(),
             table: DescriptorTable::default(),
@@ -203,6 +245,17 @@ impl HostBackend {
     /// The layout this backend copies with.
     pub fn layout(&self) -> &WorkerLayout {
         &self.layout
+    }
+
+    /// Copy threads running on the home node's CPUs
+    /// ([`HostBackendOptions::home`]): 2 where the pool was placed and the
+    /// threads could be bound there, 0 otherwise.
+    pub fn copy_threads_on_home_node(&self) -> usize {
+        self.started
+            .iter()
+            .flatten()
+            .filter(|s| s.pinned_cpus > 0)
+            .count()
     }
 
     fn send(&self, dir: Direction, job: Arc<HostJob>) -> Result<(), BackendError> {
@@ -389,6 +442,19 @@ impl Drop for HostBackend {
     }
 }
 
+/// Binds the calling copy thread to the pool's node; `None` (logged) where
+/// the system refuses.
+fn bind_copy_thread(dir: Direction, home: &NodeCpus) -> Option<NodeBoundThread> {
+    match NodeBoundThread::enter(home.node, &home.cpus) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            tracing::warn!(%dir, node = %home.node, error = %e,
+                "cannot run a host copy thread on the pool's node: it runs anywhere");
+            None
+        }
+    }
+}
+
 /// Receives the next job, spinning `spin` checks before blocking; None when the
 /// backend is gone.
 fn next_job(rx: &Receiver<Arc<HostJob>>, spin: u32) -> Option<Arc<HostJob>> {
@@ -462,5 +528,108 @@ fn wait_finished(job: &HostJob) {
         } else {
             std::hint::spin_loop();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::numa::{NumaNode, SysfsTopology};
+    use crate::worker::{GpuLayout, HostRowLayout};
+
+    const PAGE: u64 = 64;
+
+    fn backend(home: Option<NodeCpus>) -> (HostBackend, Arc<HostBuffer>, Arc<HostBuffer>) {
+        let gpu = Arc::new(HostBuffer::new(16 * PAGE as usize).unwrap());
+        let row = HostRowLayout::uniform(1, 1, &[PAGE]).unwrap();
+        let pool = Arc::new(HostBuffer::new(row.pool_bytes(8).unwrap() as usize).unwrap());
+        let layout = WorkerLayout::new(
+            GpuLayout::cross_layer(gpu.addr(), 16, PAGE, PAGE).unwrap(),
+            row,
+            0,
+            pool.addr(),
+            8,
+        )
+        .unwrap();
+        let options = HostBackendOptions {
+            home,
+            ..HostBackendOptions::default()
+        };
+        let b = HostBackend::new(layout, vec![gpu.clone(), pool.clone()], options).unwrap();
+        (b, gpu, pool)
+    }
+
+    /// A store of block 1 into chunk 2 and a load of it back into block 3.
+    fn round_trip(b: &mut HostBackend, gpu: &HostBuffer) {
+        // SAFETY: no job is in flight.
+        unsafe { gpu.write(PAGE as usize, &[9u8; PAGE as usize]) };
+        b.submit_store(JobId(1), &TransferSpec::new(&[1], 0, &[2]))
+            .unwrap();
+        b.wait(&[JobId(1)], Some(Duration::from_secs(30))).unwrap();
+        b.submit_load(JobId(2), &TransferSpec::new(&[3], 0, &[2]))
+            .unwrap();
+        b.wait(&[JobId(2)], Some(Duration::from_secs(30))).unwrap();
+        let mut out = Vec::new();
+        b.poll(&mut out);
+        assert!(out.iter().all(|r| r.success) && out.len() == 2, "{out:?}");
+        // SAFETY: both jobs completed.
+        let back = unsafe { gpu.read(3 * PAGE as usize, PAGE as usize) };
+        assert_eq!(back, vec![9u8; PAGE as usize]);
+    }
+
+    /// The CPUs the kernel lets thread `tid` of this process run on.
+    fn cpus_allowed(tid: i32) -> Vec<usize> {
+        let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap();
+        let line = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap();
+        crate::worker::numa::parse_list(line.trim())
+            .unwrap()
+            .into_iter()
+            .map(|c| c as usize)
+            .collect()
+    }
+
+    #[test]
+    fn copy_threads_run_on_the_home_node_s_cpus_and_copy() {
+        let topo = SysfsTopology::system();
+        let node = topo.online_nodes().unwrap()[0];
+        // One CPU of the node, so that the binding is visible on a machine
+        // whose process may run on all of them.
+        let cpu = topo.node_cpus(node).unwrap()[0];
+        let (mut b, gpu, _pool) = backend(Some(NodeCpus {
+            node,
+            cpus: vec![cpu],
+        }));
+        assert_eq!(b.copy_threads_on_home_node(), 2);
+        for s in b.started.iter().flatten() {
+            assert_eq!(s.pinned_cpus, 1);
+            assert_eq!(cpus_allowed(s.tid), vec![cpu], "thread {}", s.tid);
+        }
+        round_trip(&mut b, &gpu);
+    }
+
+    #[test]
+    fn without_a_home_the_copy_threads_keep_the_process_s_cpus() {
+        // SAFETY: gettid has no preconditions.
+        let mine = cpus_allowed(unsafe { libc::gettid() });
+        let (mut b, gpu, _pool) = backend(None);
+        assert_eq!(b.copy_threads_on_home_node(), 0);
+        for s in b.started.iter().flatten() {
+            assert_eq!(cpus_allowed(s.tid), mine);
+        }
+        round_trip(&mut b, &gpu);
+    }
+
+    #[test]
+    fn a_home_the_system_refuses_leaves_the_threads_unbound_and_copying() {
+        // No machine has node 1023 online: set_mempolicy refuses it.
+        let (mut b, gpu, _pool) = backend(Some(NodeCpus {
+            node: NumaNode(1023),
+            cpus: vec![0],
+        }));
+        assert_eq!(b.copy_threads_on_home_node(), 0);
+        round_trip(&mut b, &gpu);
     }
 }

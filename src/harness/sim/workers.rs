@@ -206,6 +206,8 @@ pub struct WorkerPool {
     rxs: Vec<Receiver<Reply>>,
     handles: Vec<JoinHandle<()>>,
     placement: Option<PoolPlacement>,
+    /// Host copy threads started, and those running on the pool's node.
+    copy_threads: (usize, usize),
 }
 
 impl std::fmt::Debug for Reply {
@@ -222,6 +224,7 @@ impl WorkerPool {
             rxs: Vec::new(),
             handles: Vec::new(),
             placement: None,
+            copy_threads: (0, 0),
         }
     }
 
@@ -315,7 +318,9 @@ impl WorkerPool {
         let guard = numa::enter(geometry.numa, &PoolNear::NoGpu, &SysfsTopology::system())?;
         let pool = Arc::new(HostBuffer::new(pool_bytes as usize)?);
         let mut me = Self::empty();
-        me.placement = Some(guard.finish(pool.addr() as usize, pool.len()));
+        let placement = guard.finish(pool.addr() as usize, pool.len());
+        let home = placement.home();
+        me.placement = Some(placement);
         for rank in 0..world {
             let gpu = Arc::new(HostBuffer::new(
                 (u64::from(gpu_blocks) * block_bytes) as usize,
@@ -330,8 +335,13 @@ impl WorkerPool {
             let backend = HostBackend::new(
                 layout,
                 vec![Arc::clone(&gpu), Arc::clone(&pool)],
-                HostBackendOptions::default(),
+                HostBackendOptions {
+                    home: home.clone(),
+                    ..HostBackendOptions::default()
+                },
             )?;
+            me.copy_threads.0 += 2;
+            me.copy_threads.1 += backend.copy_threads_on_home_node();
             let remote = remote.clone();
             let checker = ContentChecker::new(
                 Box::new(HostGpuMemory::new(Arc::clone(&gpu))),
@@ -351,6 +361,29 @@ impl WorkerPool {
     /// Where the host pool was placed (its NUMA node), once allocated.
     pub fn host_placement(&self) -> Option<&PoolPlacement> {
         self.placement.as_ref()
+    }
+
+    /// The placement as one line: where the pool was placed and its pages
+    /// are, and, where it was placed and host copy threads copy to it, how
+    /// many of them run on its node's CPUs.
+    pub fn host_placement_line(&self) -> Option<String> {
+        let p = self.placement.as_ref()?;
+        let (threads, on_node) = self.copy_threads;
+        Some(match p.node {
+            Some(_) if threads > 0 => {
+                format!("{p}; host copy threads on its CPUs: {on_node} of {threads}")
+            }
+            _ => p.to_string(),
+        })
+    }
+
+    /// The placement as gauges (one pool).
+    pub fn placement_metrics(&self) -> crate::metrics::PlacementMetrics {
+        let mut m = crate::metrics::PlacementMetrics::default();
+        if let Some(p) = &self.placement {
+            m.add_pool(p, self.copy_threads.1);
+        }
+        m
     }
 
     /// Where the host pool was placed, kept (the CUDA pool sets it).

@@ -15,7 +15,9 @@
 //!   [`PciAddress`], [`PoolNear`]) and binds the calling thread to it (a preferred memory
 //!   policy and that node's CPUs) while the pool is allocated;
 //!   [`PlacementGuard::finish`] restores the thread and reports where the
-//!   pool's pages went ([`PoolPlacement`], sampled with `move_pages`).
+//!   pool's pages went ([`PoolPlacement`], sampled with `move_pages`);
+//! - [`PoolPlacement::home`] names the node and its CPUs, where the threads
+//!   that copy to and from the pool run (the host backend's copy threads).
 //!
 //! The binding prefers the node rather than requiring it: a node out of
 //! memory gives pages of another node (counted in the report) instead of a
@@ -48,6 +50,16 @@ impl fmt::Display for NumaNode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "node {}", self.0)
     }
+}
+
+/// A NUMA node with its CPUs: where a thread that works on a placed pool
+/// runs ([`NodeBoundThread::enter`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeCpus {
+    /// The node.
+    pub node: NumaNode,
+    /// Its CPUs (empty: unknown, the thread keeps the CPUs it has).
+    pub cpus: Vec<usize>,
 }
 
 /// Where a worker's host pool goes.

@@ -4,8 +4,8 @@
 use std::fmt;
 
 use super::{
-    HostPlacement, NodeBoundThread, NumaError, NumaNode, PageNodes, PciAddress, SysfsTopology,
-    sample_page_nodes,
+    HostPlacement, NodeBoundThread, NodeCpus, NumaError, NumaNode, PageNodes, PciAddress,
+    SysfsTopology, sample_page_nodes,
 };
 
 /// Pages a report samples (a 64 GiB pool: one page every 16 MiB).
@@ -33,6 +33,8 @@ pub struct PoolPlacement {
     pub reason: String,
     /// Where a sample of the pool's pages is.
     pub pages: PageNodes,
+    /// The node's CPUs (empty: not placed, or the node's CPUs are unknown).
+    pub cpus: Vec<usize>,
 }
 
 impl PoolPlacement {
@@ -40,6 +42,15 @@ impl PoolPlacement {
     /// ran out of memory, or the pages were there before the placement).
     pub fn pages_elsewhere(&self) -> usize {
         self.node.map_or(0, |n| self.pages.elsewhere(n))
+    }
+
+    /// The pool's node and its CPUs, where the threads that copy to and
+    /// from the pool belong; `None` where the pool was not placed.
+    pub fn home(&self) -> Option<NodeCpus> {
+        self.node.map(|node| NodeCpus {
+            node,
+            cpus: self.cpus.clone(),
+        })
     }
 }
 
@@ -82,6 +93,7 @@ pub struct PlacementGuard {
     asked: HostPlacement,
     node: Option<NumaNode>,
     reason: String,
+    cpus: Vec<usize>,
     bound: Option<NodeBoundThread>,
 }
 
@@ -91,6 +103,7 @@ impl PlacementGuard {
             asked,
             node: None,
             reason: reason.into(),
+            cpus: Vec::new(),
             bound: None,
         }
     }
@@ -110,6 +123,7 @@ impl PlacementGuard {
             node: self.node,
             reason: std::mem::take(&mut self.reason),
             pages: sample_page_nodes(addr, len, SAMPLED_PAGES),
+            cpus: std::mem::take(&mut self.cpus),
         };
         if p.pages_elsewhere() > 0 {
             tracing::warn!(placement = %p, "host pool: some pages are not on its node");
@@ -145,6 +159,7 @@ pub fn enter(
                 asked,
                 node: Some(node),
                 reason: "asked for".to_string(),
+                cpus,
                 bound: Some(bound),
             })
         }
@@ -196,6 +211,7 @@ fn auto(near: &PoolNear, topo: &SysfsTopology) -> PlacementGuard {
             asked,
             node: Some(node),
             reason: format!("GPU {device} is on {node}"),
+            cpus,
             bound: Some(bound),
         },
         Err(e) => PlacementGuard::unplaced(asked, format!("GPU {device} is on {node}, but {e}")),

@@ -312,10 +312,7 @@ impl Sim {
             world_size: cfg.world_size,
             backend: opts.backend.name().into(),
             replicated: opts.replicated,
-            host_placement: pool
-                .host_placement()
-                .map(|p| p.to_string())
-                .unwrap_or_default(),
+            host_placement: pool.host_placement_line().unwrap_or_default(),
             content: ContentCounts {
                 enabled: opts.content_check,
                 lines_per_block: if opts.content_check {
@@ -328,6 +325,7 @@ impl Sim {
             ..SimSummary::default()
         };
         let world = pool.world_size() as usize;
+        let placement = pool.placement_metrics();
         Ok(Self {
             gpu: GpuPool::new(opts.gpu_blocks),
             cfg,
@@ -339,7 +337,10 @@ impl Sim {
             faults,
             rec: Recorder::off(),
             metrics_out: None,
-            metrics: OffloadMetrics::default(),
+            metrics: OffloadMetrics {
+                placement,
+                ..OffloadMetrics::default()
+            },
             reqs: BTreeMap::new(),
             running: Vec::new(),
             waiting: VecDeque::new(),
