@@ -87,6 +87,12 @@ cp "$NOTES/s50000/connector_index.jsonl" "$WIDE/c/seed50000/index.jsonl"
     --gaps-out "$WIDE/a/seed83000" --notes-out "$NOTES/s83000" \
     --count 1000 --start-seed 83000 --world-sizes 1,2,3,4,8 --arc-fraction 0.5
 cp "$NOTES/s83000/connector_index.jsonl" "$WIDE/c/seed83000/index.jsonl"
+# Widened 2026-12-08: 500 engine-loop traces of new seeds (with the 48 their
+# seeds set aside).
+"$PY" "$ORACLE/vllm_connector_recorder.py" corpus --out "$WIDE/c/seed97000" \
+    --gaps-out "$WIDE/a/seed97000" --notes-out "$NOTES/s97000" \
+    --count 500 --start-seed 97000 --world-sizes 1,2,3,4,8 --arc-fraction 0.5
+cp "$NOTES/s97000/connector_index.jsonl" "$WIDE/c/seed97000/index.jsonl"
 if [ $CHECK = 1 ]; then
     # Unpacked and compared below (gzip's bytes may differ between versions).
     mkdir -p "$OUT/wide"
@@ -99,7 +105,7 @@ else
     for t in seed4404_t2_k5 seed4404_t3_k64000; do
         "$ROOT/scripts/pack-corpus.sh" "$WIDE/t/$t" "$OUT/manager_threshold/$t.tar.gz"
     done
-    for c in seed50000 seed83000; do
+    for c in seed50000 seed83000 seed97000; do
         "$ROOT/scripts/pack-corpus.sh" "$WIDE/c/$c" "$OUT/connector/$c.tar.gz"
         "$ROOT/scripts/pack-corpus.sh" "$WIDE/a/$c" "$OUT/connector_amended/$c.tar.gz"
     done
@@ -134,7 +140,7 @@ if [ $CHECK = 1 ]; then
     mkdir -p "$PACKED/m" "$PACKED/t" "$PACKED/c" "$PACKED/a"
     for m in seed4404 seed818001; do tar -xzf "$C/manager/$m.tar.gz" -C "$PACKED/m"; done
     for t in seed4404_t2_k5 seed4404_t3_k64000; do tar -xzf "$C/manager_threshold/$t.tar.gz" -C "$PACKED/t"; done
-    for c in seed50000 seed83000; do
+    for c in seed50000 seed83000 seed97000; do
         tar -xzf "$C/connector/$c.tar.gz" -C "$PACKED/c"
         tar -xzf "$C/connector_amended/$c.tar.gz" -C "$PACKED/a"
     done
