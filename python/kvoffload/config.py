@@ -40,7 +40,7 @@ KEYS: dict[str, str] = {
     "sync_load_budget_bytes": "KV bytes per worker a step may load synchronously: a hit that fits is loaded inside the step and its request runs at once (vLLM's key, default 0: every load asynchronous)",
     "canonical_layout": "vLLM's key (default false): a parallelism-free host page layout; with vLLM's CPU spec it changes who keeps one copy of replicated MLA KV (vLLM's replicated_layout rule for canonical pages) and lets every worker write its stores",
     "replicated_writes": '"turns" (kvoffload; default) or "vllm": who copies the stores of KV replicated on every worker into the one host region they share: "turns", the workers by turns of host chunk (each chunk once, its traffic spread over every GPU\'s link); "vllm", vLLM\'s writers (rank 0 alone, or every rank with canonical_layout)',
-    "host_numa_node": '"auto" (kvoffload; default), "off", or a NUMA node number: where each worker\'s host pool goes. "auto": the node of the worker\'s GPU where the machine has several nodes and the GPU names one (elsewhere, and on CPU KV caches, wherever the kernel puts it); "off": wherever the kernel puts it, as vLLM; a number: that node (an error where it is not online or the system refuses the binding)',
+    "host_numa_node": '"auto" (kvoffload; default), "off", or a NUMA node number: where each worker\'s host pool goes. "auto": where the machine has several nodes, the node of the worker\'s GPU (where the GPU names one), or with CPU KV caches the node holding most of their pages (elsewhere wherever the kernel puts it); "off": wherever the kernel puts it, as vLLM; a number: that node (an error where it is not online or the system refuses the binding)',
     "remote_tier": "a Redis (or Redis Cluster) store shared across nodes, as a dict (or its JSON) of the remote tier's keys (docs/remote-tier.md: url, cluster, username, password, tls_ca_file, timeouts, write, ...) plus 'deployment', a text kept in the namespace (kvoffload; default: no remote tier)",
 }
 
@@ -227,8 +227,9 @@ class EngineConfig:
     #: ``"vllm"``, vLLM's writers (rank 0, or every rank with
     #: ``canonical_layout``).
     replicated_writes: str = "turns"
-    #: Where each worker's host pool goes: ``"auto"`` (its GPU's NUMA node
-    #: where there are several), ``"off"``, or a node number (as text).
+    #: Where each worker's host pool goes: ``"auto"`` (its GPU's NUMA node,
+    #: or its CPU KV caches', where there are several), ``"off"``, or a node
+    #: number (as text).
     host_numa_node: str = "auto"
     #: With ``canonical_layout`` and a remote tier over a layout whose heads
     #: tensor parallelism shards (vLLM's parallelism-agnostic layouts): the

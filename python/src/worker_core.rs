@@ -209,10 +209,15 @@ impl WorkerCore {
             .slot(0)
             .cloned()
             .ok_or_else(|| value_error("no worker slot"))?;
-        // The host backend has no GPU to be near: `auto` leaves the pool
-        // where the kernel puts it; a node asked for is applied.
-        let guard =
-            numa::enter(asked, &PoolNear::NoGpu, &SysfsTopology::system()).map_err(value_error)?;
+        // KV caches in host memory (CPU inference): `auto` places the pool
+        // on the node holding most of their pages; a node asked for is
+        // applied.
+        let caches: Vec<(usize, usize)> = (0..gpu.regions().len())
+            .filter_map(|i| gpu.region_range(i))
+            .map(|(start, end)| (start as usize, (end - start) as usize))
+            .collect();
+        let near = PoolNear::HostCaches(numa::sample_ranges_nodes(&caches, 1024));
+        let guard = numa::enter(asked, &near, &SysfsTopology::system()).map_err(value_error)?;
         let (pool, pool_addr) = match shared_region {
             Some(path) => {
                 let r = Arc::new(open_shared(&path, len)?);

@@ -35,7 +35,7 @@ use std::str::FromStr;
 
 use thiserror::Error;
 
-pub use pages::{PageNodes, sample_page_nodes};
+pub use pages::{PageNodes, sample_page_nodes, sample_ranges_nodes};
 pub use pci::PciAddress;
 pub use placement::{PlacementGuard, PoolNear, PoolPlacement, enter};
 pub use thread_policy::{NodeBoundThread, preferred_node_of_thread};

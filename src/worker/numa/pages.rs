@@ -34,6 +34,28 @@ impl PageNodes {
             .map(|(_, c)| c)
             .sum()
     }
+
+    /// The node holding the most sampled pages (the lowest-numbered of a
+    /// tie), with their count; `None` where no sampled page is present.
+    pub fn most(&self) -> Option<(NumaNode, usize)> {
+        self.by_node
+            .iter()
+            .filter(|(_, c)| **c > 0)
+            .fold(None, |best, (n, c)| match best {
+                Some((_, b)) if b >= *c => best,
+                _ => Some((*n, *c)),
+            })
+    }
+
+    /// Adds another sample's counts (of another range).
+    pub fn add(&mut self, other: &PageNodes) {
+        self.sampled += other.sampled;
+        for (n, c) in &other.by_node {
+            *self.by_node.entry(*n).or_insert(0) += c;
+        }
+        self.absent += other.absent;
+        self.unknown += other.unknown;
+    }
 }
 
 impl fmt::Display for PageNodes {
@@ -104,6 +126,22 @@ pub fn sample_page_nodes(addr: usize, len: usize, max_samples: usize) -> PageNod
     out
 }
 
+/// The nodes of up to `max_samples` pages spread over `ranges`
+/// (`(address, bytes)`), each range sampled in proportion to its size (at
+/// least one page each).
+pub fn sample_ranges_nodes(ranges: &[(usize, usize)], max_samples: usize) -> PageNodes {
+    let total: usize = ranges.iter().map(|r| r.1).sum();
+    let mut out = PageNodes::default();
+    for &(addr, len) in ranges {
+        let share = (max_samples as u128 * len as u128)
+            .checked_div(total as u128)
+            .unwrap_or(0);
+        let n = usize::try_from(share).unwrap_or(max_samples).max(1);
+        out.add(&sample_page_nodes(addr, len, n));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -153,6 +191,37 @@ mod tests {
         // Sampling spreads over the range: 8 samples, 4 in each half.
         let few = sample_page_nodes(m.0 as usize, 64 * ps, 8);
         assert_eq!((few.sampled, few.absent), (8, 4), "{few}");
+    }
+
+    #[test]
+    fn most_names_the_node_of_the_most_pages_and_ranges_add_up() {
+        let mut p = PageNodes {
+            sampled: 10,
+            by_node: [(NumaNode(0), 3), (NumaNode(1), 6), (NumaNode(2), 0)].into(),
+            absent: 1,
+            unknown: 0,
+        };
+        assert_eq!(p.most(), Some((NumaNode(1), 6)));
+        p.by_node.insert(NumaNode(0), 6);
+        assert_eq!(p.most(), Some((NumaNode(0), 6)), "a tie: the lower node");
+        assert_eq!(PageNodes::default().most(), None);
+        let absent = PageNodes {
+            sampled: 4,
+            absent: 4,
+            ..PageNodes::default()
+        };
+        assert_eq!(absent.most(), None, "no page present");
+        let ps = page_size();
+        let (a, b) = (Anon::new(8 * ps), Anon::new(24 * ps));
+        for i in 0..24 {
+            // SAFETY: inside the mapping.
+            unsafe { *(b.0 as *mut u8).add(i * ps) = 1 };
+        }
+        let both = sample_ranges_nodes(&[(a.0 as usize, 8 * ps), (b.0 as usize, 24 * ps)], 16);
+        // 4 samples of the first range (untouched), 12 of the second.
+        assert_eq!((both.sampled, both.absent), (16, 4), "{both}");
+        assert_eq!(both.by_node.values().sum::<usize>(), 12, "{both}");
+        assert_eq!(sample_ranges_nodes(&[], 16), PageNodes::default());
     }
 
     #[test]

@@ -20,6 +20,10 @@ pub enum PoolNear {
     Gpu(PciAddress),
     /// A GPU whose PCI address the driver did not give (why).
     UnknownGpu(String),
+    /// KV caches in host memory (the host backend under CPU inference):
+    /// where a sample of their pages is. `auto` places the pool on the node
+    /// holding most of them, so that both sides of every copy are local.
+    HostCaches(PageNodes),
 }
 
 /// Where a pool was placed, why, and where its pages went.
@@ -167,59 +171,80 @@ pub fn enter(
     }
 }
 
-/// `auto`: the GPU's node, or the reason there is none.
+/// The nodes online where there are several, or why placing is moot.
+fn several_nodes(topo: &SysfsTopology) -> Result<Vec<NumaNode>, String> {
+    match topo.online_nodes() {
+        Ok(o) if o.len() <= 1 => Err("one NUMA node online".to_string()),
+        Ok(o) => Ok(o),
+        Err(e) => Err(format!("NUMA nodes unknown: {e}")),
+    }
+}
+
+/// `auto`: the node of what the pool copies with (its GPU, or KV caches in
+/// host memory), or the reason there is none.
 fn auto(near: &PoolNear, topo: &SysfsTopology) -> PlacementGuard {
     let asked = HostPlacement::Auto;
-    let device = match near {
-        PoolNear::Gpu(d) => d,
-        PoolNear::NoGpu => return PlacementGuard::unplaced(asked, "no GPU to place it near"),
+    let unplaced = |why: String| PlacementGuard::unplaced(asked, why);
+    let (node, why) = match near {
+        PoolNear::NoGpu => return unplaced("no GPU to place it near".to_string()),
         PoolNear::UnknownGpu(why) => {
-            return PlacementGuard::unplaced(
-                asked,
-                format!("the GPU's PCI address is unknown: {why}"),
-            );
+            return unplaced(format!("the GPU's PCI address is unknown: {why}"));
         }
-    };
-    let online = match topo.online_nodes() {
-        Ok(o) => o,
-        Err(e) => return PlacementGuard::unplaced(asked, format!("NUMA nodes unknown: {e}")),
-    };
-    if online.len() <= 1 {
-        return PlacementGuard::unplaced(asked, "one NUMA node online");
-    }
-    let node = match topo.device_node(device) {
-        Ok(Some(n)) if online.contains(&n) => n,
-        Ok(Some(n)) => {
-            return PlacementGuard::unplaced(asked, format!("GPU {device} names {n}, not online"));
+        PoolNear::Gpu(device) => {
+            let online = match several_nodes(topo) {
+                Ok(o) => o,
+                Err(why) => return unplaced(why),
+            };
+            match topo.device_node(device) {
+                Ok(Some(n)) if online.contains(&n) => (n, format!("GPU {device} is on {n}")),
+                Ok(Some(n)) => return unplaced(format!("GPU {device} names {n}, not online")),
+                Ok(None) => return unplaced(format!("GPU {device} names no NUMA node")),
+                Err(e) => {
+                    return unplaced(format!("the NUMA node of GPU {device} is unknown: {e}"));
+                }
+            }
         }
-        Ok(None) => {
-            return PlacementGuard::unplaced(asked, format!("GPU {device} names no NUMA node"));
-        }
-        Err(e) => {
-            return PlacementGuard::unplaced(
-                asked,
-                format!("the NUMA node of GPU {device} is unknown: {e}"),
-            );
+        PoolNear::HostCaches(pages) => {
+            let online = match several_nodes(topo) {
+                Ok(o) => o,
+                Err(why) => return unplaced(why),
+            };
+            match pages.most() {
+                Some((n, k)) if online.contains(&n) => (
+                    n,
+                    format!(
+                        "the KV caches are on {n}: {k} of {} sampled pages",
+                        pages.sampled
+                    ),
+                ),
+                Some((n, _)) => return unplaced(format!("the KV caches are on {n}, not online")),
+                None => {
+                    return unplaced(format!(
+                        "no page of the KV caches is in memory yet ({pages})"
+                    ));
+                }
+            }
         }
     };
     let cpus = topo.node_cpus(node).unwrap_or_else(|e| {
-        tracing::warn!(error = %e, "the CPUs of the GPU's NUMA node are unknown: not pinning them");
+        tracing::warn!(error = %e, "the CPUs of the pool's NUMA node are unknown: not pinning them");
         Vec::new()
     });
     match NodeBoundThread::enter(node, &cpus) {
         Ok(bound) => PlacementGuard {
             asked,
             node: Some(node),
-            reason: format!("GPU {device} is on {node}"),
+            reason: why,
             cpus,
             bound: Some(bound),
         },
-        Err(e) => PlacementGuard::unplaced(asked, format!("GPU {device} is on {node}, but {e}")),
+        Err(e) => PlacementGuard::unplaced(asked, format!("{why}, but {e}")),
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::sample_ranges_nodes;
     use super::super::thread_policy::preferred_node_of_thread;
     use super::super::topology::tests::fake_sysfs;
     use super::*;
@@ -295,6 +320,86 @@ mod tests {
                 ),
                 "{off}"
             );
+        });
+    }
+
+    #[test]
+    fn auto_places_the_pool_on_the_node_of_kv_caches_in_host_memory() {
+        on_own_thread(|| {
+            let (n, cpus) = real_node0();
+            let other = n.0 + 1;
+            let sys = fake_sysfs(
+                &format!("{},{other}", n.0),
+                &[(n.0, &cpus), (other, "")],
+                &[],
+            );
+            // The KV caches, written (their pages in memory, on this node).
+            let caches = HostBuffer::new(4 << 20).unwrap();
+            // SAFETY: nothing else uses the buffer.
+            unsafe { caches.write(0, &vec![1u8; 4 << 20]) };
+            let pages = sample_ranges_nodes(&[(caches.addr() as usize, caches.len())], 64);
+            let g = enter(
+                HostPlacement::Auto,
+                &PoolNear::HostCaches(pages),
+                &SysfsTopology::at(sys.path()),
+            )
+            .unwrap();
+            assert_eq!(g.node(), Some(n));
+            assert_eq!(preferred_node_of_thread().unwrap(), Some(n));
+            let pool = HostBuffer::new(1 << 20).unwrap();
+            let p = g.finish(pool.addr() as usize, pool.len());
+            assert_eq!(
+                p.reason,
+                format!("the KV caches are on {n}: 64 of 64 sampled pages")
+            );
+            assert_eq!(p.pages.on(n), p.pages.sampled, "{p}");
+            assert_eq!(p.home().map(|h| h.node), Some(n));
+            assert!(!p.cpus.is_empty());
+        });
+    }
+
+    #[test]
+    fn auto_near_kv_caches_says_why_it_does_not_place() {
+        on_own_thread(|| {
+            let (n, _) = real_node0();
+            let on = |node: u32, k: usize| PageNodes {
+                sampled: k,
+                by_node: [(NumaNode(node), k)].into(),
+                ..PageNodes::default()
+            };
+            let absent = PageNodes {
+                sampled: 8,
+                absent: 8,
+                ..PageNodes::default()
+            };
+            let two = format!("{},{}", n.0, n.0 + 1);
+            let absent_why = format!("no page of the KV caches is in memory yet ({absent})");
+            let cases = [
+                (
+                    n.0.to_string(),
+                    on(n.0, 8),
+                    "one NUMA node online".to_string(),
+                ),
+                (two.clone(), absent, absent_why),
+                (
+                    two,
+                    on(9, 8),
+                    "the KV caches are on node 9, not online".to_string(),
+                ),
+            ];
+            for (online, pages, why) in cases {
+                let sys = fake_sysfs(&online, &[], &[]);
+                let g = enter(
+                    HostPlacement::Auto,
+                    &PoolNear::HostCaches(pages),
+                    &SysfsTopology::at(sys.path()),
+                )
+                .unwrap();
+                assert_eq!(g.node(), None, "{why}");
+                let p = g.finish(0, 0);
+                assert_eq!(p.reason, why);
+                assert!(p.home().is_none());
+            }
         });
     }
 
